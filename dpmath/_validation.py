@@ -1,0 +1,43 @@
+"""Argument checks shared by the public functions of :mod:`dpmath`.
+
+Every check raises :class:`ValueError` naming the argument and the allowed range, so that a
+caller sees *which* input was wrong rather than a NaN three calls later.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def positive_int(value: object, name: str) -> int:
+    """Return ``value`` as an ``int`` if it is an integer >= 1, else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, float) and value.is_integer() and value >= 1:
+            return int(value)
+        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
+    return int(value)
+
+
+def real_array(value: object, name: str, *, allow_inf: bool = True) -> np.ndarray:
+    """Return ``value`` as a float64 array; NaN (and, optionally, infinities) raise ValueError."""
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be real numbers, got {value!r}") from exc
+    if np.isnan(arr).any():
+        raise ValueError(f"{name} must not contain NaN")
+    if not allow_inf and np.isinf(arr).any():
+        raise ValueError(f"{name} must be finite")
+    return arr
+
+
+def probability_array(value: object, name: str) -> np.ndarray:
+    """Return ``value`` as a float64 array with every entry in [0, 1], else raise ValueError."""
+    arr = real_array(value, name)
+    if ((arr < 0) | (arr > 1)).any():
+        raise ValueError(f"{name} must lie in [0, 1]")
+    return arr
