@@ -83,8 +83,11 @@ def _gamma_logpdf(w: np.ndarray, shape: np.ndarray, scale: np.ndarray) -> np.nda
     w, shape, scale = np.broadcast_arrays(w, shape, scale)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = w / scale
-        u = z / shape - 1.0
-        out = (-shape * (u - np.log1p(u)) + 0.5 * np.log(shape) - 0.5 * np.log(2.0 * np.pi)
+        t = z / shape
+        u = t - 1.0
+        # u - log1p(u) near t = 1; t - 1 - log(t) elsewhere (1 + u rounds to 0 when t < 1e-16)
+        dev = np.where(np.abs(u) < 0.5, u - np.log1p(u), u - np.log(t))
+        out = (-shape * dev + 0.5 * np.log(shape) - 0.5 * np.log(2.0 * np.pi)
                - _stirling_tail(shape) - np.log(z) - np.log(scale))
     return np.where(w > 0, out, -np.inf)
 
@@ -275,6 +278,11 @@ def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str) -> np.ndar
     if w.size > 2:
         out = _ruben(x, w, nu, kind)
         if out is not None:
+            # the discarded coefficient mass (< 1e-17) bounds the sf error only absolutely: in the
+            # right tail integrate out the heaviest block instead, which keeps relative accuracy
+            tail = (kind == "sf") & (out < 1e-9)
+            if np.any(tail):
+                out[tail] = _split_heaviest(x[tail], w, nu, kind)
             return out
     return _split_heaviest(x, w, nu, kind)
 
@@ -472,7 +480,7 @@ def _mp_evaluate(xs: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, preci
     if isinstance(precision, bool) or not isinstance(precision, int) or precision < 15:
         raise ValueError(f"precision must be an integer number of digits >= 15, got {precision!r}")
     out = np.empty(xs.shape, dtype=object)
-    with mpmath.workdps(precision):
+    with mpmath.workdps(precision + 10):  # guard digits: Ruben's stopping rule needs 1 - sum(c) < 10^-precision
         ws = [mpmath.mpf(float(v)) for v in w]
         nus = [mpmath.mpf(float(v)) for v in nu]
         for idx, xv in np.ndenumerate(xs):
@@ -492,13 +500,30 @@ def _mp_point(x, ws, nus, kind: str, precision: int):
         if kind == "sf":
             return mpmath.gammainc(a, z, mpmath.inf, regularized=True)
         return _mp_gamma_pdf(x, a, 2 * ws[0])
-    series = _mp_ruben(x, ws, nus, kind, precision)
-    if series is not None:
-        return series
-    if len(ws) != 2:
-        raise ValueError("precision=: mixtures of three or more widely spread weights are not supported "
-                         "by the mpmath path (Ruben's series would exceed 200000 terms)")
-    return _mp_quad_two_block(x, ws, nus, kind)
+    if len(ws) == 2:
+        # Ruben's coefficients are one negative binomial law; when it is long, quadrature is faster
+        r, ratio = nus[1] / 2, ws[1] / ws[0]
+        mean = r * (ratio - 1)
+        if mean + 20 * mpmath.sqrt(mean * ratio) + 50 > 5000:
+            return _mp_quad_two_block(x, ws, nus, kind)
+    digits = precision
+    while True:
+        with mpmath.workdps(digits + 10):
+            series = _mp_ruben(x, ws, nus, kind, digits)
+        if series is None:
+            if len(ws) == 2:
+                return _mp_quad_two_block(x, ws, nus, kind)
+            raise ValueError("precision=: mixtures of three or more widely spread weights are not supported "
+                             "by the mpmath path (Ruben's series would exceed 4000 terms)")
+        # the series drops a coefficient mass below 10^-digits: fine for cdf and pdf (their terms
+        # shrink along the series) but only an absolute bound for sf, so a tiny sf needs more digits
+        if kind != "sf" or series > mpmath.mpf(10) ** (-digits + 12):
+            return series
+        if len(ws) == 2:
+            return _mp_quad_two_block(x, ws, nus, kind)
+        digits *= 2
+        if digits > 2000:
+            raise ValueError("precision=: sf below 1e-2000 is out of reach of the mpmath path")
 
 
 def _mp_gamma_pdf(x, a, s):
@@ -510,7 +535,7 @@ def _mp_ruben(x, ws, nus, kind: str, precision: int):
     beta = ws[0]
     qs = [1 - beta / w for w in ws]
     n_total = mpmath.fsum(nus)
-    tail = mpmath.mpf(10) ** (-(precision + 3))
+    tail = mpmath.mpf(10) ** (-precision)
     c = [mpmath.exp(mpmath.fsum(nu / 2 * mpmath.log(beta / w) for w, nu in zip(ws, nus)))]
     two = len(ws) == 2
     cap = 200000 if two else 4000
