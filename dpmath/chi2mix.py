@@ -18,8 +18,10 @@ so the number of *distinct* weights, the number of blocks, decides the method:
   the left tail, where a fixed-node rule or Imhof's inversion would return only absolute accuracy;
 * **three or more blocks**: Ruben's (1962) series, a mixture of central chi-square laws with
   non-negative coefficients, truncated with an explicit bound on the discarded mass.  When the weights
-  are so spread that the series would need more than ``_RUBEN_MAX_TERMS`` terms, the heaviest block is
-  integrated out with the panel quadrature above and the rest is handled recursively.
+  are so spread that the series would need more than ``_RUBEN_MAX_TERMS`` terms, the blocks are split
+  at the largest gap between consecutive weights and the light group is integrated out with the panel
+  quadrature above (each group recursively).  Blocks too light to move the sum by ``1e-14 x`` are
+  dropped first (:func:`_drop_negligible` states the bound).
 
 Error: the panel quadrature agrees with the mpmath reference to about ``1e-14`` absolute in the bulk and
 ``1e-10`` relative in the left tail (see ``tests/test_chi2mix.py``); Ruben's series is truncated when the
@@ -52,6 +54,7 @@ _BISECT_ITERS = 40
 _GL_ORDER = 40
 _RUBEN_TAIL = 1e-17
 _RUBEN_MAX_TERMS = 20000
+_MAX_SPLITS = 1
 _GOLD = (np.sqrt(5.0) - 1.0) / 2.0
 
 _gl_t, _gl_w = np.polynomial.legendre.leggauss(_GL_ORDER)
@@ -166,25 +169,25 @@ def _panel_sum(log_h: Callable[[np.ndarray], np.ndarray], lo: np.ndarray, hi: np
     return np.sum(vals * w, axis=-1) * width[..., 0]
 
 
-def _convolve(x: np.ndarray, shape_v: np.ndarray, scale_v: np.ndarray,
-              log_g: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
-    r"""``int_0^x f_V(v) g(x - v) dv`` for V ~ Gamma(shape_v, scale_v), elementwise over x > 0.
+def _convolve(x: np.ndarray, log_f: Callable[[np.ndarray, bool], np.ndarray],
+              log_g: Callable[[np.ndarray, bool], np.ndarray]) -> np.ndarray:
+    r"""``int_0^x f(v) g(x - v) dv`` elementwise over x > 0, from ``log f`` and ``log g``.
 
-    ``log_g(w, idx)`` returns ``log g(w)``; ``w`` carries a trailing node axis when ``idx`` is
-    True.  The integrand is unimodal for every case used here (a log-concave density times a
-    log-concave distribution function, or a product of two decreasing factors), so the mode and the
+    ``log_f(v, nodes)`` and ``log_g(w, nodes)`` return logs; their argument carries a trailing
+    quadrature-node axis when ``nodes`` is True.  The integrand is unimodal for every case used
+    here (a log-concave density times a log-concave distribution function, or a product of two
+    decreasing factors), so the mode and the
     two ``exp(-48)`` level points split ``(0, x)`` into four panels: the two inner ones carry the
     mass, the two outer ones catch what is left.  Every panel uses Gauss-Legendre after the
     smoothstep map ``t -> 3t^2 - 2t^3``, which turns power-law endpoint behaviour (``v^(-1/2)`` for
     one degree of freedom) into a smooth integrand.
     """
-    x, shape_v, scale_v = np.broadcast_arrays(x, shape_v, scale_v)
-    x = x.astype(np.float64)
+    x = np.asarray(x, dtype=np.float64)
 
     def log_h(v: np.ndarray) -> np.ndarray:
         if v.ndim > x.ndim:
-            return _gamma_logpdf(v, shape_v[..., None], scale_v[..., None]) + log_g(x[..., None] - v, True)
-        return _gamma_logpdf(v, shape_v, scale_v) + log_g(x - v, False)
+            return log_f(v, True) + log_g(x[..., None] - v, True)
+        return log_f(v, False) + log_g(x - v, False)
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         mode = _argmax_unimodal(log_h, x)
@@ -226,26 +229,42 @@ def _blocks(weights: ArrayLike, dof: ArrayLike) -> tuple[np.ndarray, np.ndarray]
 
 
 def _ruben_coefficients(w: np.ndarray, nu: np.ndarray, beta: float, tail: float, max_terms: int):
-    """Coefficients c_m of Ruben's series, up to a discarded mass below ``tail`` (None: too many)."""
+    """Coefficients c_m of Ruben's series, up to a discarded mass below ``tail`` (None: too many).
+
+    ``c_m = (1/m) sum_{l=1..m} g_l c_{m-l}`` with ``g_l = sum_j (nu_j / 2) q_j^l``, ``q_j = 1 - beta/w_j``.
+    """
     q = 1.0 - beta / w
-    log_c0 = float(np.sum(0.5 * nu * np.log(beta / w)))
-    c = [np.exp(log_c0)]
-    if c[0] == 0.0:
+    c0 = np.exp(float(np.sum(0.5 * nu * np.log(beta / w))))
+    if c0 == 0.0:
         return None
-    g = []  # g_l = sum_j (nu_j / 2) q_j^l
-    qpow = np.ones_like(q)
-    total = c[0]
+    size = 256
+    c = np.zeros(size)
+    g = np.zeros(size)
+    c[0] = c0
+    total = c0
     m = 0
-    while 1.0 - total > tail:
+    q_max = float(q.max())
+    while True:
         m += 1
-        if m > max_terms:
+        if m >= max_terms:
             return None
-        qpow = qpow * q
-        g.append(float(np.sum(0.5 * nu * qpow)))
-        cm = float(np.dot(np.asarray(g[::-1]), np.asarray(c))) / m
-        c.append(cm)
-        total += cm
-    return np.asarray(c)
+        if m >= size:
+            size *= 2
+            c = np.concatenate([c, np.zeros(size - c.size)])
+            g = np.concatenate([g, np.zeros(size - g.size)])
+        g[m] = float(np.sum(0.5 * nu * q**m))
+        # sum_{l=1..m} g_l c_{m-l}: g[1..m] against c[m-1..0]
+        c[m] = float(np.dot(g[1:m + 1], c[m - 1::-1])) / m
+        total += c[m]
+        if 1.0 - total <= tail:
+            break
+        # past the mode the ratios c_{m+1}/c_m decrease to q_max (log-concave coefficients) or rise
+        # to it (chi2(1) blocks): the rest is at most c_m rho / (1 - rho), rho = max(c_m/c_{m-1}, q_max)
+        if 0.0 < c[m] < c[m - 1]:
+            rho = max(c[m] / c[m - 1], q_max)
+            if c[m] * rho / (1.0 - rho) <= tail:
+                break
+    return c[: m + 1]
 
 
 def _ruben(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str):
@@ -266,8 +285,9 @@ def _ruben(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str):
     return terms @ c
 
 
-def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str) -> np.ndarray:
-    """cdf / sf / pdf at x > 0 for merged blocks (ascending weights)."""
+def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth: int = 0) -> np.ndarray:
+    """cdf / sf / pdf at x > 0 for merged blocks (ascending weights); ``depth`` counts group splits."""
+    w, nu = _drop_negligible(float(np.min(x)), w, nu)
     if w.size == 1:
         shape, scale = nu[0] / 2.0, 2.0 * w[0]
         if kind == "cdf":
@@ -275,38 +295,74 @@ def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str) -> np.ndar
         if kind == "sf":
             return special.gammaincc(shape, x / scale)
         return np.exp(_gamma_logpdf(x, shape, scale))
-    if w.size > 2:
-        out = _ruben(x, w, nu, kind)
-        if out is not None:
-            # the discarded coefficient mass (< 1e-17) bounds the sf error only absolutely: in the
-            # right tail integrate out the heaviest block instead, which keeps relative accuracy
-            tail = (kind == "sf") & (out < 1e-9)
-            if np.any(tail):
-                out[tail] = _split_heaviest(x[tail], w, nu, kind)
-            return out
-    return _split_heaviest(x, w, nu, kind)
-
-
-def _split_heaviest(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str) -> np.ndarray:
-    """Integrate out one block and evaluate the rest at x - v (recursively when it has >1 block)."""
     if w.size == 2:
         return _two_block(x, w[1], nu[1], w[0], nu[0], kind)
-    shape_v, scale_v = nu[-1] / 2.0, 2.0 * w[-1]
-    rest_w, rest_nu = w[:-1], nu[:-1]
-    inner = "cdf" if kind == "cdf" else ("sf" if kind == "sf" else "pdf")
+    out = _ruben(x, w, nu, kind)
+    if out is None:
+        return _split_groups(x, w, nu, kind, depth)
+    # the discarded coefficient mass (< 1e-17) bounds the sf error only absolutely: in the right
+    # tail split the blocks instead, which keeps relative accuracy
+    tail = (kind == "sf") & (out < 1e-9)
+    if np.any(tail):
+        out[tail] = _split_groups(x[tail], w, nu, kind, depth)
+    return out
 
-    def log_g(u: np.ndarray, _nodes: bool) -> np.ndarray:
-        pos = u > 0
-        out = np.full(u.shape, -np.inf if inner != "sf" else 0.0)
+
+def _drop_negligible(x_min: float, w: np.ndarray, nu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop the lightest blocks while they can move the sum by less than ``1e-14 x`` (w.p. 1 - 1e-15).
+
+    ``T = sum_j w_j chi2(nu_j)`` over dropped blocks satisfies ``P(T > t) < 1e-15`` for
+    ``t = sum_j w_j (nu_j + 12 sqrt(nu_j) + 60)`` (a chi-square Chernoff bound per block), and
+    ``F(x - t) <= F_with(x) <= F(x)``, so the relative change of the cdf is at most about
+    ``(N/2) t / x``: below ``1e-12`` for N < 200 degrees of freedom.  Without this, weights spread
+    over 20 orders of magnitude (a sparse Dirichlet draw) would need an astronomically long series.
+    """
+    reach = np.cumsum(w * (nu + 12.0 * np.sqrt(nu) + 60.0))
+    keep_from = int(np.searchsorted(reach, 1e-14 * x_min, side="right"))
+    keep_from = min(keep_from, w.size - 1)
+    return w[keep_from:], nu[keep_from:]
+
+
+def _log_mixture(kind: str, w: np.ndarray, nu: np.ndarray,
+                 depth: int) -> Callable[[np.ndarray, bool], np.ndarray]:
+    """``u -> log`` of the mixture's cdf / sf / pdf, for use inside :func:`_convolve`."""
+    def fn(u: np.ndarray, _nodes: bool) -> np.ndarray:
+        flat = u.ravel()
+        out = np.full(flat.shape, 0.0 if kind == "sf" else -np.inf)
+        pos = flat > 0
         if pos.any():
             with np.errstate(divide="ignore"):
-                out[pos] = np.log(_mixture(u[pos], rest_w, rest_nu, inner))
-        return out
+                out[pos] = np.log(_mixture(flat[pos], w, nu, kind, depth))
+        return out.reshape(u.shape)
 
-    integral = _convolve(x, np.asarray(shape_v), np.asarray(scale_v), log_g)
+    return fn
+
+
+def _split_groups(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth: int) -> np.ndarray:
+    """Split the blocks at the largest ratio between consecutive weights into a light group L and a
+    heavy group H, each with a shorter Ruben series, and integrate out L:
+    ``P(L + H <= x) = int_0^x f_L(v) F_H(x - v) dv`` (sf: ``+ P(L > x)``; pdf: ``f_H``).
+
+    Each nested split multiplies the work by ~150 sequential evaluations, so one split is allowed;
+    weights that need a second one raise ValueError instead of running for hours.
+    """
+    if depth >= _MAX_SPLITS:
+        raise ValueError("weights are spread over too many orders of magnitude for three or more distinct "
+                         "values (Ruben's series would exceed 20000 terms in each of two groups); "
+                         "merge or drop the lightest weights")
+    gap = int(np.argmax(w[1:] / w[:-1])) + 1
+    light_w, light_nu, heavy_w, heavy_nu = w[:gap], nu[:gap], w[gap:], nu[gap:]
+    if light_w.size == 1:
+        shape, scale = light_nu[0] / 2.0, 2.0 * light_w[0]
+
+        def log_f(v: np.ndarray, _nodes: bool) -> np.ndarray:
+            return _gamma_logpdf(v, shape, scale)
+    else:
+        log_f = _log_mixture("pdf", light_w, light_nu, depth + 1)
+    out = _convolve(x, log_f, _log_mixture(kind, heavy_w, heavy_nu, depth + 1))
     if kind == "sf":
-        integral = integral + special.gammaincc(shape_v, x / scale_v)
-    return integral
+        out = out + _mixture(x, light_w, light_nu, "sf", depth + 1)
+    return out
 
 
 def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: ArrayLike,
@@ -322,12 +378,17 @@ def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: Arr
     scale_w = 2.0 * np.where(swap, b, a)
     fn = {"cdf": _gamma_logcdf, "sf": _gamma_logsf, "pdf": _gamma_logpdf}[kind]
 
+    def log_f(v: np.ndarray, nodes: bool) -> np.ndarray:
+        if nodes:
+            return _gamma_logpdf(v, shape_v[..., None], scale_v[..., None])
+        return _gamma_logpdf(v, shape_v, scale_v)
+
     def log_g(u: np.ndarray, nodes: bool) -> np.ndarray:
         if nodes:
             return fn(u, shape_w[..., None], scale_w[..., None])
         return fn(u, shape_w, scale_w)
 
-    out = _convolve(x, shape_v, scale_v, log_g)
+    out = _convolve(x, log_f, log_g)
     if kind == "sf":
         out = out + special.gammaincc(shape_v, x / scale_v)
     return out
@@ -536,7 +597,7 @@ def _mp_ruben(x, ws, nus, kind: str, precision: int):
     qs = [1 - beta / w for w in ws]
     n_total = mpmath.fsum(nus)
     tail = mpmath.mpf(10) ** (-precision)
-    c = [mpmath.exp(mpmath.fsum(nu / 2 * mpmath.log(beta / w) for w, nu in zip(ws, nus)))]
+    c = [mpmath.exp(mpmath.fsum(nu / 2 * mpmath.log(beta / w) for w, nu in zip(ws, nus, strict=True)))]
     two = len(ws) == 2
     cap = 200000 if two else 4000
     g = []
@@ -550,7 +611,7 @@ def _mp_ruben(x, ws, nus, kind: str, precision: int):
             r = nus[1] / 2
             c.append(c[-1] * (r + m - 1) / m * qs[1])
         else:
-            g.append(mpmath.fsum(nu / 2 * q**m for nu, q in zip(nus, qs)))
+            g.append(mpmath.fsum(nu / 2 * q**m for nu, q in zip(nus, qs, strict=True)))
             c.append(mpmath.fsum(g[m - 1 - r] * c[r] for r in range(m)) / m)
         total += c[-1]
     y = x / beta

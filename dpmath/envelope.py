@@ -56,12 +56,11 @@ from .chi2mix import two_block_cdf
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "ScaleDistribution",
            "pessimistic_discretization"]
 
-_GOLD = (np.sqrt(5.0) - 1.0) / 2.0
-_LAMBDA_GRID = 48
+_PROFILE_GRID = 65
+_SEARCH_GRID = 33
 _REFINE_POINTS = 17
 _REFINE_LEVELS = 3
-_XPLUS_TOL = 1e-10
-_XPLUS_POINTS = 31
+_XPLUS_TOL = 1e-11
 _BEAT_MARGIN = 1e-13
 
 
@@ -160,6 +159,7 @@ class HutchEnvelope(Envelope):
             raise ValueError(f"family must be 'heavy-light' or 'full', got {family!r}")
         self.family = family
         self._x_plus: float | None = None
+        self._profile_cache: list[tuple[float, float, np.ndarray, np.ndarray]] | None = None
 
     def __repr__(self) -> str:
         return f"HutchEnvelope(k={self.k}, d={self.d}, family={self.family!r})"
@@ -188,85 +188,170 @@ class HutchEnvelope(Envelope):
         keep = (ii + jj <= d) & ((jj == 0) | (ii <= jj))  # (i, j, lam) ~ (j, i, 1 - lam)
         return ii[keep].astype(float), jj[keep].astype(float)
 
-    def _family_sup(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Supremum over the searched family at each x: (value, i, j, lam).
+    def _crossing(self, lam: np.ndarray, ii: np.ndarray, jj: np.ndarray) -> np.ndarray:
+        """Crossing point ``x_{lam,u}`` of each ``F(.; S(i, j, lam))`` with ``F_u``, elementwise.
 
-        A grid of ``_LAMBDA_GRID`` values of lam on [0, 1] for every (i, j); then, around the best
-        point, ``_REFINE_LEVELS`` finer grids of ``_REFINE_POINTS`` points, each 8 times finer; then one
-        evaluation at the vertex of the parabola through the best point and its neighbours.  Every
-        reported value is an evaluated CDF, never an extrapolation.
+        ``h(x) = F(x; S) - F_u(x) - 1e-13`` is >= 0 at ``x = 1`` for every member that beats the uniform
+        law at all (Schur-convexity at 1) and negative for large x; its single sign change (Thm B.7) is
+        bracketed and found by the Illinois variant of regula falsi with a bisection step every fourth
+        iteration.  Returns the upper end of the final bracket (width <= 1e-11), or 1 where ``h(1) < 0``.
         """
-        ii, jj = self._candidates()
         k = self.k
-        lam_grid = np.linspace(0.0, 1.0, _LAMBDA_GRID)
-        vals = two_block_cdf(x[:, None, None], lam_grid[None, None, :], ii[None, :, None], jj[None, :, None], k)
-        flat = vals.reshape(x.size, -1)
-        best = np.argmax(flat, axis=1)
-        p_idx, l_idx = np.unravel_index(best, (ii.size, lam_grid.size))
-        i_b, j_b = ii[p_idx], jj[p_idx]
-        lam_b = lam_grid[l_idx]
-        val_b = flat[np.arange(x.size), best]
-        h = np.full(x.size, lam_grid[1] - lam_grid[0])
+
+        def h(x: np.ndarray) -> np.ndarray:
+            return two_block_cdf(x, lam, ii, jj, k) - self.uniform_cdf(x) - _BEAT_MARGIN
+
+        lo = np.ones(lam.shape)
+        f_lo = h(lo)
+        hi = np.full(lam.shape, 2.0)
+        f_hi = h(hi)
+        while np.any(f_hi >= 0):
+            grow = f_hi >= 0
+            lo = np.where(grow, hi, lo)
+            f_lo = np.where(grow, f_hi, f_lo)
+            hi = np.where(grow, 2.0 * hi, hi)
+            if hi.max() > 64:
+                raise RuntimeError("no crossing with the uniform law below 64: single crossing failed")
+            f_hi = h(hi)
+        active = f_lo >= 0
+        last_side = np.zeros(lam.shape, dtype=int)
+        for it in range(80):
+            if not np.any(active & (hi - lo > _XPLUS_TOL)):
+                break
+            with np.errstate(invalid="ignore", divide="ignore"):
+                secant = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+            bisect = (it % 4 == 3) | ~np.isfinite(secant) | (secant <= lo) | (secant >= hi)
+            x = np.where(bisect, 0.5 * (lo + hi), secant)
+            fx = h(x)
+            pos = fx >= 0
+            # Illinois: halve the stale end's value when the same end is kept twice in a row
+            f_hi = np.where(pos & (last_side == 1), 0.5 * f_hi, f_hi)
+            f_lo = np.where(~pos & (last_side == -1), 0.5 * f_lo, f_lo)
+            lo, f_lo = np.where(pos, x, lo), np.where(pos, fx, f_lo)
+            hi, f_hi = np.where(pos, hi, x), np.where(pos, f_hi, fx)
+            last_side = np.where(pos, 1, -1)
+        return np.where(active, hi, 1.0)
+
+    def _profile(self) -> list[tuple[float, float, np.ndarray, np.ndarray]]:
+        """For each searched (i, j): the lam values tried and their crossing points, sorted by lam.
+
+        ``_PROFILE_GRID`` values on [0, 1], then ``_REFINE_LEVELS`` grids of ``_REFINE_POINTS`` around
+        the best so far, each 8 times finer.  ``x_plus`` is the largest crossing found.
+        """
+        if self._profile_cache is not None:
+            return self._profile_cache
+        ii, jj = self._candidates()
+        lam0 = np.linspace(0.0, 1.0, _PROFILE_GRID)
+        L = np.broadcast_to(lam0, (ii.size, lam0.size)).copy()
+        Ii = np.broadcast_to(ii[:, None], L.shape)
+        Jj = np.broadcast_to(jj[:, None], L.shape)
+        C = self._crossing(L, Ii, Jj)
+        lams, cs = [L], [C]
+        step = np.full(ii.size, lam0[1] - lam0[0])
+        best = L[np.arange(ii.size), np.argmax(C, axis=1)]
+        offsets = np.linspace(-1.0, 1.0, _REFINE_POINTS)
+        for _ in range(_REFINE_LEVELS):
+            Lr = np.clip(best[:, None] + step[:, None] * offsets[None, :], 0.0, 1.0)
+            Cr = self._crossing(Lr, np.broadcast_to(ii[:, None], Lr.shape), np.broadcast_to(jj[:, None], Lr.shape))
+            lams.append(Lr)
+            cs.append(Cr)
+            allL, allC = np.concatenate(lams, axis=1), np.concatenate(cs, axis=1)
+            best = allL[np.arange(ii.size), np.argmax(allC, axis=1)]
+            step = step * (offsets[1] - offsets[0])
+        allL, allC = np.concatenate(lams, axis=1), np.concatenate(cs, axis=1)
+        prof = []
+        for p in range(ii.size):
+            lam_p, idx = np.unique(allL[p], return_index=True)
+            prof.append((float(ii[p]), float(jj[p]), lam_p, allC[p][idx]))
+        self._profile_cache = prof
+        return prof
+
+    def _family_sup(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Supremum over the searched family at each x in the middle region: (value, i, j, lam).
+
+        By single crossing only members whose crossing point ``c(lam)`` exceeds x can beat ``F_u``; for
+        each (i, j) the lam-interval where the profile has ``c >= x`` (widened by one profile sample
+        each side) is searched with a ``_SEARCH_GRID``-point grid, ``_REFINE_LEVELS`` finer grids around
+        the best point and a final parabolic step.  The interval shrinks as x approaches ``x_plus``, so
+        the narrow bump that survives there is always resolved.  The uniform law and the vertex are
+        always candidates; every reported value is an evaluated CDF.
+        """
+        k = self.k
+        val = np.maximum(self.uniform_cdf(x), self.vertex_cdf(x))
+        use_u = self.uniform_cdf(x) >= self.vertex_cdf(x)
+        best_i = np.where(use_u, float(self.d), 1.0)
+        best_j = np.zeros(x.shape)
+        best_lam = np.ones(x.shape)
+        xs_l, ii_l, jj_l, lo_l, hi_l, row_l = [], [], [], [], [], []
+        for i, j, lam_p, c_p in self._profile():
+            above = c_p[None, :] >= x[:, None]
+            has = above.any(axis=1)
+            if not has.any():
+                continue
+            first = np.argmax(above, axis=1)
+            last = c_p.size - 1 - np.argmax(above[:, ::-1], axis=1)
+            rows = np.flatnonzero(has)
+            xs_l.append(x[rows])
+            ii_l.append(np.full(rows.size, i))
+            jj_l.append(np.full(rows.size, j))
+            lo_l.append(lam_p[np.maximum(first[rows] - 1, 0)])
+            hi_l.append(lam_p[np.minimum(last[rows] + 1, c_p.size - 1)])
+            row_l.append(rows)
+        if not xs_l:
+            return val, best_i, best_j, best_lam
+        xs_all, i_all, j_all = np.concatenate(xs_l), np.concatenate(ii_l), np.concatenate(jj_l)
+        lo, hi, rows = np.concatenate(lo_l), np.concatenate(hi_l), np.concatenate(row_l)
+        grid = lo[:, None] + (hi - lo)[:, None] * np.linspace(0.0, 1.0, _SEARCH_GRID)[None, :]
+        v = two_block_cdf(xs_all[:, None], grid, i_all[:, None], j_all[:, None], k)
+        arg = np.argmax(v, axis=1)
+        n = np.arange(xs_all.size)
+        lam_b, val_b = grid[n, arg], v[n, arg]
+        h = (hi - lo) / (_SEARCH_GRID - 1)
         offsets = np.linspace(-1.0, 1.0, _REFINE_POINTS)
         for _ in range(_REFINE_LEVELS):
             lam = np.clip(lam_b[:, None] + h[:, None] * offsets[None, :], 0.0, 1.0)
-            v = two_block_cdf(x[:, None], lam, i_b[:, None], j_b[:, None], k)
+            v = two_block_cdf(xs_all[:, None], lam, i_all[:, None], j_all[:, None], k)
             arg = np.argmax(v, axis=1)
-            rows = np.arange(x.size)
-            better = v[rows, arg] > val_b
-            lam_b = np.where(better, lam[rows, arg], lam_b)
-            val_b = np.where(better, v[rows, arg], val_b)
+            better = v[n, arg] > val_b
+            lam_b = np.where(better, lam[n, arg], lam_b)
+            val_b = np.where(better, v[n, arg], val_b)
             h = h * (offsets[1] - offsets[0])
-        # parabolic step through (lam_b - h, lam_b, lam_b + h)
         lam3 = np.clip(lam_b[:, None] + h[:, None] * np.array([-1.0, 1.0])[None, :], 0.0, 1.0)
-        v3 = two_block_cdf(x[:, None], lam3, i_b[:, None], j_b[:, None], k)
+        v3 = two_block_cdf(xs_all[:, None], lam3, i_all[:, None], j_all[:, None], k)
         denom = v3[:, 0] - 2.0 * val_b + v3[:, 1]
         with np.errstate(divide="ignore", invalid="ignore"):
             step = np.where(denom < 0, 0.5 * h * (v3[:, 0] - v3[:, 1]) / denom, 0.0)
         lam_p = np.clip(lam_b + np.clip(step, -h, h), 0.0, 1.0)
-        v_p = two_block_cdf(x, lam_p, i_b, j_b, k)
+        v_p = two_block_cdf(xs_all, lam_p, i_all, j_all, k)
         cand_lam = np.column_stack([lam_b, lam3, lam_p])
         cand_val = np.column_stack([val_b, v3, v_p])
         arg = np.argmax(cand_val, axis=1)
-        rows = np.arange(x.size)
-        return cand_val[rows, arg], i_b, j_b, cand_lam[rows, arg]
+        val_c, lam_c = cand_val[n, arg], cand_lam[n, arg]
+        for m in np.argsort(val_c):  # ascending, so the best candidate of each row is written last
+            r = rows[m]
+            if val_c[m] > val[r]:
+                val[r], best_i[r], best_j[r], best_lam[r] = val_c[m], i_all[m], j_all[m], lam_c[m]
+        return val, best_i, best_j, best_lam
 
     @property
     def x_plus(self) -> float:
-        r"""Point beyond which the uniform vector is extremal (upper end of a bracket of width 1e-10).
+        r"""Point beyond which the uniform vector is extremal: ``sup_lambda x_{lambda,u}``.
 
-        Found by a vectorized bracketing search for the sign change of
-        ``g(x) = sup_lambda F(x; X(lambda)) - F(x; X(u))`` on ``[1, 2]`` (``g > 0`` exactly on
-        ``(1, x_+)`` because every ``F_lambda`` crosses ``F_u`` once, paper 000 Thm B.7).  ``g`` counts as
-        positive when it exceeds ``1e-13``: beyond the reported ``x_plus`` the envelope exceeds
-        ``F_u`` by less than that, far inside the ``cdf_tolerance`` that
-        :func:`pessimistic_discretization` adds.
+        Every ``F(.; X(lambda))`` crosses ``F_u`` exactly once (paper 000, Thm B.7), at ``x_{lambda,u}``,
+        so ``x_plus = max over the family of x_{lambda,u}``: a smooth one-dimensional maximization over
+        lam (for each searched (i, j)) of a root found by regula falsi.  A member counts as beating
+        ``F_u`` only by more than ``1e-13``; beyond ``x_plus`` the envelope exceeds ``F_u`` by less than
+        that, far inside the ``cdf_tolerance`` that :func:`pessimistic_discretization` adds.  The value
+        is the upper end of a bracket of width ``1e-11`` plus ``1e-10``, so the middle region is not cut
+        short.
         """
         if self._x_plus is None:
-            self._x_plus = self._find_x_plus()
+            if self.d == 1:
+                self._x_plus = 1.0
+            else:
+                top = max(float(c_p.max()) for _, _, _, c_p in self._profile())
+                self._x_plus = top + 1e-10 if top > 1.0 else 1.0
         return self._x_plus
-
-    def _beats_uniform(self, x: np.ndarray) -> np.ndarray:
-        return self._family_sup(x)[0] > self.uniform_cdf(x) + _BEAT_MARGIN
-
-    def _find_x_plus(self) -> float:
-        if self.d == 1:
-            return 1.0
-        lo, hi = 1.0, 2.0
-        while self._beats_uniform(np.array([hi]))[0]:
-            lo, hi = hi, 2.0 * hi
-            if hi > 64:
-                raise RuntimeError("x_plus not found below 64: the single-crossing structure failed")
-        while hi - lo > _XPLUS_TOL:
-            xs = np.linspace(lo, hi, _XPLUS_POINTS + 2)[1:-1]
-            beats = self._beats_uniform(xs)
-            # single crossing: the beaten set is an interval starting at 1; take its last point
-            last = np.flatnonzero(beats)
-            new_lo = xs[last[-1]] if last.size else lo
-            above = xs[xs > new_lo]
-            hi = float(above[0]) if above.size else hi
-            lo = float(new_lo)
-        return hi
 
     # distribution functions -----------------------------------------------------------------------
     def _middle_mask(self, xs: np.ndarray) -> np.ndarray:
@@ -280,7 +365,7 @@ class HutchEnvelope(Envelope):
         >>> from dpmath import HutchEnvelope
         >>> env = HutchEnvelope(k=1, d=3)
         >>> round(float(env.cdf(1.5)), 4)   # above both 0.7877 (uniform) and 0.7872 (rank 2)
-        0.7961
+        0.7952
         """
         xs = real_array(x, "x")
         out = np.where(xs <= 1.0, self.vertex_cdf(xs), self.uniform_cdf(xs))
@@ -345,7 +430,7 @@ class HutchEnvelope(Envelope):
         >>> from dpmath import HutchEnvelope
         >>> m = HutchEnvelope(k=1, d=3).maximizer(1.5)
         >>> (m.i, m.j, round(m.lam, 2))
-        (1, 2, 0.71)
+        (1, 2, 0.7)
         """
         xv = float(real_array(x, "x"))
         if xv <= 1.0 or self.d == 1:
@@ -455,8 +540,8 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
                                cdf_tolerance: float = 1e-12) -> ScaleDistribution:
     r"""Discretize an envelope ``Y`` on a grid so that the result is stochastically smaller than ``Y``.
 
-    For a grid ``0 < y_0 < y_1 < ... < y_n`` the mass of each bin ``[y_m, y_{m+1})`` is placed at its
-    *smallest* point ``y_m`` (largest scale ``a = 1/sqrt(y_m)``, the worst case for privacy), the mass
+    For a grid ``0 < y_0 < y_1 < ... < y_n`` the mass ``F(y_{m+1}) - F(y_m)`` of each bin
+    ``(y_m, y_{m+1}]`` is placed at its *smallest* point ``y_m`` (largest scale ``a = 1/sqrt(y_m)``, the worst case for privacy), the mass
     above ``y_n`` at ``y_n``, and ``P(Y < y_0)`` is returned separately as ``below_mass`` for the
     accountant to charge to delta.  The CDF is raised by ``cdf_tolerance`` (capped at 1) before
     differencing, so a numerical error of that size in the envelope cannot make the result optimistic:
@@ -482,11 +567,11 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
     --------
     >>> import numpy as np
     >>> from dpmath import HutchPPEnvelope, pessimistic_discretization
-    >>> dist = pessimistic_discretization(HutchPPEnvelope(k=32, d=2048), np.linspace(0.2, 1.2, 11))
+    >>> dist = pessimistic_discretization(HutchPPEnvelope(k=32, d=2048), np.arange(2, 13) / 10)
     >>> bool(dist.below_mass < 1e-5), round(float(dist.weights.sum() + dist.below_mass), 12)
     (True, 1.0)
-    >>> float(dist.y[np.argmax(dist.weights)])   # the atom of Hutch++ at 1 lands on the grid point 1
-    1.0
+    >>> float(dist.y[np.argmax(dist.weights)])   # Hutch++'s atom at 1 moves down to the bin's left end
+    0.9
     """
     y = real_array(grid, "grid", allow_inf=False).ravel()
     if y.size < 2:
@@ -499,7 +584,7 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
         raise ValueError(f"cdf_tolerance must lie in [0, 1e-3), got {cdf_tolerance!r}")
     F = np.asarray(envelope.cdf(y), dtype=np.float64)
     if optimistic:
-        # bin [y_{m-1}, y_m) at y_m, the mass below the grid at y_0, the mass above it at y = inf
+        # bin (y_{m-1}, y_m] at y_m, the mass below the grid at y_0, the mass above it at y = inf
         # (scale 0): each piece moves to a larger y, so G <= F
         F_lo = np.minimum.accumulate(F[::-1])[::-1]
         weights = np.concatenate([[F_lo[0]], np.diff(F_lo)])

@@ -115,6 +115,16 @@ def test_cdf_monotone_in_unit_interval_and_complements_sf(w, nu, xs):
     assert np.all(chi2_mixture_pdf(x, w, nu) >= 0)
 
 
+def test_spread_that_needs_two_splits_is_refused_not_hung():
+    with pytest.raises(ValueError, match="orders of magnitude"):
+        chi2_mixture_cdf(0.8, [1e-12, 1e-8, 1e-4, 1.0], 32)
+
+
+def test_negligible_blocks_are_dropped():
+    base = chi2_mixture_cdf([0.3, 1.0], [0.5, 0.3, 0.2], 2)
+    np.testing.assert_allclose(chi2_mixture_cdf([0.3, 1.0], [1e-30, 0.5, 0.3, 0.2], 2), base, rtol=1e-13)
+
+
 def test_edges_of_the_support():
     F = chi2_mixture_cdf([-1.0, 0.0, np.inf], [0.3, 0.7])
     np.testing.assert_array_equal(F, [0.0, 0.0, 1.0])

@@ -1,0 +1,38 @@
+"""Sphinx configuration: autodoc + napoleon (numpy style) for the API, MyST for the prose pages."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(".."))
+sys.path.insert(0, os.path.abspath("_scripts"))
+
+project = "dp-randomized-clipping"
+author = "the dp-randomized-clipping developers"
+copyright = "2026, " + author
+release = "0.1.0"
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "myst_parser",
+]
+napoleon_google_docstring = False
+napoleon_numpy_docstring = True
+napoleon_use_rtype = False
+autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": True}
+autodoc_typehints = "description"
+autosummary_generate = False
+myst_enable_extensions = ["dollarmath", "amsmath"]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+exclude_patterns = ["_build"]
+html_theme = "alabaster"
+html_static_path = ["_static"]
+nitpicky = False
+
+
+def setup(app):
+    import make_figures
+
+    make_figures.main(os.path.join(os.path.dirname(__file__), "_static", "generated"))
