@@ -541,11 +541,11 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
     r"""Discretize an envelope ``Y`` on a grid so that the result is stochastically smaller than ``Y``.
 
     For a grid ``0 < y_0 < y_1 < ... < y_n`` the mass ``F(y_{m+1}) - F(y_m)`` of each bin
-    ``(y_m, y_{m+1}]`` is placed at its *smallest* point ``y_m`` (largest scale ``a = 1/sqrt(y_m)``, the worst case for privacy), the mass
-    above ``y_n`` at ``y_n``, and ``P(Y < y_0)`` is returned separately as ``below_mass`` for the
-    accountant to charge to delta.  The CDF is raised by ``cdf_tolerance`` (capped at 1) before
-    differencing, so a numerical error of that size in the envelope cannot make the result optimistic:
-    the discrete CDF satisfies ``G(y) >= F(y) `` for every y.
+    ``(y_m, y_{m+1}]`` is placed at its *smallest* point ``y_m`` (largest scale ``a = 1/sqrt(y_m)``,
+    the worst case for privacy), the mass above ``y_n`` at ``y_n``, and ``P(Y <= y_0)`` is returned
+    separately as ``below_mass`` for the accountant to charge to delta.  The CDF is raised by
+    ``cdf_tolerance`` (capped at 1) before differencing, so a numerical error of that size in the
+    envelope cannot make the result optimistic: the discrete CDF satisfies ``G(y) >= F(y)`` for every y.
 
     With ``optimistic=True`` the twin is returned instead: mass at each bin's largest point, the mass
     below the grid at ``y_0`` and no tolerance, giving ``G(y) <= F(y)``; the pair brackets any
