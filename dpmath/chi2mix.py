@@ -32,6 +32,7 @@ quadrature of the convolution integral; it is the reference the tests compare ag
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import mpmath
@@ -54,7 +55,7 @@ _BISECT_ITERS = 40
 _GL_ORDER = 40
 _RUBEN_TAIL = 1e-17
 _RUBEN_MAX_TERMS = 20000
-_MAX_SPLITS = 1
+_MAX_SPLITS = 2
 _GOLD = (np.sqrt(5.0) - 1.0) / 2.0
 
 _gl_t, _gl_w = np.polynomial.legendre.leggauss(_GL_ORDER)
@@ -228,11 +229,17 @@ def _blocks(weights: ArrayLike, dof: ArrayLike) -> tuple[np.ndarray, np.ndarray]
     return uniq, np.bincount(inv, weights=nu[keep])
 
 
-def _ruben_coefficients(w: np.ndarray, nu: np.ndarray, beta: float, tail: float, max_terms: int):
-    """Coefficients c_m of Ruben's series, up to a discarded mass below ``tail`` (None: too many).
+@functools.lru_cache(maxsize=64)
+def _ruben_coefficients(w_key: tuple[float, ...], nu_key: tuple[float, ...], tail: float,
+                        max_terms: int) -> np.ndarray | None:
+    """Coefficients c_m of Ruben's series (beta = min w), up to a discarded mass below ``tail``
+    (None: more than ``max_terms`` needed).  Cached: the group split evaluates one mixture at many
+    points, one batch at a time.
 
     ``c_m = (1/m) sum_{l=1..m} g_l c_{m-l}`` with ``g_l = sum_j (nu_j / 2) q_j^l``, ``q_j = 1 - beta/w_j``.
     """
+    w, nu = np.asarray(w_key), np.asarray(nu_key)
+    beta = float(w.min())
     q = 1.0 - beta / w
     c0 = np.exp(float(np.sum(0.5 * nu * np.log(beta / w))))
     if c0 == 0.0:
@@ -269,10 +276,9 @@ def _ruben_coefficients(w: np.ndarray, nu: np.ndarray, beta: float, tail: float,
 
 def _ruben(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str):
     beta = float(w[0])
-    coef = _ruben_coefficients(w, nu, beta, _RUBEN_TAIL, _RUBEN_MAX_TERMS)
-    if coef is None:
+    c = _ruben_coefficients(tuple(w.tolist()), tuple(nu.tolist()), _RUBEN_TAIL, _RUBEN_MAX_TERMS)
+    if c is None:
         return None
-    c = coef
     n = nu.sum() + 2.0 * np.arange(c.size)
     y = (x / beta)[..., None]
     shape = n / 2.0
@@ -343,12 +349,13 @@ def _split_groups(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth
     heavy group H, each with a shorter Ruben series, and integrate out L:
     ``P(L + H <= x) = int_0^x f_L(v) F_H(x - v) dv`` (sf: ``+ P(L > x)``; pdf: ``f_H``).
 
-    Each nested split multiplies the work by ~150 sequential evaluations, so one split is allowed;
-    weights that need a second one raise ValueError instead of running for hours.
+    Each nested split multiplies the work by ~150 sequential evaluations (one split: about a second
+    for a handful of points, two: about half a minute), so two are allowed; weights that need a third
+    raise ValueError instead of running for an hour.
     """
     if depth >= _MAX_SPLITS:
         raise ValueError("weights are spread over too many orders of magnitude for three or more distinct "
-                         "values (Ruben's series would exceed 20000 terms in each of two groups); "
+                         "values (Ruben's series would exceed 20000 terms after two group splits); "
                          "merge or drop the lightest weights")
     gap = int(np.argmax(w[1:] / w[:-1])) + 1
     light_w, light_nu, heavy_w, heavy_nu = w[:gap], nu[:gap], w[gap:], nu[gap:]

@@ -117,7 +117,7 @@ def test_cdf_monotone_in_unit_interval_and_complements_sf(w, nu, xs):
 
 def test_spread_that_needs_two_splits_is_refused_not_hung():
     with pytest.raises(ValueError, match="orders of magnitude"):
-        chi2_mixture_cdf(0.8, [1e-12, 1e-8, 1e-4, 1.0], 32)
+        chi2_mixture_cdf(0.8, [1e-16, 1e-12, 1e-8, 1e-4, 1.0], 32)
 
 
 def test_negligible_blocks_are_dropped():
@@ -146,3 +146,16 @@ def test_edges_of_the_support():
 def test_bad_input_names_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         chi2_mixture_cdf(**kwargs)
+
+
+@pytest.mark.slow
+def test_two_group_splits_against_monte_carlo():
+    """Weights over 7 orders of magnitude (two nested group splits): 400k draws, 5 standard errors."""
+    lam = 10.0 ** np.array([-0.6, -0.6, -3.9, -0.4, -1.4, -7.4])
+    w = lam / lam.sum() / 32
+    x = np.array([0.8, 1.0, 1.3])
+    F = chi2_mixture_cdf(x, w, 32)
+    rng = np.random.default_rng(99)
+    n = 400_000
+    emp = ((w * rng.chisquare(32, size=(n, w.size))).sum(axis=1)[:, None] <= x[None, :]).mean(axis=0)
+    assert np.all(np.abs(emp - F) <= 5 * np.sqrt(F * (1 - F) / n))
