@@ -1,0 +1,17 @@
+"""The distribution's promises about its own layout."""
+
+import subprocess
+import sys
+
+
+def test_dpmath_does_not_import_torch():
+    code = "import sys, dpmath, dpmath.__main__; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_command_line_demo_runs_and_rejects_bad_input():
+    ok = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--k", "4", "--d", "8", "--grid", "200"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "x_plus" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--k", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "k must be a positive integer" in bad.stderr
