@@ -20,8 +20,9 @@ Paper 000 (Thm 5.1, Prop 5.2, App. B.5-B.9) describes it in three regions.  What
 and what it checked first (``tests/test_envelope.py``), is:
 
 * ``x <= 1``: the vertex ``e = (1, 0, ..., 0)`` is extremal, ``F_Y(x) = F(x; chi2(k)/k)``
-  (the paper's ``x_- = 1``, App. B.5 and Prop. B.10).  Checked by brute force over the two-block family
-  for ``d <= 16`` and several ``k``.  *Theorem 5.1's display has the two extremes swapped* (it puts the
+  (the paper's ``x_- = 1``, App. B.5 and Prop. B.10).  Checked by brute force over the whole two-block
+  family for ``d <= 6`` and by a 2,001-point lam scan of the heavy-light family up to ``d = 2048``.
+  *Theorem 5.1's display has the two extremes swapped* (it puts the
   uniform vector below 1 and the vertex above ``x_+``); App. B.5 and Algorithm 4 have them the right
   way round, and so does the numerics.
 * ``x >= x_+``: the uniform vector ``u`` is extremal, ``F_Y(x) = F(x; chi2(kd)/(kd))``.  ``x_+`` is
@@ -35,9 +36,10 @@ and what it checked first (``tests/test_envelope.py``), is:
 * ``1 < x < x_+``: the supremum is attained by one heavy coordinate and ``d - 1`` equal light ones,
   ``lambda e_1 + (1 - lambda)/(d - 1) (0, 1, ..., 1)`` (a two-block form ``S(1, d-1, lambda)``); this
   one-parameter family contains both ``e`` (``lambda = 1``) and ``u`` (``lambda = 1/d``).  It is the
-  structure of the Szekely-Bakirov counterexample (App. B.1) and, in every brute-force comparison with
-  the full two-block family ``1 <= i + j <= d`` (``tests/test_envelope.py``: all ``d <= 16`` for
-  ``k`` in {1, 2, 4, 32}, plus ``d = 48``), it attains the same supremum.  ``family="full"`` searches the
+  structure of the Szekely-Bakirov counterexample (App. B.1) and, in every comparison with the full
+  two-block family ``1 <= i + j <= d`` (``tests/test_envelope.py``: d in {3, 5, 8} for k in {1, 2, 32};
+  the slow set adds d = 16 for k in {1, 4, 32} and d = 48 for k = 32), it attains the same supremum
+  and the same ``x_plus``.  This is verified numerically, not proved.  ``family="full"`` searches the
   whole two-block family instead (cost ``O(d^2)`` per point) for anyone who wants to check a larger d.
 """
 
