@@ -26,13 +26,13 @@ and what it checked first (``tests/test_envelope.py``), is:
   uniform vector below 1 and the vertex above ``x_+``); App. B.5 and Algorithm 4 have them the right
   way round, and so does the numerics.
 * ``x >= x_+``: the uniform vector ``u`` is extremal, ``F_Y(x) = F(x; chi2(kd)/(kd))``.  ``x_+`` is
-  found numerically (bisection on the sign of ``sup_lambda F_lambda(x) - F_u(x)``, valid because every
-  ``F_lambda`` crosses ``F_u`` once, App. B.4, Thm B.7).  *The paper's ``x_+ = 1 + 2/(dk)`` is only right
-  for d = 2*: for ``k = 32, d = 2048`` the vertex alone crosses the uniform law at ``x ~ 1.00046``, far
-  beyond ``1 + 2/(dk) ~ 1.00003``, and for ``d > 2`` the measured ``x_+`` exceeds the formula everywhere
-  we looked (see :attr:`HutchEnvelope.x_plus` and the docs).  Algorithm 3 of the paper also tests
-  ``F_u(x_mid) > 0.5`` instead of comparing with the supremum, which locates the median of ``u``, not
-  ``x_+``; we do not use it.
+  found numerically as the largest crossing point ``x_{lambda,u}`` of a member with ``F_u`` (every
+  ``F_lambda`` crosses ``F_u`` once, App. B.4, Thm B.7), maximized over lam. *The paper's ``x_+ = 1
+  + 2/(dk)`` is only right for d = 2*: for ``k = 32, d = 2048`` the vertex alone crosses the uniform
+  law at ``x ~ 1.00046``, far beyond ``1 + 2/(dk) ~ 1.00003``, and for ``d > 2`` the measured
+  ``x_+`` exceeds the formula everywhere we looked (see :attr:`HutchEnvelope.x_plus` and the docs).
+  Algorithm 3 of the paper also tests ``F_u(x_mid) > 0.5`` instead of comparing with the supremum,
+  which locates the median of ``u``, not ``x_+``; we do not use it.
 * ``1 < x < x_+``: the supremum is attained by one heavy coordinate and ``d - 1`` equal light ones,
   ``lambda e_1 + (1 - lambda)/(d - 1) (0, 1, ..., 1)`` (a two-block form ``S(1, d-1, lambda)``); this
   one-parameter family contains both ``e`` (``lambda = 1``) and ``u`` (``lambda = 1/d``).  It is the
