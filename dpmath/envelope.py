@@ -66,6 +66,37 @@ _XPLUS_TOL = 1e-11
 _BEAT_MARGIN = 1e-13
 
 
+def _bisect_quantile(cdf, target: np.ndarray, lo: np.ndarray, hi: np.ndarray, iters: int) -> np.ndarray:
+    """Smallest x in ``[lo, hi]`` with ``cdf(x) >= target`` (to ``(hi - lo) 2^-iters``), elementwise."""
+    for _ in range(iters):
+        mid = (lo + hi) / 2.0
+        below = cdf(mid) < target
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+    return hi
+
+
+def _zoom_max(f, lam_b: np.ndarray, val_b: np.ndarray, h: np.ndarray):
+    """Refine maximizers of ``f`` (rows of lam values -> rows of values) around ``lam_b``.
+
+    ``_REFINE_LEVELS`` grids of ``_REFINE_POINTS`` points spanning one previous spacing ``h`` on each
+    side, each 8 times finer.  Returns the best lam and value per row, the final spacing and every
+    (lam, value) batch evaluated.
+    """
+    offsets = np.linspace(-1.0, 1.0, _REFINE_POINTS)
+    rows = np.arange(lam_b.size)
+    tried = []
+    for _ in range(_REFINE_LEVELS):
+        lam = np.clip(lam_b[:, None] + h[:, None] * offsets[None, :], 0.0, 1.0)
+        v = f(lam)
+        tried.append((lam, v))
+        arg = np.argmax(v, axis=1)
+        better = v[rows, arg] > val_b
+        lam_b = np.where(better, lam[rows, arg], lam_b)
+        val_b = np.where(better, v[rows, arg], val_b)
+        h = h * (offsets[1] - offsets[0])
+    return lam_b, val_b, h, tried
+
+
 class Maximizer(NamedTuple):
     """A member ``S(i, j, lam)`` of the two-block family: ``lam`` spread over ``i`` coordinates and
     ``1 - lam`` over ``j`` others (``j = 0`` means all weight on ``i`` equal coordinates)."""
@@ -120,12 +151,7 @@ class Envelope:
                     break
                 lo = np.where(low_cdf, hi, lo)
                 hi = np.where(low_cdf, 2.0 * hi, hi)
-            for _ in range(60):
-                mid = (lo + hi) / 2.0
-                below = self.cdf(mid) < target
-                lo = np.where(below, mid, lo)
-                hi = np.where(below, hi, mid)
-            out[inner] = hi
+            out[inner] = _bisect_quantile(self.cdf, target, lo, hi, 60)
         out = out.reshape(qs.shape)
         return out[()] if out.ndim == 0 else out
 
@@ -281,19 +307,16 @@ class HutchEnvelope(Envelope):
         Ii = np.broadcast_to(ii[:, None], L.shape)
         Jj = np.broadcast_to(jj[:, None], L.shape)
         C = self._crossing(L, Ii, Jj)
-        lams, cs = [L], [C]
-        step = np.full(ii.size, lam0[1] - lam0[0])
-        best = L[np.arange(ii.size), np.argmax(C, axis=1)]
-        offsets = np.linspace(-1.0, 1.0, _REFINE_POINTS)
-        for _ in range(_REFINE_LEVELS):
-            Lr = np.clip(best[:, None] + step[:, None] * offsets[None, :], 0.0, 1.0)
-            Cr = self._crossing(Lr, np.broadcast_to(ii[:, None], Lr.shape), np.broadcast_to(jj[:, None], Lr.shape))
-            lams.append(Lr)
-            cs.append(Cr)
-            allL, allC = np.concatenate(lams, axis=1), np.concatenate(cs, axis=1)
-            best = allL[np.arange(ii.size), np.argmax(allC, axis=1)]
-            step = step * (offsets[1] - offsets[0])
-        allL, allC = np.concatenate(lams, axis=1), np.concatenate(cs, axis=1)
+        first = np.argmax(C, axis=1)
+        rows = np.arange(ii.size)
+
+        def crossing(lam: np.ndarray) -> np.ndarray:
+            shape = lam.shape
+            return self._crossing(lam, np.broadcast_to(ii[:, None], shape), np.broadcast_to(jj[:, None], shape))
+
+        _, _, _, tried = _zoom_max(crossing, L[rows, first], C[rows, first], np.full(ii.size, lam0[1] - lam0[0]))
+        allL = np.concatenate([L] + [t[0] for t in tried], axis=1)
+        allC = np.concatenate([C] + [t[1] for t in tried], axis=1)
         prof = []
         for p in range(ii.size):
             lam_p, idx = np.unique(allL[p], return_index=True)
@@ -341,18 +364,13 @@ class HutchEnvelope(Envelope):
         arg = np.argmax(v, axis=1)
         n = np.arange(xs_all.size)
         lam_b, val_b = grid[n, arg], v[n, arg]
-        h = (hi - lo) / (_SEARCH_GRID - 1)
-        offsets = np.linspace(-1.0, 1.0, _REFINE_POINTS)
-        for _ in range(_REFINE_LEVELS):
-            lam = np.clip(lam_b[:, None] + h[:, None] * offsets[None, :], 0.0, 1.0)
-            v = two_block_cdf(xs_all[:, None], lam, i_all[:, None], j_all[:, None], k)
-            arg = np.argmax(v, axis=1)
-            better = v[n, arg] > val_b
-            lam_b = np.where(better, lam[n, arg], lam_b)
-            val_b = np.where(better, v[n, arg], val_b)
-            h = h * (offsets[1] - offsets[0])
+
+        def family_cdf(lam: np.ndarray) -> np.ndarray:
+            return two_block_cdf(xs_all[:, None], lam, i_all[:, None], j_all[:, None], k)
+
+        lam_b, val_b, h, _ = _zoom_max(family_cdf, lam_b, val_b, (hi - lo) / (_SEARCH_GRID - 1))
         lam3 = np.clip(lam_b[:, None] + h[:, None] * np.array([-1.0, 1.0])[None, :], 0.0, 1.0)
-        v3 = two_block_cdf(xs_all[:, None], lam3, i_all[:, None], j_all[:, None], k)
+        v3 = family_cdf(lam3)
         denom = v3[:, 0] - 2.0 * val_b + v3[:, 1]
         with np.errstate(divide="ignore", invalid="ignore"):
             step = np.where(denom < 0, 0.5 * h * (v3[:, 0] - v3[:, 1]) / denom, 0.0)
@@ -453,12 +471,7 @@ class HutchEnvelope(Envelope):
             mid = (qs > self.vertex_cdf(1.0)) & (qs < self.uniform_cdf(xp))
             if mid.any():
                 target = qs[mid]
-                lo, hi = np.ones_like(target), np.full_like(target, xp)
-                for _ in range(40):
-                    m = (lo + hi) / 2.0
-                    below = self.cdf(m) < target
-                    lo, hi = np.where(below, m, lo), np.where(below, hi, m)
-                out[mid] = hi
+                out[mid] = _bisect_quantile(self.cdf, target, np.ones_like(target), np.full_like(target, xp), 40)
         out = np.where(qs >= 1.0, np.inf, out)
         return out[()] if out.ndim == 0 else out
 
