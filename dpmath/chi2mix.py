@@ -548,7 +548,7 @@ def _mp_evaluate(xs: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, preci
     if isinstance(precision, bool) or not isinstance(precision, int) or precision < 15:
         raise ValueError(f"precision must be an integer number of digits >= 15, got {precision!r}")
     out = np.empty(xs.shape, dtype=object)
-    with mpmath.workdps(precision + 10):  # guard digits: Ruben's stopping rule needs 1 - sum(c) < 10^-precision
+    with mpmath.workdps(precision + 10):  # guard digits for the quadrature path and the conversions
         ws = [mpmath.mpf(float(v)) for v in w]
         nus = [mpmath.mpf(float(v)) for v in nu]
         for idx, xv in np.ndenumerate(xs):

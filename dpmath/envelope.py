@@ -239,10 +239,8 @@ class HutchEnvelope(Envelope):
 
     # the middle region --------------------------------------------------------------------------
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
-        """(i, j) pairs searched in the middle region."""
+        """(i, j) pairs searched in the middle region (only reached for d >= 2)."""
         d = self.d
-        if d == 1:
-            return np.array([1.0]), np.array([0.0])
         if self.family == "heavy-light":
             return np.array([1.0]), np.array([float(d - 1)])
         ii, jj = np.meshgrid(np.arange(1, d + 1), np.arange(0, d + 1), indexing="ij")

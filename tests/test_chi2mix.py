@@ -51,7 +51,7 @@ def test_left_tail_relative_accuracy_down_to_1e_100(weights, dof):
     exponents = np.linspace(0.5, 1.0, 6) * (200.0 / total_dof + 1.0)
     x = np.min(weights) * 10.0 ** (-exponents)
     ref = np.array(chi2_mixture_cdf(x, weights, dof, precision=40), dtype=float)
-    assert ref.min() < 1e-100 < 1e-5 < ref.max() or ref.min() < 1e-100
+    assert ref.min() < 1e-100
     keep = ref > 1e-300
     fast = chi2_mixture_cdf(x[keep], weights, dof)
     np.testing.assert_allclose(fast, ref[keep], rtol=1e-6)
