@@ -1,19 +1,25 @@
 """dpmath: high-precision mathematics of differential privacy with randomized clipping.
 
 No torch here: chi-square mixture distribution functions (:mod:`dpmath.chi2mix`), the envelope
-distributions that make randomized clipping private (:mod:`dpmath.envelope`), and their pessimistic
-discretization for privacy accountants.
+distributions that make randomized clipping private (:mod:`dpmath.envelope`) and their pessimistic
+discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod:`dpmath.pld`,
+:mod:`dpmath.rdp`) and noise calibration (:mod:`dpmath.calibration`).
 """
 
+from .calibration import Bracket, calibrate_sigma, dpsgd_epsilon, estimator_envelope
 from .chi2mix import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
 from .envelope import (
     Envelope,
     HutchEnvelope,
     HutchPPEnvelope,
     Maximizer,
+    PointMassEnvelope,
     ScaleDistribution,
     pessimistic_discretization,
 )
+from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .pld import PLDAccountant
+from .rdp import RDPAccountant
 
 __all__ = [
     "chi2_mixture_cdf",
@@ -24,7 +30,17 @@ __all__ = [
     "HutchEnvelope",
     "HutchPPEnvelope",
     "Maximizer",
+    "PointMassEnvelope",
     "ScaleDistribution",
     "pessimistic_discretization",
+    "Gaussian",
+    "SubsampledGaussian",
+    "RandomizedClipGaussian",
+    "PLDAccountant",
+    "RDPAccountant",
+    "Bracket",
+    "calibrate_sigma",
+    "dpsgd_epsilon",
+    "estimator_envelope",
 ]
 __version__ = "0.1.0"

@@ -55,8 +55,8 @@ from scipy import special
 from ._validation import positive_int, probability_array, real_array
 from .chi2mix import two_block_cdf
 
-__all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "ScaleDistribution",
-           "pessimistic_discretization"]
+__all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope",
+           "ScaleDistribution", "pessimistic_discretization"]
 
 _PROFILE_GRID = 65
 _SEARCH_GRID = 33
@@ -154,6 +154,20 @@ class Envelope:
             out[inner] = _bisect_quantile(self.cdf, target, lo, hi, 60)
         out = out.reshape(qs.shape)
         return out[()] if out.ndim == 0 else out
+
+    def point_mass(self) -> float | None:
+        """The constant ``y`` when ``Y`` is almost surely equal to it, else ``None``.
+
+        An accountant uses it to skip the grid: a constant scale needs no discretization, so the
+        mechanism is then exactly a (subsampled) Gaussian.
+
+        Examples
+        --------
+        >>> from dpmath import HutchEnvelope, PointMassEnvelope
+        >>> HutchEnvelope(k=4, d=8).point_mass() is None, PointMassEnvelope(1.0).point_mass()
+        (True, 1.0)
+        """
+        return None
 
     def support_interval(self, tail: float = 1e-16) -> tuple[float, float]:
         """``(ppf(tail), ppf(1 - tail))``: the range that holds all but ``2 tail`` of the mass.
@@ -575,6 +589,17 @@ class HutchPPEnvelope(Envelope):
             out = np.where(below, special.gammaincinv(k / 2.0, qs) * 2.0 / k, 1.0)
         return out[()] if out.ndim == 0 else out
 
+    def point_mass(self) -> float | None:
+        """``1.0`` when ``d <= k`` (the estimate is exact), else ``None``.
+
+        Examples
+        --------
+        >>> from dpmath import HutchPPEnvelope
+        >>> HutchPPEnvelope(k=32, d=16).point_mass(), HutchPPEnvelope(k=32, d=64).point_mass()
+        (1.0, None)
+        """
+        return 1.0 if self.d <= self.k else None
+
     def maximizer(self, x: float) -> Maximizer:
         """``(1, 0, 1.0)``: the vertex on a tail coordinate for ``x < 1``; ``(0, 0, 1.0)``, all weight on
         the known head (``alpha = 1``, the estimate is exactly 1), for ``x >= 1``.
@@ -587,6 +612,51 @@ class HutchPPEnvelope(Envelope):
         """
         xv = float(real_array(x, "x"))
         return Maximizer(0, 0, 1.0) if (xv >= 1.0 or self.d <= self.k) else Maximizer(1, 0, 1.0)
+
+
+class PointMassEnvelope(Envelope):
+    """The trivial envelope ``Y = value`` almost surely (``value = 1``: exact norms, plain DP-SGD).
+
+    Parameters
+    ----------
+    value : float
+        The constant, positive and finite (default 1).
+
+    Examples
+    --------
+    >>> from dpmath import PointMassEnvelope
+    >>> env = PointMassEnvelope()
+    >>> env.cdf([0.5, 1.0]).tolist(), float(env.ppf(0.3))
+    ([0.0, 1.0], 1.0)
+    """
+
+    def __init__(self, value: float = 1.0) -> None:
+        v = float(real_array(value, "value", allow_inf=False))
+        if v <= 0:
+            raise ValueError(f"value must be positive (> 0), got {value!r}")
+        self.value = v
+
+    def __repr__(self) -> str:
+        return f"PointMassEnvelope(value={self.value!r})"
+
+    def cdf(self, x: ArrayLike) -> np.ndarray:
+        """``1{x >= value}``, vectorized."""
+        out = np.where(real_array(x, "x") >= self.value, 1.0, 0.0)
+        return out[()] if out.ndim == 0 else out
+
+    def sf(self, x: ArrayLike) -> np.ndarray:
+        """``1{x < value}``, vectorized."""
+        out = np.where(real_array(x, "x") >= self.value, 0.0, 1.0)
+        return out[()] if out.ndim == 0 else out
+
+    def ppf(self, q: ArrayLike) -> np.ndarray:
+        """``value`` for ``q > 0`` and 0 at ``q = 0``."""
+        out = np.where(probability_array(q, "q") > 0, self.value, 0.0)
+        return out[()] if out.ndim == 0 else out
+
+    def point_mass(self) -> float | None:
+        """``value``."""
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -626,15 +696,18 @@ class ScaleDistribution:
 
 
 def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimistic: bool = False,
-                               cdf_tolerance: float = 1e-12) -> ScaleDistribution:
+                               cdf_tolerance: float = 1e-12, cdf_rtol: float = 1e-9) -> ScaleDistribution:
     r"""Discretize an envelope ``Y`` on a grid so that the result is stochastically smaller than ``Y``.
 
     For a grid ``0 < y_0 < y_1 < ... < y_n`` the mass ``F(y_{m+1}) - F(y_m)`` of each bin
     ``(y_m, y_{m+1}]`` is placed at its *smallest* point ``y_m`` (largest scale ``a = 1/sqrt(y_m)``,
     the worst case for privacy), the mass above ``y_n`` at ``y_n``, and ``P(Y <= y_0)`` is returned
     separately as ``below_mass`` for the accountant to charge to delta.  The CDF is raised by
-    ``cdf_tolerance`` (capped at 1) before differencing, so a numerical error of that size in the
-    envelope cannot make the result optimistic: the discrete CDF satisfies ``G(y) >= F(y)`` for every y.
+    ``min(cdf_tolerance, cdf_rtol * F)`` (capped at 1) before differencing, so a numerical error of
+    that size in the envelope cannot make the result optimistic: the discrete CDF satisfies
+    ``G(y) >= F(y)`` for every y.  The relative part keeps ``below_mass`` tiny in the left tail, where
+    the envelope is an incomplete gamma function with relative accuracy near machine precision; an
+    absolute ``1e-12`` there would be charged to delta at every step of a long composition.
 
     With ``optimistic=True`` the twin is returned instead: mass at each bin's largest point, the mass
     below the grid at ``y_0`` and no tolerance, giving ``G(y) <= F(y)``; the pair brackets any
@@ -651,6 +724,8 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
     cdf_tolerance : float
         Absolute error allowed for ``envelope.cdf`` (default ``1e-12``, above the ``1e-14`` measured
         against the mpmath reference).
+    cdf_rtol : float
+        Relative error allowed for ``envelope.cdf`` (default ``1e-9``); the smaller of the two is used.
 
     Examples
     --------
@@ -671,6 +746,8 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
         raise ValueError("grid must be strictly increasing")
     if not 0 <= cdf_tolerance < 1e-3:
         raise ValueError(f"cdf_tolerance must lie in [0, 1e-3), got {cdf_tolerance!r}")
+    if not 0 <= cdf_rtol < 1e-3:
+        raise ValueError(f"cdf_rtol must lie in [0, 1e-3), got {cdf_rtol!r}")
     F = np.asarray(envelope.cdf(y), dtype=np.float64)
     if optimistic:
         # bin (y_{m-1}, y_m] at y_m, the mass below the grid at y_0, the mass above it at y = inf
@@ -684,7 +761,8 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
             weights = np.concatenate([weights, [top]])
         return ScaleDistribution(atoms, weights, 0.0, pessimistic=False)
     # a running maximum first: a rounding wiggle in F must not turn into a negative (dropped) mass
-    F_hi = np.minimum(np.maximum.accumulate(F) + cdf_tolerance, 1.0)
+    F_run = np.maximum.accumulate(F)
+    F_hi = np.minimum(F_run + np.minimum(cdf_tolerance, cdf_rtol * F_run), 1.0)
     weights = np.concatenate([np.diff(F_hi), [1.0 - F_hi[-1]]])
     weights = np.maximum(weights, 0.0)
     return ScaleDistribution(y.copy(), weights, float(F_hi[0]), pessimistic=True)

@@ -1,0 +1,169 @@
+r"""Mechanisms: small immutable descriptions that accountants compose.
+
+Every mechanism releases a sum of clipped vectors plus Gaussian noise of standard deviation ``sigma``
+times the clipping norm, so one example moves the output by a vector of norm at most ``a / sigma``
+noise standard deviations, where ``a`` is the example's *scale*:
+
+* :class:`Gaussian`: ``a = 1``, every step (no sampling).
+* :class:`SubsampledGaussian`: ``a = 1``, the example is in the batch with probability ``q``
+  (Poisson sampling).
+* :class:`RandomizedClipGaussian`: DP-SGD-RC. The norm is *estimated*, so the clipped contribution
+  has the random norm ``a = 1 / sqrt(Y)`` with ``Y`` drawn from an envelope (paper 000, Sec. 5.2 and
+  Lemma B.2-B.3): the dominating pair is ``(a, q N(a/sigma, 1) + (1-q) N(0, 1))`` against
+  ``(a, N(0, 1))``.  ``a`` is part of the output, so the pair's hockey-stick curve is the
+  ``Y``-average of subsampled-Gaussian curves.
+
+A mechanism validates its arguments once, at construction; accountants never see an invalid one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ._validation import real_array
+from .envelope import Envelope
+
+__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian"]
+
+
+def _sigma(value: object) -> float:
+    v = float(real_array(value, "sigma", allow_inf=False))
+    if not v > 0:
+        raise ValueError(f"sigma must be positive (> 0), got {value!r}")
+    return v
+
+
+def _sample_rate(value: object) -> float:
+    v = float(real_array(value, "q", allow_inf=False))
+    if not 0 < v <= 1:
+        raise ValueError(f"q must lie in (0, 1], got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    r"""The Gaussian mechanism with noise multiplier ``sigma`` (noise std / sensitivity).
+
+    Its privacy-loss distribution is ``N(mu^2/2, mu^2)`` with ``mu = 1/sigma`` in both neighbouring
+    directions, and its Renyi divergence of order ``alpha`` is ``alpha / (2 sigma^2)``.
+
+    Parameters
+    ----------
+    sigma : float
+        Noise multiplier, ``> 0``.
+
+    Examples
+    --------
+    >>> from dpmath import Gaussian
+    >>> Gaussian(2.0)
+    Gaussian(sigma=2.0)
+    >>> Gaussian(0.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: sigma must be positive (> 0), got 0.0
+    """
+
+    sigma: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma", _sigma(self.sigma))
+
+    @property
+    def q(self) -> float:
+        """Sampling probability: 1 (every step sees the example)."""
+        return 1.0
+
+
+@dataclass(frozen=True)
+class SubsampledGaussian:
+    r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD.
+
+    Each example is in the batch independently with probability ``q``; the clipped sum gets
+    ``N(0, sigma^2)`` noise per coordinate.  With unit-variance coordinates and ``mu = 1/sigma`` the
+    dominating pairs are ``(q N(mu, 1) + (1-q) N(0, 1), N(0, 1))`` when an example is removed, the swap
+    when one is added, and ``(q N(-mu, 1) + (1-q) N(0, 1), q N(mu, 1) + (1-q) N(0, 1))`` when one is
+    replaced.
+
+    Parameters
+    ----------
+    sigma : float
+        Noise multiplier, ``> 0``.
+    q : float
+        Sampling probability (batch size / data-set size), in ``(0, 1]``.
+
+    Examples
+    --------
+    >>> from dpmath import SubsampledGaussian
+    >>> SubsampledGaussian(1.1, 256 / 60000)
+    SubsampledGaussian(sigma=1.1, q=0.004266666666666667)
+    >>> SubsampledGaussian(1.0, 1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: q must lie in (0, 1], got 1.5
+    """
+
+    sigma: float
+    q: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma", _sigma(self.sigma))
+        object.__setattr__(self, "q", _sample_rate(self.q))
+
+
+@dataclass(frozen=True)
+class RandomizedClipGaussian:
+    r"""One step of DP-SGD-RC: a subsampled Gaussian whose sensitivity is the random scale ``1/sqrt(Y)``.
+
+    ``Y`` follows an envelope (:class:`~dpmath.HutchEnvelope`, :class:`~dpmath.HutchPPEnvelope`, or
+    any :class:`~dpmath.Envelope`).  The dominating pair (paper 000, Sec. 5.2) is, with
+    ``a = 1/sqrt(Y)``,
+
+    .. math::
+
+        P = \big(a,\; q\,\mathcal N(a/\sigma, 1) + (1-q)\,\mathcal N(0, 1)\big),\qquad
+        Q = \big(a,\; \mathcal N(0, 1)\big),
+
+    so its hockey-stick divergence is ``E_Y[H_{e^eps}]`` of the subsampled Gaussian with noise
+    ``sigma * sqrt(Y)``.  The accountant discretizes ``Y`` on a grid whose scales ``a`` are spaced by
+    the relative step ``scale_resolution``: pessimistically (each bin's mass at its largest scale, the
+    mass below the grid charged to delta) for the upper bound, optimistically for the lower bound.
+    With a constant ``Y = 1`` (:class:`~dpmath.PointMassEnvelope`) the mechanism *is*
+    :class:`SubsampledGaussian` and every accountant returns the same numbers.
+
+    Its Renyi divergence is infinite for every order (paper 000, App. B.2): ``a`` has a polynomial
+    tail, ``P(a > s) ~ s^{-k}``, so ``E[exp(alpha (alpha-1) a^2 / (2 sigma^2))]`` diverges.  Only
+    the PLD accountant accepts it.
+
+    Parameters
+    ----------
+    sigma : float
+        Noise multiplier, ``> 0``.
+    q : float
+        Sampling probability, in ``(0, 1]``.
+    envelope : Envelope
+        Distribution of the squared-norm ratio ``Y`` (estimate / true norm, squared, worst case).
+    scale_resolution : float
+        Relative spacing of the scale grid, in ``(0, 0.1]`` (default ``2e-3``).
+
+    Examples
+    --------
+    >>> from dpmath import HutchEnvelope, RandomizedClipGaussian
+    >>> RandomizedClipGaussian(4.0, 0.01, HutchEnvelope(k=32, d=2048))
+    RandomizedClipGaussian(sigma=4.0, q=0.01, envelope=HutchEnvelope(k=32, d=2048))
+    """
+
+    sigma: float
+    q: float
+    envelope: Envelope
+    scale_resolution: float = field(default=2e-3, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sigma", _sigma(self.sigma))
+        object.__setattr__(self, "q", _sample_rate(self.q))
+        if not isinstance(self.envelope, Envelope):
+            raise ValueError(f"envelope must be a dpmath Envelope, got {type(self.envelope).__name__}")
+        r = float(real_array(self.scale_resolution, "scale_resolution", allow_inf=False))
+        if not 0 < r <= 0.1 or math.isnan(r):
+            raise ValueError(f"scale_resolution must lie in (0, 0.1], got {self.scale_resolution!r}")
+        object.__setattr__(self, "scale_resolution", r)
