@@ -23,10 +23,14 @@ and ``Q_k`` of the exact pair:
   rest left, with ``r_k`` small enough that the merged atom at every grid point has loss ``>= t_j``;
   its loss is then rounded *down* to ``t_j``.  Mass below the grid is dropped.
 
-Composition uses the FFT.  A self-composition keeps a window chosen by a Chernoff bound; mass that
-can wrap around from above the window is charged to ``inf`` (upper) and mass that can wrap from
-below is subtracted from delta (``slack``, lower), so the circular convolution never turns an upper
-bound into a guess.
+Composition (:func:`compose`) multiplies the Fourier transforms of all steps at once, on a window
+chosen by a Chernoff bound: the mass beyond it is charged to ``inf`` (upper) and the mass that can
+wrap around is subtracted from delta (``slack``, lower).  Floating-point error is bounded, not
+ignored.  A plain FFT has an absolute error near ``n eps log N`` times the peak mass, which swamps
+the ``1e-12`` tails a small delta depends on, so the product is also computed under exponential
+tilts ``p_j e^{lambda t_j}``, each centred where the previous ones left an upper tail sum
+``P(L >= t) > 1e-15`` with a relative error bound above ``1e-3``; each output point is taken from
+the tilt with the smallest error bound, and that bound is added to it (upper) or subtracted (lower).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from scipy import fft as sfft
 from scipy import signal, special
 
 MAX_GRID = 1 << 25  # ~34M points: 270 MB per float64 array, the most one composition may use
+_FFT_ERR = 5.0 * np.finfo(np.float64).eps  # |error| of an FFT coefficient per unit mass, per log2 N
+_TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias anywhere)
+_TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
+_TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
+_MAX_TILTS = 64
 
 
 def _ndtr_pair(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,7 +246,8 @@ class Pld:
     """A discrete PLD: masses ``pmf`` at losses ``(start + j) h``, ``inf`` at ``+inf``.
 
     ``upper`` says which bound it is; ``slack`` (lower bounds only) is mass that FFT wrap-around may
-    have placed too high, subtracted from every delta.
+    have placed too high, subtracted from every delta; ``err`` (compositions) is the floating-point
+    error bound per point, already added to (upper) or subtracted from (lower) ``pmf``.
     """
 
     h: float
@@ -246,88 +256,7 @@ class Pld:
     inf: float
     upper: bool
     slack: float = 0.0
-
-    @classmethod
-    def identity(cls, h: float, upper: bool) -> Pld:
-        return cls(h, 0, np.ones(1), 0.0, upper)
-
-    # ----------------------------------------------------------------------------- composition
-    def _chernoff_window(self, n: int, tail: float) -> tuple[int, int, float, float]:
-        """Index window ``[lo, hi]`` of the ``n``-fold sum holding all but ``tail`` mass on each side."""
-        p = self.pmf
-        idx = np.nonzero(p > 0)[0]
-        k_min, k_max = self.start + int(idx[0]), self.start + int(idx[-1])
-        if n * (k_max - k_min) + 1 <= 4096:
-            return n * k_min, n * k_max, 0.0, 0.0
-        logp = np.log(p[idx])
-        t = (self.start + idx) * self.h
-        mass = float(np.exp(logp).sum())
-        mean = float(np.exp(logp) @ t) / mass
-        sd = math.sqrt(max(float(np.exp(logp) @ (t - mean) ** 2) / mass, self.h * self.h))
-        lams = np.geomspace(1e-4, 1e3, 64) / (sd * math.sqrt(n))
-        log_tail = math.log(tail)
-        bounds = []
-        for sign in (1.0, -1.0):
-            lm = np.array([special.logsumexp(logp + sign * lam * (t - mean)) for lam in lams])
-            # P(sign (S - n mean) >= u) <= exp(n log M(lam) - lam u)
-            u = (n * lm - log_tail) / lams
-            best = int(np.argmin(u))
-            bounds.append(float(u[best]))
-        hi = min(n * k_max, math.ceil((n * mean + bounds[0]) / self.h))
-        lo = max(n * k_min, math.floor((n * mean - bounds[1]) / self.h))
-        over = tail if hi < n * k_max else 0.0
-        under = tail if lo > n * k_min else 0.0
-        return lo, hi, over, under
-
-    def self_compose(self, n: int, tail: float) -> Pld:
-        """The ``n``-fold composition, by one FFT power on a Chernoff window."""
-        if n == 1:
-            return self
-        lo, hi, over, under = self._chernoff_window(n, tail)
-        size = hi - lo + 1
-        if size > MAX_GRID:
-            raise ValueError(
-                f"the composed privacy loss spans {size:,} grid points (limit {MAX_GRID:,}); use a coarser "
-                f"discretization (now {self.h:g}), e.g. discretization={self.h * 2 * size / MAX_GRID:.2g}")
-        nfft = sfft.next_fast_len(size, real=True)
-        base = np.bincount(np.arange(self.pmf.size) % nfft, weights=self.pmf, minlength=nfft)
-        spec = sfft.rfft(base) ** n
-        circ = sfft.irfft(spec, nfft)
-        # absolute index a sits at circular position (a - n start) mod nfft
-        pos = (np.arange(lo, hi + 1) - n * self.start) % nfft
-        out = np.maximum(circ[pos], 0.0)
-        inf = -math.expm1(n * math.log1p(-self.inf)) if self.inf < 1 else 1.0
-        if self.upper:
-            return Pld(self.h, lo, out, min(1.0, inf + over), True)
-        return Pld(self.h, lo, out, inf, False, self.slack * n + under)
-
-    def convolve(self, other: Pld, tail: float) -> Pld:
-        """Composition with another PLD on the same grid; tails beyond ``tail`` mass are cut soundly."""
-        out = np.maximum(signal.fftconvolve(self.pmf, other.pmf), 0.0) if min(self.pmf.size, other.pmf.size) > 64 \
-            else np.convolve(self.pmf, other.pmf)
-        inf = 1.0 - (1.0 - self.inf) * (1.0 - other.inf)
-        res = Pld(self.h, self.start + other.start, out, inf, self.upper, self.slack + other.slack)
-        return res.truncate(tail)
-
-    def truncate(self, tail: float) -> Pld:
-        """Drop the outer ``tail`` mass on each side: up to ``inf`` or down to the edge (upper), the
-        other way round (lower)."""
-        p = self.pmf
-        from_top = np.cumsum(p[::-1])[::-1]
-        from_bottom = np.cumsum(p)
-        keep_hi = int(np.nonzero(from_top > tail)[0][-1]) if (from_top > tail).any() else p.size - 1
-        keep_lo = int(np.nonzero(from_bottom > tail)[0][0]) if (from_bottom > tail).any() else 0
-        keep_lo = min(keep_lo, keep_hi)
-        cut_hi = float(from_top[keep_hi + 1]) if keep_hi + 1 < p.size else 0.0
-        cut_lo = float(from_bottom[keep_lo - 1]) if keep_lo > 0 else 0.0
-        new = p[keep_lo:keep_hi + 1].copy()
-        inf = self.inf
-        if self.upper:
-            new[0] += cut_lo
-            inf = min(1.0, inf + cut_hi)
-        else:
-            new[-1] += cut_hi
-        return Pld(self.h, self.start + keep_lo, new, inf, self.upper, self.slack)
+    err: np.ndarray | None = None
 
     # ----------------------------------------------------------------------------- read-out
     def _curves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -386,3 +315,281 @@ class Pld:
             vals = 1.0 - dj[j] - np.exp(t[j] + log_alpha)
         start_val = 1.0 - (self.inf + float(self.pmf.sum()) - self.slack)
         return np.clip(np.maximum(vals, start_val), 0.0, 1.0)
+
+
+class _Factor:
+    """One step PLD raised to the power ``n``, with the tilted moments the composition needs."""
+
+    def __init__(self, pld: Pld, n: int) -> None:
+        idx = np.nonzero(pld.pmf > 0)[0]
+        self.n = n
+        self.k = pld.start + idx
+        self.t = self.k * pld.h
+        self.logp = np.log(pld.pmf[idx])
+
+    def tilted(self, lam: float) -> tuple[np.ndarray, float, float, float]:
+        """``(weights, log normalizer, mean, variance)`` of the law tilted by ``e^{lam t}``."""
+        logw = self.logp + lam * self.t
+        log_norm = float(special.logsumexp(logw))
+        w = np.exp(logw - log_norm)
+        mean = float(w @ self.t)
+        var = float(w @ (self.t - mean) ** 2)
+        return w, log_norm, mean, var
+
+
+def _tilted_stats(factors: list[_Factor], lam: float) -> tuple[float, float]:
+    mean = var = 0.0
+    for f in factors:
+        _, _, m, v = f.tilted(lam)
+        mean += f.n * m
+        var += f.n * v
+    return mean, var
+
+
+def _window(factors: list[_Factor], lam: float, tail: float, h: float) -> tuple[int, int]:
+    """Grid-index window holding all but ``tail`` of the tilted sum's mass on each side (Chernoff)."""
+    mean, var = _tilted_stats(factors, lam)
+    sd = max(math.sqrt(var), h)
+    thetas = np.geomspace(0.3, 300.0, 24) / sd
+    bounds = []
+    for sign in (1.0, -1.0):
+        cum = np.zeros(thetas.size)
+        for f in factors:
+            w, _, m, _ = f.tilted(lam)
+            logw = np.log(np.maximum(w, 1e-320))
+            cum += f.n * np.array([special.logsumexp(logw + sign * th * (f.t - m)) for th in thetas])
+        bounds.append(float(np.min((cum - math.log(tail)) / thetas)))
+    k_max = sum(f.n * int(f.k[-1]) for f in factors)
+    k_min = sum(f.n * int(f.k[0]) for f in factors)
+    return max(k_min, math.floor((mean - bounds[1]) / h)), min(k_max, math.ceil((mean + bounds[0]) / h))
+
+
+def _tilt_for_mean(factors: list[_Factor], target: float, lam0: float, direction: float) -> float | None:
+    """The tilt whose tilted mean is ``target`` (searching away from ``lam0``), or None if out of reach."""
+    lo, step = lam0, 1e-3 / max(math.sqrt(_tilted_stats(factors, lam0)[1]), 1e-12)
+    hi = lo + direction * step
+    for _ in range(200):
+        if (_tilted_stats(factors, hi)[0] - target) * direction >= 0:
+            break
+        lo, step = hi, 2.0 * step
+        hi = lo + direction * step
+    else:
+        return None
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if (_tilted_stats(factors, mid)[0] - target) * direction >= 0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a: int, b: int, h: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Values and log error bounds at grid indices ``a..b`` of the composition, computed on the FFT
+    window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted."""
+    nfft = sfft.next_fast_len(w_hi - w_lo + 1, real=True)
+    spec = np.ones(nfft // 2 + 1, dtype=np.complex128)
+    log_abs = []
+    log_scale = 0.0
+    offset = 0
+    for f in factors:
+        w, log_norm, _, _ = f.tilted(lam)
+        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft))
+        spec *= x ** f.n
+        with np.errstate(divide="ignore"):
+            log_abs.append(np.log(np.abs(x)))
+        log_scale += f.n * log_norm
+        offset += f.n * int(f.k[0])
+    # |d prod X_i^n_i| <= sum_i n_i |dX_i| |X_i|^(n_i - 1) prod_{j != i} |X_j|^n_j, |dX| <= _FFT_ERR log2 N
+    sens = np.zeros(spec.size)
+    for i, f in enumerate(factors):
+        log_term = (f.n - 1) * log_abs[i] if f.n > 1 else np.zeros(spec.size)
+        for j, g in enumerate(factors):
+            if j != i:
+                log_term = log_term + g.n * log_abs[j]
+        sens += f.n * np.exp(log_term)
+    circ = sfft.irfft(spec, nfft)
+    scale = _FFT_ERR * math.log2(nfft)
+    err_t = scale * ((2.0 / nfft) * (float(np.sum(sens)) + float(np.sum(np.abs(spec)))) + float(np.max(np.abs(circ))))
+    if lam != 0.0:
+        err_t += 2.0 * _TILT_TAIL  # tilted mass outside the window may alias onto any point
+    pos = (np.arange(a, b + 1) - offset) % nfft
+    log_fac = log_scale - lam * np.arange(a, b + 1) * h
+    with np.errstate(over="ignore"):
+        return circ[pos] * np.exp(log_fac), math.log(err_t) + log_fac
+
+
+class Composition:
+    """The composition of ``n_i`` copies of each step PLD, evaluated on demand by tilted FFT products.
+
+    :meth:`epsilon` and :meth:`delta` need only the upper tail near the answer: they run one tilted
+    pass centred there (the Chernoff-optimal tilt), check that the answer lies in the accurately
+    resolved region with an error contribution below ``_TILT_RTOL`` of delta, and otherwise move the
+    tilt and try again.  Everything below that pass's window is lumped at its bottom (upper bound) or
+    dropped (lower bound).  :meth:`full` resolves the whole range (for the trade-off curve).
+
+    Parameters
+    ----------
+    events : list of (Pld, int)
+        Step PLDs (all upper or all lower bounds, one grid) and their counts.
+    tail : float
+        Mass left outside the untilted window on each side (charged to ``inf`` / ``slack``).
+    """
+
+    def __init__(self, events: list[tuple[Pld, int]], tail: float) -> None:
+        first = events[0][0]
+        self.h, self.upper = first.h, first.upper
+        self.single = first if (len(events) == 1 and events[0][1] == 1) else None
+        self._full: Pld | None = None
+        self._local: dict[float, Pld] = {}
+        if self.single is not None:
+            return
+        self.factors = [_Factor(p, n) for p, n in events]
+        self.inf = 1.0 - math.prod((1.0 - p.inf) ** n for p, n in events)
+        self.lo, self.hi = _window(self.factors, 0.0, tail, self.h)
+        k_min = sum(f.n * int(f.k[0]) for f in self.factors)
+        k_max = sum(f.n * int(f.k[-1]) for f in self.factors)
+        self.over = tail if self.hi < k_max else 0.0
+        self.under = tail if self.lo > k_min else 0.0
+        self.slack = sum(p.slack * n for p, n in events)
+        size = self.hi - self.lo + 1
+        if size > MAX_GRID:
+            raise ValueError(
+                f"the composed privacy loss spans {size:,} grid points (limit {MAX_GRID:,}); use a coarser "
+                f"discretization (now {self.h:g}), e.g. discretization={self.h * 2 * size / MAX_GRID:.2g}")
+
+    def _pass(self, lam: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """``(first index, values, log error bounds)`` of one tilted pass, inside the untilted window."""
+        w_lo, w_hi = (self.lo, self.hi) if lam == 0.0 else _window(self.factors, lam, _TILT_TAIL, self.h)
+        a, b = max(self.lo, w_lo), min(self.hi, w_hi)
+        if a > b or w_hi - w_lo + 1 > MAX_GRID:
+            return None
+        val, log_err = _tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h)
+        return a, val, log_err
+
+    def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
+        slack = self.slack + (self.under + self.over if lam == 0.0 else 0.0)
+        if self.upper:
+            pmf = np.maximum(value, 0.0) + err
+            # mass below the pass moves up to its first point: at most what the pass does not hold
+            pmf[0] += max(0.0, 1.0 - self.inf - float(np.maximum(value - err, 0.0).sum()))
+            return Pld(self.h, start, pmf, min(1.0, self.inf + self.over), True, err=err)
+        pmf = np.maximum(value - err, 0.0)
+        return Pld(self.h, start, pmf, self.inf, False, slack, err=err)
+
+    def local(self, lam: float) -> Pld:
+        """One pass under the tilt ``lam`` (cached)."""
+        if lam not in self._local:
+            res = self._pass(lam)
+            if res is None:
+                self._local[lam] = self.full()
+            else:
+                start, val, log_err = res
+                with np.errstate(over="ignore", invalid="ignore"):
+                    err = np.exp(log_err)
+                    # far below the tilt's centre the untilted values are noise: lump them instead
+                    ok = np.nonzero(np.isfinite(val) & (err <= 0.5 * np.abs(val)))[0]
+                first = int(ok[0]) if ok.size else val.size - 1
+                self._local[lam] = self._finish(start + first, val[first:], err[first:], lam)
+        return self._local[lam]
+
+    def full(self) -> Pld:
+        """Every point of the window, each from the tilt with the smallest error bound (cached)."""
+        if self._full is not None:
+            return self._full
+        size = self.hi - self.lo + 1
+        value = np.zeros(size)
+        log_err = np.full(size, np.inf)
+        t_out = np.arange(self.lo, self.hi + 1) * self.h
+
+        def run(lam: float) -> None:
+            res = self._pass(lam)
+            if res is None:
+                return
+            a, val, err = res
+            sl = slice(a - self.lo, a - self.lo + val.size)
+            better = err < log_err[sl]
+            value[sl] = np.where(better, val, value[sl])
+            log_err[sl] = np.where(better, err, log_err[sl])
+
+        run(0.0)
+        # more tilts while the error bound of an upper tail sum P(L >= t) above _TILT_FLOOR exceeds
+        # _TILT_RTOL of it: these sums are what delta(eps) reads
+        lam = 0.0
+        centre, var = _tilted_stats(self.factors, 0.0)
+        for _ in range(_MAX_TILTS):
+            with np.errstate(over="ignore"):
+                err_tail = np.cumsum(np.exp(log_err)[::-1])[::-1]
+            tail_mass = np.cumsum(np.abs(value)[::-1])[::-1]
+            bad = (err_tail > _TILT_RTOL * tail_mass) & (tail_mass > _TILT_FLOOR) & (t_out > centre)
+            if not bad.any():
+                break
+            # at least two tilted standard deviations per tilt, so the search ends after a few passes
+            target = max(float(t_out[np.argmax(bad)]), centre + 2.0 * math.sqrt(var))
+            nxt = _tilt_for_mean(self.factors, target, lam, 1.0)
+            if nxt is None or nxt <= lam:
+                break
+            lam = nxt
+            run(lam)
+            new_centre, var = _tilted_stats(self.factors, lam)
+            if new_centre <= centre:
+                break
+            centre = new_centre
+        with np.errstate(over="ignore"):
+            self._full = self._finish(self.lo, value, np.exp(log_err), 0.0)
+        return self._full
+
+    def _good(self, pld: Pld, eps: float, delta: float) -> bool:
+        """``eps`` lies above the lumped first point and the error bounds move delta(eps) by little."""
+        if pld is self._full:
+            return True
+        if eps < pld.start * self.h:
+            return False
+        j = max(0, math.floor(eps / self.h) - pld.start)
+        return float(pld.err[j:].sum()) <= _TILT_RTOL * max(delta, _TILT_FLOOR)
+
+    def epsilon(self, delta: float) -> float:
+        if self.single is not None:
+            return self.single.epsilon(delta)
+        mean, var = _tilted_stats(self.factors, 0.0)
+        lam = _chernoff_tilt(self.factors, delta, math.sqrt(var))
+        for _ in range(4):
+            pld = self.local(lam)
+            eps = pld.epsilon(delta)
+            if eps == math.inf or self._good(pld, eps, delta):
+                return eps
+            nxt = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
+            if nxt is None or nxt == lam:
+                break
+            lam = nxt
+        return self.full().epsilon(delta)
+
+    def delta(self, eps: float) -> float:
+        if self.single is not None:
+            return self.single.delta(eps)
+        mean, _ = _tilted_stats(self.factors, 0.0)
+        lam = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
+        if lam is not None:
+            pld = self.local(lam)
+            d = pld.delta(eps)
+            if self._good(pld, eps, d):
+                return d
+        return self.full().delta(eps)
+
+    def tradeoff(self, alpha: np.ndarray) -> np.ndarray:
+        return (self.single if self.single is not None else self.full()).tradeoff(alpha)
+
+    @property
+    def inf_mass(self) -> float:
+        return self.single.inf if self.single is not None else min(1.0, self.inf + self.over)
+
+
+def _chernoff_tilt(factors: list[_Factor], delta: float, sd: float) -> float:
+    """The tilt that minimises the Chernoff bound ``exp(K(theta) - theta u)`` at its ``delta`` quantile."""
+    thetas = np.geomspace(1e-3, 1e3, 61) / max(sd, 1e-12)
+    cum = np.zeros(thetas.size)
+    for f in factors:
+        cum += f.n * np.array([special.logsumexp(f.logp + th * f.t) for th in thetas])
+    u = (cum - math.log(delta)) / thetas
+    return float(thetas[int(np.argmin(u))])

@@ -100,7 +100,7 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     --------
     >>> from dpmath import calibrate_sigma
     >>> round(calibrate_sigma(1.0, 1e-5, 0.01, 1000), 3)
-    1.203
+    1.415
     """
     eps_t = float(real_array(target_epsilon, "target_epsilon", allow_inf=False))
     if not eps_t > 0:
@@ -191,10 +191,10 @@ def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta
     Examples
     --------
     >>> from dpmath import dpsgd_epsilon
-    >>> dpsgd_epsilon(1.0, 0.01, 1000, 1e-5).upper.__round__(3)
-    1.239
+    >>> round(dpsgd_epsilon(1.0, 0.01, 1000, 1e-5).upper, 3)
+    1.828
     >>> r = dpsgd_epsilon(1.0, 0.01, 1000, 1e-5, estimator="hutch", projection_dim=32, dim=2048)
-    >>> bool(r.lower <= r.upper), r.upper > 1.239
+    >>> bool(r.lower <= r.upper), r.upper > 1.828
     (True, True)
     """
     env = estimator_envelope(estimator, projection_dim, dim)

@@ -150,7 +150,7 @@ class RandomizedClipGaussian:
     --------
     >>> from dpmath import HutchEnvelope, RandomizedClipGaussian
     >>> RandomizedClipGaussian(4.0, 0.01, HutchEnvelope(k=32, d=2048))
-    RandomizedClipGaussian(sigma=4.0, q=0.01, envelope=HutchEnvelope(k=32, d=2048))
+    RandomizedClipGaussian(sigma=4.0, q=0.01, envelope=HutchEnvelope(k=32, d=2048, family='heavy-light'))
     """
 
     sigma: float

@@ -123,8 +123,8 @@ def subsampled_gaussian_rdp(sigma: float, q: float, orders: ArrayLike) -> np.nda
     --------
     >>> from dpmath.rdp import subsampled_gaussian_rdp
     >>> r = 50 * subsampled_gaussian_rdp(2.5, 0.01, [1.5, 2.5, 5, 50, 100])
-    >>> [f"{v:.6e}" for v in r]       # dp_accounting's test values
-    ['6.705797e-04', '1.085487e-03', '2.180757e-03', '2.384604e-02', '1.674163e+02']
+    >>> [f"{v:.6e}" for v in r]   # integer orders: dp_accounting's test values; fractional: exact
+    ['6.500709e-04', '1.085418e-03', '2.180757e-03', '2.384604e-02', '1.674163e+02']
     """
     mech = SubsampledGaussian(sigma, q)
     a = real_array(orders, "orders", allow_inf=False)
@@ -165,7 +165,7 @@ class RDPAccountant:
     >>> from dpmath.rdp import RDPAccountant
     >>> acc = RDPAccountant().compose(SubsampledGaussian(1.1, 256 / 60000), 14063)
     >>> round(acc.epsilon(1e-5), 3)
-    2.919
+    2.597
     """
 
     def __init__(self, orders: Sequence[float] | None = None, conversion: str = "balle") -> None:
@@ -229,7 +229,7 @@ class RDPAccountant:
         >>> from dpmath import Gaussian
         >>> from dpmath.rdp import RDPAccountant
         >>> round(RDPAccountant().compose(Gaussian(1.0)).epsilon(1e-5), 3)
-        4.666
+        4.729
         """
         return conversions.rdp_to_epsilon(self._rdp, self.orders, check_delta(delta), self.conversion)[0]
 
@@ -244,8 +244,8 @@ class RDPAccountant:
         --------
         >>> from dpmath import Gaussian
         >>> from dpmath.rdp import RDPAccountant
-        >>> f"{RDPAccountant().compose(Gaussian(1.0)).delta(4.666):.2e}"
-        '9.99e-06'
+        >>> f"{RDPAccountant().compose(Gaussian(1.0)).delta(4.729):.2e}"
+        '9.98e-06'
         """
         return conversions.rdp_to_delta(self._rdp, self.orders, check_epsilon(epsilon), self.conversion)
 
