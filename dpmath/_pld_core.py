@@ -48,6 +48,7 @@ _TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias 
 _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
 _MAX_TILTS = 64
+_MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta) before it is an error
 
 
 def _ndtr_pair(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,13 +144,19 @@ class StepMasses:
     atoms: np.ndarray
     excess: np.ndarray
     inf: float
+    stride: int = 1
 
     def scaled(self, w: float) -> StepMasses:
-        return StepMasses(self.lo, w * self.p_int, w * self.q_int, w * self.atoms, w * self.excess, w * self.inf)
+        return StepMasses(self.lo, w * self.p_int, w * self.q_int, w * self.atoms, w * self.excess, w * self.inf,
+                          self.stride)
 
 
-def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: float) -> StepMasses:
-    """One subsampled-Gaussian step, resolved on ``z`` standard deviations of the output under ``P``.
+def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: float,
+                t_cap: float = math.inf, max_points: int = MAX_GRID) -> StepMasses:
+    """One subsampled-Gaussian step, resolved on ``z`` standard deviations of the output under ``P``
+    and on losses up to ``t_cap``, with at most ``max_points`` grid points (a longer range uses every
+    ``stride``-th grid point: connect-the-dots on a coarser partition is still an upper bound, and the
+    greedy split on it still a lower bound, only less tight).
 
     Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
     bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
@@ -158,9 +165,17 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
     if mu == 0.0:
         return StepMasses(0, np.zeros(0), np.zeros(0), np.ones(1), np.zeros(1), 0.0)
     t_lo, t_hi = loss_range(mu, q, relation, z)
+    t_lo = max(t_lo, -t_cap)
+    t_hi = min(t_hi, max(t_cap, t_lo + h))
     k_lo = math.floor(t_lo / h)
     k_hi = max(math.ceil(t_hi / h), k_lo + 1)
-    t = np.arange(k_lo, k_hi + 1) * h
+    if k_hi - k_lo + 1 > MAX_GRID:
+        raise ValueError(
+            f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
+            f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
+    stride = max(1, -(-(k_hi - k_lo) // max_points))
+    k_hi = k_lo + stride * (-(-(k_hi - k_lo) // stride))
+    t = np.arange(k_lo, k_hi + 1, stride) * h
     p_cdf, p_sf, q_cdf, q_sf = pair_cdfs(t, mu, q, relation)
     # interval masses from whichever side of the distribution is small, so tails keep relative accuracy
     p_int = np.maximum(np.where(p_cdf[1:] <= 0.5, p_cdf[1:] - p_cdf[:-1], p_sf[:-1] - p_sf[1:]), 0.0)
@@ -177,7 +192,7 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
     else:
         atoms[-1] = p_above
         excess[-1] = max(p_above - eq_top, 0.0)
-    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf)
+    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf, stride)
 
 
 def mix(parts: list[StepMasses]) -> StepMasses:
@@ -195,26 +210,38 @@ def mix(parts: list[StepMasses]) -> StepMasses:
     return out
 
 
-def split(m: StepMasses, h: float, upper: bool) -> Pld:
+def split(m: StepMasses, h: float, upper: bool) -> tuple[np.ndarray, np.ndarray, float]:
     """Place every interval's mass on its two end points: connect-the-dots (upper) or the greedy
-    post-processing split (lower); see the module docstring."""
-    t = (m.lo + np.arange(m.atoms.size)) * h
+    post-processing split (lower); see the module docstring.  Returns ``(grid indices, masses, inf)``."""
+    idx = m.lo + m.stride * np.arange(m.atoms.size)
+    t = idx * h
+    width = m.stride * h
     p_int, q_int = m.p_int, m.q_int
     with np.errstate(divide="ignore", over="ignore"):
         log_q = np.log(q_int)
         left = np.clip(p_int - np.exp(t[:-1] + log_q), 0.0, p_int)      # excess at the left end, >= 0
     pmf = m.atoms.copy()
     if upper:
-        right = np.minimum(left / -math.expm1(-h), p_int)
+        right = np.minimum(left / -math.expm1(-width), p_int)
         pmf[:-1] += p_int - right
         pmf[1:] += right
-        return Pld(h, m.lo, pmf, min(m.inf, 1.0), True)
+        return idx, pmf, min(m.inf, 1.0)
     with np.errstate(over="ignore"):
         deficit = (-np.minimum(p_int - np.exp(t[1:] + log_q), 0.0)).tolist()  # -(excess at the right end)
     frac = _greedy_fractions(left.tolist(), deficit, m.excess.tolist())
     pmf[:-1] += (1.0 - frac) * p_int
     pmf[1:] += frac * p_int
-    return Pld(h, m.lo, pmf, 0.0, False)
+    return idx, pmf, 0.0
+
+
+def assemble(pieces: list[tuple[np.ndarray, np.ndarray, float]], h: float, upper: bool) -> Pld:
+    """One PLD from split pieces (a mixture: masses add)."""
+    lo = min(int(i[0]) for i, _, _ in pieces)
+    hi = max(int(i[-1]) for i, _, _ in pieces)
+    pmf = np.zeros(hi - lo + 1)
+    for i, m, _ in pieces:
+        np.add.at(pmf, i - lo, m)
+    return Pld(h, lo, pmf, min(1.0, sum(f for _, _, f in pieces)), upper)
 
 
 def _greedy_fractions(left: list[float], deficit: list[float], extra: list[float]) -> np.ndarray:
@@ -346,22 +373,38 @@ def _tilted_stats(factors: list[_Factor], lam: float) -> tuple[float, float]:
     return mean, var
 
 
-def _window(factors: list[_Factor], lam: float, tail: float, h: float) -> tuple[int, int]:
-    """Grid-index window holding all but ``tail`` of the tilted sum's mass on each side (Chernoff)."""
+def _window(factors: list[_Factor], lam: float, tail: float, h: float, half_width: int = MAX_GRID
+            ) -> tuple[int, int, float, float]:
+    """Grid-index window ``(lo, hi, mass above, mass below)`` of the tilted sum (Chernoff bounds).
+
+    It holds all but ``tail`` on each side, unless that needs more than ``half_width`` points on a
+    side of the mean (heavy tails, where Chernoff bounds are loose): the side is then cut there and the
+    returned mass beyond it is the Chernoff bound at the cut.
+    """
     mean, var = _tilted_stats(factors, lam)
     sd = max(math.sqrt(var), h)
-    thetas = np.geomspace(0.3, 300.0, 24) / sd
-    bounds = []
+    # small thetas matter for heavy tails (rare large losses), large ones for light tails
+    thetas = np.geomspace(1e-4, 300.0, 36) / sd
+    ends, masses = [], []
     for sign in (1.0, -1.0):
         cum = np.zeros(thetas.size)
         for f in factors:
             w, _, m, _ = f.tilted(lam)
             logw = np.log(np.maximum(w, 1e-320))
             cum += f.n * np.array([special.logsumexp(logw + sign * th * (f.t - m)) for th in thetas])
-        bounds.append(float(np.min((cum - math.log(tail)) / thetas)))
+        dist = float(np.min((cum - math.log(tail)) / thetas))
+        if dist <= half_width * h:
+            ends.append(dist)
+            masses.append(tail)
+        else:
+            dist = half_width * h
+            ends.append(dist)
+            masses.append(math.exp(min(0.0, float(np.min(cum - thetas * dist)))))
     k_max = sum(f.n * int(f.k[-1]) for f in factors)
     k_min = sum(f.n * int(f.k[0]) for f in factors)
-    return max(k_min, math.floor((mean - bounds[1]) / h)), min(k_max, math.ceil((mean + bounds[0]) / h))
+    hi = math.ceil((mean + ends[0]) / h)
+    lo = math.floor((mean - ends[1]) / h)
+    return max(k_min, lo), min(k_max, hi), masses[0] if hi < k_max else 0.0, masses[1] if lo > k_min else 0.0
 
 
 def _tilt_for_mean(factors: list[_Factor], target: float, lam0: float, direction: float) -> float | None:
@@ -447,21 +490,17 @@ class Composition:
             return
         self.factors = [_Factor(p, n) for p, n in events]
         self.inf = 1.0 - math.prod((1.0 - p.inf) ** n for p, n in events)
-        self.lo, self.hi = _window(self.factors, 0.0, tail, self.h)
-        k_min = sum(f.n * int(f.k[0]) for f in self.factors)
-        k_max = sum(f.n * int(f.k[-1]) for f in self.factors)
-        self.over = tail if self.hi < k_max else 0.0
-        self.under = tail if self.lo > k_min else 0.0
+        self.lo, self.hi, self.over, self.under = _window(self.factors, 0.0, tail, self.h, MAX_GRID // 2)
         self.slack = sum(p.slack * n for p, n in events)
-        size = self.hi - self.lo + 1
-        if size > MAX_GRID:
+        if max(self.over, self.under) > _MAX_CUT:
             raise ValueError(
-                f"the composed privacy loss spans {size:,} grid points (limit {MAX_GRID:,}); use a coarser "
-                f"discretization (now {self.h:g}), e.g. discretization={self.h * 2 * size / MAX_GRID:.2g}")
+                f"the composed privacy loss needs more than {MAX_GRID:,} grid points (that many leave a mass of "
+                f"{max(self.over, self.under):.1e} outside); use a coarser discretization (now {self.h:g}), "
+                f"e.g. discretization={10 * self.h:g}")
 
     def _pass(self, lam: float) -> tuple[int, np.ndarray, np.ndarray] | None:
         """``(first index, values, log error bounds)`` of one tilted pass, inside the untilted window."""
-        w_lo, w_hi = (self.lo, self.hi) if lam == 0.0 else _window(self.factors, lam, _TILT_TAIL, self.h)
+        w_lo, w_hi = (self.lo, self.hi) if lam == 0.0 else _window(self.factors, lam, _TILT_TAIL, self.h)[:2]
         a, b = max(self.lo, w_lo), min(self.hi, w_hi)
         if a > b or w_hi - w_lo + 1 > MAX_GRID:
             return None

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
-from ._pld_core import Composition, Pld, StepMasses, mix, split, step_masses
+from ._pld_core import MAX_GRID, Composition, Pld, StepMasses, assemble, mix, pair_cdfs, split, step_masses
 from ._validation import positive_int, probability_array, real_array
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
@@ -34,6 +34,10 @@ __all__ = ["PLDAccountant", "Mechanism"]
 Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian
 
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
+_LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
+_CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
+_TAIL_POINTS = 20000    # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
+_POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (every stride-th grid point beyond)
 _Y_TAIL = 1e-20         # envelope mass below the scale grid (unbounded scale, charged to delta)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
@@ -62,18 +66,20 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     or smaller scales.
 
     A bin's effect on epsilon grows with its mass times its relative width, so the grid is
-    geometric in ``a`` with relative step ``resolution`` where the envelope holds all but ``1e-3`` of
-    its mass (``a = 1`` is a grid point), ``4 resolution`` between its ``1e-6`` and ``1e-3``
-    quantiles, and the quantiles ``1e-6, 10^{-6.5}, ..., 1e-20`` below.
+    geometric in ``a`` with relative step ``resolution`` where the envelope holds all but ``1e-2`` of
+    its mass (``a = 1`` is a grid point), ``4 resolution`` between its ``1e-4`` and ``1e-2``
+    quantiles, ``16 resolution`` between ``1e-6`` and ``1e-4``, and the quantiles
+    ``1e-6, 10^{-6.5}, ..., 1e-20`` below.
     """
     point = envelope.point_mass()
     if point is not None:
         return np.array([1.0 / math.sqrt(point)]), np.ones(1), 0.0
-    levels = np.concatenate([10.0 ** -np.arange(20, 6, -0.5), [1e-6, 1e-3, 1.0 - 1e-16]])
+    levels = np.concatenate([10.0 ** -np.arange(20, 6, -0.5), [1e-6, 1e-4, 1e-2, 1.0 - 1e-16]])
     y_q = np.asarray(envelope.ppf(levels), dtype=np.float64)
-    y_6, y_3, y_top = y_q[-3:]
-    pieces = [y_q[:-3], y_q[-3:]]
-    for y_a, y_b, step in ((y_6, y_3, math.log1p(4 * resolution)), (y_3, y_top, math.log1p(resolution))):
+    pieces = [y_q]
+    for (y_a, y_b), factor in zip(((y_q[-4], y_q[-3]), (y_q[-3], y_q[-2]), (y_q[-2], y_q[-1])), (16, 4, 1),
+                                  strict=True):
+        step = math.log1p(factor * resolution)
         m = np.arange(math.floor(-0.5 * math.log(y_b) / step), math.ceil(-0.5 * math.log(y_a) / step) + 1)
         y_geo = np.exp(-2.0 * step * m)
         pieces.append(y_geo[(y_geo > y_a) & (y_geo < y_b)])
@@ -86,8 +92,27 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     return scales, dist.weights[keep], float(dist.below_mass)
 
 
-def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool) -> Pld:
-    """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD."""
+def _loss_cap(scales: np.ndarray, weights: np.ndarray, sigma: float, q: float, relation: str, h: float,
+              count: int) -> float:
+    """Largest loss the grid resolves for a random scale: the smallest ``T`` whose upper tail
+    ``sum_i w_i P_i(L > T)`` is below ``_CAP_MASS / count`` (so the composition charges at most
+    ``_CAP_MASS`` to delta for it), and at most ``_LOSS_CAP`` grid points."""
+    t_grid = np.geomspace(1e-2, _LOSS_CAP * h, 240)
+    tail = np.zeros(t_grid.size)
+    for a, w in zip(scales, weights, strict=True):
+        if a > 0:  # scale 0 (the lower bound's atom at Y = inf) has loss 0
+            tail += w * pair_cdfs(t_grid, float(a) / sigma, q, relation)[1]
+    ok = np.nonzero(tail <= _CAP_MASS / count)[0]
+    return float(t_grid[ok[0]]) if ok.size else _LOSS_CAP * h
+
+
+def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count: int = 1) -> Pld:
+    """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD.
+
+    For a random scale the envelope's tail reaches losses no grid can hold: losses beyond
+    :func:`_loss_cap` are charged to ``+inf`` (upper) or held at the cap (lower), and a scale of weight
+    ``w`` is resolved on at most ``max(_TAIL_POINTS, _POINTS_PER_MASS w)`` points.
+    """
     q = mechanism.q
     if isinstance(mechanism, RandomizedClipGaussian):
         scales, weights, unbounded = scale_atoms(mechanism.envelope, mechanism.scale_resolution, upper)
@@ -95,22 +120,32 @@ def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool) -> Pld
         scales, weights, unbounded = np.ones(1), np.ones(1), 0.0
     if relation == "replace" and q == 1.0:
         relation, scales = "remove", 2.0 * scales  # N(-mu) against N(mu): a Gaussian with shift 2 mu
-    parts = []
+    t_cap = math.inf
+    if scales.size > 1:
+        t_cap = _loss_cap(scales, weights, mechanism.sigma, q, relation, h, count)
+    fine, pieces = [], []
     for a, w in zip(scales, weights, strict=True):
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
-        parts.append(step_masses(float(a) / mechanism.sigma, q, relation, h, upper, z).scaled(float(w)))
+        points = MAX_GRID if scales.size == 1 else max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
+        m = step_masses(float(a) / mechanism.sigma, q, relation, h, upper, z, t_cap, points).scaled(float(w))
+        if m.stride > 1:
+            pieces.append(split(m, h, upper))
+        else:
+            fine.append(m)
     if unbounded > 0:
         # the unbounded scale: atoms whose loss is the supremum over scales (upper bound only)
         if relation == "remove" and q < 1:
             k = math.ceil(math.log1p(-q) / h)
-            parts.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded * (1 - q)]), np.zeros(1),
-                                    unbounded * q))
+            fine.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded * (1 - q)]), np.zeros(1),
+                                   unbounded * q))
         elif relation == "add" and q < 1:
             k = math.ceil(-math.log1p(-q) / h)
-            parts.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded]), np.zeros(1), 0.0))
+            fine.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded]), np.zeros(1), 0.0))
         else:
-            parts.append(StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), np.zeros(1), unbounded))
-    return split(mix(parts), h, upper)
+            fine.append(StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), np.zeros(1), unbounded))
+    if fine:
+        pieces.append(split(mix(fine), h, upper))
+    return assemble(pieces, h, upper)
 
 
 class PLDAccountant:
@@ -212,17 +247,25 @@ class PLDAccountant:
 
     def _composed(self, upper: bool) -> list[Composition]:
         if upper not in self._plds:
+            built: dict[tuple, Composition] = {}
             out = []
-            relations = _NEIGHBORING[self.neighboring]
-            for relation in relations:
-                steps = []
-                for mechanism, count in self._events:
-                    rel = "remove" if (relation == "add" and mechanism.q == 1.0) else relation
-                    steps.append((_step_pld(mechanism, rel, self.discretization, upper), count))
-                state = Composition(steps, self.tail_mass)
-                out.append(state)
+            for relation in _NEIGHBORING[self.neighboring]:
+                key = tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
+                if key not in built:  # with q = 1 adding and removing an example are the same pair
+                    built[key] = Composition(self._steps(key, upper), self.tail_mass)
+                out.append(built[key])
             self._plds[upper] = out
         return self._plds[upper]
+
+    def _steps(self, relations: tuple[str, ...], upper: bool) -> list[tuple[Pld, int]]:
+        fixed = [m for m, _ in self._events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
+        if len(fixed) == len(self._events):
+            # Gaussian steps compose in closed form: one Gaussian with 1/sigma^2 = sum_i n_i / sigma_i^2,
+            # discretized once (tighter and faster than composing discretized steps)
+            sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in self._events))
+            return [(_step_pld(Gaussian(sigma), relations[0], self.discretization, upper), 1)]
+        return [(_step_pld(m, rel, self.discretization, upper, n), n)
+                for (m, n), rel in zip(self._events, relations, strict=True)]
 
     def epsilon(self, delta: float) -> float:
         r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``.
