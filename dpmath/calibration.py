@@ -28,7 +28,14 @@ _ESTIMATORS = ("exact", "hutch", "hutchpp")
 
 
 class Bracket(NamedTuple):
-    """``(lower, upper)`` bounds on a privacy quantity; publish ``upper``."""
+    """``(lower, upper)`` bounds on a privacy quantity; publish ``upper``.
+
+    Examples
+    --------
+    >>> from dpmath import Bracket
+    >>> Bracket(0.69, 0.70).upper
+    0.7
+    """
 
     lower: float
     upper: float
@@ -63,7 +70,17 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
              discretization: float) -> float:
     if accountant == "rdp":
         return RDPAccountant().compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
-    return PLDAccountant(discretization).compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
+    h = discretization
+    for _ in range(3):
+        try:
+            return PLDAccountant(h).compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
+        except ValueError as exc:
+            # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
+            # upper bound on epsilon, which is all the search needs there
+            if "discretization" not in str(exc) or h >= 0.1:
+                raise
+            h = min(10 * h, 0.1)
+    return math.inf
 
 
 def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *, envelope: Envelope | None = None,

@@ -71,7 +71,14 @@ class Gaussian:
 
     @property
     def q(self) -> float:
-        """Sampling probability: 1 (every step sees the example)."""
+        """Sampling probability: 1 (every step sees the example).
+
+        Examples
+        --------
+        >>> from dpmath import Gaussian
+        >>> Gaussian(3.0).q
+        1.0
+        """
         return 1.0
 
 

@@ -212,7 +212,14 @@ class PLDAccountant:
 
     @property
     def events(self) -> tuple[tuple[Mechanism, int], ...]:
-        """The composed ``(mechanism, count)`` pairs, in order."""
+        """The composed ``(mechanism, count)`` pairs, in order.
+
+        Examples
+        --------
+        >>> from dpmath import Gaussian, PLDAccountant
+        >>> PLDAccountant().compose(Gaussian(1.0), 5).events
+        ((Gaussian(sigma=1.0), 5),)
+        """
         return self._events
 
     def compose(self, mechanism: Mechanism, count: int = 1) -> PLDAccountant:

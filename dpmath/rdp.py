@@ -185,12 +185,28 @@ class RDPAccountant:
 
     @property
     def events(self) -> tuple[tuple[object, int], ...]:
-        """The composed ``(mechanism, count)`` pairs, in order."""
+        """The composed ``(mechanism, count)`` pairs, in order.
+
+        Examples
+        --------
+        >>> from dpmath import Gaussian
+        >>> from dpmath.rdp import RDPAccountant
+        >>> RDPAccountant().compose(Gaussian(1.0), 5).events
+        ((Gaussian(sigma=1.0), 5),)
+        """
         return self._events
 
     @property
     def rdp(self) -> np.ndarray:
-        """The composed Renyi divergence at each of :attr:`orders`."""
+        """The composed Renyi divergence at each of :attr:`orders`.
+
+        Examples
+        --------
+        >>> from dpmath import Gaussian
+        >>> from dpmath.rdp import RDPAccountant
+        >>> RDPAccountant(orders=[2.0, 4.0]).compose(Gaussian(2.0), 3).rdp.tolist()   # 3 alpha / (2 sigma^2)
+        [0.75, 1.5]
+        """
         return self._rdp.copy()
 
     def compose(self, mechanism: Gaussian | SubsampledGaussian, count: int = 1) -> RDPAccountant:
@@ -234,7 +250,15 @@ class RDPAccountant:
         return conversions.rdp_to_epsilon(self._rdp, self.orders, check_delta(delta), self.conversion)[0]
 
     def best_order(self, delta: float) -> float:
-        """The order that attains :meth:`epsilon`."""
+        """The order that attains :meth:`epsilon`.
+
+        Examples
+        --------
+        >>> from dpmath import SubsampledGaussian
+        >>> from dpmath.rdp import RDPAccountant
+        >>> RDPAccountant().compose(SubsampledGaussian(1.3, 150 / 60000), 6000).best_order(1e-5)
+        19.0
+        """
         return conversions.rdp_to_epsilon(self._rdp, self.orders, check_delta(delta), self.conversion)[1]
 
     def delta(self, epsilon: float) -> float:

@@ -10,7 +10,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmath import HutchEnvelope, HutchPPEnvelope  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
+from dpmath import (  # noqa: E402
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+)
+
+NOISE_CURVES = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "noise_curves.json"
 
 
 def envelope_overview(path: str) -> None:
@@ -71,10 +82,63 @@ def x_plus_vs_formula(path: str) -> None:
     plt.close(fig)
 
 
+def tradeoff_curves(path: str) -> None:
+    """f-DP curves of the Table 4 setting: DP-SGD against DP-SGD-RC with Hutch and Hutch++ at one sigma."""
+    q, steps, sigma = 64 / 1139, 180, 4.073
+    alpha = np.concatenate([[0.0], np.geomspace(1e-8, 1.0, 300)])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    mechs = [("DP-SGD", SubsampledGaussian(sigma, q)),
+             ("DP-SGD-RC, Hutch k=16", RandomizedClipGaussian(sigma, q, HutchEnvelope(16, 2048))),
+             ("DP-SGD-RC, Hutch k=32", RandomizedClipGaussian(sigma, q, HutchEnvelope(32, 2048))),
+             ("DP-SGD-RC, Hutch++ k=32", RandomizedClipGaussian(sigma, q, HutchPPEnvelope(32, 2048)))]
+    base = None
+    for color, (name, m) in enumerate(mechs):
+        beta = PLDAccountant().compose(m, steps).tradeoff(alpha)
+        axes[0].plot(alpha, beta, color=f"C{color}", label=name)
+        adv = 1 - beta - alpha
+        if base is None:
+            base = adv
+        else:
+            keep = (base > 1e-12) & (alpha > 0)
+            axes[1].semilogx(alpha[keep], adv[keep] / base[keep], color=f"C{color}", label=name)
+    axes[0].plot([0, 1], [1, 0], "k:", lw=0.7, label="perfect privacy")
+    axes[0].set_xlabel("type I error alpha")
+    axes[0].set_ylabel("type II error beta (lower bound)")
+    axes[0].set_title(f"trade-off curves, sigma = {sigma}, q = 64/1139, {steps} steps", fontsize=9)
+    axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("alpha")
+    axes[1].set_ylabel("advantage 1 - beta - alpha, relative to DP-SGD")
+    axes[1].set_title("what the estimated norms cost, at every alpha", fontsize=9)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def noise_curves(path: str) -> None:
+    """sigma against k and d, from benchmarks/noise_curves.py's committed results."""
+    res = json.loads(NOISE_CURVES.read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, var in ((axes[0], "by_k", "k"), (axes[1], "by_d", "d")):
+        block = res[key]
+        ax.semilogx(block[var], block["hutch"], "o-", label="Hutch", base=2)
+        ax.semilogx(block[var], block["hutchpp"], "s--", label="Hutch++", base=2)
+        ax.axhline(res["dpsgd"], color="k", lw=0.8, ls=":", label="DP-SGD")
+        ax.set_xlabel(var)
+        ax.set_ylabel("noise multiplier sigma")
+        other = f"d = {block['d']}" if key == "by_k" else f"k = {block['k']}"
+        ax.set_title(f"sigma against {var} ({other}), epsilon = {res['setting']['epsilon']:g}")
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     jobs = {"envelope_overview.png": envelope_overview, "middle_region.png": middle_region,
-            "x_plus.png": x_plus_vs_formula}
+            "x_plus.png": x_plus_vs_formula, "tradeoff.png": tradeoff_curves, "noise_curves.png": noise_curves}
     for name, fn in jobs.items():
         target = os.path.join(out_dir, name)
         if not os.path.exists(target):
