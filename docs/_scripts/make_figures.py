@@ -121,8 +121,10 @@ def noise_curves(path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, var in ((axes[0], "by_k", "k"), (axes[1], "by_d", "d")):
         block = res[key]
-        ax.semilogx(block[var], block["hutch"], "o-", label="Hutch", base=2)
-        ax.semilogx(block[var], block["hutchpp"], "s--", label="Hutch++", base=2)
+        order = np.argsort(block[var])
+        xs = np.asarray(block[var])[order]
+        ax.semilogx(xs, np.asarray(block["hutch"])[order], "o-", label="Hutch", base=2)
+        ax.semilogx(xs, np.asarray(block["hutchpp"])[order], "s--", label="Hutch++", base=2)
         ax.axhline(res["dpsgd"], color="k", lw=0.8, ls=":", label="DP-SGD")
         ax.set_xlabel(var)
         ax.set_ylabel("noise multiplier sigma")
