@@ -148,8 +148,8 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
         while f_hi > 0:
             lo, f_lo = hi, f_hi
             hi *= next(factors)
-            if hi > 1e6:
-                raise ValueError(f"no sigma <= 1e6 reaches epsilon = {eps_t:g} (delta={d:g}, q={qq:g}, steps={n})")
+            if hi > 1e8:
+                raise ValueError(f"no sigma <= 1e8 reaches epsilon = {eps_t:g} (delta={d:g}, q={qq:g}, steps={n})")
             f_hi = f(hi)
     else:
         while f_lo <= 0:

@@ -7,11 +7,11 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
 import json  # noqa: E402
 import pathlib  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 from dpmath import (  # noqa: E402
     HutchEnvelope,
