@@ -4,8 +4,8 @@ The analogue of paper 000's Fig. 11b (sigma against k, d = 2048) and Fig. 12 (si
 for Hutch and Hutch++, at epsilon = 2, delta = 1e-5, batch 64 of 1,139 examples, 10 epochs (180 steps;
 the Table 4 setting, see docs/accountants.md).  Every sigma is the smallest whose PLD upper bound meets
 the target (rtol 1e-3).  Small k has polynomial tails (P(a > s) ~ s^-k) and is slow (minutes per point
-for k <= 4), so those come last; results are written after every point to
-benchmarks/results/noise_curves.json, which the docs plot.
+for k <= 4; k = 1 takes more than 10 minutes per estimator), so those come last; results are written after
+every point to benchmarks/results/noise_curves.json, which the docs plot (the committed file stops at k = 2).
 
     python benchmarks/noise_curves.py
 """

@@ -144,18 +144,19 @@ class StepMasses:
     atoms: np.ndarray
     excess: np.ndarray
     inf: float
-    stride: int = 1
+    idx: np.ndarray | None = None
 
     def scaled(self, w: float) -> StepMasses:
         return StepMasses(self.lo, w * self.p_int, w * self.q_int, w * self.atoms, w * self.excess, w * self.inf,
-                          self.stride)
+                          self.idx)
 
 
 def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: float,
-                t_cap: float = math.inf, max_points: int = MAX_GRID) -> StepMasses:
+                t_cap: float = math.inf, max_points: int = MAX_GRID, t_floor: float = -math.inf) -> StepMasses:
     """One subsampled-Gaussian step, resolved on ``z`` standard deviations of the output under ``P``
-    and on losses up to ``t_cap``, with at most ``max_points`` grid points (a longer range uses every
-    ``stride``-th grid point: connect-the-dots on a coarser partition is still an upper bound, and the
+    and on losses in ``[t_floor, t_cap]``, with at most ``max_points`` grid points (a longer range uses every
+    grid point near zero loss and geometrically spaced grid points beyond, recorded in ``idx``:
+    connect-the-dots on a coarser partition is still an upper bound, and the
     greedy split on it still a lower bound, only less tight).
 
     Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
@@ -165,7 +166,7 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
     if mu == 0.0:
         return StepMasses(0, np.zeros(0), np.zeros(0), np.ones(1), np.zeros(1), 0.0)
     t_lo, t_hi = loss_range(mu, q, relation, z)
-    t_lo = max(t_lo, -t_cap)
+    t_lo = max(t_lo, t_floor)
     t_hi = min(t_hi, max(t_cap, t_lo + h))
     k_lo = math.floor(t_lo / h)
     k_hi = max(math.ceil(t_hi / h), k_lo + 1)
@@ -173,9 +174,12 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
         raise ValueError(
             f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
             f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
-    stride = max(1, -(-(k_hi - k_lo) // max_points))
-    k_hi = k_lo + stride * (-(-(k_hi - k_lo) // stride))
-    t = np.arange(k_lo, k_hi + 1, stride) * h
+    idx = None
+    if k_hi - k_lo + 1 > max_points:
+        idx = _sparse_points(k_lo, k_hi, max_points)
+        t = idx * h
+    else:
+        t = np.arange(k_lo, k_hi + 1) * h
     p_cdf, p_sf, q_cdf, q_sf = pair_cdfs(t, mu, q, relation)
     # interval masses from whichever side of the distribution is small, so tails keep relative accuracy
     p_int = np.maximum(np.where(p_cdf[1:] <= 0.5, p_cdf[1:] - p_cdf[:-1], p_sf[:-1] - p_sf[1:]), 0.0)
@@ -192,7 +196,20 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
     else:
         atoms[-1] = p_above
         excess[-1] = max(p_above - eq_top, 0.0)
-    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf, stride)
+    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf, idx)
+
+
+def _sparse_points(k_lo: int, k_hi: int, max_points: int) -> np.ndarray:
+    """About ``max_points`` grid indices in ``[k_lo, k_hi]``: every one within ``max_points / 4`` of zero
+    loss (where a subsampled step's mass sits) and geometrically spaced ones beyond, on each side."""
+    core = max_points // 4
+    steps = np.arange(1, core + 1)
+    pieces = [np.arange(max(k_lo, -core), min(k_hi, core) + 1), np.array([k_lo, k_hi])]
+    if k_hi > core:
+        pieces.append(np.round(core * (k_hi / core) ** (steps / core)))
+    if -k_lo > core:
+        pieces.append(-np.round(core * (-k_lo / core) ** (steps / core)))
+    return np.unique(np.clip(np.concatenate(pieces), k_lo, k_hi).astype(np.int64))
 
 
 def mix(parts: list[StepMasses]) -> StepMasses:
@@ -213,16 +230,16 @@ def mix(parts: list[StepMasses]) -> StepMasses:
 def split(m: StepMasses, h: float, upper: bool) -> tuple[np.ndarray, np.ndarray, float]:
     """Place every interval's mass on its two end points: connect-the-dots (upper) or the greedy
     post-processing split (lower); see the module docstring.  Returns ``(grid indices, masses, inf)``."""
-    idx = m.lo + m.stride * np.arange(m.atoms.size)
+    idx = m.lo + np.arange(m.atoms.size) if m.idx is None else m.idx
     t = idx * h
-    width = m.stride * h
+    width = np.diff(t) if m.idx is not None else h
     p_int, q_int = m.p_int, m.q_int
     with np.errstate(divide="ignore", over="ignore"):
         log_q = np.log(q_int)
         left = np.clip(p_int - np.exp(t[:-1] + log_q), 0.0, p_int)      # excess at the left end, >= 0
     pmf = m.atoms.copy()
     if upper:
-        right = np.minimum(left / -math.expm1(-width), p_int)
+        right = np.minimum(left / -np.expm1(-width), p_int)
         pmf[:-1] += p_int - right
         pmf[1:] += right
         return idx, pmf, min(m.inf, 1.0)
@@ -299,6 +316,7 @@ class Pld:
     def delta(self, eps: float) -> float:
         """``delta(eps)`` of this PLD (exact for the discrete distribution)."""
         t, dj, r = self._curves()
+        # an eps given as j * h must land on segment j, not j - 1, despite rounding in the division
         j = math.floor(round(eps / self.h, 9)) - self.start
         if j >= self.pmf.size - 1:
             return float(max(self.inf - self.slack, 0.0))

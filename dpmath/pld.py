@@ -37,7 +37,7 @@ _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (st
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
 _TAIL_POINTS = 20000    # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
-_POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (every stride-th grid point beyond)
+_POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
 _Y_TAIL = 1e-20         # envelope mass below the scale grid (unbounded scale, charged to delta)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
@@ -120,15 +120,16 @@ def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count:
         scales, weights, unbounded = np.ones(1), np.ones(1), 0.0
     if relation == "replace" and q == 1.0:
         relation, scales = "remove", 2.0 * scales  # N(-mu) against N(mu): a Gaussian with shift 2 mu
-    t_cap = math.inf
+    t_cap, t_floor = math.inf, -math.inf
     if scales.size > 1:
         t_cap = _loss_cap(scales, weights, mechanism.sigma, q, relation, h, count)
+        t_floor = -_LOSS_CAP * h  # below: placed at the floor (upper) or dropped (lower); never matters for delta
     fine, pieces = [], []
     for a, w in zip(scales, weights, strict=True):
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = MAX_GRID if scales.size == 1 else max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
-        m = step_masses(float(a) / mechanism.sigma, q, relation, h, upper, z, t_cap, points).scaled(float(w))
-        if m.stride > 1:
+        m = step_masses(float(a) / mechanism.sigma, q, relation, h, upper, z, t_cap, points, t_floor).scaled(float(w))
+        if m.idx is not None:
             pieces.append(split(m, h, upper))
         else:
             fine.append(m)
