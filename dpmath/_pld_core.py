@@ -19,11 +19,12 @@ and ``Q_k`` of the exact pair:
   it lies above.  Mass below the grid goes to its first point, mass above to the last point and to
   ``+inf`` (again preserving both masses).
 * **lower** (optimistic): merging all outputs in an interval is post-processing, and so is splitting
-  an atom and merging its pieces.  Each interval's atom sends a fraction ``r_k <= 1/2`` right and the
-  rest left, with ``r_k`` small enough that the merged atom at every grid point has loss ``>= t_j``;
-  its loss is then rounded *down* to ``t_j``.  Mass below the grid is dropped.
+  an atom and merging its pieces.  Each interval's atom sends a fraction ``r_k`` right and the rest
+  left, as much right as possible from the bottom up while the merged atom at every grid point keeps
+  a loss ``>= t_j`` (:func:`_greedy_fractions`); its loss is then rounded *down* to ``t_j``.  Mass
+  below the grid is dropped.
 
-Composition (:func:`compose`) multiplies the Fourier transforms of all steps at once, on a window
+Composition (:class:`Composition`) multiplies the Fourier transforms of all steps at once, on a window
 chosen by a Chernoff bound: the mass beyond it is charged to ``inf`` (upper) and the mass that can
 wrap around is subtracted from delta (``slack``, lower).  Floating-point error is bounded, not
 ignored.  A plain FFT has an absolute error near ``n eps log N`` times the peak mass, which swamps
@@ -423,12 +424,15 @@ def _window(factors: list[_Factor], lam: float, tail: float, h: float, half_widt
     sd = max(math.sqrt(var), h)
     # small thetas matter for heavy tails (rare large losses), large ones for light tails
     thetas = np.geomspace(1e-4, 300.0, 22) / sd
+    tilted = []
+    for f in factors:
+        _, log_norm, m, _ = f.tilted(lam)
+        tilted.append((f.logp + lam * f.t - log_norm, f.t - m))  # log weights, centred losses
     ends, masses = [], []
     for sign in (1.0, -1.0):
         cum = np.zeros(thetas.size)
-        for f in factors:
-            w, _, m, _ = f.tilted(lam)
-            cum += f.n * _log_mgf(np.log(np.maximum(w, 1e-320)), sign * (f.t - m), thetas)
+        for f, (logw, centred) in zip(factors, tilted, strict=True):
+            cum += f.n * _log_mgf(logw, sign * centred, thetas)
         if keep is not None and sign > 0:
             keep.update(thetas=thetas, cum=cum, mean=mean)
         dist = float(np.min((cum - math.log(tail)) / thetas))
@@ -549,12 +553,13 @@ class Composition:
         return a, val, log_err
 
     def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
-        slack = self.slack + (self.under + self.over if lam == 0.0 else 0.0)
         if self.upper:
             pmf = np.maximum(value, 0.0) + err
             # mass below the pass moves up to its first point: at most what the pass does not hold
             pmf[0] += max(0.0, 1.0 - self.inf - float(np.maximum(value - err, 0.0).sum()))
             return Pld(self.h, start, pmf, min(1.0, self.inf + self.over), True, err=err)
+        # the untilted pass's window can alias its cut mass anywhere; a tilted pass's aliasing is in err
+        slack = self.slack + (self.under + self.over if lam == 0.0 else 0.0)
         pmf = np.maximum(value - err, 0.0)
         return Pld(self.h, start, pmf, self.inf, False, slack, err=err)
 
@@ -650,8 +655,7 @@ class Composition:
     def delta(self, eps: float) -> float:
         if self.single is not None:
             return self.single.delta(eps)
-        mean, _ = _tilted_stats(self.factors, 0.0)
-        lam = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
+        lam = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > self._cumulants["mean"] else 0.0
         if lam is not None:
             pld = self.local(lam)
             d = pld.delta(eps)

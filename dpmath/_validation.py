@@ -41,3 +41,35 @@ def probability_array(value: object, name: str) -> np.ndarray:
     if ((arr < 0) | (arr > 1)).any():
         raise ValueError(f"{name} must lie in [0, 1]")
     return arr
+
+
+def positive_real(value: object, name: str) -> float:
+    """Return ``value`` as a finite float > 0, else raise ValueError (e.g. ``sigma``)."""
+    v = float(real_array(value, name, allow_inf=False))
+    if not v > 0:
+        raise ValueError(f"{name} must be positive (> 0), got {value!r}")
+    return v
+
+
+def sample_rate(value: object, name: str = "q") -> float:
+    """Return ``value`` as a sampling probability in (0, 1], else raise ValueError."""
+    v = float(real_array(value, name, allow_inf=False))
+    if not 0 < v <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+    return v
+
+
+def open_probability(value: object, name: str) -> float:
+    """Return ``value`` as a float in (0, 1), else raise ValueError (e.g. ``delta``)."""
+    v = float(real_array(value, name, allow_inf=False))
+    if not 0 < v < 1:
+        raise ValueError(f"{name} must lie in (0, 1), got {value!r}")
+    return v
+
+
+def non_negative(value: object, name: str) -> float:
+    """Return ``value`` as a finite float >= 0, else raise ValueError (e.g. ``epsilon``)."""
+    v = float(real_array(value, name, allow_inf=False))
+    if v < 0:
+        raise ValueError(f"{name} must be non-negative (>= 0), got {value!r}")
+    return v

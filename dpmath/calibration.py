@@ -16,10 +16,10 @@ import functools
 import math
 from typing import NamedTuple
 
-from ._validation import positive_int, real_array
+from ._validation import open_probability, positive_int, positive_real, real_array, sample_rate
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
-from .mechanisms import RandomizedClipGaussian, SubsampledGaussian, _sample_rate
-from .pld import PLDAccountant, check_count, check_delta
+from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
+from .pld import PLDAccountant
 from .rdp import RDPAccountant
 
 __all__ = ["Bracket", "calibrate_sigma", "dpsgd_epsilon", "estimator_envelope"]
@@ -119,12 +119,10 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     >>> round(calibrate_sigma(1.0, 1e-5, 0.01, 1000), 3)
     1.415
     """
-    eps_t = float(real_array(target_epsilon, "target_epsilon", allow_inf=False))
-    if not eps_t > 0:
-        raise ValueError(f"target_epsilon must be positive (> 0), got {target_epsilon!r}")
-    d = check_delta(delta)
-    qq = _sample_rate(q)
-    n = check_count(steps, "steps")
+    eps_t = positive_real(target_epsilon, "target_epsilon")
+    d = open_probability(delta, "delta")
+    qq = sample_rate(q)
+    n = positive_int(steps, "steps")
     if accountant not in ("pld", "rdp"):
         raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
     if envelope is not None and not isinstance(envelope, Envelope):

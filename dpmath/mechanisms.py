@@ -21,24 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ._validation import real_array
+from ._validation import positive_real, real_array, sample_rate
 from .envelope import Envelope
 
 __all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian"]
-
-
-def _sigma(value: object) -> float:
-    v = float(real_array(value, "sigma", allow_inf=False))
-    if not v > 0:
-        raise ValueError(f"sigma must be positive (> 0), got {value!r}")
-    return v
-
-
-def _sample_rate(value: object) -> float:
-    v = float(real_array(value, "q", allow_inf=False))
-    if not 0 < v <= 1:
-        raise ValueError(f"q must lie in (0, 1], got {value!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -67,7 +53,7 @@ class Gaussian:
     sigma: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", _sigma(self.sigma))
+        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
 
     @property
     def q(self) -> float:
@@ -114,8 +100,8 @@ class SubsampledGaussian:
     q: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", _sigma(self.sigma))
-        object.__setattr__(self, "q", _sample_rate(self.q))
+        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
+        object.__setattr__(self, "q", sample_rate(self.q))
 
 
 @dataclass(frozen=True)
@@ -166,8 +152,8 @@ class RandomizedClipGaussian:
     scale_resolution: float = field(default=2e-3, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", _sigma(self.sigma))
-        object.__setattr__(self, "q", _sample_rate(self.q))
+        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
+        object.__setattr__(self, "q", sample_rate(self.q))
         if not isinstance(self.envelope, Envelope):
             raise ValueError(f"envelope must be a dpmath Envelope, got {type(self.envelope).__name__}")
         r = float(real_array(self.scale_resolution, "scale_resolution", allow_inf=False))

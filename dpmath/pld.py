@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from ._pld_core import MAX_GRID, Composition, Pld, StepMasses, assemble, mix, pair_cdfs, split, step_masses
-from ._validation import positive_int, probability_array, real_array
+from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
 
@@ -40,24 +40,6 @@ _TAIL_POINTS = 20000    # one scale of weight w is resolved on at most max(_TAIL
 _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
 _Y_TAIL = 1e-20         # envelope mass below the scale grid (unbounded scale, charged to delta)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
-
-
-def check_delta(delta: object) -> float:
-    v = float(real_array(delta, "delta", allow_inf=False))
-    if not 0 < v < 1:
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-    return v
-
-
-def check_epsilon(epsilon: object) -> float:
-    v = float(real_array(epsilon, "epsilon", allow_inf=False))
-    if v < 0:
-        raise ValueError(f"epsilon must be non-negative (>= 0), got {epsilon!r}")
-    return v
-
-
-def check_count(count: object, name: str = "count") -> int:
-    return positive_int(count, name)
 
 
 @functools.lru_cache(maxsize=16)
@@ -243,7 +225,7 @@ class PLDAccountant:
         if not isinstance(mechanism, (Gaussian, SubsampledGaussian, RandomizedClipGaussian)):
             raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian or RandomizedClipGaussian, "
                              f"got {type(mechanism).__name__}")
-        n = check_count(count)
+        n = positive_int(count, "count")
         if self.neighboring == "replace_one" and isinstance(mechanism, RandomizedClipGaussian):
             raise ValueError(
                 "neighboring='replace_one' is not supported for RandomizedClipGaussian: the two differing "
@@ -300,7 +282,7 @@ class PLDAccountant:
         >>> round(lo, 3), round(hi, 3)
         (2.124, 2.125)
         """
-        d = check_delta(delta)
+        d = open_probability(delta, "delta")
         hi = max(p.epsilon(d) for p in self._composed(True))
         lo = max(p.epsilon(d) for p in self._composed(False)) if lower else 0.0
         return min(lo, hi), hi
@@ -326,7 +308,7 @@ class PLDAccountant:
         >>> f"{lo:.6f} {hi:.6f}"
         '0.126937 0.126937'
         """
-        e = check_epsilon(epsilon)
+        e = non_negative(epsilon, "epsilon")
         hi = max(p.delta(e) for p in self._composed(True))
         lo = max(p.delta(e) for p in self._composed(False)) if lower else 0.0
         return min(lo, hi), hi

@@ -37,9 +37,8 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from . import conversions
-from ._validation import probability_array, real_array
+from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
-from .pld import check_count, check_delta, check_epsilon
 
 __all__ = ["RDPAccountant", "DEFAULT_ORDERS", "subsampled_gaussian_rdp"]
 
@@ -231,7 +230,7 @@ class RDPAccountant:
                 "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
         if not isinstance(mechanism, (Gaussian, SubsampledGaussian)):
             raise ValueError(f"mechanism must be Gaussian or SubsampledGaussian, got {type(mechanism).__name__}")
-        n = check_count(count)
+        n = positive_int(count, "count")
         step = subsampled_gaussian_rdp(mechanism.sigma, mechanism.q, self.orders)
         self._rdp = self._rdp + n * step
         self._events = self._events + ((mechanism, n),)
@@ -247,7 +246,7 @@ class RDPAccountant:
         >>> round(RDPAccountant().compose(Gaussian(1.0)).epsilon(1e-5), 3)
         4.729
         """
-        return conversions.rdp_to_epsilon(self._rdp, self.orders, check_delta(delta), self.conversion)[0]
+        return conversions.rdp_to_epsilon(self._rdp, self.orders, open_probability(delta, "delta"), self.conversion)[0]
 
     def best_order(self, delta: float) -> float:
         """The order that attains :meth:`epsilon`.
@@ -259,7 +258,7 @@ class RDPAccountant:
         >>> RDPAccountant().compose(SubsampledGaussian(1.3, 150 / 60000), 6000).best_order(1e-5)
         19.0
         """
-        return conversions.rdp_to_epsilon(self._rdp, self.orders, check_delta(delta), self.conversion)[1]
+        return conversions.rdp_to_epsilon(self._rdp, self.orders, open_probability(delta, "delta"), self.conversion)[1]
 
     def delta(self, epsilon: float) -> float:
         """``min`` over orders of the converted delta.
@@ -271,7 +270,7 @@ class RDPAccountant:
         >>> f"{RDPAccountant().compose(Gaussian(1.0)).delta(4.729):.2e}"
         '9.98e-06'
         """
-        return conversions.rdp_to_delta(self._rdp, self.orders, check_epsilon(epsilon), self.conversion)
+        return conversions.rdp_to_delta(self._rdp, self.orders, non_negative(epsilon, "epsilon"), self.conversion)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the trade-off curve from the ``(epsilon, delta(epsilon))`` family.
