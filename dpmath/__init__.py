@@ -3,7 +3,9 @@
 No torch here: chi-square mixture distribution functions (:mod:`dpmath.chi2mix`), the envelope
 distributions that make randomized clipping private (:mod:`dpmath.envelope`) and their pessimistic
 discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod:`dpmath.pld`,
-:mod:`dpmath.rdp`) and noise calibration (:mod:`dpmath.calibration`).
+:mod:`dpmath.rdp`) and noise calibration (:mod:`dpmath.calibration`); majorization and Schur checks
+(:mod:`dpmath.majorization`, :mod:`dpmath.schur`), LAP2 (:mod:`dpmath.lap2`) and twice sampling
+(:mod:`dpmath.twice_sampling`).
 """
 
 from .calibration import Bracket, calibrate_sigma, dpsgd_epsilon, estimator_envelope
@@ -17,7 +19,7 @@ from .envelope import (
     ScaleDistribution,
     pessimistic_discretization,
 )
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .pld import PLDAccountant
 from .rdp import RDPAccountant
 
@@ -36,6 +38,7 @@ __all__ = [
     "Gaussian",
     "SubsampledGaussian",
     "RandomizedClipGaussian",
+    "SubsampledL2Laplace",
     "PLDAccountant",
     "RDPAccountant",
     "Bracket",

@@ -12,6 +12,8 @@ noise standard deviations, where ``a`` is the example's *scale*:
   Lemma B.2-B.3): the dominating pair is ``(a, q N(a/sigma, 1) + (1-q) N(0, 1))`` against
   ``(a, N(0, 1))``.  ``a`` is part of the output, so the pair's hockey-stick curve is the
   ``Y``-average of subsampled-Gaussian curves.
+* :class:`SubsampledL2Laplace`: LAP2, Laplace noise instead of Gaussian; accounted through the
+  subsampled Gaussian that dominates it (:mod:`dpmath.lap2`).
 
 A mechanism validates its arguments once, at construction; accountants never see an invalid one.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from ._validation import positive_real, real_array, sample_rate
 from .envelope import Envelope
 
-__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian"]
+__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace"]
 
 
 @dataclass(frozen=True)
@@ -160,3 +162,41 @@ class RandomizedClipGaussian:
         if not 0 < r <= 0.1 or math.isnan(r):
             raise ValueError(f"scale_resolution must lie in (0, 0.1], got {self.scale_resolution!r}")
         object.__setattr__(self, "scale_resolution", r)
+
+
+@dataclass(frozen=True)
+class SubsampledL2Laplace:
+    r"""LAP2 (paper 003): Poisson sampling ``q``, l2 clipping, independent Laplace noise on each coordinate.
+
+    ``scale`` is the Laplace scale ``b`` in units of the clipping norm ``C`` (``b / C``).  Accountants
+    compose it through its Gaussian domination (:mod:`dpmath.lap2`): a coordinate shifted by ``u`` is
+    dominated by ``G_{c u / b}`` with ``c = sqrt(pi/2)``, coordinates compose to ``G_{c ||g||_2 / b}
+    >= G_{c C / b}``, and Poisson subsampling preserves domination in both neighbouring directions, so
+    every step is at least as private as :class:`SubsampledGaussian` with ``sigma = scale / c``
+    (:meth:`dominating`).  The bound holds for any number of coordinates.  Paper 003's own accountant
+    (Thm III.7) is unsound; it is available, named as such, in :func:`dpmath.lap2.published_epsilon`.
+
+    Parameters
+    ----------
+    scale : float
+        Laplace scale over clipping norm, ``b / C > 0``.
+    q : float
+        Sampling probability, in ``(0, 1]``.
+
+    Examples
+    --------
+    >>> from dpmath import SubsampledL2Laplace
+    >>> SubsampledL2Laplace(2.0, 0.01).dominating()
+    SubsampledGaussian(sigma=1.595769..., q=0.01)
+    """
+
+    scale: float
+    q: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale", positive_real(self.scale, "scale"))
+        object.__setattr__(self, "q", sample_rate(self.q))
+
+    def dominating(self) -> SubsampledGaussian:
+        """The subsampled Gaussian whose pair dominates this mechanism's in both directions."""
+        return SubsampledGaussian(self.scale / math.sqrt(math.pi / 2.0), self.q)

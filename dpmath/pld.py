@@ -27,11 +27,11 @@ from scipy import special
 from ._pld_core import MAX_GRID, Composition, Pld, StepMasses, assemble, mix, pair_cdfs, split, step_masses
 from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
 from .envelope import Envelope, pessimistic_discretization
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 
 __all__ = ["PLDAccountant", "Mechanism"]
 
-Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian
+Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace
 
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
@@ -210,8 +210,8 @@ class PLDAccountant:
 
         Parameters
         ----------
-        mechanism : Gaussian, SubsampledGaussian or RandomizedClipGaussian
-            The mechanism.
+        mechanism : Gaussian, SubsampledGaussian, RandomizedClipGaussian or SubsampledL2Laplace
+            The mechanism (LAP2 is composed as the subsampled Gaussian that dominates it).
         count : int
             How many times it runs (``>= 1``).
 
@@ -222,10 +222,14 @@ class PLDAccountant:
         >>> len(acc.events)
         2
         """
-        if not isinstance(mechanism, (Gaussian, SubsampledGaussian, RandomizedClipGaussian)):
-            raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian or RandomizedClipGaussian, "
-                             f"got {type(mechanism).__name__}")
+        if not isinstance(mechanism, (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace)):
+            raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, RandomizedClipGaussian or "
+                             f"SubsampledL2Laplace, got {type(mechanism).__name__}")
         n = positive_int(count, "count")
+        if self.neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
+            raise ValueError(
+                "neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
+                "is proved for adding or removing one example; use neighboring='add_or_remove'")
         if self.neighboring == "replace_one" and isinstance(mechanism, RandomizedClipGaussian):
             raise ValueError(
                 "neighboring='replace_one' is not supported for RandomizedClipGaussian: the two differing "
@@ -248,14 +252,15 @@ class PLDAccountant:
         return self._plds[upper]
 
     def _steps(self, relations: tuple[str, ...], upper: bool) -> list[tuple[Pld, int]]:
-        fixed = [m for m, _ in self._events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
-        if len(fixed) == len(self._events):
+        events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
+        fixed = [m for m, _ in events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
+        if len(fixed) == len(events):
             # Gaussian steps compose in closed form: one Gaussian with 1/sigma^2 = sum_i n_i / sigma_i^2,
             # discretized once (tighter and faster than composing discretized steps)
-            sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in self._events))
+            sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in events))
             return [(_step_pld(Gaussian(sigma), relations[0], self.discretization, upper), 1)]
         return [(_step_pld(m, rel, self.discretization, upper, n), n)
-                for (m, n), rel in zip(self._events, relations, strict=True)]
+                for (m, n), rel in zip(events, relations, strict=True)]
 
     def epsilon(self, delta: float) -> float:
         r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``.

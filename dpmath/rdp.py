@@ -38,7 +38,7 @@ from scipy import special
 
 from . import conversions
 from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 
 __all__ = ["RDPAccountant", "DEFAULT_ORDERS", "subsampled_gaussian_rdp"]
 
@@ -146,7 +146,9 @@ class RDPAccountant:
     r"""Renyi-DP accountant (Mironov et al. 2019) with the Balle et al. 2020 conversion.
 
     Composes :class:`~dpmath.Gaussian` and :class:`~dpmath.SubsampledGaussian` (add-or-remove
-    neighbours); composing :class:`~dpmath.RandomizedClipGaussian` raises ``ValueError``, because its
+    neighbours), :class:`~dpmath.SubsampledL2Laplace` (through its dominating subsampled Gaussian), and
+    any mechanism with an ``rdp(orders)`` method, such as those of :mod:`dpmath.twice_sampling`;
+    composing :class:`~dpmath.RandomizedClipGaussian` raises ``ValueError``, because its
     Renyi divergence is infinite at every order.  RDP is an upper bound only; for a tight number use
     :class:`~dpmath.PLDAccountant`.
 
@@ -208,7 +210,7 @@ class RDPAccountant:
         """
         return self._rdp.copy()
 
-    def compose(self, mechanism: Gaussian | SubsampledGaussian, count: int = 1) -> RDPAccountant:
+    def compose(self, mechanism: object, count: int = 1) -> RDPAccountant:
         """Add ``count`` runs of ``mechanism``; returns the accountant.
 
         Examples
@@ -228,10 +230,17 @@ class RDPAccountant:
                 "every order alpha > 1 (paper 000, App. B.2, Prop. B.1), because the estimated-norm scale "
                 "a = 1/sqrt(Y) has a polynomial tail while the conditional moment grows like "
                 "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
-        if not isinstance(mechanism, (Gaussian, SubsampledGaussian)):
-            raise ValueError(f"mechanism must be Gaussian or SubsampledGaussian, got {type(mechanism).__name__}")
+        if isinstance(mechanism, SubsampledL2Laplace):
+            inner = mechanism.dominating()
+            step = subsampled_gaussian_rdp(inner.sigma, inner.q, self.orders)
+        elif isinstance(mechanism, (Gaussian, SubsampledGaussian)):
+            step = subsampled_gaussian_rdp(mechanism.sigma, mechanism.q, self.orders)
+        elif callable(getattr(mechanism, "rdp", None)):
+            step = np.asarray(mechanism.rdp(self.orders), dtype=np.float64)
+        else:
+            raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, SubsampledL2Laplace or have an "
+                             f"rdp(orders) method, got {type(mechanism).__name__}")
         n = positive_int(count, "count")
-        step = subsampled_gaussian_rdp(mechanism.sigma, mechanism.q, self.orders)
         self._rdp = self._rdp + n * step
         self._events = self._events + ((mechanism, n),)
         return self
