@@ -22,6 +22,7 @@ from dpmath import (  # noqa: E402
 )
 
 NOISE_CURVES = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "noise_curves.json"
+SCHUR_MAP = NOISE_CURVES.with_name("schur_map.json")
 
 
 def envelope_overview(path: str) -> None:
@@ -137,10 +138,61 @@ def noise_curves(path: str) -> None:
     plt.close(fig)
 
 
+def schur_map(path: str) -> None:
+    """Verdict of check_schur on g_t(lam) = P(X(lam) <= t), from benchmarks/schur_map.py's results."""
+    from matplotlib.colors import ListedColormap
+
+    res = json.loads(SCHUR_MAP.read_text())
+    codes = {"convex": 0, "neither": 1, "concave": 2, "both": 1}
+    labels = [f"k={c['k']}, d={c['d']}" for c in res["cases"].values()]
+    grid = np.array([[codes[v] for v in c["verdict"]] for c in res["cases"].values()])
+    t = np.asarray(res["t"])
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.4))
+    cmap = ListedColormap(["#4c72b0", "#dddddd", "#dd8452"])
+    step = t[1] - t[0]
+    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
+              extent=(t[0] - step / 2, t[-1] + step / 2, len(labels) - 0.5, -0.5))
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("t")
+    ax.axvline(1.0, color="k", lw=0.8, ls=":")
+    ax.axvline(2.0, color="k", lw=0.8, ls=":")
+    ax.set_title("g_t(lam) = P(X(lam) <= t): blue = no violation as Schur-convex, orange = as Schur-concave, "
+                 "grey = both refuted", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def laplace_domination(path: str) -> None:
+    """mu(t) / t of the Laplace mechanism's Gaussian domination, and the trade-off curves at t = 1."""
+    from scipy import stats
+
+    from dpmath.lap2 import LAPLACE_GDP_FACTOR, laplace_gdp_mu, laplace_tradeoff
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    ts = np.geomspace(1e-3, 50, 60)
+    axes[0].semilogx(ts, [laplace_gdp_mu(t) / t for t in ts], label="mu(t) / t (smallest mu with G_mu <= f_t)")
+    axes[0].axhline(LAPLACE_GDP_FACTOR, color="k", ls=":", lw=0.8, label="sqrt(pi/2)")
+    axes[0].axhline(1.0, color="grey", ls="--", lw=0.8, label="1 (central limit of a spread gradient)")
+    axes[0].set_xlabel("Laplace shift t = u / b")
+    axes[0].legend(fontsize=7)
+    alpha = np.linspace(0, 1, 801)
+    axes[1].plot(alpha, laplace_tradeoff(alpha, 1.0), label="Laplace f_1")
+    for mu, ls in ((laplace_gdp_mu(1.0), "--"), (LAPLACE_GDP_FACTOR, ":")):
+        axes[1].plot(alpha, stats.norm.cdf(stats.norm.isf(alpha) - mu), ls, label=f"Gaussian G_{mu:.3f}")
+    axes[1].set_xlabel("type I error alpha")
+    axes[1].set_ylabel("type II error")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     jobs = {"envelope_overview.png": envelope_overview, "middle_region.png": middle_region,
-            "x_plus.png": x_plus_vs_formula, "tradeoff.png": tradeoff_curves, "noise_curves.png": noise_curves}
+            "x_plus.png": x_plus_vs_formula, "tradeoff.png": tradeoff_curves, "noise_curves.png": noise_curves,
+            "schur_map.png": schur_map, "laplace_domination.png": laplace_domination}
     for name, fn in jobs.items():
         target = os.path.join(out_dir, name)
         if not os.path.exists(target):
