@@ -149,3 +149,15 @@ def test_moments_are_finite_and_increasing_in_the_shift(u, lam, q):
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_remove_direction_is_dominated_by_the_add_direction():
+    """Thm III.2 bounds only A = E_mu0[(mu/mu0)^(lam+1)]; the proof relies on B = E_mu0[(mu0/mu)^lam] <= A
+    (its last line says 'B >= A', a typo).  Checked by quadrature on a grid of shifts, rates and orders."""
+    def log_b(u, q, lam):
+        f = lambda z: stats.laplace.pdf(z) * (1 - q + q * math.exp(abs(z) - abs(z - u))) ** (-lam)  # noqa: E731
+        return math.log(sum(integrate.quad(f, a, c, epsrel=1e-12)[0] for a, c in [(-np.inf, 0), (0, u), (u, np.inf)]))
+    for u in (0.1, 1.0, 4.0):
+        for q in (0.01, 0.5, 0.9):
+            for lam in (1, 4, 16):
+                assert log_b(u, q, lam) <= float(univariate_log_moment(u, lam, q)) + 1e-12
