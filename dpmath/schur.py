@@ -101,9 +101,11 @@ def _evaluate(f: Callable, x: np.ndarray, allow_complex: bool = False) -> float 
     if arr.ndim != 0 and arr.size != 1:
         raise _Invalid(x, value)
     v = arr.reshape(()).item()
+    if isinstance(v, bool) or not isinstance(v, (int, float, complex)):
+        raise _Invalid(x, value)
     if isinstance(v, complex) and not allow_complex:
         v = v.real
-    if not np.isfinite(v) or not isinstance(v, (int, float, complex)):
+    if not np.isfinite(v):
         raise _Invalid(x, value)
     return v
 
@@ -150,7 +152,10 @@ def _directional(f, x, i, j, gradient, mode, h_rel):
     if mode == "complex-step":
         s = 1e-20 * max(1.0, float(np.abs(x).max()))
         v = _evaluate(f, x + 1j * s * direction, allow_complex=True)
-        return float(np.imag(v)) / s, 0.0
+        if not isinstance(v, complex):
+            raise ValueError("derivative='complex-step' needs f to return a complex value for complex input; "
+                             "use derivative='central' or pass gradient=")
+        return v.imag / s, 0.0
     # a central step may not leave the domain (x_i - s, x_j - s >= 0)
     s = min(h_rel * max(1.0, float(np.abs(x).max())), 0.5 * float(min(x[i], x[j])))
     if s < 1e-9 * max(1.0, float(np.abs(x).max())):

@@ -179,7 +179,7 @@ def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     top = int(ints.max())
     eps0 = np.zeros(top + 1)
     eps0[2:] = np.asarray(base_rdp(np.arange(2, top + 1, dtype=np.float64)), dtype=np.float64)
-    log_terms = np.arange(top + 1) * 0.0
+    log_terms = np.zeros(top + 1)
     log_terms[2:] = (np.arange(2, top + 1) - 1) * eps0[2:]
     for n, alpha in enumerate(o):
         if alpha == round(alpha):

@@ -128,6 +128,9 @@ def test_nan_and_bad_returns_are_reported_not_passed():
     assert r.verdict == "invalid"
     r = check_schur(lambda x: np.inf if x[0] > 0.5 else 0.0, 3)
     assert r.verdict == "invalid"
+    assert check_schur(lambda x: "big", 3).verdict == "invalid"
+    with pytest.raises(ValueError, match="complex"):  # a complex step through float() would read 0
+        check_schur(lambda x: float(np.sum(x ** 2).real), 3, derivative="complex-step")
 
 
 @pytest.mark.parametrize("kwargs, match", [
