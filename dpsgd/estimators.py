@@ -13,7 +13,10 @@ function here returns the ``(B,)`` vector of (estimates of) ``||M_i||_F^2``:
 
 The randomized estimators project along the larger of ``p`` and ``d`` (the transpose ``G_i^T A_i`` has
 the same norm), so ``Y = n_hat / ||M||^2`` has ``min(p, d)`` chi-square terms: the ``d`` of
-:class:`dpmath.HutchEnvelope`.  Both are unbiased; Hutchinson's variance with Gaussian probes is
+:class:`dpmath.HutchEnvelope`.  For a whole model the layers' independent projections add up, so the
+model's ``Y`` mixes ``sum_l min(p_l, d_l)`` chi-square terms and its envelope needs that total as ``d``
+(an envelope can only grow with ``d``: a smaller simplex embeds in a larger one; the noise it costs is
+small, see the accountants page).  Both are unbiased; Hutchinson's variance with Gaussian probes is
 ``2 ||M^T M||_F^2 / k``.  The projections are drawn from ``generator`` (fresh per call: per layer and
 step), shared by the batch, and independent of the data, which is all the privacy analysis needs.
 Inputs of 2 dimensions are treated as ``T = 1``; half-precision inputs are computed in float32.
