@@ -8,12 +8,16 @@ randomized-clipping DP-SGD trainer in PyTorch".  Importing this package does not
 of these names is used.
 """
 
-__all__ = ["per_sample_sq_norms", "private_step"]
+__all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
+    if name in ("per_sample_sq_norms", "private_step"):
         from . import engine
 
         return getattr(engine, name)
+    if name == "PrivacyEngine":
+        from .privacy_engine import PrivacyEngine
+
+        return PrivacyEngine
     raise AttributeError(f"module 'dpsgd' has no attribute {name!r}")

@@ -97,18 +97,16 @@ def _check_estimator(estimator: str, k: object) -> None:
         raise ValueError(f"k must be a positive integer (>= 1), got {k!r}")
 
 
-def _first_pass(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str, k: int,
-                generator: torch.Generator | None) -> _FirstPass:
-    _check_estimator(estimator, k)
-    with _capturing(model) as cap:
-        losses = loss_fn(model)
+def _norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generator: torch.Generator | None
+           ) -> _FirstPass:
+    """Per-example squared norms from a finished forward pass whose modules ``cap`` recorded."""
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
-        raise ValueError("loss_fn must return a 1-D tensor of per-example losses")
+        raise ValueError("the per-example losses must be a 1-D tensor")
     if not torch.isfinite(losses).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
     modules = list(cap.records)
     outputs = [cap.records[m][1] for m in modules]
-    grads = torch.autograd.grad(losses.sum(), outputs, retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(losses.sum(), outputs, retain_graph=True, allow_unused=True) if modules else ()
     total = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
     exact_params = all_params = 0
     for m, g in zip(modules, grads, strict=True):
@@ -131,6 +129,35 @@ def _first_pass(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], 
     if not torch.isfinite(total).all():
         raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
     return _FirstPass(losses, total.detach(), exact_params / max(all_params, 1))
+
+
+def _first_pass(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str, k: int,
+                generator: torch.Generator | None) -> _FirstPass:
+    _check_estimator(estimator, k)
+    with _capturing(model) as cap:
+        losses = loss_fn(model)
+    return _norms(cap, losses, estimator, k, generator)
+
+
+def _clipped_sum(first: _FirstPass, params: list[nn.Parameter], max_grad_norm: float) -> tuple[list, torch.Tensor]:
+    """Second backward: ``sum_i min(1, C / sqrt(n_i)) grad L_i`` for each parameter, and the weights."""
+    weights = torch.clamp(max_grad_norm / first.sq_norms.sqrt().clamp_min(1e-30), max=1.0)
+    if first.losses.shape[0] == 0:
+        return [torch.zeros_like(p) for p in params], weights
+    grads = torch.autograd.grad((weights.to(first.losses.dtype) * first.losses).sum(), params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)], weights
+
+
+def _noisy(grads: list[torch.Tensor], noise_std: float, expected_batch_size: float,
+           noise_generator: torch.Generator | None) -> list[torch.Tensor]:
+    out = []
+    for g in grads:
+        if noise_std > 0:
+            g = g + noise_std * torch.randn(g.shape, generator=noise_generator, device=g.device, dtype=g.dtype)
+        out.append(g / expected_batch_size)
+    if not all(torch.isfinite(g).all() for g in out):
+        raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
+    return out
 
 
 def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str = "hutch",
@@ -255,23 +282,12 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
         raise ValueError(f"expected_batch_size must be positive (> 0), got {expected_batch_size!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     first = _first_pass(model, loss_fn, estimator, k, generator)
-    n = first.losses.shape[0]
-    weights = torch.clamp(c / first.sq_norms.sqrt().clamp_min(1e-30), max=1.0)
-    if n > 0:
-        grads = torch.autograd.grad((weights.to(first.losses.dtype) * first.losses).sum(), params, allow_unused=True)
-    else:
-        grads = [None] * len(params)
-    new = []
-    for p, g in zip(params, grads, strict=True):
-        g = torch.zeros_like(p) if g is None else g
-        if sigma > 0:
-            g = g + sigma * c * torch.randn(p.shape, generator=noise_generator, device=p.device, dtype=p.dtype)
-        new.append(g / b_bar)
-    if not all(torch.isfinite(g).all() for g in new):
-        raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
+    grads, weights = _clipped_sum(first, params, c)
+    new = _noisy(grads, sigma * c, b_bar, noise_generator)
     for p, g in zip(params, new, strict=True):
         p.grad = g
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    n = first.losses.shape[0]
     return StepResult(n, float((weights < 1).float().mean()) if n else 0.0,
                       float(first.losses.detach().mean()) if n else float("nan"), first.exact_fraction)

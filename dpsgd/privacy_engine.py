@@ -1,0 +1,314 @@
+r"""``PrivacyEngine.make_private``: the Opacus-style entry point of DP-SGD-RC.
+
+An Opacus user with ghost clipping writes::
+
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5, epochs=3, estimator="hutch", k=32)
+    for x, y in loader:
+        loss = criterion(model(x), y)   # per-example losses, kept for the two backward passes
+        loss.backward()                 # first pass: norms; second pass: the clipped sum into .grad
+        optimizer.step()                # noise sigma C, / expected batch size, the wrapped optimizer's step
+    engine.get_epsilon(1e-5)
+
+The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
+q)`` for ``exact``/``ghost``, ``RandomizedClipGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
+The envelope's dimension is ``D = sum_l min(p_l, d_l)`` over the layers estimated with random
+projections (biases count 1, embeddings ``min(V, p)``): the model's estimate mixes that many
+``chi2(k)/k`` terms.  Exactly-computed parts (modules without a handler, and embeddings under
+``hutchpp``) are point masses in that mixture, the ``d -> inf`` limit of the family, so with ``hutch``
+they switch the envelope to that limit, ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope`
+form).  Every step is recorded in the ledger *after* the optimizer's step succeeded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpmath import (
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+    calibrate_sigma,
+)
+
+from .data import private_data_loader
+from .engine import _Capture, _check_estimator, _check_model, _clipped_sum, _noisy, _norms, _own_params
+from .layers import HANDLERS, embedding_norms, is_conv1d, linear_norms
+
+__all__ = ["PrivacyEngine", "envelope_dimension"]
+
+
+def envelope_dimension(module: nn.Module, estimator: str) -> tuple[int, bool]:
+    """``(D, has_exact_parts)``: chi-square terms of the model's estimate and whether some part is exact.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from dpsgd.privacy_engine import envelope_dimension
+    >>> envelope_dimension(nn.Sequential(nn.Linear(8, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "hutch")
+    (7, True)
+    """
+    total, exact = 0, False
+    for m in module.modules():
+        own = _own_params(m)
+        if not own:
+            continue
+        handler = HANDLERS.get(type(m))
+        if is_conv1d(m) or handler is linear_norms:
+            w = m.weight
+            total += min(w.shape) if w.requires_grad else 0
+            total += 1 if getattr(m, "bias", None) is not None and m.bias.requires_grad else 0
+        elif handler is embedding_norms:
+            if estimator == "hutch":
+                total += min(m.weight.shape)
+            else:
+                exact = True
+        elif handler is None:
+            exact = True
+        else:
+            total += sum(p.numel() for p in own)  # a user handler: count every parameter (the largest possible D)
+    return max(total, 1), exact
+
+
+class PrivateModule(nn.Module):
+    """The wrapped model: its forward records what the first backward pass needs."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._module = module
+        self._capture = _Capture(_check_model(module))
+
+    def forward(self, *args, **kwargs):
+        self._capture.records.clear()
+        return self._module(*args, **kwargs)
+
+
+class DPLoss:
+    """Per-example losses of one batch; ``backward()`` writes the clipped gradient sum into ``.grad``."""
+
+    def __init__(self, losses: torch.Tensor, engine: PrivacyEngine) -> None:
+        self.losses = losses
+        self._engine = engine
+
+    def item(self) -> float:
+        """Mean per-example loss (for logging)."""
+        return float(self.losses.detach().mean()) if self.losses.numel() else float("nan")
+
+    def backward(self) -> None:
+        e = self._engine
+        first = _norms(e._module._capture, self.losses, e.estimator, e.k, e._projection_rng)
+        grads, weights = _clipped_sum(first, e._params, e.max_grad_norm)
+        for p, g in zip(e._params, grads, strict=True):
+            p.grad = g
+        e._pending = (first.losses.shape[0], float((weights < 1).float().mean()) if weights.numel() else 0.0)
+
+
+class DPCriterion:
+    """Wraps a loss module: ``criterion(output, target)`` returns a :class:`DPLoss` of per-example losses."""
+
+    def __init__(self, criterion: nn.Module, engine: PrivacyEngine) -> None:
+        self._criterion = criterion
+        self._engine = engine
+        self._reduce = "mean" if getattr(criterion, "reduction", "mean") == "mean" else "sum"
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> DPLoss:
+        old = getattr(self._criterion, "reduction", None)
+        self._criterion.reduction = "none"
+        try:
+            per_element = self._criterion(output, target)
+        finally:
+            self._criterion.reduction = old
+        flat = per_element.reshape(per_element.shape[0], math.prod(per_element.shape[1:]))
+        return DPLoss(flat.mean(1) if self._reduce == "mean" else flat.sum(1), self._engine)
+
+
+class DPOptimizer:
+    """Wraps a torch optimizer: ``step()`` adds noise to the clipped sum, normalizes, steps, and records."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: PrivacyEngine) -> None:
+        self.original_optimizer = optimizer
+        self._engine = engine
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        e = self._engine
+        if e._pending is None:
+            raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
+        noisy = _noisy([p.grad for p in e._params], e.noise_multiplier * e.max_grad_norm, e.expected_batch_size,
+                       e._noise_rng)
+        for p, g in zip(e._params, noisy, strict=True):
+            p.grad = g
+        self.original_optimizer.step()
+        e._steps += 1  # the ledger: only after the step has happened
+        e._pending = None
+        self.original_optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.original_optimizer.load_state_dict(state)
+
+
+class PrivacyEngine:
+    r"""Makes a model, optimizer, loss and data loader private with DP-SGD-RC, and keeps the privacy ledger.
+
+    Parameters
+    ----------
+    secure_mode : bool
+        Seed the noise generator from ``os.urandom`` (its state is then not saved in checkpoints).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from dpsgd import PrivacyEngine
+    >>> data = TensorDataset(torch.randn(200, 4), torch.randint(0, 2, (200,)))
+    >>> model = nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> engine = PrivacyEngine()
+    >>> model, opt, crit, loader = engine.make_private(module=model, optimizer=opt,
+    ...     data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
+    ...     noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
+    >>> for x, y in loader:
+    ...     crit(model(x), y).backward()
+    ...     opt.step()
+    >>> engine.steps, round(engine.get_epsilon(1e-5), 2) > 0
+    (10, True)
+    """
+
+    def __init__(self, secure_mode: bool = False) -> None:
+        self.secure_mode = bool(secure_mode)
+        self._steps = 0
+        self._pending = None
+        self._mechanism = None
+
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     criterion: nn.Module, max_grad_norm: float, noise_multiplier: float | None = None,
+                     target_epsilon: float | None = None, target_delta: float | None = None,
+                     epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
+                     seed: int | None = None) -> tuple[PrivateModule, DPOptimizer, DPCriterion, DataLoader]:
+        r"""Wrap for private training; either ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
+
+        Parameters
+        ----------
+        module, optimizer, data_loader, criterion
+            Model, any torch optimizer over its parameters, a loader with a fixed ``batch_size`` (its
+            expected batch size), and a loss module with a ``reduction`` attribute.
+        max_grad_norm : float
+            Clipping threshold ``C > 0``.
+        noise_multiplier : float, optional
+            ``sigma >= 0``; or calibrate it from the three targets.
+        target_epsilon, target_delta, epochs
+            Calibrate ``sigma`` with the PLD accountant for this estimator so that after ``epochs`` passes
+            the upper bound on epsilon is at most ``target_epsilon``.
+        estimator : {"hutch", "hutchpp", "ghost", "exact"}
+            Per-sample norm estimator.
+        k : int
+            Projection dimension.
+        poisson_sampling : bool
+            Poisson batches (default); ``False`` warns that the accounting assumes Poisson sampling.
+        seed : int, optional
+            Seeds the sampling, projection and noise generators (noise from ``os.urandom`` in secure mode).
+
+        Returns
+        -------
+        tuple
+            ``(module, optimizer, criterion, data_loader)``.
+        """
+        _check_estimator(estimator, k)
+        c = float(max_grad_norm)
+        if not (math.isfinite(c) and c > 0):
+            raise ValueError(f"max_grad_norm must be positive (> 0), got {max_grad_norm!r}")
+        base = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        if seed is None:
+            base.seed()
+        self._sampling_rng = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=base)))
+        self._projection_rng = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=base)))
+        noise_seed = int.from_bytes(os.urandom(8), "little") if self.secure_mode else \
+            int(torch.randint(2**62, (1,), generator=base))
+        self._noise_rng = torch.Generator().manual_seed(noise_seed)
+        loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng)
+        n = len(data_loader.dataset)
+        self.sample_rate = min(data_loader.batch_size / n, 1.0)
+        self.expected_batch_size = self.sample_rate * n
+        self.estimator, self.k, self.max_grad_norm = estimator, k, c
+        self._module = PrivateModule(module)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.envelope = self._envelope(module)
+        if noise_multiplier is not None:
+            sigma = float(noise_multiplier)
+            if not (math.isfinite(sigma) and sigma >= 0):
+                raise ValueError(f"noise_multiplier must be non-negative (>= 0), got {noise_multiplier!r}")
+            if target_epsilon is not None:
+                raise ValueError("give either noise_multiplier or target_epsilon, not both")
+        else:
+            if target_epsilon is None or target_delta is None or epochs is None:
+                raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
+            steps = int(epochs) * len(loader)
+            sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, steps, envelope=self.envelope)
+        self.noise_multiplier = sigma
+        self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
+                          "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
+        return self._module, DPOptimizer(optimizer, self), DPCriterion(criterion, self), loader
+
+    def _envelope(self, module: nn.Module):
+        if self.estimator in ("exact", "ghost"):
+            return None
+        d, exact = envelope_dimension(module, self.estimator)
+        if self.estimator == "hutchpp" or exact:
+            return HutchPPEnvelope(self.k, max(d, self.k + 1) if exact else d)
+        return HutchEnvelope(self.k, d)
+
+    @property
+    def steps(self) -> int:
+        """Noisy steps taken (the privacy ledger)."""
+        return self._steps
+
+    def accountant(self) -> PLDAccountant:
+        """A fresh :class:`dpmath.PLDAccountant` holding every step taken so far."""
+        acc = PLDAccountant()
+        if self._steps:
+            if self.noise_multiplier == 0:
+                raise ValueError("noise_multiplier is 0: no privacy guarantee")
+            mech = SubsampledGaussian(self.noise_multiplier, self.sample_rate) if self.envelope is None else \
+                RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+            acc.compose(mech, self._steps)
+        return acc
+
+    def get_epsilon(self, delta: float) -> float:
+        """Upper bound on epsilon spent so far at ``delta`` (0 before the first step)."""
+        return self.accountant().epsilon(delta) if self._steps else 0.0
+
+    def state_dict(self) -> dict:
+        """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""
+        return {"settings": dict(self._settings), "steps": self._steps,
+                "sampling_rng": self._sampling_rng.get_state(), "projection_rng": self._projection_rng.get_state(),
+                "noise_rng": None if self.secure_mode else self._noise_rng.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the settings must equal this engine's (else ValueError); the ledger and generators continue."""
+        if state["settings"] != self._settings:
+            saved = state["settings"]
+            diff = {k: (saved.get(k), v) for k, v in self._settings.items() if saved.get(k) != v}
+            raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
+        self._steps = int(state["steps"])
+        self._sampling_rng.set_state(state["sampling_rng"])
+        self._projection_rng.set_state(state["projection_rng"])
+        if state["noise_rng"] is not None and not self.secure_mode:
+            self._noise_rng.set_state(state["noise_rng"])

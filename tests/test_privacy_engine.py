@@ -1,0 +1,126 @@
+"""make_private end to end: training steps, calibration, the ledger, checkpoints, atomicity, sampling."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
+from dpsgd import PrivacyEngine
+from dpsgd.privacy_engine import envelope_dimension
+
+
+def _setup(estimator="hutch", seed=0, n=120, batch=12, **kw):
+    torch.manual_seed(0)  # the same data and initial model for every engine seed
+    x = torch.randn(n, 5)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = PrivacyEngine()
+    args = dict(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
+                criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, k=16, seed=seed)
+    args.update(kw if kw else {"noise_multiplier": 1.5})
+    return engine, *engine.make_private(**args)
+
+
+def _epoch(model, opt, crit, loader):
+    for xb, yb in loader:
+        crit(model(xb), yb).backward()
+        opt.step()
+
+
+def test_training_runs_and_the_ledger_counts_steps():
+    engine, model, opt, crit, loader = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    _epoch(model, opt, crit, loader)
+    assert engine.steps == len(loader) == 10
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    eps = engine.get_epsilon(1e-5)
+    assert engine.envelope.d == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
+    ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(16, 9)), 10)
+    assert eps == ref.epsilon(1e-5)
+    _epoch(model, opt, crit, loader)
+    assert engine.get_epsilon(1e-5) > eps
+
+
+def test_calibrated_sigma_meets_the_target():
+    engine, model, opt, crit, loader = _setup(target_epsilon=3.0, target_delta=1e-5, epochs=2)
+    for _ in range(2):
+        _epoch(model, opt, crit, loader)
+    assert engine.steps == 20
+    assert 2.9 < engine.get_epsilon(1e-5) <= 3.0
+
+
+def test_envelope_choice():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3), nn.LayerNorm(3))
+    assert envelope_dimension(model, "hutch") == (4 + 3 + 1, True)
+    assert envelope_dimension(model, "hutchpp") == (3 + 1, True)
+    engine, *_ = _setup("hutchpp")
+    assert isinstance(engine.envelope, HutchPPEnvelope)
+    engine, *_ = _setup("exact")
+    assert engine.envelope is None
+
+
+def test_checkpoint_resumes_the_same_run():
+    engine, model, opt, crit, loader = _setup(seed=3)
+    _epoch(model, opt, crit, loader)
+    ckpt = {"engine": engine.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
+    _epoch(model, opt, crit, loader)
+    final = [p.detach().clone() for p in model.parameters()]
+    eps = engine.get_epsilon(1e-5)
+    engine2, model2, opt2, crit2, loader2 = _setup(seed=99)  # different seed: generators come from the checkpoint
+    model2.load_state_dict(ckpt["model"])
+    engine2.load_state_dict(ckpt["engine"])
+    _epoch(model2, opt2, crit2, loader2)
+    assert engine2.steps == engine.steps and engine2.get_epsilon(1e-5) == eps
+    for a, b in zip(final, model2.parameters(), strict=True):
+        assert torch.allclose(a, b)
+    engine3, *_ = _setup(noise_multiplier=1.2)
+    with pytest.raises(ValueError, match="different privacy settings"):
+        engine3.load_state_dict(ckpt["engine"])
+
+
+def test_non_finite_loss_does_not_step_or_count():
+    engine, model, opt, crit, loader = _setup()
+    _epoch(model, opt, crit, loader)
+    steps, params = engine.steps, [p.detach().clone() for p in model.parameters()]
+    xb, yb = next(iter(loader))
+    loss = crit(model(xb * float("nan")), yb)
+    with pytest.raises(FloatingPointError):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="without loss.backward"):
+        opt.step()
+    assert engine.steps == steps
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+
+
+def test_sampling_modes_and_bad_arguments():
+    engine, model, opt, crit, loader = _setup()
+    sizes = [len(b[0]) for b in loader]
+    assert len(set(sizes)) > 1  # Poisson: variable batch sizes
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _setup(poisson_sampling=False, noise_multiplier=1.0)
+    assert any("Poisson" in str(x.message) for x in w)
+    for bad, match in [(dict(noise_multiplier=-1.0), "noise_multiplier"), (dict(max_grad_norm=0.0), "max_grad_norm"),
+                       (dict(k=0, noise_multiplier=1.0), "k must be"),
+                       (dict(target_epsilon=1.0), "target_delta and epochs are required")]:
+        with pytest.raises(ValueError, match=match):
+            _setup(**bad)
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        PrivacyEngine().make_private(module=frozen, optimizer=torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1),
+                                     data_loader=DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=2),
+                                     criterion=nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_empty_poisson_batch_still_takes_a_noisy_step():
+    engine, model, opt, crit, loader = _setup(n=200, batch=1, noise_multiplier=1.0)
+    empties = 0
+    for xb, yb in loader:
+        empties += xb.shape[0] == 0
+        crit(model(xb), yb).backward()
+        opt.step()
+    assert empties > 0 and engine.steps == len(loader)
