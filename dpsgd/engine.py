@@ -58,9 +58,12 @@ class _Capture:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.records: dict[nn.Module, tuple[tuple, torch.Tensor]] = {}
+        self.enabled = True  # off while norms are computed (functional_call re-runs modules' forwards)
         self._handles = [m.register_forward_hook(self._hook) for m in modules]
 
     def _hook(self, module: nn.Module, inputs: tuple, output: object) -> None:
+        if not self.enabled:
+            return
         if module in self.records:
             raise ValueError(f"module {type(module).__name__} was called twice in one forward pass; per-example "
                              f"norms of a reused module are not supported")
@@ -104,6 +107,15 @@ def _norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generato
         raise ValueError("the per-example losses must be a 1-D tensor")
     if not torch.isfinite(losses).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
+    cap.enabled = False
+    try:
+        return _sum_norms(cap, losses, estimator, k, generator)
+    finally:
+        cap.enabled = True
+
+
+def _sum_norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generator: torch.Generator | None
+               ) -> _FirstPass:
     modules = list(cap.records)
     outputs = [cap.records[m][1] for m in modules]
     grads = torch.autograd.grad(losses.sum(), outputs, retain_graph=True, allow_unused=True) if modules else ()

@@ -124,3 +124,17 @@ def test_empty_poisson_batch_still_takes_a_noisy_step():
         crit(model(xb), yb).backward()
         opt.step()
     assert empties > 0 and engine.steps == len(loader)
+
+
+def test_modules_without_a_handler_train_through_the_wrapper():
+    """LayerNorm goes through torch.func inside the wrapped model (its hook must not fire again)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(60, 4), torch.randint(0, 2, (60,))
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=10), criterion=nn.CrossEntropyLoss(),
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=1)
+    _epoch(model, opt, crit, loader)
+    assert engine.steps == 6 and isinstance(engine.envelope, HutchPPEnvelope)  # exact parts: the d -> inf limit
