@@ -124,6 +124,9 @@ def _sum_norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, gene
     for m, g in zip(modules, grads, strict=True):
         if g is None:
             continue
+        if g.dim() == 0 or g.shape[0] != losses.shape[0]:
+            raise ValueError(f"the output of {type(m).__name__} does not start with the batch dimension "
+                             f"({tuple(g.shape)} for {losses.shape[0]} examples): per-example norms need it")
         inputs = cap.records[m][0]
         count = sum(p.numel() for p in _own_params(m))
         all_params += count

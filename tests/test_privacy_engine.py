@@ -138,3 +138,12 @@ def test_modules_without_a_handler_train_through_the_wrapper():
         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=1)
     _epoch(model, opt, crit, loader)
     assert engine.steps == 6 and isinstance(engine.envelope, HutchPPEnvelope)  # exact parts: the d -> inf limit
+
+
+def test_demo_runs_within_budget(capsys):
+    from dpsgd.demo import main
+    acc = main(["--train", "1024", "--batch-size", "256", "--epochs", "1", "--seq-len", "32"])
+    out = capsys.readouterr().out
+    assert 0.0 <= acc <= 1.0 and "epsilon" in out
+    spent = float(out.split("epsilon ")[-1].split(" <=")[0])
+    assert spent <= 8.0
