@@ -19,6 +19,13 @@ projections (biases count 1, embeddings ``min(V, p)``): the model's estimate mix
 ``hutchpp``) are point masses in that mixture, the ``d -> inf`` limit of the family, so with ``hutch``
 they switch the envelope to that limit, ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope`
 form).  Every step is recorded in the ledger *after* the optimizer's step succeeded.
+
+Under ``torch.distributed`` (initialized before ``make_private``) each rank passes a loader over its own
+shard; per-example norms and clipping stay local, the clipped sums are all-reduced, and the same noise
+(one generator seeded identically on all ranks) is added once, so every rank takes the same step and the
+noise has standard deviation ``sigma C`` in total, not ``sqrt(world) sigma C``.  The sampling rate is each
+shard's ``batch_size / len(shard)``; the expected batch size is the sum over ranks.  Wrap nothing in
+``DistributedDataParallel``: the optimizer does the reduction.
 """
 
 from __future__ import annotations
@@ -76,6 +83,29 @@ def envelope_dimension(module: nn.Module, estimator: str) -> tuple[int, bool]:
         else:
             total += sum(p.numel() for p in own)  # a user handler: count every parameter (the largest possible D)
     return max(total, 1), exact
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _broadcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank (identity without torch.distributed)."""
+    if _rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.broadcast(t, src=0)
+    return int(t.item())
+
+
+def _all_sum(value: float) -> float:
+    if _rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t.item())
 
 
 class PrivateModule(nn.Module):
@@ -148,8 +178,12 @@ class DPOptimizer:
         e = self._engine
         if e._pending is None:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
-        noisy = _noisy([p.grad for p in e._params], e.noise_multiplier * e.max_grad_norm, e.expected_batch_size,
-                       e._noise_rng)
+        sums = [p.grad for p in e._params]
+        if _rank_world()[1] > 1:  # per-example norms stay local; the clipped sums add up across ranks
+            sums = [g.clone() for g in sums]
+            for g in sums:
+                torch.distributed.all_reduce(g)
+        noisy = _noisy(sums, e.noise_multiplier * e.max_grad_norm, e.expected_batch_size, e._noise_rng)
         for p, g in zip(e._params, noisy, strict=True):
             p.grad = g
         self.original_optimizer.step()
@@ -235,18 +269,19 @@ class PrivacyEngine:
         c = float(max_grad_norm)
         if not (math.isfinite(c) and c > 0):
             raise ValueError(f"max_grad_norm must be positive (> 0), got {max_grad_norm!r}")
-        base = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
-        if seed is None:
-            base.seed()
-        self._sampling_rng = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=base)))
-        self._projection_rng = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=base)))
-        noise_seed = int.from_bytes(os.urandom(8), "little") if self.secure_mode else \
-            int(torch.randint(2**62, (1,), generator=base))
-        self._noise_rng = torch.Generator().manual_seed(noise_seed)
+        rank, world = _rank_world()
+        # one seed for the whole run (rank 0's, or os.urandom's in secure mode), shared by all ranks
+        root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
+        base = torch.Generator().manual_seed(_broadcast_int(root))
+        seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
+        self._sampling_rng = torch.Generator().manual_seed(seeds[3 + rank])   # each rank samples its own shard
+        self._projection_rng = torch.Generator().manual_seed(seeds[1] + rank)
+        noise_seed = _broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
+        self._noise_rng = torch.Generator().manual_seed(noise_seed)              # the same noise on every rank
         loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng)
         n = len(data_loader.dataset)
         self.sample_rate = min(data_loader.batch_size / n, 1.0)
-        self.expected_batch_size = self.sample_rate * n
+        self.expected_batch_size = _all_sum(self.sample_rate * n)
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
         self._module = PrivateModule(module)
         self._params = [p for p in module.parameters() if p.requires_grad]
