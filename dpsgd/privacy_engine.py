@@ -30,6 +30,7 @@ shard's ``batch_size / len(shard)``; the expected batch size is the sum over ran
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -187,7 +188,7 @@ class DPOptimizer:
         for p, g in zip(e._params, noisy, strict=True):
             p.grad = g
         self.original_optimizer.step()
-        e._steps += 1  # the ledger: only after the step has happened
+        e._record_step()  # the ledger: only after the step has happened
         e._pending = None
         self.original_optimizer.zero_grad(set_to_none=True)
 
@@ -205,6 +206,10 @@ class PrivacyEngine:
     ----------
     secure_mode : bool
         Seed the noise generator from ``os.urandom`` (its state is then not saved in checkpoints).
+    ledger_path : str or os.PathLike, optional
+        An append-only file with one line per noisy step, flushed to disk before ``step()`` returns.  A
+        crash loses no spent privacy: a new engine on the same file counts the steps already recorded
+        there (more than a checkpoint may hold) and refuses a file written with other settings.
 
     Examples
     --------
@@ -226,9 +231,12 @@ class PrivacyEngine:
     (10, True)
     """
 
-    def __init__(self, secure_mode: bool = False) -> None:
+    def __init__(self, secure_mode: bool = False, ledger_path: str | os.PathLike | None = None) -> None:
         self.secure_mode = bool(secure_mode)
+        self.ledger_path = ledger_path
         self._steps = 0
+        self._recorded = 0  # steps in the ledger file from earlier runs
+        self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._pending = None
         self._mechanism = None
 
@@ -300,7 +308,27 @@ class PrivacyEngine:
         self.noise_multiplier = sigma
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
+        self._read_ledger()
         return self._module, DPOptimizer(optimizer, self), DPCriterion(criterion, self), loader
+
+    def _read_ledger(self) -> None:
+        if self.ledger_path is None or not os.path.exists(self.ledger_path):
+            return
+        with open(self.ledger_path) as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
+        for rec in lines:
+            if rec["settings"] != self._settings:
+                raise ValueError(f"ledger {self.ledger_path} was written with different privacy settings "
+                                 f"({rec['settings']}); use a new ledger file")
+        self._recorded = len(lines)
+
+    def _record_step(self) -> None:
+        self._steps += 1
+        if self.ledger_path is not None and _rank_world()[0] == 0:
+            with open(self.ledger_path, "a") as fh:
+                fh.write(json.dumps({"step": self._steps, "settings": self._settings}) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
 
     def _envelope(self, module: nn.Module):
         if self.estimator in ("exact", "ghost"):
@@ -312,23 +340,28 @@ class PrivacyEngine:
 
     @property
     def steps(self) -> int:
-        """Noisy steps taken (the privacy ledger)."""
+        """Noisy steps of this run (from a resumed checkpoint on)."""
         return self._steps
+
+    @property
+    def spent_steps(self) -> int:
+        """Noisy steps whose privacy is spent: this run's, or the ledger file's count if that is larger."""
+        return max(self._steps, self._recorded + self._steps - self._resumed)
 
     def accountant(self) -> PLDAccountant:
         """A fresh :class:`dpmath.PLDAccountant` holding every step taken so far."""
         acc = PLDAccountant()
-        if self._steps:
+        if self.spent_steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")
             mech = SubsampledGaussian(self.noise_multiplier, self.sample_rate) if self.envelope is None else \
                 RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
-            acc.compose(mech, self._steps)
+            acc.compose(mech, self.spent_steps)
         return acc
 
     def get_epsilon(self, delta: float) -> float:
         """Upper bound on epsilon spent so far at ``delta`` (0 before the first step)."""
-        return self.accountant().epsilon(delta) if self._steps else 0.0
+        return self.accountant().epsilon(delta) if self.spent_steps else 0.0
 
     def state_dict(self) -> dict:
         """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""
@@ -342,7 +375,7 @@ class PrivacyEngine:
             saved = state["settings"]
             diff = {k: (saved.get(k), v) for k, v in self._settings.items() if saved.get(k) != v}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
-        self._steps = int(state["steps"])
+        self._steps = self._resumed = int(state["steps"])
         self._sampling_rng.set_state(state["sampling_rng"])
         self._projection_rng.set_state(state["projection_rng"])
         if state["noise_rng"] is not None and not self.secure_mode:

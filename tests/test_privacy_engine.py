@@ -12,16 +12,17 @@ from dpsgd import PrivacyEngine
 from dpsgd.privacy_engine import envelope_dimension
 
 
-def _setup(estimator="hutch", seed=0, n=120, batch=12, **kw):
+def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
     torch.manual_seed(0)  # the same data and initial model for every engine seed
     x = torch.randn(n, 5)
     y = (x[:, 0] > 0).long()
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = PrivacyEngine()
+    engine = PrivacyEngine(ledger_path=ledger_path)
     args = dict(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
                 criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, k=16, seed=seed)
-    args.update(kw if kw else {"noise_multiplier": 1.5})
+    args.update(kw if any(k_ in kw for k_ in ("noise_multiplier", "target_epsilon")) else
+                {"noise_multiplier": 1.5, **kw})
     return engine, *engine.make_private(**args)
 
 
@@ -147,3 +148,20 @@ def test_demo_runs_within_budget(capsys):
     assert 0.0 <= acc <= 1.0 and "epsilon" in out
     spent = float(out.split("epsilon ")[-1].split(" <=")[0])
     assert spent <= 8.0
+
+
+def test_ledger_file_survives_a_crash(tmp_path):
+    """Steps taken after the last checkpoint are still charged after a crash and a resume."""
+    path = tmp_path / "ledger.jsonl"
+    engine, model, opt, crit, loader = _setup(seed=5, ledger_path=path)
+    _epoch(model, opt, crit, loader)                # 10 steps
+    ckpt = engine.state_dict()
+    _epoch(model, opt, crit, loader)                # 10 more, then the process "crashes"
+    assert len(path.read_text().splitlines()) == 20
+    engine2, model2, opt2, crit2, loader2 = _setup(seed=5, ledger_path=path)
+    engine2.load_state_dict(ckpt)
+    assert engine2.steps == 10 and engine2.spent_steps == 20
+    _epoch(model2, opt2, crit2, loader2)            # redo 10 steps: 30 charged in all
+    assert engine2.spent_steps == 30 and len(path.read_text().splitlines()) == 30
+    with pytest.raises(ValueError, match="different privacy settings"):
+        _setup(seed=5, ledger_path=path, noise_multiplier=2.0)
