@@ -175,3 +175,29 @@ def test_refusals_and_bad_arguments():
     lin = nn.Linear(3, 3)
     with pytest.raises(ValueError, match="called twice"):
         per_sample_sq_norms(lin, lambda m: m(m(torch.ones(2, 3))).sum(1))
+
+
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D layout (transformers.pytorch_utils.Conv1D): weight (d, p), y = x W + b."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_gpt2_conv1d_is_handled_like_linear():
+    torch.manual_seed(5)
+    model = nn.Sequential(Conv1D(7, 4), nn.Tanh(), Conv1D(3, 7))
+    x, y = torch.randn(5, 6, 4), torch.randn(5, 6, 3)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss_one(p, xi, yi):
+        return ((torch.func.functional_call(model, p, (xi.unsqueeze(0),)) - yi) ** 2).sum()
+    grads = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    ref = sum(g.reshape(5, -1).square().sum(1) for g in grads.values())
+    got = per_sample_sq_norms(model, lambda m: ((m(x) - y) ** 2).sum((1, 2)), "ghost")
+    assert torch.allclose(got.double(), ref, rtol=1e-6)

@@ -165,3 +165,21 @@ def test_ledger_file_survives_a_crash(tmp_path):
     assert engine2.spent_steps == 30 and len(path.read_text().splitlines()) == 30
     with pytest.raises(ValueError, match="different privacy settings"):
         _setup(seed=5, ledger_path=path, noise_multiplier=2.0)
+
+
+def test_secure_mode_draws_noise_from_the_os():
+    """Same seed, secure mode: sampling agrees, noise does not (it comes from os.urandom)."""
+    finals = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 2)
+        engine = PrivacyEngine(secure_mode=True)
+        data = TensorDataset(torch.randn(40, 5), torch.randint(0, 2, (40,)))
+        model, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(data, batch_size=10), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
+            noise_multiplier=1.0, estimator="exact", seed=4)
+        _epoch(model, opt, crit, loader)
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert engine.state_dict()["noise_rng"] is None
+    assert not torch.allclose(finals[0], finals[1])
