@@ -36,6 +36,9 @@ HANDLERS: dict[type, Handler] = {}
 def register_handler(module_type: type) -> Callable[[Handler], Handler]:
     """Decorator: use ``fn(module, activations, output_grads, estimator, k, generator)`` for ``module_type``.
 
+    The handler must return exact squared norms or Hutchinson-type estimates (sums of ``chi2(k)/k``-weighted
+    terms); the accountant then uses the ``d -> inf`` envelope for the model (see :mod:`dpsgd.privacy_engine`).
+
     Examples
     --------
     >>> from torch import nn

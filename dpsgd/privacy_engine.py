@@ -81,8 +81,9 @@ def envelope_dimension(module: nn.Module, estimator: str) -> tuple[int, bool]:
                 exact = True
         elif handler is None:
             exact = True
-        else:
-            total += sum(p.numel() for p in own)  # a user handler: count every parameter (the largest possible D)
+        else:  # a user handler: its law is not known here, so take the largest D and the d -> inf limit
+            total += sum(p.numel() for p in own)
+            exact = True
     return max(total, 1), exact
 
 
