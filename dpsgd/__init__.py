@@ -1,11 +1,11 @@
 """dpsgd: the randomized-clipping DP-SGD trainer in PyTorch.
 
-So far: :mod:`dpsgd.estimators` (exact, ghost, Hutchinson and Hutch++ per-sample squared norms as pure
-functions on a layer's activations and output gradients), :mod:`dpsgd.layers` (per-layer-type
-handlers) and :mod:`dpsgd.engine` (:func:`per_sample_sq_norms` and one private step).  The Opacus-style
-``make_private`` with accounting, checkpoints and DDP is tracked by the issue "dpsgd: the
-randomized-clipping DP-SGD trainer in PyTorch".  Importing this package does not need torch until one
-of these names is used.
+:class:`PrivacyEngine` (``make_private``, Opacus-style) trains any model with DP-SGD whose per-example
+gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or
+computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
+the two-backward step (:mod:`dpsgd.engine`), Poisson sampling (:mod:`dpsgd.data`) and the memory and
+FLOP models of paper 000's App. E (:mod:`dpsgd.cost`).  Importing this package does not need torch until
+one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine"]
