@@ -183,3 +183,18 @@ def test_envelope_cdf_is_schur_convex_at_one_for_d2_as_claimed():
     a = np.linspace(0.5, 1.0, 41)
     g = np.array([float(chi2_mixture_cdf(1.0, np.array([v, 1 - v]) / k, k)) for v in a])
     assert np.all(np.diff(g) > 0)  # more spread, larger CDF at 1
+
+
+@pytest.mark.parametrize("k", [1, 4, 32])
+def test_vertex_still_dominates_below_one_for_d3(k):
+    """Prop. B.12 fails for d = 3, but its consequence used by the envelope (the vertex maximizes
+    P(X(lam) <= x) for x < 1) survives on random Dirichlet points, including near the counterexample."""
+    rng = np.random.default_rng(k)
+    xs = np.array([0.3, 0.6, 0.9, 0.99, 0.999])
+    vertex = special.gammainc(k / 2, xs * k / 2)
+    lams = [np.array([0.3, 0.69, 0.01]), np.array([0.31, 0.69, 0.0])[:2]]
+    lams += [rng.dirichlet(np.full(3, c)) for c in (0.2, 1.0, 5.0) for _ in range(8)]
+    for lam in lams:
+        lam = np.maximum(lam, 1e-3)
+        lam /= lam.sum()
+        assert np.all(chi2_mixture_cdf(xs, lam / k, k) <= vertex + 1e-12)
