@@ -1,7 +1,16 @@
-"""verify: Monte Carlo and property audits of estimators and privacy bounds.
+"""verify: audits of estimators, envelopes and published claims; ``python -m verify`` prints a verdict.
 
-Not implemented yet (tracked by the issue "verify: Monte Carlo and property audits ...").  Until it
-lands, the envelope audits live in ``tests/`` and the demo is ``python -m dpmath envelope``.
+Checks of this library's guarantees fail the run; findings about papers are reported, never hidden.
+So far: estimator bias, envelope domination and the papers' claims (:mod:`verify.audits`); the privacy
+audits and peer cross-checks of the issue "verify: Monte Carlo and property audits ..." are to come.
 """
 
-__all__: list[str] = []
+__all__ = ["AUDITS", "AuditResult"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import audits
+
+        return getattr(audits, name)
+    raise AttributeError(f"module 'verify' has no attribute {name!r}")
