@@ -51,3 +51,19 @@ def test_claims_are_findings_not_failures():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_privacy_audit_passes_and_has_power():
+    from verify.audits import epsilon_lower_bound, privacy_audit
+
+    assert privacy_audit(samples=200_000).holds
+    half_noise = privacy_audit(samples=200_000, mechanisms=[{"name": "half", "sigma": 0.6, "q": 1.0,
+                                                             "noise_factor": 0.5}])
+    assert not half_noise.holds
+    no_tail = privacy_audit(samples=200_000, mechanisms=[{"name": "rc as dpsgd", "sigma": 1.5, "q": 1.0, "k": 4,
+                                                          "d": 8, "account_as_dpsgd": True}])
+    assert not no_tail.holds
+    with pytest.raises(ValueError, match="counts"):
+        epsilon_lower_bound(5, -1, 10, 1e-5, 0.95)
+    with pytest.raises(ValueError, match="sigma"):
+        privacy_audit(samples=1000, mechanisms=[{"name": "nan", "sigma": float("nan"), "q": 0.5}])

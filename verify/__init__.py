@@ -1,8 +1,9 @@
 """verify: audits of estimators, envelopes and published claims; ``python -m verify`` prints a verdict.
 
 Checks of this library's guarantees fail the run; findings about papers are reported, never hidden.
-So far: estimator bias, envelope domination and the papers' claims (:mod:`verify.audits`); the privacy
-audits and peer cross-checks of the issue "verify: Monte Carlo and property audits ..." are to come.
+So far: estimator bias, envelope domination, one-step privacy audits and the papers' claims
+(:mod:`verify.audits`); multi-step audits, plots and peer cross-checks of the issue "verify: Monte Carlo and
+property audits ..." are to come.
 """
 
 __all__ = ["AUDITS", "AuditResult"]

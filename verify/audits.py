@@ -12,6 +12,10 @@ So far (the rest of the issue "verify: Monte Carlo and property audits ..." is t
   Bonferroni correction over all examples tested.
 * ``envelope`` (check): ``P(X(lam) <= x) <= envelope(x)`` for ``lam`` drawn from Dirichlet laws of
   concentrations 0.1, 1, 10, sparse and two-block vectors, at a grid of ``x``, with exact CDFs.
+* ``privacy`` (check): one step of DP-SGD (q = 1 and 0.5) and DP-SGD-RC (Hutch, vertex spectrum)
+  simulated on worst-case neighbours; a threshold test's Clopper-Pearson error bounds give an epsilon lower
+  bound that must not exceed the PLD accountant's upper bound.  It flags noise at half the stated scale and
+  an accountant that ignores the envelope's left tail.
 * ``claims`` (findings): paper 000's ``x_+ = 1 + 2/(dk)`` and Prop. B.12, paper 003's Thm III.7,
   paper 002's Table 1 (the swapped ``eps = 4`` entries), each with numbers.
 """
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special, stats
 
-__all__ = ["AuditResult", "AUDITS", "estimator_audit", "envelope_audit", "claims_audit"]
+__all__ = ["AuditResult", "AUDITS", "estimator_audit", "envelope_audit", "claims_audit", "privacy_audit",
+           "epsilon_lower_bound"]
 
 
 @dataclass
@@ -245,10 +250,106 @@ def claims_audit() -> AuditResult:
                        f"{sum(not r['holds'] for r in rows)} of {len(rows)} published claims refuted", rows)
 
 
+def epsilon_lower_bound(false_positives: int, false_negatives: int, n: int, delta: float, confidence: float) -> float:
+    r"""Epsilon certified by a test's error counts on ``n`` samples of each hypothesis (Clopper-Pearson).
+
+    With upper confidence bounds ``a`` on the type I and ``b`` on the type II error (each at level
+    ``(1 - confidence) / 2``), any ``(eps, delta)``-DP mechanism has ``a >= e^{-eps} (1 - delta - b)``
+    (and the symmetric inequality), so ``eps >= log((1 - delta - b) / a)``, with the larger of the two.
+
+    Examples
+    --------
+    >>> from verify.audits import epsilon_lower_bound
+    >>> round(epsilon_lower_bound(100, 50_000, 100_000, 1e-5, 0.95), 2)
+    6.01
+    """
+    if n < 1 or not 0 <= false_positives <= n or not 0 <= false_negatives <= n:
+        raise ValueError("counts must lie in [0, n] with n >= 1")
+    tail = (1 - confidence) / 2
+    a = stats.beta.ppf(1 - tail, false_positives + 1, n - false_positives) if false_positives < n else 1.0
+    b = stats.beta.ppf(1 - tail, false_negatives + 1, n - false_negatives) if false_negatives < n else 1.0
+    best = 0.0
+    for x, y in ((a, b), (b, a)):
+        if 1 - delta - y > 0 and x > 0:
+            best = max(best, math.log((1 - delta - y) / x))
+    return best
+
+
+def _sample_outputs(mech: dict, n: int, rng: np.random.Generator, with_example: bool) -> np.ndarray:
+    """Outputs along the differing example's direction, in noise standard deviations (one step)."""
+    x = rng.standard_normal(n)
+    if with_example:
+        included = rng.random(n) < mech["q"]
+        scale = np.ones(n)
+        if mech.get("k"):  # randomized clipping: the clipped norm is 1 / sqrt(Y), Y ~ chi2(k)/k at the vertex
+            scale = 1.0 / np.sqrt(rng.chisquare(mech["k"], n) / mech["k"])
+        x = x + included * scale / (mech["sigma"] * mech.get("noise_factor", 1.0))
+    return x
+
+
+def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float = 0.95, seed: int = 0,
+                  mechanisms: list[dict] | None = None) -> AuditResult:
+    r"""Simulate one step of each mechanism on worst-case neighbours and lower-bound its epsilon.
+
+    The statistic is the output along the differing example's gradient (a threshold test: optimal for the
+    Gaussian, valid for every mechanism).  The threshold is chosen on one half of the samples and the
+    errors are counted on the other half, so the Clopper-Pearson bounds (:func:`epsilon_lower_bound`,
+    level ``confidence`` after a Bonferroni split over mechanisms) stay valid.  The check fails when the
+    lower bound exceeds the accountant's upper bound (:class:`dpmath.PLDAccountant`, one step).
+
+    Mechanisms are dicts: ``sigma``, ``q``, optional ``k`` and ``d`` (randomized clipping with Hutch: the
+    differing example sits at the envelope's vertex, the worst case for small estimates) and
+    ``noise_factor`` (simulate noise ``noise_factor`` times the stated one: a broken mechanism) or
+    ``account_as_dpsgd`` (account a randomized-clipping mechanism as if its norms were exact: an envelope
+    without its left tail).
+
+    Examples
+    --------
+    >>> from verify.audits import privacy_audit
+    >>> r = privacy_audit(samples=100_000)
+    >>> r.holds, r.kind
+    (True, 'check')
+    """
+    from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+
+    samples = _positive_int(samples, "samples")
+    if mechanisms is None:
+        mechanisms = [{"name": "DP-SGD", "sigma": 0.6, "q": 1.0},
+                      {"name": "DP-SGD, q = 0.5", "sigma": 0.6, "q": 0.5},
+                      {"name": "DP-SGD-RC Hutch k=32 d=8", "sigma": 1.0, "q": 1.0, "k": 32, "d": 8}]
+    rng = np.random.default_rng(seed)
+    level = 1 - (1 - confidence) / len(mechanisms)
+    rows, holds = [], True
+    for mech in mechanisms:
+        if not (mech["sigma"] > 0 and 0 < mech["q"] <= 1):
+            raise ValueError(f"mechanism {mech.get('name')!r}: sigma must be > 0 and q in (0, 1]")
+        if mech.get("k") and not mech.get("account_as_dpsgd"):
+            claimed = RandomizedClipGaussian(mech["sigma"], mech["q"], HutchEnvelope(mech["k"], mech["d"]))
+        else:  # account_as_dpsgd: a broken accountant that ignores the estimate's left tail
+            claimed = SubsampledGaussian(mech["sigma"], mech["q"])
+        upper = PLDAccountant().compose(claimed).epsilon(delta)
+        half = samples // 2
+        p_sel, q_sel = _sample_outputs(mech, half, rng, True), _sample_outputs(mech, half, rng, False)
+        p_eval, q_eval = _sample_outputs(mech, half, rng, True), _sample_outputs(mech, half, rng, False)
+        taus = np.quantile(q_sel, 1 - np.geomspace(1e-5, 0.5, 40))
+        best_tau = max(taus, key=lambda t: epsilon_lower_bound(int((q_sel > t).sum()), int((p_sel <= t).sum()),
+                                                               half, delta, 0.5))
+        lower = epsilon_lower_bound(int((q_eval > best_tau).sum()), int((p_eval <= best_tau).sum()), half, delta,
+                                    level)
+        ok = lower <= upper
+        holds &= ok
+        rows.append({"mechanism": mech.get("name", str(mech)), "eps lower (audit)": round(lower, 4),
+                     "eps upper (accountant)": round(upper, 4), "holds": ok})
+    return AuditResult("privacy", "check", holds,
+                       f"{sum(r['holds'] for r in rows)} of {len(rows)} mechanisms: audited lower bound <= accountant "
+                       f"upper bound ({samples:,} samples, confidence {confidence:g}, delta {delta:g})", rows)
+
+
 AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
     # name: (function, quick arguments, full arguments)
     "estimators": (estimator_audit, {"draws": 1000}, {"draws": 20000}),
     "envelope": (envelope_audit, {"lambdas": 20}, {"cases": ((4, 6), (32, 8), (32, 64), (1, 5)), "lambdas": 200}),
+    "privacy": (privacy_audit, {"samples": 400_000}, {"samples": 4_000_000}),
     "claims": (claims_audit, {}, {}),
 }
 """Registered audits: ``name -> (function, quick kwargs, full kwargs)``."""
