@@ -63,6 +63,9 @@ def test_privacy_audit_passes_and_has_power():
     no_tail = privacy_audit(samples=200_000, mechanisms=[{"name": "rc as dpsgd", "sigma": 1.5, "q": 1.0, "k": 4,
                                                           "d": 8, "account_as_dpsgd": True}])
     assert not no_tail.holds
+    undercount = privacy_audit(samples=200_000, mechanisms=[{"name": "composition", "sigma": 1.0, "q": 0.5,
+                                                             "steps": 10, "account_steps": 2}])
+    assert not undercount.holds
     with pytest.raises(ValueError, match="counts"):
         epsilon_lower_bound(5, -1, 10, 1e-5, 0.95)
     with pytest.raises(ValueError, match="sigma"):
