@@ -63,6 +63,7 @@ from scipy import optimize, special
 
 from ._validation import non_negative, open_probability, positive_int, positive_real, real_array, sample_rate
 from .conversions import rdp_to_epsilon
+from .rdp import log_subsampled_moment
 
 __all__ = [
     "LAPLACE_GDP_FACTOR",
@@ -135,15 +136,6 @@ def laplace_moment(shift: ArrayLike, eta: ArrayLike, scale: float = 1.0) -> np.n
         return np.exp(_log_moment_terms(u / b, e))
 
 
-def _binomial_logw(order: int, q: float) -> tuple[np.ndarray, np.ndarray]:
-    eta = np.arange(order + 2, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        logw = (special.gammaln(order + 2) - special.gammaln(eta + 1) - special.gammaln(order + 2 - eta)
-                + (order + 1 - eta) * math.log1p(-q) + eta * math.log(q)) if q < 1 else \
-            np.where(eta == order + 1, 0.0, -np.inf)
-    return eta, logw
-
-
 def univariate_log_moment(shift: ArrayLike, order: int, q: float, scale: float = 1.0) -> np.ndarray:
     r"""Paper 003, Thm III.2: the moments-accountant function of one subsampled Laplace coordinate.
 
@@ -182,9 +174,8 @@ def univariate_log_moment(shift: ArrayLike, order: int, q: float, scale: float =
     lam = _order(order)
     q = sample_rate(q, "q")
     b = positive_real(scale, "scale")
-    eta, logw = _binomial_logw(lam, q)
-    terms = logw + _log_moment_terms(u[..., None] / b, eta)
-    return special.logsumexp(terms, axis=-1)
+    eta = np.arange(lam + 2, dtype=np.float64)
+    return log_subsampled_moment(lam + 1, q, _log_moment_terms(u[..., None] / b, eta))
 
 
 def majorizer(dim: int, clip_norm: float = 1.0) -> np.ndarray:
@@ -345,9 +336,8 @@ def joint_log_moment(gradient: ArrayLike, order: int, q: float, scale: float = 1
     lam = _order(order)
     q = sample_rate(q, "q")
     b = positive_real(scale, "scale")
-    eta, logw = _binomial_logw(lam, q)
-    log_prod = _log_moment_terms(g[:, None] / b, eta[None, :]).sum(axis=0)
-    return float(special.logsumexp(logw + log_prod))
+    eta = np.arange(lam + 2, dtype=np.float64)
+    return float(log_subsampled_moment(lam + 1, q, _log_moment_terms(g[:, None] / b, eta[None, :]).sum(axis=0)))
 
 
 def laplace_tradeoff(alpha: ArrayLike, shift: float) -> np.ndarray:

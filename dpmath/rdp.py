@@ -66,11 +66,49 @@ def _log_sub(a: float, b: float) -> float:
     return a + math.log(-math.expm1(b - a))
 
 
+def log_subsampled_moment(order: int, q: float, log_moments: ArrayLike) -> np.ndarray:
+    r"""``log E_Q[(1 - q + q L)^n]`` from the moments ``E_Q[L^v] = exp(log_moments[..., v])``, ``v = 0..n``.
+
+    .. math:: \log \sum_{v=0}^{n} \binom{n}{v} (1-q)^{n-v} q^v\, E_Q[L^v]
+
+    The binomial expansion behind every integer-order bound for Poisson subsampling here: the subsampled
+    Gaussian (``E[L^v] = e^{v(v-1)/(2 sigma^2)}``, Mironov et al. 2019), LAP2's univariate moment (paper
+    003, Thm III.2) and the coordinate-wise and twice sampling of paper 002 (eq. 7, 8).
+
+    Parameters
+    ----------
+    order : int
+        ``n >= 0``.
+    q : float
+        Sampling probability in ``(0, 1]`` (``q = 1`` returns ``log_moments[..., n]``).
+    log_moments : array_like
+        ``log E_Q[L^v]`` along the last axis, at least ``n + 1`` entries; leading axes are batched.
+
+    Returns
+    -------
+    numpy.ndarray
+        Shape of ``log_moments`` without its last axis.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dpmath.rdp import log_subsampled_moment
+    >>> v = np.arange(3.0)
+    >>> round(float(log_subsampled_moment(2, 0.5, v * (v - 1) / 2)), 6)   # log(1/4 + 1/2 + e/4)
+    0.357374
+    """
+    m = np.asarray(log_moments, dtype=np.float64)
+    if q == 1.0:
+        return m[..., order]
+    v = np.arange(order + 1, dtype=np.float64)
+    log_binom = special.gammaln(order + 1) - special.gammaln(v + 1) - special.gammaln(order - v + 1)
+    return special.logsumexp(log_binom + v * math.log(q) + (order - v) * math.log1p(-q) + m[..., :order + 1],
+                             axis=-1)
+
+
 def _log_a_int(q: float, sigma: float, alpha: int) -> float:
     k = np.arange(alpha + 1, dtype=np.float64)
-    log_binom = special.gammaln(alpha + 1) - special.gammaln(k + 1) - special.gammaln(alpha - k + 1)
-    terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + (k * k - k) / (2 * sigma * sigma)
-    return float(special.logsumexp(terms))
+    return float(log_subsampled_moment(alpha, q, (k * k - k) / (2 * sigma * sigma)))
 
 
 def _log_a_frac(q: float, sigma: float, alpha: float) -> float:

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy import special
 
 from ._validation import positive_int, positive_real, real_array, sample_rate
+from .rdp import log_subsampled_moment, subsampled_gaussian_rdp
 
 __all__ = [
     "CoordinateSampledGaussian",
@@ -53,24 +53,6 @@ __all__ = [
     "hypercube_noise",
     "hybrid_noise",
 ]
-
-
-def _log_binom(n: np.ndarray | int, k: np.ndarray) -> np.ndarray:
-    return special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1)
-
-
-def _sampled_log_moment(alpha: int, q: float, log_terms: np.ndarray) -> float:
-    """``log sum_{v=0}^alpha C(alpha, v) (1-q)^{alpha-v} q^v e^{log_terms[v]}`` (``log_terms[0] = 0``)."""
-    v = np.arange(alpha + 1, dtype=np.float64)
-    if q == 1.0:
-        return float(log_terms[alpha])
-    return float(special.logsumexp(_log_binom(alpha, v) + (alpha - v) * math.log1p(-q) + v * math.log(q)
-                                   + log_terms))
-
-
-def _gaussian_log_terms(alpha: int, mu2: float) -> np.ndarray:
-    v = np.arange(alpha + 1, dtype=np.float64)
-    return v * (v - 1) * mu2 / 2.0
 
 
 def _split_d0(c2: float, c_inf: float) -> tuple[int, float]:
@@ -130,14 +112,11 @@ def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, ord
     o = _integer_orders(orders)
     full, rest = _split_d0(c2, c_inf)
     out = np.full(o.size, np.inf)
-    for n, alpha in enumerate(o):
-        if alpha != round(alpha):
-            continue
-        a = int(alpha)
-        val = full * _sampled_log_moment(a, q, _gaussian_log_terms(a, (c_inf / s) ** 2))
-        if rest > 0:
-            val += _sampled_log_moment(a, q, _gaussian_log_terms(a, rest / (s * s)))
-        out[n] = val / (a - 1)
+    ints = o == np.round(o)
+    # each coordinate is a subsampled Gaussian with noise multiplier sigma / (its sensitivity)
+    out[ints] = full * subsampled_gaussian_rdp(s / c_inf, q, o[ints])
+    if rest > 0:
+        out[ints] += subsampled_gaussian_rdp(s / math.sqrt(rest), q, o[ints])
     return out
 
 
@@ -184,7 +163,7 @@ def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     for n, alpha in enumerate(o):
         if alpha == round(alpha):
             a = int(alpha)
-            out[n] = _sampled_log_moment(a, q1, log_terms[:a + 1]) / (a - 1)
+            out[n] = float(log_subsampled_moment(a, q1, log_terms)) / (a - 1)
     return out
 
 
