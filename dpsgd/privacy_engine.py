@@ -38,14 +38,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import (
-    HutchEnvelope,
-    HutchPPEnvelope,
-    PLDAccountant,
-    RandomizedClipGaussian,
-    SubsampledGaussian,
-    calibrate_sigma,
-)
+from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
 
 from .data import private_data_loader
 from .engine import _Capture, _check_estimator, _check_model, _clipped_sum, _noisy, _norms, _own_params
@@ -335,9 +328,9 @@ class PrivacyEngine:
         if self.estimator in ("exact", "ghost"):
             return None
         d, exact = envelope_dimension(module, self.estimator)
-        if self.estimator == "hutchpp" or exact:
-            return HutchPPEnvelope(self.k, max(d, self.k + 1) if exact else d)
-        return HutchEnvelope(self.k, d)
+        if exact:  # point masses: the d -> inf limit, which is the Hutch++ envelope's form with d > k
+            return estimator_envelope("hutchpp", self.k, max(d, self.k + 1))
+        return estimator_envelope(self.estimator, self.k, d)
 
     @property
     def steps(self) -> int:
