@@ -139,7 +139,7 @@ def _sample_points(d: int, count: int, domain: str, floor: float, gen: np.random
     return pts
 
 
-def _directional(f, x, i, j, gradient, mode, h_rel):
+def _directional(f, x, f0, i, j, gradient, mode, h_rel):
     """``(d/ds) f(x + s (e_i - e_j))`` at ``s = 0`` and an error bound on it, or None when ``x`` is too
     close to the boundary for a difference step."""
     if mode == "analytic":
@@ -162,7 +162,6 @@ def _directional(f, x, i, j, gradient, mode, h_rel):
         return None
     fp = _evaluate(f, x + s * direction)
     fm = _evaluate(f, x - s * direction)
-    f0 = _evaluate(f, x)
     # rounding of the three values plus the third-order truncation, estimated from their spread
     err = 8.0 * _EPS * (abs(fp) + abs(fm) + abs(f0)) / s + abs(fp - 2.0 * f0 + fm) / s
     return (fp - fm) / (2.0 * s), err
@@ -291,21 +290,22 @@ def check_schur(f: Callable[[np.ndarray], float], d: int, kind: str = "convex", 
                     mode = "complex-step"
             except (TypeError, ValueError, ArithmeticError, np.exceptions.ComplexWarning, _Invalid):
                 mode = "central"
+        values = [_evaluate(f, x) for x in pts]  # each sampled point once; every test below reuses it
         for _ in range(symmetry):
-            x = pts[int(gen.integers(len(pts)))]
+            n = int(gen.integers(len(pts)))
+            x, fx = pts[n], values[n]
             y = gen.permutation(x)
-            fx, fy = _evaluate(f, x), _evaluate(f, y)
+            fy = _evaluate(f, y)
             record(abs(fx - fy), atol + rtol * (abs(fx) + abs(fy)), "symmetry", (x, y))
             counts["symmetry"] += 1
-        for x in pts:
-            fx = _evaluate(f, x)
+        for x, fx in zip(pts, values, strict=True):
             order = np.argsort(x)
             ij = [(int(order[-1]), int(order[0]))]
             ij += [tuple(int(v) for v in gen.choice(d, size=2, replace=False)) for _ in range(coordinate_pairs - 1)]
             for i, j in ij:
                 if x[i] == x[j]:
                     continue
-                got = _directional(f, x, i, j, gradient, mode, step)
+                got = _directional(f, x, fx, i, j, gradient, mode, step)
                 if got is None:
                     continue
                 dd, err = got
@@ -315,13 +315,13 @@ def check_schur(f: Callable[[np.ndarray], float], d: int, kind: str = "convex", 
                 counts["points"] += 1
         chains = max(1, pairs // 10)
         for r in range(pairs):
-            x = pts[r % len(pts)]
+            x, fx = pts[r % len(pts)], values[r % len(pts)]
             if r % 2 == 0:
                 i, j = (int(v) for v in gen.choice(d, size=2, replace=False))
                 y = t_transform(x, i, j, float(gen.uniform(0.0, 1.0)))
             else:
                 y = random_doubly_stochastic(d, permutations=int(gen.integers(2, d + 2)), rng=gen) @ x
-            fx, fy = _evaluate(f, x), _evaluate(f, y)
+            fy = _evaluate(f, y)
             record(sign * (fy - fx), atol + rtol * (abs(fx) + abs(fy)), "pair", (x, y))
             counts["pairs"] += 1
         if domain == "simplex":
