@@ -114,12 +114,13 @@ def embedding_norms(module: nn.Embedding, indices: torch.Tensor, output_grads: t
     g = output_grads.reshape(b, idx.shape[1], -1).to(torch.promote_types(output_grads.dtype, torch.float32))
     if estimator == "hutch":
         g = g @ _gaussian(g.shape[-1], k, g, generator)
-    out = torch.empty(b, device=g.device, dtype=g.dtype)
-    for i in range(b):  # per example: unique ids and the row sums of their gradients
-        ids, inverse = torch.unique(idx[i], return_inverse=True)
-        rows = torch.zeros(ids.numel(), g.shape[-1], device=g.device, dtype=g.dtype).index_add_(0, inverse, g[i])
-        out[i] = rows.square().sum()
-    return out
+    # one key per (example, token id): the rows of each example's gradient, summed for the whole batch at once
+    keys = idx + module.num_embeddings * torch.arange(b, device=idx.device).unsqueeze(1)
+    uniq, inverse = torch.unique(keys.flatten(), return_inverse=True)
+    rows = torch.zeros(uniq.numel(), g.shape[-1], device=g.device, dtype=g.dtype)
+    rows.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+    out = torch.zeros(b, device=g.device, dtype=g.dtype)
+    return out.index_add_(0, uniq // module.num_embeddings, rows.square().sum(1))
 
 
 HANDLERS[nn.Embedding] = embedding_norms
