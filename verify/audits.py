@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special, stats
 
+from dpmath._validation import open_probability, positive_int
+
 __all__ = ["AuditResult", "AUDITS", "estimator_audit", "envelope_audit", "claims_audit", "privacy_audit",
            "epsilon_lower_bound"]
 
@@ -56,19 +58,6 @@ class AuditResult:
     holds: bool
     summary: str
     rows: list[dict] = field(default_factory=list)
-
-
-def _positive_int(v: object, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return int(v)
-
-
-def _level(alpha: object) -> float:
-    a = float(alpha)
-    if not 0 < a < 1 or math.isnan(a):
-        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
-    return a
 
 
 def _families(gen, b: int = 2, t: int = 12, d: int = 6, p: int = 10):
@@ -124,11 +113,11 @@ def estimator_audit(draws: int = 2000, k: int = 4, alpha: float = 1e-3, seed: in
 
     estimators = {"hutch": hutch, "hutchpp": hutchpp} if estimators is None else dict(estimators)
 
-    draws = _positive_int(draws, "draws")
+    draws = positive_int(draws, "draws")
     if draws < 2:
         raise ValueError(f"draws must be at least 2, got {draws}")
-    k = _positive_int(k, "k")
-    alpha = _level(alpha)
+    k = positive_int(k, "k")
+    alpha = open_probability(alpha, "alpha")
     gen = torch.Generator().manual_seed(int(seed))
     cases = list(_families(gen))
     m = len(cases) * len(estimators) * cases[0][1].shape[0]
@@ -196,11 +185,11 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
     from dpmath import HutchEnvelope
     from dpmath.chi2mix import chi2_mixture_cdf
 
-    lambdas = _positive_int(lambdas, "lambdas")
+    lambdas = positive_int(lambdas, "lambdas")
     rng = np.random.default_rng(seed)
     rows, worst = [], -np.inf
     for k, d in cases:
-        env = HutchEnvelope(_positive_int(k, "k"), _positive_int(d, "d"))
+        env = HutchEnvelope(k, d)  # validates k and d
         xs = np.concatenate([np.linspace(0.2, 0.99, 8), env.x_plus + np.array([-1e-4, 0.0, 1e-4]),
                              np.linspace(1.01, 3.0, 8)])
         bound = env.cdf(xs)
@@ -321,7 +310,7 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
     """
     from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
 
-    samples = _positive_int(samples, "samples")
+    samples = positive_int(samples, "samples")
     if mechanisms is None:
         mechanisms = [{"name": "DP-SGD", "sigma": 0.6, "q": 1.0},
                       {"name": "DP-SGD, q = 0.5", "sigma": 0.6, "q": 0.5},
