@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .estimators import ESTIMATORS
+from .estimators import ESTIMATORS, _check_k
 from .layers import HANDLERS, embedding_norms, functional_norms, is_conv1d, linear_norms
 
 __all__ = ["per_sample_sq_norms", "private_step", "StepResult"]
@@ -96,8 +96,7 @@ class _FirstPass:
 def _check_estimator(estimator: str, k: object) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer (>= 1), got {k!r}")
+    _check_k(k)
 
 
 def _norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generator: torch.Generator | None
