@@ -1,6 +1,6 @@
 """Accountant benchmarks: time to epsilon against dp_accounting, and time to calibrate DP-SGD-RC.
 
-Table 1: the subsampled Gaussian on the configurations of tests/peer_configs.py, our upper bound
+Table 1: the subsampled Gaussian on the configurations of verify.peers.PEER_CONFIGS, our upper bound
 (``PLDAccountant.epsilon``) against dp_accounting's PLD accountant at the same discretization 1e-4, both
 timed in this run (best of 3); the ratio is ours / theirs.  The accuracy column is our epsilon relative to
 theirs (ours is a certified upper bound; theirs is connect-the-dots with an unbounded FFT error).
@@ -11,15 +11,10 @@ q = 64/1139, 180 steps): cold (envelope built in the call) and warm (envelope ca
 """
 
 import math
-import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-
-from peer_configs import PEER_CONFIGS  # noqa: E402
-
-from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, SubsampledGaussian, calibrate_sigma  # noqa: E402
+from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, SubsampledGaussian, calibrate_sigma
+from verify.peers import PEER_CONFIGS
 
 
 def best_of(fn, repeat=3):

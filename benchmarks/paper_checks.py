@@ -14,12 +14,12 @@ import math
 import time
 
 import numpy as np
-from scipy import optimize
 
 from dpmath import PLDAccountant, SubsampledGaussian, SubsampledL2Laplace
 from dpmath.lap2 import LAPLACE_GDP_FACTOR, laplace_gdp_mu, published_epsilon
 from dpmath.rdp import RDPAccountant
 from dpmath.twice_sampling import CoordinateSampledGaussian, TwiceSampledGaussian
+from verify.claims import table1_ratio
 
 ORDERS = np.arange(2, 257)
 TABLE1 = {(0.06, 1 / 3): [86.2, 85.4, 82.2, 70.8], (0.04, 1 / 2): [89.4, 88.2, 77.4, 75.1],
@@ -29,14 +29,6 @@ BUDGETS = [(2.0, 1500), (2.5, 2000), (4.0, 2500), (8.0, 5000)]
 
 def eps(mech, steps, conversion, delta=1e-5):
     return RDPAccountant(orders=ORDERS, conversion=conversion).compose(mech, steps).epsilon(delta)
-
-
-def ratio(q1, q2, target, steps, conversion):
-    def cal(make):
-        return optimize.brentq(lambda s: eps(make(s), steps, conversion) - target, 0.1, 20, xtol=1e-6)
-    s_in = cal(lambda s: CoordinateSampledGaussian(s, q1 * q2))
-    s_tw = cal(lambda s: TwiceSampledGaussian(s, q1, q2, 1.0, 0.1))
-    return 100 * (s_tw / s_in) ** 2
 
 
 def main() -> None:
@@ -55,7 +47,7 @@ def main() -> None:
     print(f"{'(q1, q2)':>14} {'conversion':>10} " + " ".join(f"{f'eps={e} T={t}':>16}" for e, t in BUDGETS))
     for conv in ("classic", "balle"):
         for (q1, q2), paper in TABLE1.items():
-            got = [ratio(q1, q2, e, t, conv) for e, t in BUDGETS]
+            got = [table1_ratio(q1, q2, e, t, conv) for e, t in BUDGETS]
             print(f"{f'({q1}, {q2:.3g})':>14} {conv:>10} " + " ".join(
                 f"{f'{g:.1f} ({p})':>16}" for g, p in zip(got, paper, strict=True)))
     print("\n3. LAP2, delta = 1e-5, C = 1: published (Thm III.7, unsound) vs sound bound vs spread-gradient limit")

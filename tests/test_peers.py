@@ -11,26 +11,10 @@
 import pytest
 
 from dpmath import PLDAccountant, SubsampledGaussian
-
-from .peer_configs import PEER_CONFIGS
+from verify.peers import PEER_CONFIGS, dp_accounting_epsilon, prv_bracket
 
 dp_accounting = pytest.importorskip("dp_accounting")
 prv_accountant = pytest.importorskip("prv_accountant")
-from dp_accounting.pld import pld_privacy_accountant  # noqa: E402
-
-
-def dp_accounting_epsilon(sigma, q, steps, delta, h=1e-4):
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=h)
-    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
-    acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
-    return acc.get_epsilon(delta)
-
-
-def prv_bracket(sigma, q, steps, delta):
-    acc = prv_accountant.Accountant(noise_multiplier=sigma, sampling_probability=q, delta=delta, eps_error=0.01,
-                                    max_compositions=steps)
-    low, _, up = acc.compute_epsilon(num_compositions=steps)
-    return low, up
 
 
 def test_configurations_span_the_required_ranges():

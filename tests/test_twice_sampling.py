@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, optimize, stats
+from scipy import integrate, stats
 
 from dpmath.rdp import RDPAccountant, subsampled_gaussian_rdp
 from dpmath.twice_sampling import (
@@ -17,6 +17,7 @@ from dpmath.twice_sampling import (
     hypercube_noise,
     twice_sampling_rdp,
 )
+from verify.claims import table1_ratio
 
 ORDERS = np.arange(2, 257)
 
@@ -95,14 +96,6 @@ TABLE1 = {  # paper 002 Table 1: noise-variance ratio (%) twice / input-wise, d0
     (0.02, 1 / 2): [72.8, 71.6, 61.0, 53.5],
 }
 BUDGETS = [(2.0, 1500), (2.5, 2000), (4.0, 2500), (8.0, 5000)]
-
-
-def table1_ratio(q1, q2, eps, steps, conversion="classic"):
-    def calibrate(make):
-        return optimize.brentq(lambda s: _epsilon(make(s), steps, conversion=conversion) - eps, 0.1, 20, xtol=1e-6)
-    s_in = calibrate(lambda s: CoordinateSampledGaussian(s, q1 * q2, 1.0, 1.0))
-    s_tw = calibrate(lambda s: TwiceSampledGaussian(s, q1, q2, 1.0, 0.1))
-    return 100 * (s_tw / s_in) ** 2
 
 
 @pytest.mark.parametrize("q", list(TABLE1), ids=str)

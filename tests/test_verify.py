@@ -1,17 +1,33 @@
-"""The verify audits: they pass on this library, have power against broken inputs, and reject bad arguments."""
+"""The verify audits: the quick run passes on this library, every audit has power against a deliberately
+broken input, and bad arguments get clear errors."""
 
+import math
+
+import numpy as np
 import pytest
 
 from verify.__main__ import main
-from verify.audits import claims_audit, envelope_audit, estimator_audit
+from verify.claims import claims_audit
+from verify.divergences import divergence_audit
+from verify.envelope import envelope_audit, envelope_claims
+from verify.estimators import estimator_audit
+from verify.privacy import privacy_audit
+from verify.schur_claims import schur_audit
+from verify.stats import clopper_pearson, epsilon_lower_bound
+from verify.symbolic import symbolic_audit
 
 
-def test_quick_run_passes_and_writes_a_report(tmp_path, capsys):
+def test_quick_run_passes_and_writes_a_report_with_plots(tmp_path, capsys):
     assert main(["--quick", "--report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "verdict: PASS" in out and "refuted: paper 003 Thm III.7" in out
+    assert "verdict: PASS" in out and "REFUTED published claims" in out and "paper 003 Thm III.7" in out
     report = (tmp_path / "report.md").read_text()
     assert "## Checks of this library's guarantees" in report and "## Findings about published claims" in report
+    pngs = {p.name for p in tmp_path.glob("*.png")}
+    assert {"x_plus_grid.png", "envelope_k4_d6.png", "estimator_gaussian.png"} <= pngs
+    assert any(p.startswith("tradeoff_dp_sgd_rc") for p in pngs)
+    for png in pngs:
+        assert f"({png})" in report
 
 
 def test_estimator_audit_flags_a_biased_estimator():
@@ -21,52 +37,117 @@ def test_estimator_audit_flags_a_biased_estimator():
     def biased(a, g, k, gen):
         return 1.3 * hutch(a, g, k, gen)
     r = estimator_audit(draws=1000, estimators={"biased": biased})
-    assert not r.holds and "max |z|" in r.summary
+    assert not r.holds and any(row["test"] == "bias" and not row["holds"] for row in r.rows)
+
+
+def test_estimator_audit_flags_an_unbiased_estimator_with_the_wrong_law():
+    """Rademacher probes are unbiased but their law is not the chi-square mixture the envelope assumes: the
+    law and variance tests catch it where the bias test cannot."""
+    import torch
+
+    def rademacher(a, g, k, gen):
+        a, g = a.double(), g.double()
+        m = a.transpose(1, 2) @ g
+        p = (torch.randint(0, 2, (m.shape[-1], k), generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(k)
+        return (m @ p).square().sum((1, 2))
+    r = estimator_audit(draws=1000, estimators={"hutch": rademacher})
+    assert not r.holds
+    assert all(row["holds"] for row in r.rows if row["test"] == "bias")
+    assert any(not row["holds"] for row in r.rows if row["test"] != "bias")
 
 
 def test_envelope_audit_flags_an_envelope_without_its_left_tail(monkeypatch):
-    """Shift the vertex's mass: an envelope that drops its left tail (cdf 0 below 1) is caught."""
-    import numpy as np
-
     from dpmath import HutchEnvelope
 
     real = HutchEnvelope.cdf
     monkeypatch.setattr(HutchEnvelope, "cdf", lambda self, x: np.where(np.asarray(x) < 1.0, 0.0, real(self, x)))
-    assert not envelope_audit(cases=((4, 3),), lambdas=5).holds
+    r = envelope_audit(cases=((4, 3),), lambdas=5, draws=20_000, starts=1)
+    assert not r.holds
+    assert all(not row["holds"] for row in r.rows)  # exact, adversarial and Monte Carlo all see it
 
 
-def test_claims_are_findings_not_failures():
-    r = claims_audit()
+def test_divergence_audit_flags_an_optimistic_accountant(monkeypatch):
+    """An accountant that reports its optimistic discretization as the upper bound misses closed forms."""
+    from dpmath import PLDAccountant
+
+    real = PLDAccountant.delta_bracket
+    monkeypatch.setattr(PLDAccountant, "delta_bracket", lambda self, eps, lower=True: (real(self, eps)[0],) * 2)
+    r = divergence_audit(quad_points=20_001, mc_draws=20_000)
+    assert not r.holds and any("subsampled Gaussian" in row["mechanism"] for row in r.failures)
+
+
+def test_privacy_audit_has_power():
+    half_noise = privacy_audit(samples=200_000, mechanisms=[
+        {"name": "half", "kind": "gaussian", "sigma": 0.6, "q": 1.0, "noise_factor": 0.5}])
+    assert not half_noise.holds
+    no_tail = privacy_audit(samples=200_000, y_pool=20_000, mechanisms=[
+        {"name": "rc as dpsgd", "kind": "rc", "sigma": 1.5, "q": 1.0, "k": 4, "d": 8, "account_as_dpsgd": True}])
+    assert not no_tail.holds
+    undercount = privacy_audit(samples=200_000, mechanisms=[
+        {"name": "composition", "kind": "gaussian", "sigma": 1.0, "q": 0.5, "steps": 10, "account_steps": 2}])
+    assert not undercount.holds
+    lap2 = privacy_audit(samples=100_000, mechanisms=[
+        {"name": "lap2 quarter noise", "kind": "lap2", "scale": 2.0, "q": 1.0, "dim": 100, "noise_factor": 0.25}])
+    assert not lap2.holds
+
+
+def test_symbolic_audit_flags_a_wrong_implementation(monkeypatch):
+    import dpmath.lap2
+
+    real = dpmath.lap2.laplace_moment
+    monkeypatch.setattr(dpmath.lap2, "laplace_moment", lambda u, eta, scale=1.0: real(u, eta, scale) * (1 + 1e-9))
+    r = symbolic_audit()
+    assert not r.holds and len(r.failures) == 1
+
+
+def test_findings_report_refuted_claims_without_failing():
+    r = envelope_claims(ks=(32,), ds=(2, 8))
     assert r.kind == "finding" and not r.holds
-    assert sum(not row["holds"] for row in r.rows) == 4
+    assert [row["holds"] for row in r.rows] == [True, True, True, True, False, False]
+    s = schur_audit(cases=((4, 2, 1.0), (4, 3, 1.0)))
+    assert [row["holds"] for row in s.rows] == [True, False, True, False]
+    c = claims_audit(samples=100_000)
+    assert [row["holds"] for row in c.rows] == [True, True, False, False, False]
+
+
+def test_clopper_pearson_and_epsilon_bound():
+    lo, hi = clopper_pearson(np.array([0, 5, 10]), 10, 0.05)
+    assert lo[0] == 0 and hi[-1] == 1 and 0 < lo[1] < 0.5 < hi[1] < 1
+    # the exact binomial tail at the bound is the level
+    from scipy import stats
+    assert stats.binom.cdf(5, 10, hi[1]) == pytest.approx(0.05, rel=1e-8)
+    assert epsilon_lower_bound(0, 0, 10, 0.0, 0.95) > 0
+    assert epsilon_lower_bound(5, 5, 10, 0.0, 0.95) == 0.0
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: estimator_audit(draws=-5), "draws"),
-    (lambda: estimator_audit(draws=1), "at least 2"),
+    (lambda: estimator_audit(draws=5), "at least 20"),
     (lambda: estimator_audit(alpha=float("nan")), "alpha"),
     (lambda: envelope_audit(lambdas=0), "lambdas"),
+    (lambda: envelope_audit(draws=10), "draws"),
     (lambda: envelope_audit(cases=((0, 3),)), "k must be"),
+    (lambda: envelope_claims(ks=(-1,)), "ks"),
+    (lambda: divergence_audit(quad_points=5), "quad_points"),
+    (lambda: divergence_audit(mc_draws=-1), "mc_draws"),
+    (lambda: privacy_audit(samples=-1), "samples"),
+    (lambda: privacy_audit(samples=10), "at least 1000"),
+    (lambda: privacy_audit(delta=float("nan")), "delta"),
+    (lambda: privacy_audit(confidence=1.5), "confidence"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": float("nan"), "q": 0.5}]),
+     "sigma"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": 1.0, "q": 1.5}]), "q"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": 1.0, "q": 0.5, "steps": 0}]),
+     "steps"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "laplace?", "sigma": 1.0, "q": 0.5}]), "kind"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "rc", "estimator": "exact", "sigma": 1.0, "q": 0.5,
+                                                      "k": 4, "d": 8}]), "estimator"),
+    (lambda: schur_audit(cases=((4, 3, 1.5),)), "t must be"),
+    (lambda: clopper_pearson(np.array([3]), 2, 0.05), "successes"),
+    (lambda: clopper_pearson(np.array([1]), 0, 0.05), "n must be"),
+    (lambda: epsilon_lower_bound(5, -1, 10, 1e-5, 0.95), "counts"),
+    (lambda: epsilon_lower_bound(5, 1, 10, 1e-5, 1.0), "confidence"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_privacy_audit_passes_and_has_power():
-    from verify.audits import epsilon_lower_bound, privacy_audit
-
-    assert privacy_audit(samples=200_000).holds
-    half_noise = privacy_audit(samples=200_000, mechanisms=[{"name": "half", "sigma": 0.6, "q": 1.0,
-                                                             "noise_factor": 0.5}])
-    assert not half_noise.holds
-    no_tail = privacy_audit(samples=200_000, mechanisms=[{"name": "rc as dpsgd", "sigma": 1.5, "q": 1.0, "k": 4,
-                                                          "d": 8, "account_as_dpsgd": True}])
-    assert not no_tail.holds
-    undercount = privacy_audit(samples=200_000, mechanisms=[{"name": "composition", "sigma": 1.0, "q": 0.5,
-                                                             "steps": 10, "account_steps": 2}])
-    assert not undercount.holds
-    with pytest.raises(ValueError, match="counts"):
-        epsilon_lower_bound(5, -1, 10, 1e-5, 0.95)
-    with pytest.raises(ValueError, match="sigma"):
-        privacy_audit(samples=1000, mechanisms=[{"name": "nan", "sigma": float("nan"), "q": 0.5}])

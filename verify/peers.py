@@ -1,0 +1,130 @@
+r"""Cross-checks of :class:`dpmath.PLDAccountant` against the peer accountants, when they are installed.
+
+dp_accounting (Google) and prv_accountant (Microsoft, Gopi et al. 2021) are optional: this module imports
+them only inside :func:`peer_audit` and skips what is missing (the test extra installs both).
+
+On the subsampled Gaussian, for each configuration ``(sigma, q, steps, delta)``:
+
+* dp_accounting's PLD accountant at the same discretization (1e-4, connect-the-dots): our upper bound must
+  agree within 0.5 % (both are the same kind of computation; a larger gap means one of them is wrong);
+* prv_accountant's certified lower end (``eps_error`` 0.01): our upper bound must not be below it (an upper
+  bound below a peer's certified lower bound would be unsound).  Where prv's own bracket excludes the value
+  both PLD accountants agree on, the row says so (the known case ``(0.9, 0.1, 3000, 1e-5)``: prv
+  ``[65.309, 65.333]``, dp_accounting and ours 65.2585).
+"""
+
+from __future__ import annotations
+
+from .result import AuditResult, progress
+
+__all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "peer_audit", "dp_accounting_epsilon", "prv_bracket"]
+
+PEER_CONFIGS = [
+    (0.8, 0.001, 100, 1e-6),
+    (5.0, 0.001, 1000, 1e-5),
+    (2.0, 0.001, 50000, 1e-10),
+    (0.8, 0.001, 50000, 1e-6),
+    (1.0, 0.004, 14040, 1e-5),
+    (1.1, 256 / 60000, 14063, 1e-5),
+    (1.3, 150 / 60000, 6000, 1e-5),
+    (4.0, 0.01, 1000, 1e-8),
+    (1.0, 0.01, 10000, 1e-10),
+    (1.5, 0.04, 2250, 1e-5),
+    (1.5, 0.05, 1000, 1e-6),
+    (3.0, 0.2, 100, 1e-6),
+    (0.7, 0.05, 500, 1e-7),
+    (1.5, 0.05, 50000, 1e-6),
+    (0.9, 0.1, 3000, 1e-5),
+    (2.0, 0.5, 10, 1e-9),
+    (10.0, 0.5, 1000, 1e-5),
+    (1.0, 1.0, 1, 1e-5),
+    (50.0, 1.0, 1, 1e-5),
+    (5.0, 1.0, 100, 1e-10),
+    (20.0, 1.0, 10000, 1e-8),
+    (0.5, 1.0, 5, 1e-6),
+    (2.0, 0.3, 5000, 1e-5),
+]
+"""``(sigma, q, steps, delta)``: epsilon from about 0.1 to 70, q from 1e-3 to 1, steps from 1 to 50,000, delta from
+1e-5 to 1e-10 (shared by tests/test_peers.py and benchmarks/accountant_bench.py)."""
+
+QUICK_PEER_CONFIGS = [PEER_CONFIGS[i] for i in (0, 7, 10, 11, 15)]
+"""A fast subset for ``python -m verify --quick``."""
+
+
+def dp_accounting_epsilon(sigma: float, q: float, steps: int, delta: float, h: float = 1e-4) -> float:
+    """dp_accounting's PLD epsilon of ``steps`` Poisson-subsampled Gaussian steps (discretization ``h``)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=h)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    return float(acc.get_epsilon(delta))
+
+
+def prv_bracket(sigma: float, q: float, steps: int, delta: float) -> tuple[float, float]:
+    """prv_accountant's ``(lower, upper)`` epsilon at ``eps_error = 0.01``."""
+    import prv_accountant
+
+    acc = prv_accountant.Accountant(noise_multiplier=sigma, sampling_probability=q, delta=delta, eps_error=0.01,
+                                    max_compositions=steps)
+    low, _, up = acc.compute_epsilon(num_compositions=steps)
+    return float(low), float(up)
+
+
+def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use_prv: bool = True) -> AuditResult:
+    """Our PLD upper bound against dp_accounting and prv_accountant (a check; skipped where not installed).
+
+    Parameters
+    ----------
+    configs : list of (sigma, q, steps, delta), optional
+        Defaults to :data:`QUICK_PEER_CONFIGS`.
+    use_prv : bool
+        Also run prv_accountant (slow for many steps; configurations with ``steps > 20000`` or ``q = 1`` skip it).
+
+    Returns
+    -------
+    AuditResult
+
+    Examples
+    --------
+    >>> from verify.peers import peer_audit
+    >>> peer_audit(configs=[(1.0, 0.01, 100, 1e-5)]).holds
+    True
+    """
+    import importlib.util
+
+    from dpmath import PLDAccountant, SubsampledGaussian
+
+    have_dp = importlib.util.find_spec("dp_accounting") is not None
+    have_prv = use_prv and importlib.util.find_spec("prv_accountant") is not None
+    if not have_dp and not have_prv:
+        return AuditResult("peers", "check", True, "skipped: neither dp_accounting nor prv_accountant is installed "
+                                                   "(pip install dp-accounting prv-accountant)")
+    rows = []
+    for sigma, q, steps, delta in progress(configs or QUICK_PEER_CONFIGS, "peers"):
+        lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
+        row = {"sigma, q, steps, delta": f"{sigma:g}, {q:.4g}, {steps}, {delta:g}", "ours [lower, upper]":
+               f"[{lo:.5f}, {hi:.5f}]"}
+        ok = True
+        if have_dp:
+            ref = dp_accounting_epsilon(sigma, q, steps, delta)
+            row["dp_accounting"] = f"{ref:.5f}"
+            ok &= abs(hi - ref) <= 5e-3 * ref
+        if have_prv and steps <= 20000 and q < 1:
+            try:
+                low, up = prv_bracket(sigma, q, steps, delta)
+            except (ValueError, RuntimeError) as err:  # prv refuses some regimes
+                row["prv [lower, upper]"] = f"refused: {str(err)[:40]}"
+            else:
+                row["prv [lower, upper]"] = f"[{low:.5f}, {up:.5f}]" + (" (excludes the PLD value)" if hi < low
+                                                                        and have_dp and abs(hi - ref) < 1e-4 * ref
+                                                                        else "")
+                ok &= hi >= low or (have_dp and abs(hi - ref) < 1e-4 * ref)
+        row["holds"] = bool(ok)
+        rows.append(row)
+    peers = " and ".join(n for n, h in (("dp_accounting", have_dp), ("prv_accountant", have_prv)) if h)
+    holds = all(r["holds"] for r in rows)
+    return AuditResult("peers", "check", holds,
+                       f"{sum(r['holds'] for r in rows)} of {len(rows)} configurations agree with {peers} "
+                       "(within 0.5 % of dp_accounting; never below prv's certified lower end)", rows)

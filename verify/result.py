@@ -1,0 +1,110 @@
+"""The result of an audit, its figures, and the progress line long audits print."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = ["AuditResult", "Figure", "progress"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A plot an audit offers to the report: ``draw(ax)`` fills one matplotlib ``Axes``.
+
+    Audits never import matplotlib; :mod:`verify.report` does, and calls ``draw`` when it is installed.
+
+    Attributes
+    ----------
+    name : str
+        File stem of the PNG (letters, digits, ``_`` and ``-``).
+    caption : str
+        One sentence under the plot.
+    draw : callable
+        ``draw(ax) -> None``.
+    """
+
+    name: str
+    caption: str
+    draw: Callable[[Any], None]
+
+
+@dataclass
+class AuditResult:
+    """The outcome of one audit.
+
+    Attributes
+    ----------
+    name : str
+    kind : str
+        ``"check"`` (a guarantee of this library: a failure fails ``python -m verify``) or ``"finding"``
+        (claims of a paper: ``holds=False`` means at least one is refuted; the run still succeeds).
+    holds : bool
+        The check passed / every claim survived.
+    summary : str
+        One line.
+    rows : list of dict
+        The numbers behind it, one row per test or claim; a row with ``holds`` False is a failure (check)
+        or a refuted claim (finding).
+    figures : list of Figure
+        Plots for the report.
+    """
+
+    name: str
+    kind: str
+    holds: bool
+    summary: str
+    rows: list[dict] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("check", "finding"):
+            raise ValueError(f"kind must be 'check' or 'finding', got {self.kind!r}")
+
+    @property
+    def verdict(self) -> str:
+        """``PASS``/``FAIL`` for a check, ``holds``/``refuted`` for a finding."""
+        if self.kind == "check":
+            return "PASS" if self.holds else "FAIL"
+        return "holds" if self.holds else "refuted"
+
+    @property
+    def failures(self) -> list[dict]:
+        """Rows whose ``holds`` is False."""
+        return [r for r in self.rows if r.get("holds") is False]
+
+
+def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterator[T]:
+    """Yield ``items`` while showing ``[label] i/total`` on stderr (a live bar on a terminal, a line per 25 %
+    otherwise, so CI logs stay short).
+
+    Examples
+    --------
+    >>> from verify.result import progress
+    >>> list(progress(range(3), "demo"))
+    [0, 1, 2]
+    """
+    items = list(items) if total is None and not hasattr(items, "__len__") else items
+    n = len(items) if total is None else total  # type: ignore[arg-type]
+    tty = sys.stderr.isatty()
+    start, marks = time.perf_counter(), set()
+    for i, item in enumerate(items, 1):
+        yield item
+        if not n:
+            continue
+        if tty:
+            width = 24
+            fill = int(width * i / n)
+            sys.stderr.write(f"\r  [{label}] [{'#' * fill}{'.' * (width - fill)}] {i}/{n} "
+                             f"{time.perf_counter() - start:5.1f} s")
+            if i == n:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif n >= 4 and (q := 4 * i // n) not in marks and q > 0:
+            marks.add(q)
+            sys.stderr.write(f"  [{label}] {i}/{n} ({time.perf_counter() - start:.1f} s)\n")
