@@ -13,7 +13,7 @@ never hidden.  Every audit is a function returning an :class:`AuditResult`:
 :func:`~verify.privacy.privacy_audit`                     simulated mechanisms, certified epsilon lower bounds
 :func:`~verify.symbolic.symbolic_audit`                   sympy derivations and our numbers against them
 :func:`~verify.peers.peer_audit`                          dp_accounting and prv_accountant, when installed
-:func:`~verify.envelope.envelope_claims`                  paper 000's x_-, x_+ and extremes (finding)
+:func:`~verify.envelope.envelope_claims`                  paper 000's ``x_-``, ``x_+``, extremes (finding)
 :func:`~verify.schur_claims.schur_audit`                  Props. B.11/B.12, Thms III.5/III.7 (finding)
 :func:`~verify.claims.claims_audit`                       paper 002's numbers, LAP2's published epsilon (finding)
 ========================================================  ======================================================

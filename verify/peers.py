@@ -77,8 +77,8 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
 
     Parameters
     ----------
-    configs : list of (sigma, q, steps, delta), optional
-        Defaults to :data:`QUICK_PEER_CONFIGS`.
+    configs : list of tuple, optional
+        ``(sigma, q, steps, delta)`` tuples; defaults to :data:`QUICK_PEER_CONFIGS`.
     use_prv : bool
         Also run prv_accountant (slow for many steps; configurations with ``steps > 20000`` or ``q = 1`` skip it).
 

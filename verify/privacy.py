@@ -65,10 +65,10 @@ DEFAULT_MECHANISMS: list[dict] = [
     {"name": "DP-SGD, 10 steps, q = 0.5", "kind": "gaussian", "sigma": 1.0, "q": 0.5, "steps": 10},
     {"name": "DP-SGD-RC Hutch k = 32, d = 8", "kind": "rc", "estimator": "hutch", "sigma": 1.0, "q": 1.0, "k": 32,
      "d": 8},
-    {"name": "DP-SGD-RC Hutch k = 4, d = 8, 5 steps, q = 0.5", "kind": "rc", "estimator": "hutch", "sigma": 1.5,
-     "q": 0.5, "k": 4, "d": 8, "steps": 5},
-    {"name": "DP-SGD-RC Hutch++ k = 4, d = 16", "kind": "rc", "estimator": "hutchpp", "sigma": 1.0, "q": 1.0,
-     "k": 4, "d": 16},
+    {"name": "DP-SGD-RC Hutch k = 16, d = 8, 5 steps, q = 0.5", "kind": "rc", "estimator": "hutch", "sigma": 1.5,
+     "q": 0.5, "k": 16, "d": 8, "steps": 5},
+    {"name": "DP-SGD-RC Hutch++ k = 16, d = 64", "kind": "rc", "estimator": "hutchpp", "sigma": 1.0, "q": 1.0,
+     "k": 16, "d": 64},
     {"name": "LAP2 b = C/4, q = 0.05", "kind": "lap2", "scale": 0.25, "q": 0.05, "dim": 1000},
     {"name": "twice sampling q1 = 0.5, q2 = 0.5, d0 = 4", "kind": "twice", "sigma": 0.5, "q1": 0.5, "q2": 0.5,
      "c_inf": 0.5},
@@ -263,6 +263,11 @@ def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
 _KINDS = {"gaussian": _gaussian, "rc": _rc, "lap2": _lap2, "twice": _twice}
 
 
+def _draw(sim: _Simulation, rng: np.random.Generator, n: int, with_example: bool, chunk: int = 50_000) -> np.ndarray:
+    """``n`` statistics in chunks, so that memory stays bounded for many samples and steps."""
+    return np.concatenate([sim.sample(rng, min(chunk, n - i), with_example) for i in range(0, n, chunk)])
+
+
 def _best_split(with_s: np.ndarray, without_s: np.ndarray, delta: float) -> tuple[float, float]:
     """The threshold whose point estimate of epsilon is largest on these samples: ``(tau, eps)``."""
     n = with_s.size
@@ -333,9 +338,9 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
     rows, figures, plotted = [], [], set()
     for spec in progress(specs, "privacy"):
         sim = _KINDS[spec["kind"]](spec, rng, pilot)
-        p_sel, q_sel = sim.sample(rng, half, True), sim.sample(rng, half, False)
+        p_sel, q_sel = _draw(sim, rng, half, True), _draw(sim, rng, half, False)
         tau, _ = _best_split(p_sel, q_sel, delta)
-        p_eval, q_eval = sim.sample(rng, half, True), sim.sample(rng, half, False)
+        p_eval, q_eval = _draw(sim, rng, half, True), _draw(sim, rng, half, False)
         lower = epsilon_lower_bound(int((q_eval > tau).sum()), int((p_eval <= tau).sum()), half, delta, level)
         row = {"mechanism": sim.name, "worst case": sim.detail, "eps lower (audit)": round(lower, 4),
                "eps upper (ours)": round(sim.upper, 4), "accountant": sim.accountant,
