@@ -1,8 +1,6 @@
 """DP-SGD-RC under torch.distributed: 2 processes, gloo, CPU.  Norms stay local, the clipped sums are
 all-reduced, the noise is added once with standard deviation sigma C (not sqrt(2) sigma C)."""
 
-import os
-import socket
 
 import pytest
 import torch
@@ -14,15 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpsgd import PrivacyEngine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, store: str) -> None:
+    # a file store, not a TCP port: no race for a free port when other tests run beside this one
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         x, y = torch.randn(80, 6), torch.randn(80, 1)
@@ -76,5 +68,5 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-def test_two_process_gloo_training_step():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+def test_two_process_gloo_training_step(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
