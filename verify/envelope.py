@@ -129,7 +129,7 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
     >>> envelope_audit(cases=((4, 3),), lambdas=10, draws=20_000, starts=2).holds
     True
     """
-    from dpmath import HutchEnvelope
+    from dpmath import HutchEnvelope, chi2_mixture_cdf
 
     lambdas = positive_int(lambdas, "lambdas")
     draws = positive_int(draws, "draws")
@@ -146,7 +146,6 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
         xs = np.concatenate([np.linspace(0.2, 0.99, 8), env.x_plus + np.array([-1e-4, 0.0, 1e-4]),
                              np.linspace(1.01, 3.0, 8)])
         bound = env.cdf(xs)
-        from dpmath import chi2_mixture_cdf
         exact = max(float(np.max(chi2_mixture_cdf(xs, lam / k, k) - bound)) for lam in _lambdas(d, lambdas, rng))
         rows.append({"case": f"k = {k}, d = {d}", "method": f"exact CDF, {lambdas} random lam x {xs.size} x",
                      "largest excess": f"{exact:.2e}", "threshold": "1e-12", "holds": exact <= 1e-12})
@@ -260,14 +259,13 @@ def envelope_claims(ks: tuple[int, ...] = (1, 4, 32, 128), ds: tuple[int, ...] =
                      "numbers": f"(x_+ - 1) dk/2 = {shown}"})
     env = HutchEnvelope(32, 8)
     left, right = 0.9, env.x_plus + 0.05
-    rows.append({"claim": "Thm 5.1 display: the uniform law below 1, the vertex above x_+", "holds": False,
+    display = bool(env.uniform_cdf(left) >= env.vertex_cdf(left) and env.vertex_cdf(right) >= env.uniform_cdf(right))
+    rows.append({"claim": "Thm 5.1 display: the uniform law below 1, the vertex above x_+", "holds": display,
                  "numbers": f"k = 32, d = 8: at x = {left} vertex {float(env.vertex_cdf(left)):.4f} > uniform "
                             f"{float(env.uniform_cdf(left)):.4f}; at x = {right:.4f} uniform "
                             f"{float(env.uniform_cdf(right)):.4f} > vertex {float(env.vertex_cdf(right)):.4f}: "
                             "the vertex is the envelope left of 1, the uniform law right of x_+ (as the proof "
                             "sketch says)"})
-    rows[-1]["holds"] = bool(env.uniform_cdf(left) >= env.vertex_cdf(left) and env.vertex_cdf(right)
-                             >= env.uniform_cdf(right))
 
     def draw(ax):
         for d in ds:

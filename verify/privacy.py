@@ -95,10 +95,34 @@ def _broken(spec: dict) -> tuple[float, int]:
     return factor, positive_int(spec.get("account_steps", _steps(spec)), "account_steps")
 
 
+def _log_mix(q: float, log_ratio: np.ndarray) -> np.ndarray:
+    """``log(1 - q + q e^{log_ratio})``: the log-likelihood ratio after Poisson sampling at rate ``q``."""
+    return np.logaddexp(math.log(q) + log_ratio, math.log1p(-q) if q < 1 else -np.inf)
+
+
 def _subsampled_llr(x: np.ndarray, shifts: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
     r"""``log(1 - q + q sum_j w_j exp(mu_j x - mu_j^2 / 2))``: the log-likelihood ratio of one step."""
-    comp = special.logsumexp(np.log(weights) + shifts * x[..., None] - shifts**2 / 2, axis=-1)
-    return np.logaddexp(math.log(q) + comp, math.log1p(-q) if q < 1 else -np.inf)
+    return _log_mix(q, special.logsumexp(np.log(weights) + shifts * x[..., None] - shifts**2 / 2, axis=-1))
+
+
+def _hockey(p: np.ndarray, q: np.ndarray, dx: float, eps: float) -> float:
+    """``max(H(P||Q), H(Q||P))`` at ``e^eps`` from densities on a uniform grid."""
+    e = math.exp(eps)
+    return max(float(np.maximum(p - e * q, 0).sum() * dx), float(np.maximum(q - e * p, 0).sum() * dx))
+
+
+def _twice_vertex(c_inf: float) -> np.ndarray:
+    """The worst-case gradient of twice sampling (``c2 = 1``): ``floor(d0)`` coordinates at ``c_inf``, one at the
+    rest."""
+    from dpmath.twice_sampling import _split_d0
+
+    full, rest = _split_d0(1.0, c_inf)
+    return np.r_[np.full(full, c_inf), [math.sqrt(rest)] if rest > 1e-12 else []]
+
+
+def _twice_log_ratio(y: np.ndarray, g: np.ndarray, sigma: float, q1: float, q2: float) -> np.ndarray:
+    """``log P/Q`` of one twice-sampling step at output ``y`` (rows) for the gradient ``g``."""
+    return _log_mix(q1, _log_mix(q2, (g * y - g * g / 2) / sigma**2).sum(1))
 
 
 def _gaussian_like(spec: dict, scale_sampler, shifts: np.ndarray, weights: np.ndarray, upper_mech, name, detail):
@@ -169,9 +193,7 @@ def _hockey_stick(scales: np.ndarray, sigma: float, q: float, eps: float) -> flo
     w = hist / hist.sum()
     x = np.linspace(-10, mu.max() + 10, 4000)
     p = (1 - q) * stats.norm.pdf(x) + q * (w * stats.norm.pdf(x[:, None] - mu)).sum(1)
-    qd = stats.norm.pdf(x)
-    dx = x[1] - x[0]
-    return max(np.maximum(p - math.exp(eps) * qd, 0).sum() * dx, np.maximum(qd - math.exp(eps) * p, 0).sum() * dx)
+    return _hockey(p, stats.norm.pdf(x), float(x[1] - x[0]), eps)
 
 
 def _rc(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
@@ -185,10 +207,11 @@ def _rc(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
     env = (HutchEnvelope if estimator == "hutch" else HutchPPEnvelope)(k, d)
     honest = RandomizedClipGaussian(sigma, q, env)
     seed = int(rng.integers(2**31))
+    candidates = _candidates(estimator, k, d)
     pilots = {name: _estimator_ratios(estimator, lam, k, pilot, seed + i)
-              for i, (name, lam) in enumerate(_candidates(estimator, k, d).items())}
+              for i, (name, lam) in enumerate(candidates.items())}
     worst = max(pilots, key=lambda name: sum(_hockey_stick(pilots[name], sigma, q, e) for e in (0.5, 1.0, 2.0)))
-    pool = _estimator_ratios(estimator, _candidates(estimator, k, d)[worst], k, spec["y_pool"], seed + 99)
+    pool = _estimator_ratios(estimator, candidates[worst], k, spec["y_pool"], seed + 99)
     scale_pool = 1.0 / np.sqrt(np.maximum(pool, 1e-300))
 
     hist, edges = np.histogram(1.0 / np.sqrt(pilots[worst]), bins=64)
@@ -218,7 +241,7 @@ def _lap2(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
                 if with_example:
                     y = y + (r.random((n, 1)) < q) * g
                 s = (np.abs(y) - np.abs(y - g)).sum(1) / scale
-                stat += np.logaddexp(math.log(q) + s, math.log1p(-q) if q < 1 else -np.inf)
+                stat += _log_mix(q, s)
             return stat
         return sample
     spreads = [m for m in (1, 4, 16, 64) if m <= dim]
@@ -235,15 +258,14 @@ def _lap2(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
 
 def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
     from dpmath.rdp import RDPAccountant
-    from dpmath.twice_sampling import TwiceSampledGaussian, _split_d0
+    from dpmath.twice_sampling import TwiceSampledGaussian
 
     sigma = positive_real(spec["sigma"], "sigma")
     q1, q2 = sample_rate(spec["q1"], "q1"), sample_rate(spec["q2"], "q2")
     c_inf = positive_real(spec["c_inf"], "c_inf")
     steps = _steps(spec)
     factor, account_steps = _broken(spec)
-    full, rest = _split_d0(1.0, c_inf)
-    g = np.r_[np.full(full, c_inf), [math.sqrt(rest)] if rest > 1e-12 else []]
+    g = _twice_vertex(c_inf)
 
     def sample(r, n, with_example):
         stat = np.zeros(n)
@@ -251,13 +273,12 @@ def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
             y = r.standard_normal((n, g.size)) * sigma * factor
             if with_example:
                 y = y + (r.random((n, 1)) < q1) * (r.random((n, g.size)) < q2) * g
-            log_m = np.logaddexp(math.log(q2) + (g * y - g * g / 2) / sigma**2, math.log1p(-q2) if q2 < 1 else -np.inf)
-            stat += np.logaddexp(math.log(q1) + log_m.sum(1), math.log1p(-q1) if q1 < 1 else -np.inf)
+            stat += _twice_log_ratio(y, g, sigma, q1, q2)
         return stat
     acc = RDPAccountant(orders=range(2, 257)).compose(TwiceSampledGaussian(sigma, q1, q2, 1.0, c_inf), account_steps)
     return _Simulation(spec["name"], sample, acc.epsilon(spec["delta"]), "RDP (eq. 8)",
-                       detail=f"gradient at the vertex: {full} coordinates at c_inf = {c_inf:g}"
-                              + (f", one at {math.sqrt(rest):.3g}" if rest > 1e-12 else ""))
+                       detail=f"gradient at the vertex: {int((g == c_inf).sum())} coordinates at c_inf = {c_inf:g}"
+                              + (f", one at {g[-1]:.3g}" if g[-1] != c_inf else ""))
 
 
 _KINDS = {"gaussian": _gaussian, "rc": _rc, "lap2": _lap2, "twice": _twice}
