@@ -1,6 +1,7 @@
 """DP-SGD-RC under torch.distributed: 2 processes, gloo, CPU.  Norms stay local, the clipped sums are
 all-reduced, the noise is added once with standard deviation sigma C (not sqrt(2) sigma C)."""
 
+import os
 
 import pytest
 import torch
@@ -65,6 +66,10 @@ def _worker(rank: int, world: int, store: str) -> None:
             assert std == pytest.approx(1.5 * 2.0 / 20.0, rel=0.05)  # once, not sqrt(2) times
     finally:
         dist.destroy_process_group()
+    # Every check above has passed here.  About one run in five, the worker then aborts during interpreter
+    # teardown ("terminate called without an active exception", no Python frame: a native thread of torch's
+    # gloo build still joinable at exit), which spawn reports as a failure; a clean exit skips that teardown.
+    os._exit(0)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
