@@ -160,7 +160,9 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     x_lo, x_hi = math.log(lo), math.log(hi)
     side = 0
     while x_hi - x_lo > math.log1p(rt):
-        x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo) if f_lo != f_hi else 0.5 * (x_lo + x_hi)
+        # bisect where epsilon underflowed to 0 (f = -inf) or overflowed: a secant step through it is NaN
+        finite = math.isfinite(f_lo) and math.isfinite(f_hi) and f_lo != f_hi
+        x = x_hi - f_hi * (x_hi - x_lo) / (f_hi - f_lo) if finite else 0.5 * (x_lo + x_hi)
         # keep the trial point off the bracket ends so the bracket always shrinks
         margin = 0.5 * math.log1p(rt)
         x = min(max(x, x_lo + margin), x_hi - margin)

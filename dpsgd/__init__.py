@@ -3,21 +3,23 @@
 :class:`PrivacyEngine` (``make_private``, Opacus-style) trains any model with DP-SGD whose per-example
 gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or
 computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
-the two-backward step (:mod:`dpsgd.engine`), Poisson sampling (:mod:`dpsgd.data`) and the memory and
-FLOP models of paper 000's App. E (:mod:`dpsgd.cost`).  Importing this package does not need torch until
-one of these names is used.
+a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), a module validator
+(:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
+``Trainer`` (:mod:`dpsgd.hf`) and the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`).
+Importing this package does not need torch until one of these names is used.
 """
 
-__all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine"]
+__all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
+           "IncompleteGradientError", "NormPlan"]
+
+_WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
+          "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
+          "BatchMemoryManager": "data"}
 
 
 def __getattr__(name: str):
-    if name in ("per_sample_sq_norms", "private_step"):
-        from . import engine
+    if name in _WHERE:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "PrivacyEngine":
-        from .privacy_engine import PrivacyEngine
-
-        return PrivacyEngine
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module 'dpsgd' has no attribute {name!r}")

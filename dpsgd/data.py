@@ -1,21 +1,23 @@
 r"""Batch sampling for DP-SGD: Poisson sampling (what the accountant assumes) and a fixed-size fallback.
 
 With Poisson sampling each example joins each batch independently with probability ``q``; batch sizes
-vary (an empty batch is possible and still takes a noisy step), and gradients are normalized by the
+vary (an empty batch is possible and still takes a noise-only step), and gradients are normalized by the
 expected batch size ``q N``.  :func:`private_data_loader` rebuilds a ``DataLoader`` around
-:class:`PoissonBatchSampler`; ``poisson=False`` keeps fixed-size shuffled batches and warns that the
-accounting then does not match the sampling.
+:class:`PoissonBatchSampler` (a :class:`DPDataLoader`); ``poisson=False`` keeps fixed-size shuffled batches
+and warns that the accounting then does not match the sampling.  :class:`BatchMemoryManager` splits each
+logical batch into physical micro-batches (gradient accumulation with one noise draw per logical batch).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["PoissonBatchSampler", "private_data_loader"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "BatchMemoryManager", "EmptyBatch", "private_data_loader"]
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -63,34 +65,107 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield mask.nonzero().flatten().tolist()
 
 
-def _empty_aware(collate, dataset):
-    """A collate function that turns an empty batch into zero-length tensors shaped like one example."""
+class EmptyBatch:
+    """What the loader's collate function makes of an empty Poisson batch; never yielded to the user."""
+
+
+def _empty_aware(collate):
     def collate_fn(batch):
-        if batch:
-            return collate(batch)
-        one = collate([dataset[0]])
-        return torch.utils.data._utils.collate.default_convert(
-            [x[:0] for x in one] if isinstance(one, (list, tuple)) else one[:0])
+        return collate(batch) if batch else EmptyBatch()
     return collate_fn
 
 
-def private_data_loader(data_loader: DataLoader, *, poisson: bool = True,
-                        generator: torch.Generator | None = None) -> DataLoader:
+class _ChunkSampler(Sampler[list[int]]):
+    """Logical batches from ``logical``, split into physical chunks of at most ``max_size``; ``(size, last)`` of
+    each chunk is queued in ``fifo`` as it is produced (the loader pops it when the chunk reaches the user)."""
+
+    def __init__(self, logical: Sampler, max_size: int | None, fifo: deque) -> None:
+        self.logical, self.max_size, self.fifo = logical, max_size, fifo
+
+    def __len__(self) -> int:
+        return len(self.logical)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.logical:
+            batch = list(batch)
+            if not batch:
+                self.fifo.append((0, True))
+                yield []
+                continue
+            size = self.max_size or len(batch)
+            chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
+            for j, chunk in enumerate(chunks):
+                self.fifo.append((len(chunk), j == len(chunks) - 1))
+                yield chunk
+
+
+class DPDataLoader(DataLoader):
+    r"""A ``DataLoader`` whose batches are drawn as the accountant assumes (Poisson by default).
+
+    Each logical batch is reported to ``on_batch(size, last)`` as it reaches the user (``last`` is false for
+    all but the final physical chunk of a logical batch split by ``max_physical_batch_size``); an empty
+    Poisson batch is not yielded: ``on_empty()`` takes its noise-only step, so the user's forward never sees
+    an empty tensor.  ``len(loader)`` counts logical batches, empty ones included.
+
+    Attributes
+    ----------
+    sample_rate : float
+        ``q = batch_size / N``.
+    """
+
+    def __init__(self, dataset, logical: Sampler, collate_fn, *, sample_rate: float,
+                 max_physical_batch_size: int | None = None, on_batch=None, on_empty=None, num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
+        self._fifo: deque = deque()
+        self.logical_sampler = logical
+        self.sample_rate = sample_rate
+        self.max_physical_batch_size = max_physical_batch_size
+        self.on_batch, self.on_empty = on_batch, on_empty
+        self._collate = collate_fn
+        super().__init__(dataset, batch_sampler=_ChunkSampler(logical, max_physical_batch_size, self._fifo),
+                         collate_fn=_empty_aware(collate_fn), num_workers=num_workers, pin_memory=pin_memory)
+
+    def __iter__(self):
+        self._fifo.clear()
+        for batch in super().__iter__():
+            size, last = self._fifo.popleft()
+            if size == 0:
+                if self.on_empty is not None:
+                    self.on_empty()
+                continue
+            if self.on_batch is not None:
+                self.on_batch(size, last)
+            yield batch
+
+    def with_physical_batch_size(self, max_physical_batch_size: int) -> DPDataLoader:
+        """The same logical batches (same sampler and generator), split into chunks of at most this size."""
+        if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
+                or max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        return DPDataLoader(self.dataset, self.logical_sampler, self._collate, sample_rate=self.sample_rate,
+                            max_physical_batch_size=max_physical_batch_size, on_batch=self.on_batch,
+                            on_empty=self.on_empty, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+
+def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, generator: torch.Generator | None = None,
+                        on_batch=None, on_empty=None) -> DPDataLoader:
     r"""The same dataset and collate function, batched by Poisson sampling at ``q = batch_size / N``.
 
     Parameters
     ----------
     data_loader : torch.utils.data.DataLoader
-        A loader with a fixed ``batch_size`` over a sized dataset.
+        A loader with a fixed ``batch_size`` (at most the dataset size) over a sized, non-empty dataset.
     poisson : bool
         ``False`` keeps fixed-size shuffled batches and emits a ``UserWarning``: the accountant assumes
         Poisson sampling, so the reported epsilon is then not a proven bound for the sampling used.
     generator : torch.Generator, optional
         Source of the sampling.
+    on_batch, on_empty : callable, optional
+        See :class:`DPDataLoader` (the privacy engine passes its own).
 
     Returns
     -------
-    torch.utils.data.DataLoader
+    DPDataLoader
 
     Examples
     --------
@@ -99,23 +174,70 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True,
     >>> from dpsgd.data import private_data_loader
     >>> dl = DataLoader(TensorDataset(torch.arange(100.0)), batch_size=10)
     >>> pl = private_data_loader(dl, generator=torch.Generator().manual_seed(1))
-    >>> len(pl), pl.batch_sampler.sample_rate
+    >>> len(pl), pl.sample_rate
     (10, 0.1)
     """
     if not isinstance(data_loader, DataLoader):
         raise ValueError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
     if data_loader.batch_size is None:
         raise ValueError("data_loader must have a fixed batch_size (its expected batch size under Poisson sampling)")
-    n = len(data_loader.dataset)
+    try:
+        n = len(data_loader.dataset)
+    except TypeError as err:
+        raise ValueError("data_loader's dataset must have a length (Poisson sampling draws from N examples)") from err
+    if n == 0:
+        raise ValueError("data_loader's dataset is empty: there is nothing to train on")
+    if data_loader.batch_size > n:
+        raise ValueError(f"data_loader's batch_size ({data_loader.batch_size}) exceeds the dataset size ({n}): the "
+                         f"sampling rate q = batch_size / N must be at most 1")
     q = data_loader.batch_size / n
     if poisson:
-        sampler = PoissonBatchSampler(n, min(q, 1.0), generator=generator)
+        sampler = PoissonBatchSampler(n, q, generator=generator)
     else:
         warnings.warn("fixed-size batches: the privacy accounting assumes Poisson sampling, so the reported epsilon "
                       "is not a proven bound for this sampling", UserWarning, stacklevel=2)
         shuffled = torch.utils.data.RandomSampler(data_loader.dataset, generator=generator)
         sampler = torch.utils.data.BatchSampler(shuffled, data_loader.batch_size, drop_last=False)
-    return DataLoader(data_loader.dataset, batch_sampler=sampler,
-                      collate_fn=_empty_aware(data_loader.collate_fn, data_loader.dataset),
-                      num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
+    return DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=q, on_batch=on_batch,
+                        on_empty=on_empty, num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
 
+
+class BatchMemoryManager:
+    r"""Split each logical (Poisson) batch into physical micro-batches of at most ``max_physical_batch_size``.
+
+    Opacus' contract: call ``optimizer.step()`` after every micro-batch; it only accumulates the clipped
+    sums until the logical batch's last micro-batch, where the one noise draw and the one accountant step
+    happen.  Memory is bounded by the micro-batch.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from dpsgd import BatchMemoryManager, PrivacyEngine
+    >>> data = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    >>> model = nn.Linear(3, 2)
+    >>> engine = PrivacyEngine()
+    >>> model, opt, crit, loader = engine.make_private(module=model,
+    ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=32),
+    ...     criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    >>> with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt) as small:
+    ...     for x, y in small:
+    ...         assert len(x) <= 8
+    ...         crit(model(x), y).backward()
+    ...         opt.step()
+    >>> engine.steps
+    2
+    """
+
+    def __init__(self, *, data_loader: DPDataLoader, max_physical_batch_size: int, optimizer=None) -> None:
+        if not isinstance(data_loader, DPDataLoader):
+            raise ValueError("data_loader must be the loader make_private returned (a DPDataLoader)")
+        self._loader = data_loader.with_physical_batch_size(max_physical_batch_size)
+        self.optimizer = optimizer
+
+    def __enter__(self) -> DPDataLoader:
+        return self._loader
+
+    def __exit__(self, *exc) -> None:
+        return None

@@ -1,192 +1,440 @@
-r"""The DP-SGD-RC step (paper 000, Alg. 1): per-sample norms in a first backward, rescaled loss in a second.
+r"""The DP-SGD-RC step (paper 000, Alg. 1) with book-keeping clipped sums, and its completeness checks.
 
-One step, for per-example losses ``L_i``:
+One step, for per-example losses ``L_i`` of a forward that :class:`Capture` recorded:
 
-1. forward with hooks that keep every parameterized module's inputs and outputs;
-2. first backward, ``autograd.grad(sum_i L_i, outputs)``: the output gradients ``G``, from which each
-   layer's handler (:mod:`dpsgd.layers`) returns per-example squared norms; their sum over layers is
-   ``n_i`` (parameters' ``.grad`` are not touched);
-3. weights ``c_i = min(1, C / sqrt(n_i))``; second backward of ``sum_i c_i L_i`` into ``.grad``;
-4. Gaussian noise of standard deviation ``sigma C`` on the summed gradient, division by the expected
-   batch size, then the optimizer's step.
+1. **forward**: every handled module's call (:mod:`dpsgd.layers`) runs with its parameters replaced by
+   fresh leaf *aliases*, and its inputs and outputs are recorded (:class:`~dpsgd.layers.Call`).  A
+   parameter used outside a recorded call (by a parent's forward, after a hook did not fire, ...) is then
+   the only way gradient can reach the real parameter, so it is detected rather than missed;
+2. **one backward**, ``autograd.grad(sum_i L_i, outputs + real parameters)``: the output gradients ``G``
+   of every call.  Any real parameter that receives gradient raises :class:`IncompleteGradientError`;
+3. **norms**: per parameter, the handler's per-example squared norm; a parameter with several calls
+   (tied embeddings, a module called twice, two forwards before one backward) gets the norm of its
+   *summed* per-example gradient (``exact``/``ghost``/``hutchpp``: materialized; ``hutch``: every use
+   projected with one ``P``, so the estimate stays a chi-square mixture of the summed gradient);
+4. **weights** ``c_i = min(1, C' / sqrt(n_i))`` with ``C' = C (1 - margin)`` (a rounding margin of
+   ``2^-17`` in float32, ``2^-46`` in float64), and **clipped sums** ``sum_i c_i g_i`` formed from the
+   same ``(A, G)`` by each handler, in float32 or float64, never in half precision.
 
-If a loss, a norm or a gradient is not finite, the step raises ``FloatingPointError`` before anything is
-written: parameters, their ``.grad`` and the optimizer state are as before (:func:`private_step`).
+Noise and the optimizer's step follow (:func:`private_step`, or :class:`dpsgd.PrivacyEngine`).  If a loss,
+a norm or a sum is not finite the step raises ``FloatingPointError`` before anything is written.
 
-Parameters shared by two modules (tied embeddings) or a module called twice in one forward would make
-per-layer norms non-additive; both are refused with a clear error rather than silently under-counted.
+:class:`NormPlan` is the one place that decides, per model, which modules are hooked, each one's
+handler, and each parameter's chi-square terms; the step, the accountant's envelope and the validator use
+it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .estimators import ESTIMATORS, _check_k
-from .layers import HANDLERS, embedding_norms, functional_norms, is_conv1d, linear_norms
+from .estimators import ESTIMATORS, check_k, gaussian_projection
+from .layers import Call, Handler, flat_tensors, handler_for
+from .validator import ModuleValidator
 
-__all__ = ["per_sample_sq_norms", "private_step", "StepResult"]
-
-
-def _own_params(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+__all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
+           "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
 
 
-def _check_model(model: nn.Module) -> list[nn.Module]:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    modules = [m for m in model.modules() if _own_params(m)]
-    if not modules:
-        raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
-    seen: dict[int, str] = {}
-    for name, m in model.named_modules():
-        for pname, p in m.named_parameters(recurse=False):
-            if p.requires_grad and id(p) in seen:
-                raise ValueError(f"parameter {name}.{pname} is shared with {seen[id(p)]} (tied weights): per-layer "
-                                 f"norms would not add up; untie them or freeze one copy")
-            seen[id(p)] = f"{name}.{pname}"
-    return modules
+class IncompleteGradientError(RuntimeError):
+    """A parameter received gradient that the per-example norms did not count; the step was not taken."""
 
 
-class _Capture:
-    """Forward hooks that keep each parameterized module's tensor inputs and its output."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.records: dict[nn.Module, tuple[tuple, torch.Tensor]] = {}
-        self.enabled = True  # off while norms are computed (functional_call re-runs modules' forwards)
-        self._handles = [m.register_forward_hook(self._hook) for m in modules]
-
-    def _hook(self, module: nn.Module, inputs: tuple, output: object) -> None:
-        if not self.enabled:
-            return
-        if module in self.records:
-            raise ValueError(f"module {type(module).__name__} was called twice in one forward pass; per-example "
-                             f"norms of a reused module are not supported")
-        if not isinstance(output, torch.Tensor):
-            raise ValueError(f"module {type(module).__name__} has trainable parameters but returns "
-                             f"{type(output).__name__}, not a tensor; wrap it or freeze its parameters")
-        self.records[module] = (tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs), output)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _capturing(model: nn.Module) -> Iterator[_Capture]:
-    cap = _Capture(_check_model(model))
-    try:
-        yield cap
-    finally:
-        cap.close()
+def check_estimator(estimator: object, k: object) -> None:
+    """``ValueError`` unless ``estimator`` is a known name and ``k`` a positive integer."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+    check_k(k)
 
 
 @dataclass(frozen=True)
-class _FirstPass:
-    losses: torch.Tensor      # (B,), with graph
-    sq_norms: torch.Tensor    # (B,), detached
-    exact_fraction: float     # share of parameters whose norm was computed exactly (point masses)
+class Unit:
+    """A hooked module: its path, the module, its handler and the parameters (by local name) it covers."""
+
+    path: str
+    module: nn.Module
+    handler: Handler
+    params: dict
 
 
-def _check_estimator(estimator: str, k: object) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
-    _check_k(k)
+def _view_shape(p: torch.Tensor) -> tuple[int, int]:
+    cols = p.shape[-1] if p.dim() else 1
+    return p.numel() // max(cols, 1), cols
 
 
-def _norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generator: torch.Generator | None
-           ) -> _FirstPass:
-    """Per-example squared norms from a finished forward pass whose modules ``cap`` recorded."""
+@dataclass
+class NormPlan:
+    r"""Which modules are hooked, with which handler, and how many ``chi2(k)/k`` terms each parameter adds.
+
+    Built once per model (:meth:`build`).  ``terms[name]`` is a parameter's term count under ``hutch``/
+    ``hutchpp`` (``None``: exact, a point mass in the estimate's law); :meth:`envelope_dimension` sums them.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from dpsgd.engine import NormPlan
+    >>> plan = NormPlan.build(nn.Sequential(nn.Linear(8, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "hutch")
+    >>> plan.envelope_dimension()
+    (7, True)
+    >>> plan.table()[1]
+    ('1', 'LayerNorm', 'FunctionalHandler', 'exact')
+    """
+
+    model: nn.Module
+    estimator: str
+    units: list = field(default_factory=list)
+    names: dict = field(default_factory=dict)      # id(param) -> qualified name
+    params: list = field(default_factory=list)     # trainable parameters covered, in model order
+    owners: dict = field(default_factory=dict)     # id(param) -> [(unit, local name)]
+    terms: dict = field(default_factory=dict)      # qualified name -> int | None
+
+    @classmethod
+    def build(cls, model: nn.Module, estimator: str) -> NormPlan:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+        ModuleValidator.check(model)
+        plan = cls(model, estimator)
+        inside: set[int] = set()
+        for path, m in model.named_modules():
+            if id(m) in inside:
+                continue
+            h = handler_for(m)
+            if h.recursive:
+                inside.update(id(s) for s in m.modules())
+            own = h.parameters(m)
+            if own:
+                plan.units.append(Unit(path, m, h, own))
+        for unit in plan.units:
+            for local, p in unit.params.items():
+                if id(p) not in plan.owners:
+                    plan.owners[id(p)] = []
+                    plan.params.append(p)
+                    plan.names[id(p)] = f"{unit.path}.{local}" if unit.path else local
+                plan.owners[id(p)].append((unit, local))
+        if not plan.params:
+            raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
+        for p in plan.params:
+            owners = plan.owners[id(p)]
+            ts = [u.handler.terms(u.module, local, estimator) for u, local in owners]
+            if all(t is None for t in ts):
+                t = None
+            elif len(owners) == 1:
+                t = ts[0]
+            else:  # tied: every use projected with one P, a chi-square mixture of the summed gradient
+                t = min(_view_shape(p)) if estimator == "hutch" else None
+            plan.terms[plan.names[id(p)]] = t
+        return plan
+
+    def envelope_dimension(self) -> tuple[int, bool]:
+        """``(D, has_exact_parts)``: chi-square terms of the model's estimate and whether a part is exact."""
+        counted = [t for t in self.terms.values() if t is not None]
+        return max(sum(counted), 1), len(counted) < len(self.terms)
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        """One row per hooked module: path, type, handler, and ``exact`` or its chi-square terms."""
+        rows = []
+        for u in self.units:
+            ts = [self.terms[self.names[id(p)]] for p in u.params.values()]
+            how = "exact" if all(t is None for t in ts) else f"{sum(t or 0 for t in ts)} terms"
+            rows.append((u.path, type(u.module).__name__, type(u.handler).__name__, how))
+        return rows
+
+
+class Capture:
+    """Forward hooks that record handled calls and swap their parameters for per-call aliases.
+
+    Recording happens only while gradients are enabled, the root model is in training mode and the
+    capture is active (the engine deactivates it while it computes norms and during its backward, where
+    gradient checkpointing re-runs forwards).  ``calls`` keeps every recorded call until a backward
+    consumes it or :meth:`clear` drops it.
+    """
+
+    def __init__(self, plan: NormPlan) -> None:
+        self.plan = plan
+        self.calls: list[Call] = []
+        self.active = True
+        self._batch: int | None = None
+        self._depth = 0
+        self._swapped: dict[int, dict] = {}
+        root = plan.model
+        self._handles = [root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+                         root.register_forward_hook(self._root_post, always_call=True)]
+        for unit in plan.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True,
+                                                                   always_call=True))
+
+    def _recording(self) -> bool:
+        return self.active and torch.is_grad_enabled() and self.plan.model.training
+
+    def _root_pre(self, module, args, kwargs):
+        self._depth += 1
+        if self._depth == 1:  # the batch size of this forward: the first tensor argument's leading dimension
+            first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+            self._batch = None if first is None else int(first.shape[0])
+
+    def _root_post(self, module, args, output):
+        self._depth -= 1
+        if self._depth == 0:
+            self._batch = None
+
+    def _pre_hook(self, unit: Unit):
+        def hook(module, args, kwargs):
+            if not self._recording():
+                return None
+            aliases = {}
+            for local, p in unit.params.items():
+                owner, attr = _locate(module, local)
+                alias = nn.Parameter(p.detach(), requires_grad=True)
+                owner._parameters[attr] = alias
+                aliases[local] = alias
+            self._swapped.setdefault(id(module), []).append(aliases)
+            return None
+        return hook
+
+    def _post_hook(self, unit: Unit):
+        def hook(module, args, kwargs, output):
+            stack = self._swapped.get(id(module))
+            if not stack:
+                return None
+            aliases = stack.pop()
+            for local in aliases:  # always restore, even when the forward raised
+                owner, attr = _locate(module, local)
+                owner._parameters[attr] = unit.params[local]
+            if output is None:  # the forward raised (always_call)
+                return None
+            b = self._batch
+            outs = flat_tensors(output)
+            if not outs:
+                raise ValueError(f"{unit.path or type(module).__name__} has trainable parameters but returned no "
+                                 "tensor")
+            if b is None:
+                b = outs[0].shape[0] if outs[0].dim() else 1
+            if b > 1 and len(outs) == 1 and outs[0].dim() > 0 and outs[0].shape[0] == 1:
+                # broadcast over the batch (GPT-2's wpe, BERT's positions): make it per example
+                output = outs[0].expand(b, *outs[0].shape[1:])
+                outs = [output]
+                args = tuple(x.expand(b, *x.shape[1:]) if isinstance(x, torch.Tensor) and x.dim() > 0
+                             and x.shape[0] == 1 else x for x in args)
+            call = Call(module, tuple(_detach(x) for x in args), {n: _detach(x) for n, x in kwargs.items()},
+                        outs, aliases, b)
+            call.cache["versions"] = _versions(call)
+            call.cache["unit"] = unit
+            self.calls.append(call)
+            return output if len(outs) == 1 and isinstance(output, torch.Tensor) else None
+        return hook
+
+    def clear(self) -> None:
+        """Drop every recorded call (their activations are freed)."""
+        self.calls.clear()
+
+    def remove(self) -> None:
+        """Remove the hooks; the model is as before capture."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.calls.clear()
+
+
+def _locate(module: nn.Module, local: str) -> tuple[nn.Module, str]:
+    *path, attr = local.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _detach(x: object) -> object:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _versions(call: Call) -> list[int]:
+    ts = [x for x in (*call.args, *call.kwargs.values()) if isinstance(x, torch.Tensor)] + call.outputs
+    return [t._version for t in ts]
+
+
+def _check_unchanged(call: Call) -> None:
+    if _versions(call) != call.cache["versions"]:
+        unit = call.cache["unit"]
+        raise IncompleteGradientError(
+            f"an input or output of {unit.path or type(call.module).__name__} was modified in place after its "
+            f"forward (e.g. ReLU(inplace=True) or x += ...); its per-example gradient cannot be computed from the "
+            f"recorded values. Use the out-of-place operation.")
+
+
+@dataclass
+class ClippedGradients:
+    """What one private backward produced.
+
+    Attributes
+    ----------
+    sums : dict
+        ``id(param) -> sum_i c_i g_i`` (float32 or float64).
+    sq_norms : torch.Tensor
+        ``(B,)`` per-example squared norms (estimated), float64.
+    weights : torch.Tensor
+        ``(B,)`` clip weights ``c_i``.
+    """
+
+    sums: dict
+    sq_norms: torch.Tensor
+    weights: torch.Tensor
+
+
+def _margin(dtype: torch.dtype) -> float:
+    return 2.0 ** -46 if dtype == torch.float64 else 2.0 ** -17
+
+
+def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: float, k: int,
+                     generator: torch.Generator | None, *, norms_only: bool = False) -> ClippedGradients:
+    r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
+
+    Consumes the calls the losses reached; raises :class:`IncompleteGradientError` if any trainable
+    parameter of the model receives gradient outside them, and ``FloatingPointError`` on non-finite
+    values.  With ``norms_only`` the sums are not formed.
+    """
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
-        raise ValueError("the per-example losses must be a 1-D tensor")
-    if not torch.isfinite(losses).all():
+        raise ValueError(f"the per-example losses must be a 1-D tensor (one loss per example), got "
+                         f"{'shape ' + str(tuple(losses.shape)) if isinstance(losses, torch.Tensor) else type(losses)}")
+    if not torch.isfinite(losses.detach()).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
-    cap.enabled = False
+    plan, b = capture.plan, losses.shape[0]
+    model_params = [p for p in plan.model.parameters() if p.requires_grad]
+    calls = list(capture.calls)
+    for c in calls:
+        _check_unchanged(c)
+    outputs = [o for c in calls for o in c.outputs]
+    if b and not losses.requires_grad:
+        raise IncompleteGradientError("the losses do not require grad: the forward that produced them was not "
+                                      "recorded with gradients (torch.no_grad?)")
+    grads = _first_backward(capture, losses, outputs, model_params) if b else [None] * (len(outputs) +
+                                                                                       len(model_params))
+    leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
+                                                                              strict=True) if g is not None]
+    if leaked:
+        raise IncompleteGradientError(_leak_message(leaked, plan))
+    pos, reached = 0, []
+    for c in calls:
+        c.grads = grads[pos:pos + len(c.outputs)]
+        pos += len(c.outputs)
+        if any(g is not None for g in c.grads):
+            reached.append(c)
+    done = {id(c) for c in reached}
+    capture.calls = [c for c in calls if id(c) not in done]
+    for c in reached:
+        if c.batch_size != b or any(g is not None and (g.dim() == 0 or g.shape[0] != b) for g in c.grads[:1]):
+            unit = c.cache["unit"]
+            raise ValueError(f"{unit.path or type(c.module).__name__} ran on {c.batch_size} examples but the loss has "
+                             f"{b}: every handled module's input and output must start with the batch dimension of "
+                             f"the loss (one row per example)")
+    capture.active = False
     try:
-        return _sum_norms(cap, losses, estimator, k, generator)
+        uses = _uses(plan, reached)
+        n = torch.zeros(b, dtype=torch.float64, device=losses.device)
+        for p, contributions in uses:
+            n = n + _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
+        if not torch.isfinite(n).all():
+            raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
+        c_eff = max_grad_norm * (1 - _margin(dtype))
+        weights = torch.clamp(c_eff / n.sqrt().clamp_min(1e-300), max=1.0)
+        sums = {}
+        if not norms_only:
+            for p, contributions in uses:
+                total = None
+                for call, local in contributions:
+                    s = call.cache["unit"].handler.clipped_sum(call, local, weights.to(call.outputs[0].device))
+                    s = s.to(torch.promote_types(s.dtype, dtype))
+                    total = s if total is None else total + s
+                if not torch.isfinite(total).all():
+                    raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
+                sums[id(p)] = total.reshape(p.shape)
     finally:
-        cap.enabled = True
+        capture.active = True
+        for c in reached:
+            c.cache.clear()
+    return ClippedGradients(sums, n.detach(), weights)
 
 
-def _sum_norms(cap: _Capture, losses: torch.Tensor, estimator: str, k: int, generator: torch.Generator | None
-               ) -> _FirstPass:
-    modules = list(cap.records)
-    outputs = [cap.records[m][1] for m in modules]
-    grads = torch.autograd.grad(losses.sum(), outputs, retain_graph=True, allow_unused=True) if modules else ()
-    total = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
-    exact_params = all_params = 0
-    for m, g in zip(modules, grads, strict=True):
-        if g is None:
-            continue
-        if g.dim() == 0 or g.shape[0] != losses.shape[0]:
-            raise ValueError(f"the output of {type(m).__name__} does not start with the batch dimension "
-                             f"({tuple(g.shape)} for {losses.shape[0]} examples): per-example norms need it")
-        inputs = cap.records[m][0]
-        count = sum(p.numel() for p in _own_params(m))
-        all_params += count
-        handler = linear_norms if is_conv1d(m) else HANDLERS.get(type(m))
-        if handler is embedding_norms:
-            part = embedding_norms(m, inputs[0], g, estimator, k, generator)
-            exact_params += count if estimator != "hutch" else 0
-        elif handler is not None:
-            part = handler(m, inputs[0], g, estimator, k, generator)
-            exact_params += count if estimator in ("exact", "ghost") else 0
-        else:
-            part = functional_norms(m, tuple(x for x in inputs if isinstance(x, torch.Tensor)), g)
-            exact_params += count
-        total = total + part.to(total.dtype)
-    if not torch.isfinite(total).all():
-        raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
-    return _FirstPass(losses, total.detach(), exact_params / max(all_params, 1))
+def _first_backward(capture: Capture, losses, outputs, model_params) -> list:
+    capture.active = False  # gradient checkpointing re-runs forwards inside this backward: record nothing
+    try:
+        return list(torch.autograd.grad(losses.sum(), outputs + model_params, allow_unused=True,
+                                        materialize_grads=False))
+    except RuntimeError as err:
+        if "Checkpointing is not compatible" in str(err):
+            raise IncompleteGradientError(
+                "reentrant gradient checkpointing runs its own backward and cannot give per-example gradients; "
+                "use non-reentrant checkpointing (Hugging Face: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}); make_private switches it)") from err
+        raise
+    finally:
+        capture.active = True
 
 
-def _first_pass(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str, k: int,
-                generator: torch.Generator | None) -> _FirstPass:
-    _check_estimator(estimator, k)
-    with _capturing(model) as cap:
-        losses = loss_fn(model)
-    return _norms(cap, losses, estimator, k, generator)
+def _qualified(model: nn.Module, p: nn.Parameter) -> str:
+    return next((n for n, q in model.named_parameters() if q is p), "<unnamed parameter>")
 
 
-def _clipped_sum(first: _FirstPass, params: list[nn.Parameter], max_grad_norm: float) -> tuple[list, torch.Tensor]:
-    """Second backward: ``sum_i min(1, C / sqrt(n_i)) grad L_i`` for each parameter, and the weights."""
-    weights = torch.clamp(max_grad_norm / first.sq_norms.sqrt().clamp_min(1e-30), max=1.0)
-    if first.losses.shape[0] == 0:
-        return [torch.zeros_like(p) for p in params], weights
-    grads = torch.autograd.grad((weights.to(first.losses.dtype) * first.losses).sum(), params, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)], weights
+def _leak_message(names: list[str], plan: NormPlan) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"gradient reached {shown} outside every recorded module call, so its per-example contribution would "
+            f"not be clipped; the step was not taken. Causes: the forward ran in eval mode or without the "
+            f"private engine's hooks (call model.train()); the parameter is used by another module's forward "
+            f"(e.g. F.linear(x, self.other.weight)) -- register a handler for that module "
+            f"(dpsgd.layers.register_handler(..., FunctionalHandler() with recursive=True)); or it became trainable "
+            f"after make_private. {len(plan.units)} modules are hooked.")
 
 
-def _noisy(grads: list[torch.Tensor], noise_std: float, expected_batch_size: float,
-           noise_generator: torch.Generator | None) -> list[torch.Tensor]:
-    out = []
-    for g in grads:
-        if noise_std > 0:
-            g = g + noise_std * torch.randn(g.shape, generator=noise_generator, device=g.device, dtype=g.dtype)
-        out.append(g / expected_batch_size)
-    if not all(torch.isfinite(g).all() for g in out):
-        raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
-    return out
+def _uses(plan: NormPlan, calls: list[Call]) -> list[tuple[nn.Parameter, list[tuple[Call, str]]]]:
+    """Each parameter that received gradient, with the (call, local name) pairs that carry it."""
+    by_param: dict[int, list] = {}
+    for c in calls:
+        unit = c.cache["unit"]
+        for local in c.aliases:
+            by_param.setdefault(id(unit.params[local]), []).append((c, local))
+    return [(p, by_param[id(p)]) for p in plan.params if id(p) in by_param]
+
+
+def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int, generator) -> torch.Tensor:
+    estimator = plan.estimator
+    if len(contributions) == 1:
+        call, local = contributions[0]
+        return call.cache["unit"].handler.sq_norms(call, local, estimator, k, generator)
+    # several calls: the norm of the summed per-example gradient
+    projected = estimator == "hutch" and plan.terms[plan.names[id(p)]] is not None
+    proj = None
+    total = None
+    for call, local in contributions:
+        if projected and proj is None:
+            like = call.outputs[0]
+            proj = gaussian_projection(_view_shape(p)[1], k, like.to(torch.promote_types(like.dtype, torch.float32)),
+                                       generator)
+        s = call.cache["unit"].handler.per_example(call, local, proj)
+        total = s if total is None else total + s.to(total.dtype)
+    return total.reshape(total.shape[0], -1).square().sum(1)
 
 
 def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str = "hutch",
                         k: int = 32, generator: torch.Generator | None = None) -> torch.Tensor:
-    r"""First-pass estimate of each example's squared gradient norm over the whole model.
+    r"""Estimate of each example's squared gradient norm over the whole model.
 
-    .. math:: \hat n_i = \sum_{\text{layers } l} \hat n_{i,l}, \qquad
+    .. math:: \hat n_i = \sum_{\text{parameters}} \hat n_{i,p}, \qquad
               E[\hat n_i] = \|\nabla_\theta L_i\|_2^2 \ \text{(unbiased estimators)}
 
     Parameters
     ----------
     model : torch.nn.Module
-        The model; parameters with ``requires_grad=False`` are ignored.
+        The model (in training mode); parameters with ``requires_grad=False`` are ignored.
     loss_fn : callable
-        ``loss_fn(model) -> (B,)`` tensor of per-example losses (runs the forward pass).
+        ``loss_fn(model) -> (B,)`` tensor of per-example losses (runs the forward pass or passes).
     estimator : {"hutch", "hutchpp", "ghost", "exact"}
         Per-layer estimator for linear-like layers (see :mod:`dpsgd.layers` for the others).
     k : int
@@ -197,7 +445,7 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     Returns
     -------
     torch.Tensor
-        ``(B,)`` float32, detached; no parameter's ``.grad`` is modified.
+        ``(B,)`` float64, detached; no parameter's ``.grad`` is modified.
 
     Examples
     --------
@@ -210,7 +458,27 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     >>> per_sample_sq_norms(model, loss_fn, "exact").shape
     torch.Size([5])
     """
-    return _first_pass(model, loss_fn, estimator, k, generator).sq_norms
+    check_estimator(estimator, k)
+    capture = Capture(NormPlan.build(model, estimator))
+    try:
+        losses = loss_fn(model)
+        return clipped_backward(capture, losses, 1.0, k, generator, norms_only=True).sq_norms
+    finally:
+        capture.remove()
+
+
+def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_size: float,
+                    noise_generator: torch.Generator | None) -> list[torch.Tensor]:
+    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype."""
+    out = []
+    for g in sums:
+        if noise_std > 0:
+            device = noise_generator.device if noise_generator is not None else g.device
+            g = g + noise_std * torch.randn(g.shape, generator=noise_generator, device=device, dtype=g.dtype).to(g.device)
+        out.append(g / expected_batch_size)
+    if not all(torch.isfinite(g).all() for g in out):
+        raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
+    return out
 
 
 @dataclass(frozen=True)
@@ -225,21 +493,26 @@ class StepResult:
         Share of examples whose weight ``min(1, C / sqrt(n_i))`` was below 1.
     mean_loss : float
         Mean per-example loss before the step.
-    exact_fraction : float
-        Share of trainable parameters whose norm was exact (see :mod:`dpsgd.layers`).
     """
 
     batch_size: int
     clipped_fraction: float
     mean_loss: float
-    exact_fraction: float
+
+
+def check_positive(value: object, name: str, allow_zero: bool = False) -> float:
+    """``float(value)``, or ``ValueError`` naming ``name`` unless finite and positive (or zero if allowed)."""
+    v = float(value)
+    if not (math.isfinite(v) and (v >= 0 if allow_zero else v > 0)):
+        raise ValueError(f"{name} must be {'non-negative (>= 0)' if allow_zero else 'positive (> 0)'}, got {value!r}")
+    return v
 
 
 def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module], torch.Tensor], *,
                  max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
                  estimator: str = "hutch", k: int = 32, generator: torch.Generator | None = None,
                  noise_generator: torch.Generator | None = None) -> StepResult:
-    r"""One DP-SGD-RC step: estimate norms, clip by loss rescaling, add noise, let ``optimizer`` step.
+    r"""One DP-SGD-RC step: estimate norms, clip (book-keeping), add noise, let ``optimizer`` step.
 
     .. math::
 
@@ -248,13 +521,13 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
 
     with ``B-bar`` the expected batch size (Poisson sampling normalizes by it, not by the realized size).
     An empty batch (``loss_fn`` returns no losses) still adds the noise and steps.  Atomic: on a
-    non-finite loss, norm or gradient it raises ``FloatingPointError`` with parameters, ``.grad`` and the
-    optimizer state unchanged.
+    non-finite loss, norm or gradient, or a gradient that was not counted, it raises with parameters,
+    ``.grad`` and the optimizer state unchanged.
 
     Parameters
     ----------
     model, optimizer
-        The model and any ``torch.optim`` optimizer over its parameters.
+        The model (in training mode) and any ``torch.optim`` optimizer over its parameters.
     loss_fn : callable
         ``loss_fn(model) -> (B,)`` per-example losses of this step's batch.
     max_grad_norm : float
@@ -285,23 +558,25 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
     >>> r.batch_size
     8
     """
-    c = float(max_grad_norm)
-    if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"max_grad_norm must be positive (> 0), got {max_grad_norm!r}")
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma >= 0):
-        raise ValueError(f"noise_multiplier must be non-negative (>= 0), got {noise_multiplier!r}")
-    b_bar = float(expected_batch_size)
-    if not (math.isfinite(b_bar) and b_bar > 0):
-        raise ValueError(f"expected_batch_size must be positive (> 0), got {expected_batch_size!r}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    first = _first_pass(model, loss_fn, estimator, k, generator)
-    grads, weights = _clipped_sum(first, params, c)
-    new = _noisy(grads, sigma * c, b_bar, noise_generator)
-    for p, g in zip(params, new, strict=True):
-        p.grad = g
+    c = check_positive(max_grad_norm, "max_grad_norm")
+    sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+    b_bar = check_positive(expected_batch_size, "expected_batch_size")
+    check_estimator(estimator, k)
+    plan = NormPlan.build(model, estimator)
+    capture = Capture(plan)
+    try:
+        losses = loss_fn(model)
+        result = clipped_backward(capture, losses, c, k, generator)
+    finally:
+        capture.remove()
+    sums = [result.sums.get(id(p), torch.zeros(p.shape, device=p.device,
+                                               dtype=torch.promote_types(p.dtype, torch.float32)))
+            for p in plan.params]
+    new = noisy_gradients(sums, sigma * c, b_bar, noise_generator)
+    for p, g in zip(plan.params, new, strict=True):
+        p.grad = g.to(p.dtype)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    n = first.losses.shape[0]
-    return StepResult(n, float((weights < 1).float().mean()) if n else 0.0,
-                      float(first.losses.detach().mean()) if n else float("nan"), first.exact_fraction)
+    n = losses.shape[0]
+    return StepResult(n, float((result.weights < 1).double().mean()) if n else 0.0,
+                      float(losses.detach().mean()) if n else float("nan"))

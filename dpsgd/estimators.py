@@ -28,7 +28,7 @@ import math
 
 import torch
 
-__all__ = ["exact", "ghost", "hutch", "hutchpp", "ESTIMATORS"]
+__all__ = ["exact", "ghost", "hutch", "hutchpp", "ESTIMATORS", "check_k", "gaussian_projection"]
 
 
 def _prepare(activations: torch.Tensor, output_grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,13 +49,13 @@ def _prepare(activations: torch.Tensor, output_grads: torch.Tensor) -> tuple[tor
     return a.to(dtype), g.to(dtype)
 
 
-def _check_k(k: object) -> int:
+def check_k(k: object) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive integer (>= 1), got {k!r}")
     return k
 
 
-def _gaussian(rows: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def gaussian_projection(rows: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """``rows x k`` i.i.d. ``N(0, 1/k)``, on ``like``'s device and dtype."""
     z = torch.randn(rows, k, generator=generator, device=like.device, dtype=like.dtype)
     return z / math.sqrt(k)
@@ -150,9 +150,9 @@ def hutch(activations: torch.Tensor, output_grads: torch.Tensor, k: int,
     >>> bool(((est - exact(a, g)).abs() / exact(a, g)).max() < 0.05)
     True
     """
-    k = _check_k(k)
+    k = check_k(k)
     a, g = _oriented(*_prepare(activations, output_grads))
-    p = _gaussian(g.shape[-1], k, g, generator)
+    p = gaussian_projection(g.shape[-1], k, g, generator)
     return torch.bmm(a.transpose(1, 2), g @ p).square().sum(dim=(1, 2))
 
 
@@ -191,10 +191,10 @@ def hutchpp(activations: torch.Tensor, output_grads: torch.Tensor, k: int,
     >>> bool(torch.allclose(hutchpp(a, g, 4, gen), exact(a, g)))   # min(p, d) = 3 <= k: exact
     True
     """
-    k = _check_k(k)
+    k = check_k(k)
     a, g = _oriented(*_prepare(activations, output_grads))
-    s = _gaussian(g.shape[-1], k, g, generator)
-    p = _gaussian(g.shape[-1], k, g, generator)
+    s = gaussian_projection(g.shape[-1], k, g, generator)
+    p = gaussian_projection(g.shape[-1], k, g, generator)
     at = a.transpose(1, 2)
     ms = torch.bmm(at, g @ s)                                  # M S: (B, d, k)
     sketch = torch.bmm(g.transpose(1, 2), torch.bmm(a, ms))   # M^T M S: (B, p, k)

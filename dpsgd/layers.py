@@ -1,58 +1,136 @@
-r"""Per-layer-type handlers: a module's contribution to each example's squared gradient norm.
+r"""Per-layer handlers: how a module's parameters enter per-example norms and the clipped gradient sum.
 
-A handler gets the module, its captured input activations and output gradients, and returns a
-``(B,)`` tensor: the (estimated) ``||grad_i||^2`` of the module's *own* trainable parameters for each
-example.  :data:`HANDLERS` maps module types to handlers (:func:`register_handler` adds one, like
-Opacus' grad-sampler registry).  Built in:
+A handler sees one recorded call of a module (:class:`Call`: its inputs, the gradients of the loss with
+respect to its outputs, and the alias each parameter had during that call) and answers, per parameter:
 
-* ``nn.Linear`` (2-D and 3-D inputs) and GPT-2's ``Conv1D`` (weight ``d x p``, ``y = x W + b``): the
-  weight through the chosen estimator on ``(A, G)``; the bias as a linear layer with ``A = 1``, so with a
-  randomized estimator it too is a mixture of ``chi2(k)/k`` terms;
-* ``nn.Embedding``: the gradient is ``onehot(idx)^T G``; ``exact``/``ghost`` sum ``G`` rows per token id
-  (index-based, never a ``V x p`` matrix per example), ``hutch``/``hutchpp`` project ``G`` first and then
-  sum per token id (``hutchpp`` falls back to the exact index-based norm, see :func:`embedding_norms`).
+* :meth:`Handler.sq_norms`: the (estimated) squared norm ``||g_i||^2`` of example ``i``'s gradient;
+* :meth:`Handler.per_example`: the per-example gradients themselves, as ``(B, rows, cols)`` matrices, or
+  their right projections ``(B, rows, k)`` onto a given ``cols x k`` matrix ``P`` (used when one parameter
+  receives gradient from several calls, e.g. tied embeddings: the norm must be that of the *summed*
+  per-example gradient, so every use is projected with the same ``P``);
+* :meth:`Handler.clipped_sum`: ``sum_i c_i g_i`` from the same inputs (book-keeping: no second backward,
+  and the contribution that was clipped is exactly the one that was normed);
+* :meth:`Handler.terms`: how many ``chi2(k)/k`` terms the parameter's estimate mixes (the envelope's
+  ``d``), or ``None`` when it is computed exactly (a point mass in the estimate's law).
 
-Every other module with trainable parameters of its own is handled by :func:`functional_norms`: exact
-per-example gradients by ``torch.func`` (vmap of a vector-Jacobian product), so any model is private.
-Exact contributions are point masses in the estimate's law; :meth:`dpsgd.engine.Norms.exact_fraction`
-lets the accountant choose an envelope that covers them.
+:data:`HANDLERS` maps module types to handlers (:func:`register_handler` adds one, like Opacus' registry).
+Built in:
+
+========================  ================================  ===========================================
+module                    norms                             terms (``hutch`` / ``hutchpp``)
+========================  ================================  ===========================================
+``nn.Linear``, ``Conv1D`` the estimator on ``(A, G)``       weight ``min(d_in, d_out)``, bias 1
+``nn.Embedding``          token-id sums of ``G`` rows       ``min(V, p)`` under ``hutch``; exact else
+``nn.MultiheadAttention`` exact, ``torch.func`` (all its    exact (point masses)
+                          parameters, incl. ``out_proj``)
+anything else             exact, ``torch.func``             exact (point masses)
+========================  ================================  ===========================================
+
+The exact fallback (:class:`FunctionalHandler`) re-runs the module per example with ``torch.func`` on the
+recorded inputs; it supports tuple outputs (LSTM, GRU, attention) and keyword arguments, and refuses
+randomness inside the module (dropout), whose per-example re-run would not reproduce the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .estimators import ESTIMATORS, _gaussian
+from .estimators import ESTIMATORS, gaussian_projection
 
-__all__ = ["HANDLERS", "register_handler", "linear_norms", "embedding_norms", "functional_norms", "is_conv1d"]
+__all__ = ["Call", "Handler", "LinearHandler", "EmbeddingHandler", "FunctionalHandler", "HANDLERS",
+           "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors"]
 
-Handler = Callable[..., torch.Tensor]
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when any input is float64: norms and sums are never formed in half precision."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+@dataclass(eq=False)
+class Call:
+    """One recorded call of a module during a captured forward.
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+    args, kwargs
+        The call's inputs (tensors detached).
+    outputs : list of torch.Tensor
+        Its tensor outputs (flattened), as the rest of the model saw them.
+    aliases : dict
+        Parameter name (relative to ``module``) to the leaf tensor that stood in for it during the call.
+    batch_size : int
+        ``B`` of the forward the call belongs to.
+    grads : list
+        Gradients of the loss with respect to ``outputs`` (``None`` where unused), set by the engine.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list
+    aliases: dict
+    batch_size: int
+    grads: list = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+
+
+class Handler:
+    """How one kind of module contributes per-example norms and clipped sums (see the module docstring)."""
+
+    #: the handler covers the parameters of the module's submodules too (they are not hooked separately)
+    recursive: bool = False
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters this handler covers, by name relative to ``module``."""
+        return {n: p for n, p in module.named_parameters(recurse=self.recursive) if p.requires_grad}
+
+    def terms(self, module: nn.Module, name: str, estimator: str) -> int | None:
+        """Chi-square terms of the parameter's estimate under ``estimator``, or ``None`` when exact."""
+        raise NotImplementedError
+
+    def sq_norms(self, call: Call, name: str, estimator: str, k: int, generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def per_example(self, call: Call, name: str, projection: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clipped_sum(self, call: Call, name: str, weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
 HANDLERS: dict[type, Handler] = {}
 
 
-def register_handler(module_type: type) -> Callable[[Handler], Handler]:
-    """Decorator: use ``fn(module, activations, output_grads, estimator, k, generator)`` for ``module_type``.
+def register_handler(module_type: type, handler: Handler | None = None):
+    """Use ``handler`` for modules of exactly ``module_type``; usable as a class decorator.
 
-    The handler must return exact squared norms or Hutchinson-type estimates (sums of ``chi2(k)/k``-weighted
-    terms); the accountant then uses the ``d -> inf`` envelope for the model (see :mod:`dpsgd.privacy_engine`).
+    A registered handler's ``terms`` decide the envelope: return the number of ``chi2(k)/k`` terms its
+    estimate mixes, or ``None`` for exact norms.
 
     Examples
     --------
     >>> from torch import nn
-    >>> from dpsgd.layers import HANDLERS, register_handler
-    >>> @register_handler(nn.Bilinear)
-    ... def bilinear(module, a, g, estimator, k, generator):
-    ...     raise NotImplementedError
+    >>> from dpsgd.layers import HANDLERS, FunctionalHandler, register_handler
+    >>> _ = register_handler(nn.Bilinear, FunctionalHandler())
     >>> nn.Bilinear in HANDLERS
     True
     >>> del HANDLERS[nn.Bilinear]
     """
-    def wrap(fn: Handler) -> Handler:
-        HANDLERS[module_type] = fn
-        return fn
+    if handler is not None:
+        HANDLERS[module_type] = handler
+        return handler
+
+    def wrap(cls):
+        HANDLERS[module_type] = cls()
+        return cls
     return wrap
 
 
@@ -61,87 +139,239 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2
 
 
-def _estimate(estimator: str, a: torch.Tensor, g: torch.Tensor, k: int, generator) -> torch.Tensor:
-    fn = ESTIMATORS[estimator]
-    return fn(a, g) if estimator in ("exact", "ghost") else fn(a, g, k, generator)
+def _as_btd(x: torch.Tensor, b: int) -> torch.Tensor:
+    """``(B, ..., d)`` as ``(B, T, d)`` (every middle dimension is a token dimension of a linear map)."""
+    return x.reshape(b, -1, x.shape[-1])
 
 
-@register_handler(nn.Linear)
-def linear_norms(module: nn.Module, activations: torch.Tensor, output_grads: torch.Tensor, estimator: str,
-                 k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Weight (and bias) contribution of ``nn.Linear`` or ``Conv1D``.
+def _single_grad(call: Call, what: str) -> torch.Tensor:
+    g = call.grads[0] if call.grads else None
+    if g is None:
+        raise RuntimeError(f"no output gradient recorded for {what}")
+    return g
 
-    Examples
-    --------
-    >>> import torch
-    >>> from torch import nn
-    >>> from dpsgd.layers import linear_norms
-    >>> lin = nn.Linear(3, 2)
-    >>> a, g = torch.ones(1, 4, 3), torch.ones(1, 4, 2)      # weight grad entries 4, bias grad entries 4
-    >>> linear_norms(lin, a, g, "exact", 1)
-    tensor([128.])
+
+class LinearHandler(Handler):
+    """``nn.Linear`` (weight ``d_out x d_in``) and GPT-2's ``Conv1D`` (weight ``d_in x d_out``).
+
+    Weight: the chosen estimator on ``(A, G)`` (projected along the larger side, ``min(d_in, d_out)``
+    chi-square terms); bias: a linear layer with ``A = 1`` (one term).  The clipped sum is
+    ``A^T diag(c) G`` per weight and ``G^T c`` per bias.
     """
-    out = torch.zeros(activations.shape[0], device=activations.device, dtype=torch.float32)
-    if module.weight.requires_grad:
-        out = out + _estimate(estimator, activations, output_grads, k, generator)
-    bias = getattr(module, "bias", None)
-    if bias is not None and bias.requires_grad:
-        ones = torch.ones(*output_grads.shape[:-1], 1, device=output_grads.device, dtype=output_grads.dtype)
-        out = out + _estimate(estimator, ones, output_grads, k, generator)
-    return out
+
+    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ag" not in call.cache:
+            b = call.batch_size
+            a, g = call.args[0], _single_grad(call, type(call.module).__name__)
+            dtype = compute_dtype(a, g)
+            call.cache["ag"] = (_as_btd(a, b).to(dtype), _as_btd(g, b).to(dtype))
+        return call.cache["ag"]
+
+    def terms(self, module, name, estimator):
+        if estimator not in ("hutch", "hutchpp"):
+            return None
+        return 1 if name == "bias" else min(module.weight.shape)
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        a, g = self._ag(call)
+        if name == "bias":
+            a = torch.ones(*g.shape[:-1], 1, device=g.device, dtype=g.dtype)
+        fn = ESTIMATORS[estimator]
+        return fn(a, g) if estimator in ("exact", "ghost") else fn(a, g, k, generator)
+
+    def per_example(self, call, name, projection):
+        a, g = self._ag(call)
+        conv1d = is_conv1d(call.module)
+        if name == "bias":   # (B, 1, d_out)
+            s = g.sum(1, keepdim=True)
+            return s if projection is None else s @ projection.to(s.dtype)
+        # Linear: M = G^T A (d_out x d_in), cols = d_in; Conv1D: M = A^T G (d_in x d_out), cols = d_out
+        left, right = (a, g) if conv1d else (g, a)
+        if projection is not None:
+            right = right @ projection.to(right.dtype)
+        return torch.bmm(left.transpose(1, 2), right)
+
+    def clipped_sum(self, call, name, weights):
+        a, g = self._ag(call)
+        gc = g * weights.to(g.dtype)[:, None, None]
+        if name == "bias":
+            return gc.sum((0, 1))
+        if is_conv1d(call.module):
+            return torch.einsum("bti,bto->io", a, gc)
+        return torch.einsum("bto,bti->oi", gc, a)
 
 
-def embedding_norms(module: nn.Embedding, indices: torch.Tensor, output_grads: torch.Tensor, estimator: str,
-                    k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    r"""``||onehot(idx_i)^T G_i||_F^2`` of ``nn.Embedding`` from the token ids, per example.
+class EmbeddingHandler(Handler):
+    r"""``nn.Embedding``: example ``i``'s gradient is ``onehot(idx_i)^T G_i`` (rows at ``padding_idx`` are 0).
 
-    Rows of ``G_i`` (or of ``G_i P`` for ``hutch``) are summed per distinct id with ``index_add``; the
-    ``V x p`` per-example gradient is never formed.  ``hutchpp`` uses the exact index-based norm (its
-    sketch buys nothing here and the exact value is cheap).
-
-    Examples
-    --------
-    >>> import torch
-    >>> from torch import nn
-    >>> from dpsgd.layers import embedding_norms
-    >>> emb = nn.Embedding(5, 2)
-    >>> idx = torch.tensor([[1, 1, 3]])                 # id 1 twice: its gradient row is 2 g
-    >>> embedding_norms(emb, idx, torch.ones(1, 3, 2), "exact", 1)
-    tensor([10.])
+    Rows of ``G_i`` (of ``G_i P`` under ``hutch``: ``min(V, p)`` terms) are summed per distinct token id
+    with ``index_add``; the ``V x p`` per-example gradient is never formed for the norm.  ``hutchpp`` uses
+    the exact index-based norm (its sketch buys nothing here), a point mass in the law.
     """
-    b = indices.shape[0]
-    idx = indices.reshape(b, -1)
-    g = output_grads.reshape(b, idx.shape[1], -1).to(torch.promote_types(output_grads.dtype, torch.float32))
-    if estimator == "hutch":
-        g = g @ _gaussian(g.shape[-1], k, g, generator)
-    # one key per (example, token id): the rows of each example's gradient, summed for the whole batch at once
-    keys = idx + module.num_embeddings * torch.arange(b, device=idx.device).unsqueeze(1)
-    uniq, inverse = torch.unique(keys.flatten(), return_inverse=True)
-    rows = torch.zeros(uniq.numel(), g.shape[-1], device=g.device, dtype=g.dtype)
-    rows.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
-    out = torch.zeros(b, device=g.device, dtype=g.dtype)
-    return out.index_add_(0, uniq // module.num_embeddings, rows.square().sum(1))
+
+    def _ig(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ig" not in call.cache:
+            m, b = call.module, call.batch_size
+            idx = call.args[0].reshape(b, -1)
+            g = _single_grad(call, "Embedding")
+            g = g.reshape(b, idx.shape[1], -1).to(compute_dtype(g))
+            if m.padding_idx is not None:
+                g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
+            call.cache["ig"] = (idx, g)
+        return call.cache["ig"]
+
+    def terms(self, module, name, estimator):
+        return min(module.weight.shape) if estimator == "hutch" else None
+
+    def _rows(self, call: Call, g: torch.Tensor):
+        """Per (example, token id) sums of ``g``'s rows: the nonzero rows of every per-example gradient."""
+        idx, _ = self._ig(call)
+        b, v = idx.shape[0], call.module.num_embeddings
+        keys = idx + v * torch.arange(b, device=idx.device).unsqueeze(1)
+        uniq, inverse = torch.unique(keys.flatten(), return_inverse=True)
+        rows = torch.zeros(uniq.numel(), g.shape[-1], device=g.device, dtype=g.dtype)
+        rows.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
+        return uniq, rows
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        _, g = self._ig(call)
+        if estimator == "hutch":
+            g = g @ gaussian_projection(g.shape[-1], k, g, generator)
+        uniq, rows = self._rows(call, g)
+        out = torch.zeros(call.batch_size, device=g.device, dtype=g.dtype)
+        return out.index_add_(0, uniq // call.module.num_embeddings, rows.square().sum(1))
+
+    def per_example(self, call, name, projection):
+        _, g = self._ig(call)
+        if projection is not None:
+            g = g @ projection.to(g.dtype)
+        uniq, rows = self._rows(call, g)
+        v = call.module.num_embeddings
+        out = torch.zeros(call.batch_size * v, g.shape[-1], device=g.device, dtype=g.dtype)
+        out[uniq] = rows
+        return out.reshape(call.batch_size, v, -1)
+
+    def clipped_sum(self, call, name, weights):
+        idx, g = self._ig(call)
+        gc = g * weights.to(g.dtype)[:, None, None]
+        out = torch.zeros(call.module.weight.shape, device=g.device, dtype=g.dtype)
+        return out.index_add_(0, idx.flatten(), gc.reshape(-1, g.shape[-1]))
 
 
-HANDLERS[nn.Embedding] = embedding_norms
+def _batched(x: object, b: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b
 
 
-def functional_norms(module: nn.Module, inputs: tuple, output_grads: torch.Tensor) -> torch.Tensor:
-    """Exact per-example squared norms of ``module``'s own trainable parameters, by ``torch.func``.
+class FunctionalHandler(Handler):
+    """Exact per-example gradients of any module by ``torch.func`` (vmap of a vector-Jacobian product).
 
-    Each example's gradient is the vector-Jacobian product of ``module(x_i)`` with ``G_i``, vmapped over
-    the batch; valid for modules that treat examples independently (layer norms, RMS norms, ...).
+    Each example's call is re-run on its slice of the recorded inputs (tensor arguments whose leading
+    dimension is the batch; other arguments are passed whole).  Valid for modules that treat examples
+    independently and deterministically; the validator refuses those that mix examples (batch norm), and
+    randomness inside the re-run raises.
     """
-    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if not params:
-        return torch.zeros(output_grads.shape[0], device=output_grads.device)
 
-    def one(prm, g_i, *x_i):
-        def f(pp):
-            return torch.func.functional_call(module, pp, tuple(x.unsqueeze(0) for x in x_i)).squeeze(0)
-        _, vjp = torch.func.vjp(f, prm)
-        return vjp(g_i)[0]
+    def terms(self, module, name, estimator):
+        return None
 
-    grads = torch.func.vmap(one, in_dims=(None, 0) + (0,) * len(inputs))(params, output_grads, *inputs)
-    return sum(v.reshape(v.shape[0], -1).float().square().sum(1) for v in grads.values())
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        if "per_example" not in call.cache:
+            call.cache["per_example"] = self._vmap(call)
+        return call.cache["per_example"]
 
+    def _vmap(self, call: Call) -> dict[str, torch.Tensor]:
+        module, b = call.module, call.batch_size
+        params = {n: a.detach() for n, a in call.aliases.items()}
+        arg_dims = tuple(0 if _batched(x, b) else None for x in call.args)
+        kw_names = list(call.kwargs)
+        kw_vals = tuple(call.kwargs[n] for n in kw_names)
+        kw_dims = tuple(0 if _batched(x, b) else None for x in kw_vals)
+        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(call.outputs, call.grads, strict=True)]
+        out_dims = self._out_dims(call, params)
+
+        def run(prm, args, kws):
+            out = torch.func.functional_call(module, prm, args, dict(zip(kw_names, kws, strict=True)))
+            return tuple(t for t in flat_tensors(out))
+
+        def one(prm, gs, args, kws):
+            args = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(args, arg_dims, strict=True))
+            kws = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(kws, kw_dims, strict=True))
+            _, vjp = torch.func.vjp(lambda pp: run(pp, args, kws), prm)
+            return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0]
+
+        try:
+            return torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
+                params, tuple(grads), call.args, kw_vals)
+        except RuntimeError as err:
+            if "random" in str(err):
+                raise RuntimeError(f"{type(module).__name__} uses randomness (dropout) in training mode inside a "
+                                   f"module whose per-example gradients are recomputed exactly; its re-run would "
+                                   f"not reproduce the forward. Set its dropout to 0.") from err
+            raise
+
+    def _out_dims(self, call: Call, params: dict) -> list[int]:
+        """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
+        b = call.batch_size
+        if len(call.outputs) == 1:
+            return [0]
+        args = tuple(x[:1] if _batched(x, b) else x for x in call.args)
+        kwargs = {n: (x[:1] if _batched(x, b) else x) for n, x in call.kwargs.items()}
+        with torch.no_grad():
+            one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs))
+        dims = []
+        for full, single in zip(call.outputs, one, strict=True):
+            cand = [d for d in range(full.dim()) if full.shape[d] == b and single.shape[d] == 1
+                    and full.shape[:d] + full.shape[d + 1:] == single.shape[:d] + single.shape[d + 1:]]
+            if not cand:
+                raise ValueError(f"an output of {type(call.module).__name__} has no batch dimension "
+                                 f"({tuple(full.shape)} for {b} examples): per-example gradients need one")
+            dims.append(cand[0])
+        return dims
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        g = self._grads(call)[name]
+        return g.reshape(g.shape[0], -1).to(compute_dtype(g)).square().sum(1)
+
+    def per_example(self, call, name, projection):
+        g = self._grads(call)[name]
+        g = g.reshape(g.shape[0], -1, g.shape[-1] if g.dim() > 1 else 1).to(compute_dtype(g))
+        return g if projection is None else g @ projection.to(g.dtype)
+
+    def clipped_sum(self, call, name, weights):
+        g = self._grads(call)[name]
+        g = g.to(compute_dtype(g))
+        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
+class MultiheadAttentionHandler(FunctionalHandler):
+    """``nn.MultiheadAttention``: exact, with ``out_proj``'s parameters (used outside ``out_proj.forward``)."""
+
+    recursive = True
+
+
+def flat_tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat_tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in flat_tensors(o)]
+    return []
+
+
+HANDLERS[nn.Linear] = LinearHandler()
+HANDLERS[nn.Embedding] = EmbeddingHandler()
+HANDLERS[nn.MultiheadAttention] = MultiheadAttentionHandler()
+# the out_proj of nn.MultiheadAttention: a Linear subclass with the same forward
+HANDLERS[nn.modules.linear.NonDynamicallyQuantizableLinear] = HANDLERS[nn.Linear]
+_LINEAR = HANDLERS[nn.Linear]
+_FUNCTIONAL = FunctionalHandler()
+
+
+def handler_for(module: nn.Module) -> Handler:
+    """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` as linear, else the exact fallback."""
+    if type(module) in HANDLERS:
+        return HANDLERS[type(module)]
+    if is_conv1d(module):
+        return _LINEAR
+    return _FUNCTIONAL

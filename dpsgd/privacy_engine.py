@@ -6,33 +6,48 @@ An Opacus user with ghost clipping writes::
         module=model, optimizer=optimizer, data_loader=loader, criterion=nn.CrossEntropyLoss(),
         max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5, epochs=3, estimator="hutch", k=32)
     for x, y in loader:
-        loss = criterion(model(x), y)   # per-example losses, kept for the two backward passes
-        loss.backward()                 # first pass: norms; second pass: the clipped sum into .grad
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)   # a DPLoss: per-example losses, reduced only for display
+        loss.backward()                 # one backward: per-example norms, clip weights, clipped sums
         optimizer.step()                # noise sigma C, / expected batch size, the wrapped optimizer's step
     engine.get_epsilon(1e-5)
 
+``model`` is the user's own module, with hooks (no wrapper: ``generate``, ``isinstance``, ``state_dict``
+keys are unchanged; recording is off in ``eval()`` and under ``no_grad``).  The optimizer is a
+:class:`DPOptimizer`, a ``torch.optim.Optimizer`` (schedulers, ``zero_grad``, ``state_dict`` work).
+
+Soundness checks, each a clear error rather than a silent under-count:
+
+* every trainable parameter's gradient must come from a recorded module call
+  (:class:`~dpsgd.engine.IncompleteGradientError` otherwise, naming the parameter);
+* several forwards before one backward, tied parameters and modules called twice are counted as the norm
+  of the summed per-example gradient;
+* several backwards before one step accumulate (gradient accumulation); the step refuses if more
+  per-example losses were backpropagated than examples were drawn from the private loader since the last
+  step (a second backward of the same batch would let an example contribute twice);
+* ``.grad`` edited between ``backward()`` and ``step()`` (e.g. ``clip_grad_norm_``) is refused: the step
+  would otherwise use a gradient whose sensitivity is not the one accounted for;
+* modules that mix examples are refused by :class:`~dpsgd.validator.ModuleValidator`.
+
 The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
 q)`` for ``exact``/``ghost``, ``RandomizedClipGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
-The envelope's dimension is ``D = sum_l min(p_l, d_l)`` over the layers estimated with random
-projections (biases count 1, embeddings ``min(V, p)``): the model's estimate mixes that many
-``chi2(k)/k`` terms.  Exactly-computed parts (modules without a handler, and embeddings under
-``hutchpp``) are point masses in that mixture, the ``d -> inf`` limit of the family, so with ``hutch``
-they switch the envelope to that limit, ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope`
-form).  Every step is recorded in the ledger *after* the optimizer's step succeeded.
+The envelope's dimension ``D`` is the norm plan's sum of chi-square terms
+(:meth:`dpsgd.engine.NormPlan.envelope_dimension`).  Exactly-computed parts are point masses in that
+mixture, the ``d -> inf`` limit of the family, so with ``hutch`` they switch the envelope to that limit,
+``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope` form).  Every step is recorded in
+the ledger *after* the optimizer's step succeeded.
 
 Under ``torch.distributed`` (initialized before ``make_private``) each rank passes a loader over its own
 shard; per-example norms and clipping stay local, the clipped sums are all-reduced, and the same noise
 (one generator seeded identically on all ranks) is added once, so every rank takes the same step and the
-noise has standard deviation ``sigma C`` in total, not ``sqrt(world) sigma C``.  The sampling rate is each
-shard's ``batch_size / len(shard)``; the expected batch size is the sum over ranks.  Wrap nothing in
-``DistributedDataParallel``: the optimizer does the reduction.
+noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``DistributedDataParallel``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -40,44 +55,10 @@ from torch.utils.data import DataLoader
 
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
 
-from .data import private_data_loader
-from .engine import _Capture, _check_estimator, _check_model, _clipped_sum, _noisy, _norms, _own_params
-from .layers import HANDLERS, embedding_norms, is_conv1d, linear_norms
+from .data import DPDataLoader, private_data_loader
+from .engine import Capture, NormPlan, check_estimator, check_positive, clipped_backward, noisy_gradients
 
-__all__ = ["PrivacyEngine", "envelope_dimension"]
-
-
-def envelope_dimension(module: nn.Module, estimator: str) -> tuple[int, bool]:
-    """``(D, has_exact_parts)``: chi-square terms of the model's estimate and whether some part is exact.
-
-    Examples
-    --------
-    >>> from torch import nn
-    >>> from dpsgd.privacy_engine import envelope_dimension
-    >>> envelope_dimension(nn.Sequential(nn.Linear(8, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "hutch")
-    (7, True)
-    """
-    total, exact = 0, False
-    for m in module.modules():
-        own = _own_params(m)
-        if not own:
-            continue
-        handler = HANDLERS.get(type(m))
-        if is_conv1d(m) or handler is linear_norms:
-            w = m.weight
-            total += min(w.shape) if w.requires_grad else 0
-            total += 1 if getattr(m, "bias", None) is not None and m.bias.requires_grad else 0
-        elif handler is embedding_norms:
-            if estimator == "hutch":
-                total += min(m.weight.shape)
-            else:
-                exact = True
-        elif handler is None:
-            exact = True
-        else:  # a user handler: its law is not known here, so take the largest D and the d -> inf limit
-            total += sum(p.numel() for p in own)
-            exact = True
-    return max(total, 1), exact
+__all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
 
 def _rank_world() -> tuple[int, int]:
@@ -103,94 +84,213 @@ def _all_sum(value: float) -> float:
     return float(t.item())
 
 
-class PrivateModule(nn.Module):
-    """The wrapped model: its forward records what the first backward pass needs."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self._module = module
-        self._capture = _Capture(_check_model(module))
-
-    def forward(self, *args, **kwargs):
-        self._capture.records.clear()
-        return self._module(*args, **kwargs)
-
-
 class DPLoss:
-    """Per-example losses of one batch; ``backward()`` writes the clipped gradient sum into ``.grad``."""
+    r"""Per-example losses of one batch; ``backward()`` is the private backward.
+
+    It behaves like the scalar loss for logging (``item()``, ``float()``, ``detach()``, ``mean()``,
+    f-strings: the mean of the per-example losses).  Arithmetic on it is refused: scaling a loss before
+    clipping does not scale the clipped gradient (each example is clipped to ``max_grad_norm`` and the sum
+    is divided by the expected batch size at ``step()``), so ``loss / accumulation_steps`` would silently do
+    nothing useful.  Combine per-example terms *before* making the loss private
+    (:meth:`PrivacyEngine.private_loss`).
+
+    Attributes
+    ----------
+    losses : torch.Tensor
+        ``(B,)`` per-example losses, with their graph.
+    """
 
     def __init__(self, losses: torch.Tensor, engine: PrivacyEngine) -> None:
         self.losses = losses
         self._engine = engine
 
+    def backward(self) -> None:
+        """Per-example norms, clip weights and clipped sums into ``.grad`` (accumulating), in one backward."""
+        self._engine._backward(self.losses)
+
+    def detach(self) -> torch.Tensor:
+        """The mean per-example loss as a detached 0-d tensor (NaN for an empty batch)."""
+        d = self.losses.detach()
+        return d.mean() if d.numel() else torch.tensor(float("nan"))
+
     def item(self) -> float:
         """Mean per-example loss (for logging)."""
-        return float(self.losses.detach().mean()) if self.losses.numel() else float("nan")
+        return float(self.detach())
 
-    def backward(self) -> None:
-        e = self._engine
-        first = _norms(e._module._capture, self.losses, e.estimator, e.k, e._projection_rng)
-        grads, weights = _clipped_sum(first, e._params, e.max_grad_norm)
-        for p, g in zip(e._params, grads, strict=True):
-            p.grad = g
-        e._pending = (first.losses.shape[0], float((weights < 1).float().mean()) if weights.numel() else 0.0)
+    def mean(self) -> DPLoss:
+        """Itself: it already stands for the mean (so ``criterion(out, y).mean().backward()`` works)."""
+        return self
+
+    def sum(self) -> DPLoss:
+        """Itself: the private backward sums the clipped per-example gradients whatever the reduction."""
+        return self
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([])
+
+    def __float__(self) -> float:
+        return self.item()
+
+    def __format__(self, spec: str) -> str:
+        return format(self.item(), spec)
+
+    def __repr__(self) -> str:
+        return f"DPLoss({self.item():.6g}, batch_size={self.losses.shape[0]})"
+
+    def _refuse(self, *_args):
+        raise TypeError("arithmetic on a private loss is refused: each example's gradient is clipped to "
+                        "max_grad_norm and the clipped sum is divided by the expected batch size at step(), so "
+                        "scaling the loss (e.g. / gradient_accumulation_steps) would not scale the update. Combine "
+                        "per-example terms first and pass them to PrivacyEngine.private_loss(losses).")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __neg__ = _refuse
+    __pow__ = __iadd__ = __imul__ = __itruediv__ = _refuse
 
 
 class DPCriterion:
-    """Wraps a loss module: ``criterion(output, target)`` returns a :class:`DPLoss` of per-example losses."""
+    r"""Wraps a loss module: ``criterion(output, target)`` returns a :class:`DPLoss` of per-example losses.
+
+    ``output`` may be a tensor, a Hugging Face output object (its ``logits`` are used) or a tuple (its first
+    element).  Token-level targets are accepted in either layout, ``(B, T, V)`` logits with ``(B, T)``
+    targets (the Hugging Face layout) or ``(B, V, T)``.  Each example's loss is the **mean over its
+    non-ignored elements** (``ignore_index``, e.g. padding and ``-100``) when the criterion's reduction is
+    ``"mean"``, and their sum for ``"sum"``; an example whose targets are all ignored has loss 0.  Causal
+    language models: shift yourself, ``criterion(out.logits[:, :-1], input_ids[:, 1:])``.
+    """
 
     def __init__(self, criterion: nn.Module, engine: PrivacyEngine) -> None:
+        if not callable(criterion):
+            raise ValueError(f"criterion must be a loss module, got {type(criterion).__name__}")
         self._criterion = criterion
         self._engine = engine
-        self._reduce = "mean" if getattr(criterion, "reduction", "mean") == "mean" else "sum"
+        self.reduction = getattr(criterion, "reduction", "mean")
+        if self.reduction not in ("mean", "sum"):
+            raise ValueError(f"criterion.reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> DPLoss:
-        old = getattr(self._criterion, "reduction", None)
+    def __call__(self, output: object, target: torch.Tensor) -> DPLoss:
+        logits = _logits(output)
+        ignore = getattr(self._criterion, "ignore_index", None)
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"target must be a tensor, got {type(target).__name__}")
+        if logits.dim() == 0 or target.dim() == 0 or logits.shape[0] != target.shape[0]:
+            raise ValueError(f"output and target must start with the same batch dimension, got shapes "
+                             f"{tuple(logits.shape)} and {tuple(target.shape)}")
+        class_last = (ignore is not None and logits.dim() >= 3 and not target.is_floating_point()
+                      and tuple(target.shape) == tuple(logits.shape[:-1]))
+        old = self._criterion.reduction
         self._criterion.reduction = "none"
         try:
-            per_element = self._criterion(output, target)
+            if class_last:
+                per = self._criterion(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
+            else:
+                per = self._criterion(logits, target)
         finally:
             self._criterion.reduction = old
-        flat = per_element.reshape(per_element.shape[0], math.prod(per_element.shape[1:]))
-        return DPLoss(flat.mean(1) if self._reduce == "mean" else flat.sum(1), self._engine)
+        b = logits.shape[0]
+        per = per.reshape(b, -1)
+        if ignore is not None and not target.is_floating_point() and target.reshape(b, -1).shape == per.shape:
+            keep = (target.reshape(b, -1) != ignore).to(per.dtype)
+            total = (per * keep).sum(1)
+            losses = total / keep.sum(1).clamp_min(1) if self.reduction == "mean" else total
+        else:
+            losses = per.mean(1) if self.reduction == "mean" else per.sum(1)
+        return DPLoss(losses, self._engine)
 
 
-class DPOptimizer:
-    """Wraps a torch optimizer: ``step()`` adds noise to the clipped sum, normalizes, steps, and records."""
+def _logits(output: object) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ValueError(f"output must be a tensor, an object with .logits or a tuple of tensors, got "
+                     f"{type(output).__name__}")
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    r"""A ``torch.optim.Optimizer`` around the user's: ``step()`` adds noise to the clipped sum, normalizes by
+    the expected batch size, steps, and records the step in the ledger.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so learning-rate schedulers,
+    ``state_dict`` and ``add_param_group`` work on it.  Between ``backward()`` and ``step()``, ``p.grad``
+    holds the clipped (not yet noisy) sum; ``step()`` refuses if it was edited (``clip_grad_norm_`` is not
+    needed: every example is already clipped).  Under :class:`~dpsgd.data.BatchMemoryManager`, ``step()``
+    after a micro-batch that does not end its logical batch only accumulates (``zero_grad()`` then keeps the
+    accumulated sums, as in Opacus).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: PrivacyEngine) -> None:
+        # no Optimizer.__init__: the wrapped optimizer owns the parameter groups and the state
         self.original_optimizer = optimizer
         self._engine = engine
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict]:
         return self.original_optimizer.param_groups
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.original_optimizer.param_groups = groups
 
-    def step(self) -> None:
-        e = self._engine
-        if e._pending is None:
-            raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
-        sums = [p.grad for p in e._params]
-        if _rank_world()[1] > 1:  # per-example norms stay local; the clipped sums add up across ranks
-            sums = [g.clone() for g in sums]
-            for g in sums:
-                torch.distributed.all_reduce(g)
-        noisy = _noisy(sums, e.noise_multiplier * e.max_grad_norm, e.expected_batch_size, e._noise_rng)
-        for p, g in zip(e._params, noisy, strict=True):
-            p.grad = g
-        self.original_optimizer.step()
-        e._record_step()  # the ledger: only after the step has happened
-        e._pending = None
-        self.original_optimizer.zero_grad(set_to_none=True)
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, state) -> None:
+        self.original_optimizer.state = state
+
+    @property
+    def defaults(self) -> dict:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict) -> None:
+        self.original_optimizer.defaults = defaults
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r})"
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the wrapped optimizer; its trainable parameters must be ones the engine covers."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._engine._check_covered(params, "add_param_group")
+        self.original_optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``.grad`` and the accumulated clipped sums (kept while a logical batch is being accumulated)."""
+        self._engine._zero_grad()
+
+    def step(self, closure=None):
+        """The noisy step (or, inside a logical batch split by the memory manager, accumulation only)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine._step()
+        return loss
 
     def state_dict(self) -> dict:
         return self.original_optimizer.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.original_optimizer.load_state_dict(state)
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
 
 
 class PrivacyEngine:
@@ -219,6 +319,7 @@ class PrivacyEngine:
     ...     data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
     ...     noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
     >>> for x, y in loader:
+    ...     opt.zero_grad()
     ...     crit(model(x), y).backward()
     ...     opt.step()
     >>> engine.steps, round(engine.get_epsilon(1e-5), 2) > 0
@@ -231,21 +332,33 @@ class PrivacyEngine:
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
-        self._pending = None
-        self._mechanism = None
+        self._capture: Capture | None = None
+        self.plan: NormPlan | None = None
+        self._reset_step_state()
+
+    def _reset_step_state(self) -> None:
+        self._sums: dict[int, torch.Tensor] = {}
+        self._marks: dict[int, tuple[torch.Tensor, int]] = {}
+        self._backpropagated = 0   # per-example losses backpropagated since the last step
+        self._drawn = 0            # examples drawn from the private loader since the last step
+        self._discarded = False    # zero_grad() dropped a backward's sums since the last step
+        self._accumulating = False  # the memory manager: this logical batch has more micro-batches
+        self.last_clipped_fraction = 0.0
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     criterion: nn.Module, max_grad_norm: float, noise_multiplier: float | None = None,
+                     criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
-                     seed: int | None = None) -> tuple[PrivateModule, DPOptimizer, DPCriterion, DataLoader]:
-        r"""Wrap for private training; either ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
+                     seed: int | None = None) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
+        r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
         Parameters
         ----------
-        module, optimizer, data_loader, criterion
-            Model, any torch optimizer over its parameters, a loader with a fixed ``batch_size`` (its
-            expected batch size), and a loss module with a ``reduction`` attribute.
+        module, optimizer, data_loader
+            Model, any torch optimizer over its trainable parameters, and a loader with a fixed
+            ``batch_size`` (the expected batch size) over a sized dataset.
+        criterion : torch.nn.Module, optional
+            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``).
         max_grad_norm : float
             Clipping threshold ``C > 0``.
         noise_multiplier : float, optional
@@ -265,45 +378,165 @@ class PrivacyEngine:
         Returns
         -------
         tuple
-            ``(module, optimizer, criterion, data_loader)``.
+            ``(module, optimizer, criterion, data_loader)``: the same module with hooks, a
+            :class:`DPOptimizer`, a :class:`DPCriterion` and a :class:`~dpsgd.data.DPDataLoader`.
         """
-        _check_estimator(estimator, k)
-        c = float(max_grad_norm)
-        if not (math.isfinite(c) and c > 0):
-            raise ValueError(f"max_grad_norm must be positive (> 0), got {max_grad_norm!r}")
+        if self._capture is not None:
+            raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
+        check_estimator(estimator, k)
+        c = check_positive(max_grad_norm, "max_grad_norm")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if noise_multiplier is not None:
+            sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+            if target_epsilon is not None:
+                raise ValueError("give either noise_multiplier or target_epsilon, not both")
+        elif target_epsilon is None or target_delta is None or epochs is None:
+            raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
+        plan = NormPlan.build(module, estimator)
+        self.plan = plan
+        self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         rank, world = _rank_world()
         # one seed for the whole run (rank 0's, or os.urandom's in secure mode), shared by all ranks
         root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
         base = torch.Generator().manual_seed(_broadcast_int(root))
         seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
         self._sampling_rng = torch.Generator().manual_seed(seeds[3 + rank])   # each rank samples its own shard
-        self._projection_rng = torch.Generator().manual_seed(seeds[1] + rank)
+        self._projection_seed = seeds[1] + rank
+        self._projection_rngs: dict[torch.device, torch.Generator] = {}
         noise_seed = _broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
         self._noise_rng = torch.Generator().manual_seed(noise_seed)              # the same noise on every rank
-        loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng)
+        loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng,
+                                     on_batch=self._on_batch, on_empty=self._empty_step)
         n = len(data_loader.dataset)
-        self.sample_rate = min(data_loader.batch_size / n, 1.0)
+        self.sample_rate = loader.sample_rate
         self.expected_batch_size = _all_sum(self.sample_rate * n)
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
-        self._module = PrivateModule(module)
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self.envelope = self._envelope(module)
-        if noise_multiplier is not None:
-            sigma = float(noise_multiplier)
-            if not (math.isfinite(sigma) and sigma >= 0):
-                raise ValueError(f"noise_multiplier must be non-negative (>= 0), got {noise_multiplier!r}")
-            if target_epsilon is not None:
-                raise ValueError("give either noise_multiplier or target_epsilon, not both")
-        else:
-            if target_epsilon is None or target_delta is None or epochs is None:
-                raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
-            steps = int(epochs) * len(loader)
-            sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, steps, envelope=self.envelope)
+        self.envelope = self._envelope(plan)
+        if noise_multiplier is None:
+            steps = check_positive(epochs, "epochs") * len(loader)
+            try:
+                sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
+                                        envelope=self.envelope)
+            except ValueError as err:
+                raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
+                                 f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
+                                 f"{err}") from err
         self.noise_multiplier = sigma
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
         self._read_ledger()
-        return self._module, DPOptimizer(optimizer, self), DPCriterion(criterion, self), loader
+        if getattr(module, "is_gradient_checkpointing", False):
+            # Hugging Face's default (reentrant) checkpointing runs its own backward: switch to non-reentrant
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            warnings.warn("gradient checkpointing switched to use_reentrant=False (per-example gradients need it)",
+                          UserWarning, stacklevel=2)
+        self._capture = Capture(plan)
+        self._module = module
+        self._optimizer = DPOptimizer(optimizer, self)
+        crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
+        return module, self._optimizer, crit, loader
+
+    def _check_covered(self, params, where: str) -> None:
+        covered = {id(p) for p in self.plan.params}
+        for p in params:
+            if p.requires_grad and id(p) not in covered:
+                raise ValueError(f"{where} holds a trainable parameter that is not in the private model "
+                                 f"({tuple(p.shape)}): every trained parameter must be clipped")
+
+    def private_loss(self, losses: torch.Tensor) -> DPLoss:
+        """A :class:`DPLoss` from your own ``(B,)`` per-example losses (e.g. a paired or DPO-style loss built
+        from several forwards: every forward's contribution is counted).  Each loss must depend on its own
+        example only (in-batch negatives would mix examples)."""
+        self._require_private()
+        return DPLoss(losses, self)
+
+    def _require_private(self) -> None:
+        if self._capture is None:
+            raise RuntimeError("call make_private(...) on this PrivacyEngine first")
+
+    def _projection_rng(self, device: torch.device) -> torch.Generator:
+        if device not in self._projection_rngs:
+            self._projection_rngs[device] = torch.Generator(device=device).manual_seed(self._projection_seed)
+        return self._projection_rngs[device]
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        self._require_private()
+        device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
+        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device))
+        for p in self.plan.params:
+            s = result.sums.get(id(p))
+            if s is None:
+                continue
+            total = self._sums.get(id(p))
+            self._sums[id(p)] = s if total is None else total + s
+        for p in self.plan.params:
+            total = self._sums.get(id(p))
+            if total is not None:
+                p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
+                self._marks[id(p)] = (p.grad, p.grad._version)
+        b = int(losses.shape[0])
+        self._backpropagated += b
+        self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
+
+    def _on_batch(self, size: int, last: bool) -> None:
+        self._drawn += size
+        self._accumulating = not last
+
+    def _zero_grad(self) -> None:
+        self._require_private()
+        if self._accumulating:
+            return  # the memory manager's logical batch is not complete: keep the clipped sums
+        if self._backpropagated:
+            self._discarded = True
+        self._sums.clear()
+        self._marks.clear()
+        for p in self.plan.params:
+            p.grad = None
+
+    def _empty_step(self) -> None:
+        if self._backpropagated or self._sums:
+            raise RuntimeError("an empty Poisson batch was drawn while a backward's clipped sums wait for step(); "
+                               "call optimizer.step() after every batch")
+        self._step()
+
+    def _step(self) -> None:
+        self._require_private()
+        if self._accumulating:
+            self._accumulating = False  # the next micro-batch says again whether it ends the logical batch
+            return
+        if self._drawn and not self._backpropagated and not self._discarded:
+            raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
+        if self._backpropagated > self._drawn:
+            raise RuntimeError(f"{self._backpropagated} per-example losses were backpropagated but only {self._drawn} "
+                               f"examples were drawn from the private data loader since the last step: an example "
+                               f"may contribute one clipped gradient per step (a second backward of the same batch, "
+                               f"or batches from another loader, would break the privacy guarantee)")
+        for p in self.plan.params:
+            mark = self._marks.get(id(p))
+            if mark is not None and (p.grad is not mark[0] or mark[0]._version != mark[1]):
+                name = self.plan.names[id(p)]
+                raise RuntimeError(f"{name}.grad was changed between backward() and step() (clip_grad_norm_ or "
+                                   f"another edit): the private step adds noise calibrated to the clipped sum "
+                                   f"backward() computed. Every example is already clipped to max_grad_norm; remove "
+                                   f"the edit (Hugging Face Trainer: max_grad_norm=0).")
+        sums = [self._sums.get(id(p), torch.zeros(p.shape, device=p.device,
+                                                  dtype=torch.promote_types(p.dtype, torch.float32)))
+                for p in self.plan.params]
+        if _rank_world()[1] > 1:  # per-example norms stay local; the clipped sums add up across ranks
+            sums = [g.clone() for g in sums]
+            for g in sums:
+                torch.distributed.all_reduce(g)
+        noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, self.expected_batch_size,
+                                self._noise_rng)
+        for p, g in zip(self.plan.params, noisy, strict=True):
+            p.grad = g.to(device=p.device, dtype=p.dtype)
+        self._optimizer.original_optimizer.step()
+        self._record_step()  # the ledger: only after the step has happened
+        self._capture.clear()
+        self._reset_step_state()
+        for p in self.plan.params:
+            p.grad = None
 
     def _read_ledger(self) -> None:
         if self.ledger_path is None or not os.path.exists(self.ledger_path):
@@ -324,10 +557,10 @@ class PrivacyEngine:
                 fh.flush()
                 os.fsync(fh.fileno())
 
-    def _envelope(self, module: nn.Module):
+    def _envelope(self, plan: NormPlan):
         if self.estimator in ("exact", "ghost"):
             return None
-        d, exact = envelope_dimension(module, self.estimator)
+        d, exact = plan.envelope_dimension()
         if exact:  # point masses: the d -> inf limit, which is the Hutch++ envelope's form with d > k
             return estimator_envelope("hutchpp", self.k, max(d, self.k + 1))
         return estimator_envelope(self.estimator, self.k, d)
@@ -344,6 +577,7 @@ class PrivacyEngine:
 
     def accountant(self) -> PLDAccountant:
         """A fresh :class:`dpmath.PLDAccountant` holding every step taken so far."""
+        self._require_private()
         acc = PLDAccountant()
         if self.spent_steps:
             if self.noise_multiplier == 0:
@@ -355,22 +589,32 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """Upper bound on epsilon spent so far at ``delta`` (0 before the first step)."""
+        self._require_private()
         return self.accountant().epsilon(delta) if self.spent_steps else 0.0
+
+    def detach(self) -> None:
+        """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""
+        if self._capture is not None:
+            self._capture.remove()
 
     def state_dict(self) -> dict:
         """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""
+        self._require_private()
         return {"settings": dict(self._settings), "steps": self._steps,
-                "sampling_rng": self._sampling_rng.get_state(), "projection_rng": self._projection_rng.get_state(),
+                "sampling_rng": self._sampling_rng.get_state(),
+                "projection_rngs": {str(d): g.get_state() for d, g in self._projection_rngs.items()},
                 "noise_rng": None if self.secure_mode else self._noise_rng.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the settings must equal this engine's (else ValueError); the ledger and generators continue."""
+        self._require_private()
         if state["settings"] != self._settings:
             saved = state["settings"]
             diff = {k: (saved.get(k), v) for k, v in self._settings.items() if saved.get(k) != v}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
         self._sampling_rng.set_state(state["sampling_rng"])
-        self._projection_rng.set_state(state["projection_rng"])
+        for d, s in state.get("projection_rngs", {}).items():
+            self._projection_rng(torch.device(d)).set_state(s)
         if state["noise_rng"] is not None and not self.secure_mode:
             self._noise_rng.set_state(state["noise_rng"])

@@ -1,0 +1,123 @@
+r"""``ModuleValidator``: refuse modules whose output for one example depends on other examples.
+
+DP-SGD bounds each example's contribution to the update; a module that mixes examples lets one example
+move every other example's gradient, and the bound no longer holds.  Refused, with the module's path and
+the fix (in the spirit of Opacus' ``ModuleValidator``):
+
+* the batch-norm family (``BatchNorm1d/2d/3d``, ``LazyBatchNorm*``, ``SyncBatchNorm``) in any mode: in
+  training it normalizes with batch statistics, and in evaluation its running statistics were learned from
+  private data without noise; :meth:`ModuleValidator.fix` replaces it with ``GroupNorm``;
+* ``InstanceNorm*`` with ``track_running_stats=True`` (the running statistics; ``fix`` turns them off);
+* ``nn.Embedding`` with ``scale_grad_by_freq`` (scales by token frequency *in the batch*) or ``sparse``;
+* ``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` with ``batch_first=False`` (the trainer
+  needs the batch as the leading dimension of every recorded input and output).
+
+:func:`validate` is called by :meth:`dpsgd.PrivacyEngine.make_private` and by the engine's norm plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["ModuleValidator", "UnsupportedModuleError"]
+
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
+_INSTANCE_NORMS = (nn.modules.instancenorm._InstanceNorm,)
+_BATCH_FIRST = (nn.MultiheadAttention, nn.RNNBase)
+
+
+class UnsupportedModuleError(ValueError):
+    """A module the private trainer refuses; ``path`` names it, the message says why and how to fix it."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"{path or '<root>'}: {reason}")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    path: str
+    reason: str
+
+
+def _problems(model: nn.Module) -> list[_Problem]:
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, _BATCH_NORMS):
+            out.append(_Problem(path, f"{type(m).__name__} mixes examples (batch statistics in training, running "
+                                      "statistics learned from private data in evaluation); replace it with "
+                                      "GroupNorm (ModuleValidator.fix(model) does)"))
+        elif isinstance(m, _INSTANCE_NORMS) and m.track_running_stats:
+            out.append(_Problem(path, f"{type(m).__name__} with track_running_stats=True learns running statistics "
+                                      "from the whole batch; construct it with track_running_stats=False "
+                                      "(ModuleValidator.fix(model) does)"))
+        elif isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.sparse):
+            what = "scale_grad_by_freq=True scales gradients by token frequency in the batch (mixes examples)" \
+                if m.scale_grad_by_freq else "sparse=True gradients are not supported"
+            out.append(_Problem(path, f"Embedding with {what}; construct it without"))
+        elif isinstance(m, _BATCH_FIRST) and not m.batch_first and any(p.requires_grad for p in m.parameters()):
+            out.append(_Problem(path, f"{type(m).__name__} with batch_first=False: per-example gradients need the "
+                                      "batch as the leading dimension; construct it with batch_first=True"))
+    return out
+
+
+class ModuleValidator:
+    """Checks (and fixes) a model for private training.
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from dpsgd import ModuleValidator
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    >>> [e.path for e in ModuleValidator.validate(model)]
+    ['1']
+    >>> fixed = ModuleValidator.fix(model)
+    >>> type(fixed[1]).__name__, ModuleValidator.validate(fixed)
+    ('GroupNorm', [])
+    """
+
+    @staticmethod
+    def validate(model: nn.Module) -> list[UnsupportedModuleError]:
+        """Every refused module, as errors naming its path and the fix (empty when the model is fine)."""
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        return [UnsupportedModuleError(p.path, p.reason) for p in _problems(model)]
+
+    @staticmethod
+    def is_valid(model: nn.Module) -> bool:
+        """Whether :meth:`validate` finds nothing."""
+        return not ModuleValidator.validate(model)
+
+    @staticmethod
+    def check(model: nn.Module) -> None:
+        """Raise the first :class:`UnsupportedModuleError` (all of them listed in its message)."""
+        errors = ModuleValidator.validate(model)
+        if errors:
+            listed = "\n  ".join(str(e) for e in errors)
+            first = errors[0]
+            raise UnsupportedModuleError(first.path, f"{str(first).split(': ', 1)[1]}\nall refused modules:\n  "
+                                                     f"{listed}")
+
+    @staticmethod
+    def fix(model: nn.Module) -> nn.Module:
+        """Replace batch norms by ``GroupNorm(min(32, C), C)`` (affine as before) and turn off instance norms'
+        running statistics, in place; returns ``model`` (or the replacement when ``model`` itself is one)."""
+        if isinstance(model, _BATCH_NORMS):
+            return _group_norm(model)
+        for name, child in list(model.named_children()):
+            setattr(model, name, ModuleValidator.fix(child))
+        if isinstance(model, _INSTANCE_NORMS) and model.track_running_stats:
+            model.track_running_stats = False
+            model.running_mean = model.running_var = model.num_batches_tracked = None
+        return model
+
+
+def _group_norm(bn: nn.Module) -> nn.GroupNorm:
+    c = bn.num_features
+    groups = next(g for g in range(min(32, c), 0, -1) if c % g == 0)
+    gn = nn.GroupNorm(groups, c, eps=bn.eps, affine=bn.affine)
+    if bn.affine:
+        gn.to(device=bn.weight.device, dtype=bn.weight.dtype)
+    return gn
