@@ -372,8 +372,8 @@ def _first_backward(capture: Capture, losses, outputs, model_params) -> list:
         if "Checkpointing is not compatible" in str(err):
             raise IncompleteGradientError(
                 "reentrant gradient checkpointing runs its own backward and cannot give per-example gradients; "
-                "use non-reentrant checkpointing (Hugging Face: model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False}); make_private switches it)") from err
+                "use non-reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=False); the default of "
+                "Hugging Face's activation_checkpointing_enable())") from err
         raise
     finally:
         capture.active = True
@@ -474,7 +474,8 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_s
     for g in sums:
         if noise_std > 0:
             device = noise_generator.device if noise_generator is not None else g.device
-            g = g + noise_std * torch.randn(g.shape, generator=noise_generator, device=device, dtype=g.dtype).to(g.device)
+            xi = torch.randn(g.shape, generator=noise_generator, device=device, dtype=g.dtype)
+            g = g + noise_std * xi.to(g.device)
         out.append(g / expected_batch_size)
     if not all(torch.isfinite(g).all() for g in out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")

@@ -290,7 +290,8 @@ class FunctionalHandler(Handler):
         out_dims = self._out_dims(call, params)
 
         def run(prm, args, kws):
-            out = torch.func.functional_call(module, prm, args, dict(zip(kw_names, kws, strict=True)))
+            out = torch.func.functional_call(module, prm, args, dict(zip(kw_names, kws, strict=True)),
+                                             tie_weights=False)
             return tuple(t for t in flat_tensors(out))
 
         def one(prm, gs, args, kws):
@@ -307,7 +308,14 @@ class FunctionalHandler(Handler):
                 raise RuntimeError(f"{type(module).__name__} uses randomness (dropout) in training mode inside a "
                                    f"module whose per-example gradients are recomputed exactly; its re-run would "
                                    f"not reproduce the forward. Set its dropout to 0.") from err
-            raise
+        # some kernels have no batching rule (e.g. the float64 LSTM): the same computation, one example at a time
+
+        def pick(x, d, i):
+            return x if d is None else x.select(d, i)
+        rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
+                    tuple(pick(x, d, i) for x, d in zip(call.args, arg_dims, strict=True)),
+                    tuple(pick(x, d, i) for x, d in zip(kw_vals, kw_dims, strict=True))) for i in range(b)]
+        return {n: torch.stack([r[n] for r in rows]) for n in params}
 
     def _out_dims(self, call: Call, params: dict) -> list[int]:
         """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
@@ -317,7 +325,7 @@ class FunctionalHandler(Handler):
         args = tuple(x[:1] if _batched(x, b) else x for x in call.args)
         kwargs = {n: (x[:1] if _batched(x, b) else x) for n, x in call.kwargs.items()}
         with torch.no_grad():
-            one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs))
+            one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs, tie_weights=False))
         dims = []
         for full, single in zip(call.outputs, one, strict=True):
             cand = [d for d in range(full.dim()) if full.shape[d] == b and single.shape[d] == 1

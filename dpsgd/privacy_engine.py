@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import torch
 from torch import nn
@@ -426,11 +425,6 @@ class PrivacyEngine:
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
         self._read_ledger()
-        if getattr(module, "is_gradient_checkpointing", False):
-            # Hugging Face's default (reentrant) checkpointing runs its own backward: switch to non-reentrant
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            warnings.warn("gradient checkpointing switched to use_reentrant=False (per-example gradients need it)",
-                          UserWarning, stacklevel=2)
         self._capture = Capture(plan)
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)

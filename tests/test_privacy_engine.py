@@ -8,8 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
-from dpsgd import PrivacyEngine
-from dpsgd import NormPlan
+from dpsgd import NormPlan, PrivacyEngine
 
 
 def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):

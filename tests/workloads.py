@@ -1,0 +1,144 @@
+"""Tiny models the trainer must handle, built from configs with random weights (no download), and a brute-force
+per-example gradient to compare against."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB, T = 40, 8
+
+
+def lm_losses(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Per-example next-token cross-entropy, mean over positions."""
+    out = model(ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def gpt2(tied: bool = True) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(tied: bool = True, checkpointing: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                      tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    if checkpointing:
+        model.activation_checkpointing_enable()  # Hugging Face's default: non-reentrant
+    return model
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return BertForMaskedLM(cfg)
+
+
+def lora_gpt2() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                                             lora_dropout=0.0, fan_in_fan_out=True))
+
+
+class AttentionLM(nn.Module):
+    """Embedding, ``nn.MultiheadAttention`` (whose ``out_proj`` is used outside its own forward), head."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
+        y, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
+        return self.head(x + y)
+
+
+class RecurrentLM(nn.Module):
+    """Embedding, a batch-first ``nn.LSTM`` (tuple output; the final state feeds the head too), head."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        y, (h, _) = self.lstm(self.emb(ids))
+        return self.head(y + h[-1].unsqueeze(1))
+
+
+class TwiceLM(nn.Module):
+    """A block called twice in one forward (weight sharing across depth)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.block = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + torch.tanh(self.block(x))
+        x = x + torch.tanh(self.block(x))
+        return self.head(x)
+
+
+WORKLOADS = {
+    "gpt2_tied": gpt2,
+    "llama_tied": lambda: llama(True),
+    "llama_untied": lambda: llama(False),
+    "bert": bert,
+    "lora_gpt2": lora_gpt2,
+    "multihead_attention": AttentionLM,
+    "lstm": RecurrentLM,
+    "module_called_twice": TwiceLM,
+    "llama_checkpointing": lambda: llama(True, checkpointing=True),
+}
+
+
+def make(name: str, seed: int = 0, dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return WORKLOADS[name]().to(dtype).train()
+
+
+def data(b: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (b, T), generator=torch.Generator().manual_seed(seed))
+
+
+def brute_force_sq_norms(model: nn.Module, loss_of, b: int) -> torch.Tensor:
+    """``||grad L_i||^2`` one example at a time with plain autograd (no hooks involved)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(b):
+        grads = torch.autograd.grad(loss_of(model, i), params, allow_unused=True)
+        out.append(sum(g.double().square().sum() for g in grads if g is not None))
+    return torch.stack(out)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
+
+
+def sem(x: torch.Tensor) -> torch.Tensor:
+    return x.std(0) / math.sqrt(x.shape[0])
