@@ -162,6 +162,8 @@ class Capture:
         self.active = True
         self._batch: int | None = None
         self._depth = 0
+        self._root_grad = False
+        self.no_grad_units: list[str] = []
         self._swapped: dict[int, dict] = {}
         root = plan.model
         self._handles = [root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
@@ -177,6 +179,7 @@ class Capture:
     def _root_pre(self, module, args, kwargs):
         self._depth += 1
         if self._depth == 1:  # the batch size of this forward: the first tensor argument's leading dimension
+            self._root_grad = torch.is_grad_enabled()
             first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0), None)
             self._batch = None if first is None else int(first.shape[0])
 
@@ -188,6 +191,10 @@ class Capture:
     def _pre_hook(self, unit: Unit):
         def hook(module, args, kwargs):
             if not self._recording():
+                if self.active and self._depth and self._root_grad and self.plan.model.training:
+                    # no_grad inside a training forward (e.g. reentrant checkpointing's first pass): its
+                    # parameters would silently not train
+                    self.no_grad_units.append(unit.path or type(module).__name__)
                 return None
             aliases = {}
             for local, p in unit.params.items():
@@ -234,6 +241,7 @@ class Capture:
     def clear(self) -> None:
         """Drop every recorded call (their activations are freed)."""
         self.calls.clear()
+        self.no_grad_units.clear()
 
     def remove(self) -> None:
         """Remove the hooks; the model is as before capture."""
@@ -306,6 +314,14 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     if not torch.isfinite(losses.detach()).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
     plan, b = capture.plan, losses.shape[0]
+    if capture.no_grad_units:
+        names = sorted(set(capture.no_grad_units))
+        capture.no_grad_units.clear()
+        raise IncompleteGradientError(
+            f"{', '.join(names[:3])} ran under torch.no_grad() inside a training forward, so its trainable "
+            f"parameters would silently not train (reentrant gradient checkpointing does this: use "
+            f"use_reentrant=False, the default of Hugging Face's activation_checkpointing_enable()); or freeze "
+            f"them with requires_grad_(False)")
     model_params = [p for p in plan.model.parameters() if p.requires_grad]
     calls = list(capture.calls)
     for c in calls:
@@ -365,9 +381,19 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
 
 def _first_backward(capture: Capture, losses, outputs, model_params) -> list:
     capture.active = False  # gradient checkpointing re-runs forwards inside this backward: record nothing
+    before = [(p.grad, None if p.grad is None else p.grad._version) for p in model_params]
     try:
-        return list(torch.autograd.grad(losses.sum(), outputs + model_params, allow_unused=True,
-                                        materialize_grads=False))
+        grads = list(torch.autograd.grad(losses.sum(), outputs + model_params, allow_unused=True,
+                                         materialize_grads=False))
+        touched = [_qualified(capture.plan.model, p) for p, (g, v) in zip(model_params, before, strict=True)
+                   if p.grad is not g or (g is not None and g._version != v)]
+        if touched:  # a backward inside our backward wrote .grad behind the per-example norms
+            raise IncompleteGradientError(
+                f"{touched[0]}.grad was written inside the private backward by a nested backward (reentrant "
+                f"gradient checkpointing?), outside the per-example norms; use "
+                f"non-reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=False); the default of "
+                f"Hugging Face's activation_checkpointing_enable())")
+        return grads
     except RuntimeError as err:
         if "Checkpointing is not compatible" in str(err):
             raise IncompleteGradientError(

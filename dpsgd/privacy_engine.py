@@ -341,7 +341,8 @@ class PrivacyEngine:
         self._backpropagated = 0   # per-example losses backpropagated since the last step
         self._drawn = 0            # examples drawn from the private loader since the last step
         self._discarded = False    # zero_grad() dropped a backward's sums since the last step
-        self._accumulating = False  # the memory manager: this logical batch has more micro-batches
+        self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
+        self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -475,11 +476,11 @@ class PrivacyEngine:
 
     def _on_batch(self, size: int, last: bool) -> None:
         self._drawn += size
-        self._accumulating = not last
+        self._skip_next = not last
 
     def _zero_grad(self) -> None:
         self._require_private()
-        if self._accumulating:
+        if self._last_skipped:
             return  # the memory manager's logical batch is not complete: keep the clipped sums
         if self._backpropagated:
             self._discarded = True
@@ -496,8 +497,8 @@ class PrivacyEngine:
 
     def _step(self) -> None:
         self._require_private()
-        if self._accumulating:
-            self._accumulating = False  # the next micro-batch says again whether it ends the logical batch
+        if self._skip_next:
+            self._skip_next, self._last_skipped = False, True
             return
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")

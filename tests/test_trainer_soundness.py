@@ -1,0 +1,355 @@
+"""Every way a user could make a clipped contribution exceed C raises or is handled exactly; the trainer keeps
+PyTorch's and Hugging Face's contracts; bad input gets a clear message."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpsgd import BatchMemoryManager, IncompleteGradientError, ModuleValidator, NormPlan, PrivacyEngine
+from dpsgd import per_sample_sq_norms
+from dpsgd.engine import Capture, clipped_backward
+from dpsgd.validator import UnsupportedModuleError
+
+from .workloads import VOCAB, TwiceLM, brute_force_sq_norms, data, flat_params, lm_losses
+
+
+def _engine(model=None, n=48, batch=12, noise=0.0, estimator="exact", c=1.0, seed=0, dtype=torch.float64, **kw):
+    torch.manual_seed(seed)
+    model = (model or TwiceLM()).to(dtype).train()
+    ids = torch.randint(1, VOCAB, (n, 8), generator=torch.Generator().manual_seed(seed))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids), batch_size=batch),
+        max_grad_norm=c, noise_multiplier=noise, estimator=estimator, seed=seed, **kw)
+    return engine, model, opt, crit, loader
+
+
+def _lm(engine, model, x):
+    return engine.private_loss(lm_losses(model, x))
+
+
+# --- silent failures of round 1, each now handled or refused ---------------------------------------------------
+
+def test_two_forwards_before_one_backward_count_both():
+    """A paired loss from two forwards: the norm is that of the whole per-example gradient (round 1 counted
+    only the last forward: 0.68 instead of 3.37)."""
+    torch.manual_seed(0)
+    model = TwiceLM().double().train()
+    a, b = data(3, seed=1), data(3, seed=2)
+
+    def paired(m):
+        return lm_losses(m, a) - 0.5 * lm_losses(m, b)
+    ref = brute_force_sq_norms(model, lambda m, i: paired(m)[i], 3)
+    for estimator in ("exact", "ghost"):
+        assert torch.allclose(per_sample_sq_norms(model, paired, estimator), ref, rtol=1e-6)
+
+
+def test_two_forwards_one_example_update_is_at_most_c():
+    engine, model, opt, crit, loader = _engine(n=8, batch=1, c=0.05)
+    for (x,) in loader:
+        before = flat_params(model)
+        losses = lm_losses(model, x) + lm_losses(model, x.flip(1))
+        engine.private_loss(losses).backward()
+        opt.step()
+        # Poisson batches of B examples, expected size 1, lr 1: the update is a sum of B contributions <= C
+        assert (flat_params(model) - before).norm().item() <= 0.05 * x.shape[0] * (1 + 1e-9)
+    assert engine.steps == len(loader)
+
+
+def test_naive_accumulation_of_micro_batches_equals_one_backward():
+    """Two micro-batches, two backward(), one step(): both micro-batches' clipped sums are used."""
+    moved = []
+    for split in (False, True):
+        engine, model, opt, crit, loader = _engine(seed=4, c=0.1)
+        before = flat_params(model)
+        (x,) = next(iter(loader))
+        if split:
+            h = x.shape[0] // 2
+            _lm(engine, model, x[:h]).backward()
+            _lm(engine, model, x[h:]).backward()
+        else:
+            _lm(engine, model, x).backward()
+        opt.step()
+        moved.append(flat_params(model) - before)
+    assert torch.allclose(moved[0], moved[1], rtol=1e-9, atol=1e-12)
+
+
+def test_batch_memory_manager_takes_one_noisy_step_per_logical_batch():
+    results = []
+    for physical in (None, 3):
+        engine, model, opt, crit, loader = _engine(seed=5, c=0.1, n=60, batch=15)
+        before = flat_params(model)
+        sizes = []
+        if physical is None:
+            for (x,) in loader:
+                opt.zero_grad()
+                _lm(engine, model, x).backward()
+                opt.step()
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=opt) as mem:
+                for (x,) in mem:
+                    sizes.append(x.shape[0])
+                    opt.zero_grad()
+                    _lm(engine, model, x).backward()
+                    opt.step()
+            assert max(sizes) <= physical and len(sizes) > len(loader)
+        assert engine.steps == len(loader)
+        results.append(flat_params(model) - before)
+    assert torch.allclose(results[0], results[1], rtol=1e-9, atol=1e-12)
+
+
+class OutsideUse(nn.Module):
+    """The parent's forward uses ``proj.weight`` without calling ``proj``."""
+
+    def __init__(self, both: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.both = both
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        y = F.linear(x, self.proj.weight)
+        if self.both:
+            y = y + self.proj(x)
+        return self.head(torch.tanh(y))
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_parameter_used_outside_its_module_raises(both):
+    model = OutsideUse(both).double().train()
+    ids = data(3)
+    with pytest.raises(IncompleteGradientError, match=r"proj\.weight"):
+        per_sample_sq_norms(model, lambda m: lm_losses(m, ids), "exact")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.BatchNorm1d(4, track_running_stats=False),
+    lambda: nn.BatchNorm1d(4).eval(),
+    lambda: nn.SyncBatchNorm(4),
+    lambda: nn.InstanceNorm1d(4, track_running_stats=True),
+])
+def test_modules_that_mix_examples_are_refused_with_the_path_and_the_fix(make):
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), make(), nn.Flatten(), nn.Linear(20, 2))
+    with pytest.raises(UnsupportedModuleError, match=r"^1: .*(GroupNorm|track_running_stats=False)") as err:
+        NormPlan.build(model, "hutch")
+    assert err.value.path == "1"
+    fixed = ModuleValidator.fix(model)
+    assert ModuleValidator.is_valid(fixed)
+    x = torch.randn(5, 2, 7)
+    assert per_sample_sq_norms(fixed.train(), lambda m: m(x).sum(1), "exact").shape == (5,)
+
+
+def test_batchnorm2d_cnn_is_refused_before_any_torch_func_error_and_fixed_cnn_trains():
+    cnn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    data_ = TensorDataset(torch.randn(20, 1, 6, 6), torch.randint(0, 2, (20,)))
+    kw = dict(optimizer=torch.optim.SGD(cnn.parameters(), lr=0.1), data_loader=DataLoader(data_, batch_size=5),
+              max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    with pytest.raises(UnsupportedModuleError, match="BatchNorm2d"):
+        PrivacyEngine().make_private(module=cnn, **kw)
+    cnn = ModuleValidator.fix(cnn)
+    kw["optimizer"] = torch.optim.SGD(cnn.parameters(), lr=0.1)
+    engine = PrivacyEngine()
+    cnn, opt, crit, loader = engine.make_private(module=cnn, **kw)
+    for x, y in loader:
+        crit(cnn(x), y).backward()
+        opt.step()
+    assert engine.steps == len(loader)
+
+
+def test_second_backward_of_the_same_batch_is_refused():
+    engine, model, opt, crit, loader = _engine()
+    (x,) = next(iter(loader))
+    _lm(engine, model, x).backward()
+    _lm(engine, model, x).backward()
+    before = flat_params(model)
+    with pytest.raises(RuntimeError, match="backpropagated"):
+        opt.step()
+    assert torch.equal(before, flat_params(model)) and engine.steps == 0
+
+
+def test_edited_grad_between_backward_and_step_is_refused():
+    engine, model, opt, crit, loader = _engine()
+    (x,) = next(iter(loader))
+    _lm(engine, model, x).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="clip_grad_norm_"):
+        opt.step()
+
+
+def test_eval_mode_forward_cannot_be_backpropagated_privately():
+    engine, model, opt, crit, loader = _engine()
+    (x,) = next(iter(loader))
+    model.eval()
+    with pytest.raises(IncompleteGradientError, match="eval mode"):
+        _lm(engine, model, x).backward()
+
+
+def test_in_place_change_of_a_recorded_output_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(IncompleteGradientError, match="in place"):
+        per_sample_sq_norms(model, lambda m: m(x).sum(1), "exact")
+
+
+def test_dropout_inside_an_exactly_recomputed_module_is_refused():
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)).train()
+    x = torch.randn(3, 4, 8)
+
+    def loss(m):
+        return m[0](x, x, x)[0].sum((1, 2))
+    with pytest.raises(RuntimeError, match="dropout"):
+        per_sample_sq_norms(model, loss, "exact")
+
+
+def test_reentrant_checkpointing_gives_a_clear_error():
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=True))
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(IncompleteGradientError, match="reentrant"):
+        per_sample_sq_norms(Ckpt(), lambda m: m(x).sum(1), "exact")
+
+
+# --- PyTorch and Hugging Face contracts ------------------------------------------------------------------------
+
+def test_optimizer_is_a_torch_optimizer_that_schedulers_and_checkpoints_accept():
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for (x,) in loader:
+        opt.zero_grad()
+        _lm(engine, model, x).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 ** len(loader))
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    with pytest.raises(ValueError, match="not in the private model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+
+
+def test_zero_grad_between_backward_and_step_takes_a_noise_only_step():
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    (x,) = next(iter(loader))
+    _lm(engine, model, x).backward()
+    opt.zero_grad()
+    before = flat_params(model)
+    opt.step()
+    assert engine.steps == 1 and not torch.equal(before, flat_params(model))
+
+
+def test_loss_behaves_like_a_tensor_for_logging_and_refuses_arithmetic():
+    engine, model, opt, crit, loader = _engine()
+    (x,) = next(iter(loader))
+    loss = _lm(engine, model, x)
+    ref = lm_losses(model, x).mean().item()
+    assert loss.item() == pytest.approx(ref) and float(loss) == pytest.approx(ref)
+    assert loss.detach().item() == pytest.approx(ref) and f"{loss:.3f}" == f"{ref:.3f}"
+    with pytest.raises(TypeError, match="scaling the loss"):
+        loss / 4
+    with pytest.raises(TypeError):
+        2 * loss
+    loss.mean().backward()
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_model_keeps_its_identity_state_dict_and_generate():
+    pytest.importorskip("transformers")
+    from .workloads import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2().train()
+    keys = list(model.state_dict())
+    engine, same, opt, crit, loader = _engine(model=model, dtype=torch.float32)
+    assert same is model and list(same.state_dict()) == keys
+    type(model)(model.config).load_state_dict(same.state_dict())
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model(data(2))  # an evaluation forward records nothing
+    assert out.shape == (1, 7) and not engine._capture.calls
+    engine.detach()
+    model.train()
+    lm_losses(model, data(2)).sum().backward()  # plain training again, without hooks
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_criterion_takes_hf_outputs_and_averages_over_non_ignored_tokens():
+    pytest.importorskip("transformers")
+    from .workloads import gpt2
+
+    engine, model, opt, crit, loader = _engine(model=gpt2(), dtype=torch.float32)
+    (x,) = next(iter(loader))
+    labels = x.clone()
+    labels[0, 3:] = -100
+    labels[1, :] = -100
+    out = model(x)
+    loss = crit(out, labels)
+    per_token = F.cross_entropy(out.logits.transpose(1, 2), labels, reduction="none")
+    keep = (labels != -100).float()
+    expected = (per_token * keep).sum(1) / keep.sum(1).clamp_min(1)
+    assert torch.allclose(loss.losses, expected) and loss.losses[1] == 0
+    loss.backward()
+    opt.step()
+
+
+def test_bf16_weights_and_autocast_keep_every_clipped_contribution_within_c():
+    """One example at a time: the clipped sum, formed in float32 from bf16 (A, G), has norm <= C."""
+    pytest.importorskip("transformers")
+    from .workloads import gpt2
+
+    torch.manual_seed(0)
+    ids = data(4)
+    for variant in ("bf16", "autocast"):
+        model = gpt2().train()
+        if variant == "bf16":
+            model = model.to(torch.bfloat16)
+        plan = NormPlan.build(model, "exact")
+        for i in range(4):
+            c = 1e-2
+            capture = Capture(plan)
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
+                    losses = lm_losses(model, ids[i:i + 1])
+                out = clipped_backward(capture, losses.float(), c, 1, None)
+            finally:
+                capture.remove()
+            total = math.sqrt(sum(float(s.double().square().sum()) for s in out.sums.values()))
+            assert all(s.dtype == torch.float32 for s in out.sums.values())
+            assert total <= c * (1 + 1e-6), (variant, i, total)
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+def test_bad_input_gets_a_clear_message():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(module=model, optimizer=opt, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        PrivacyEngine().make_private(data_loader=DataLoader(TensorDataset(torch.ones(0, 3)), batch_size=2), **kw)
+    with pytest.raises(ValueError, match="exceeds the dataset size"):
+        PrivacyEngine().make_private(data_loader=DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=8), **kw)
+    with pytest.raises(RuntimeError, match="make_private"):
+        PrivacyEngine().get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer"):
+        PrivacyEngine().make_private(**{**kw, "optimizer": object()},
+                                     data_loader=DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=2))
+
+
+def test_a_tiny_target_epsilon_is_met_with_a_large_finite_sigma():
+    engine, *_ = _engine(noise=None, target_epsilon=1e-3, target_delta=1e-5, epochs=1)
+    assert math.isfinite(engine.noise_multiplier) and engine.noise_multiplier > 100
