@@ -65,8 +65,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield mask.nonzero().flatten().tolist()
 
 
-class EmptyBatch:
-    """What the loader's collate function makes of an empty Poisson batch; never yielded to the user."""
+class EmptyBatch(dict):
+    """What the loader's collate function makes of an empty Poisson batch (an empty dict, so code that looks
+    up keys in a batch sees none); yielded only by a loader with a fixed number of chunks per logical batch."""
 
 
 def _empty_aware(collate):
@@ -79,15 +80,22 @@ class _ChunkSampler(Sampler[list[int]]):
     """Logical batches from ``logical``, split into physical chunks of at most ``max_size``; ``(size, last)`` of
     each chunk is queued in ``fifo`` as it is produced (the loader pops it when the chunk reaches the user)."""
 
-    def __init__(self, logical: Sampler, max_size: int | None, fifo: deque) -> None:
-        self.logical, self.max_size, self.fifo = logical, max_size, fifo
+    def __init__(self, logical: Sampler, max_size: int | None, fifo: deque, chunks: int | None = None) -> None:
+        self.logical, self.max_size, self.fifo, self.chunks = logical, max_size, fifo, chunks
 
     def __len__(self) -> int:
-        return len(self.logical)
+        return len(self.logical) * (self.chunks or 1)
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.logical:
             batch = list(batch)
+            if self.chunks:  # exactly `chunks` pieces (some possibly empty), every one ends a step's share
+                n = len(batch)
+                for j in range(self.chunks):
+                    piece = batch[j * n // self.chunks:(j + 1) * n // self.chunks]
+                    self.fifo.append((len(piece), True))
+                    yield piece
+                continue
             if not batch:
                 self.fifo.append((0, True))
                 yield []
@@ -114,28 +122,37 @@ class DPDataLoader(DataLoader):
     """
 
     def __init__(self, dataset, logical: Sampler, collate_fn, *, sample_rate: float,
-                 max_physical_batch_size: int | None = None, on_batch=None, on_empty=None, num_workers: int = 0,
-                 pin_memory: bool = False) -> None:
+                 max_physical_batch_size: int | None = None, chunks: int | None = None, on_batch=None,
+                 on_empty=None, num_workers: int = 0, pin_memory: bool = False) -> None:
         self._fifo: deque = deque()
         self.logical_sampler = logical
         self.sample_rate = sample_rate
         self.max_physical_batch_size = max_physical_batch_size
+        self.chunks = chunks
         self.on_batch, self.on_empty = on_batch, on_empty
         self._collate = collate_fn
-        super().__init__(dataset, batch_sampler=_ChunkSampler(logical, max_physical_batch_size, self._fifo),
+        super().__init__(dataset, batch_sampler=_ChunkSampler(logical, max_physical_batch_size, self._fifo, chunks),
                          collate_fn=_empty_aware(collate_fn), num_workers=num_workers, pin_memory=pin_memory)
 
     def __iter__(self):
         self._fifo.clear()
         for batch in super().__iter__():
             size, last = self._fifo.popleft()
-            if size == 0:
+            if size == 0 and not self.chunks:
                 if self.on_empty is not None:
                     self.on_empty()
                 continue
             if self.on_batch is not None:
                 self.on_batch(size, last)
             yield batch
+
+    def in_chunks(self, chunks: int) -> DPDataLoader:
+        """The same logical batches, each as exactly ``chunks`` pieces (empty ones as :class:`EmptyBatch`) for
+        a training loop that steps after a fixed number of micro-batches (Hugging Face's gradient
+        accumulation); ``len`` counts pieces."""
+        return DPDataLoader(self.dataset, self.logical_sampler, self._collate, sample_rate=self.sample_rate,
+                            chunks=chunks, on_batch=self.on_batch, on_empty=self.on_empty,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     def with_physical_batch_size(self, max_physical_batch_size: int) -> DPDataLoader:
         """The same logical batches (same sampler and generator), split into chunks of at most this size."""

@@ -9,8 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpsgd import BatchMemoryManager, IncompleteGradientError, ModuleValidator, NormPlan, PrivacyEngine
-from dpsgd import per_sample_sq_norms
+from dpsgd import (
+    BatchMemoryManager,
+    IncompleteGradientError,
+    ModuleValidator,
+    NormPlan,
+    PrivacyEngine,
+    per_sample_sq_norms,
+)
 from dpsgd.engine import Capture, clipped_backward
 from dpsgd.validator import UnsupportedModuleError
 
