@@ -16,15 +16,12 @@ respect to its outputs, and the alias each parameter had during that call) and a
 :data:`HANDLERS` maps module types to handlers (:func:`register_handler` adds one, like Opacus' registry).
 Built in:
 
-========================  ================================  ===========================================
-module                    norms                             terms (``hutch`` / ``hutchpp``)
-========================  ================================  ===========================================
-``nn.Linear``, ``Conv1D`` the estimator on ``(A, G)``       weight ``min(d_in, d_out)``, bias 1
-``nn.Embedding``          token-id sums of ``G`` rows       ``min(V, p)`` under ``hutch``; exact else
-``nn.MultiheadAttention`` exact, ``torch.func`` (all its    exact (point masses)
-                          parameters, incl. ``out_proj``)
-anything else             exact, ``torch.func``             exact (point masses)
-========================  ================================  ===========================================
+* ``nn.Linear`` and GPT-2's ``Conv1D``: the estimator on ``(A, G)``; weight ``min(d_in, d_out)`` terms,
+  bias 1;
+* ``nn.Embedding``: token-id sums of ``G`` rows; ``min(V, p)`` terms under ``hutch``, exact otherwise;
+* ``nn.MultiheadAttention``: exact by ``torch.func``, over all its parameters including ``out_proj`` (used
+  outside ``out_proj.forward``);
+* anything else with parameters of its own: exact by ``torch.func`` (point masses).
 
 The exact fallback (:class:`FunctionalHandler`) re-runs the module per example with ``torch.func`` on the
 recorded inputs; it supports tuple outputs (LSTM, GRU, attention) and keyword arguments, and refuses

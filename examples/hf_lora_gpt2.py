@@ -18,6 +18,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from dpsgd.hf import DPTrainer, PrivacyArguments
 
+VOCAB = 16
+
 
 class Repeats(Dataset):
     """``n`` sequences ``[phrase, phrase]`` of random token ids (labels = input ids: causal LM)."""
@@ -36,21 +38,21 @@ class Repeats(Dataset):
 
 def main(argv: list[str] | None = None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", type=int, default=512)
+    ap.add_argument("--train", type=int, default=2048)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--out", default="hf-lora-gpt2-out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=0))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"],
                                              lora_dropout=0.0, fan_in_fan_out=True))
-    train = Repeats(args.train, 64, 8, seed=1)
-    training_args = TrainingArguments(output_dir=args.out, per_device_train_batch_size=32,
+    train = Repeats(args.train, VOCAB, 4, seed=1)
+    training_args = TrainingArguments(output_dir=args.out, per_device_train_batch_size=64,
                                       gradient_accumulation_steps=2, num_train_epochs=args.epochs,
-                                      learning_rate=5e-3, logging_steps=2, save_strategy="no", report_to=[],
+                                      learning_rate=2e-2, logging_steps=8, save_strategy="no", report_to=[],
                                       use_cpu=True, disable_tqdm=True)
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train,
                         privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon,
