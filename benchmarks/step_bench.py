@@ -1,40 +1,84 @@
-"""One whole training step of the tiny Llama-style decoder (dpsgd.demo.TinyLlama) on CPU: non-private,
-DP-SGD with each of our estimators, and Opacus' ghost clipping (when opacus is installed).
+"""One whole training step on CPU: non-private, DP-SGD with each of our estimators, and Opacus' ghost clipping
+(when opacus is installed), for the tiny Llama-style decoder (dpsgd.demo.TinyLlama) and tiny Hugging Face
+GPT-2 (tied embeddings) and Llama models built from configs (random weights).
 
-Each (method, T) runs in a fresh process: two warm-up steps, then the median time of three; "extra MB" is
-the growth of the process's peak resident memory from just before the first step (ru_maxrss).  Ratios
-are against the non-private step measured in the same way.
+Each (model, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm-up steps, then the median of
+five timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds and the
+median over rounds is reported, so that load on the shared machine hits every method alike.  "extra MB" is
+the growth of the process's peak resident memory from just before the first step (ru_maxrss).  Ratios are
+against the non-private step of the same model, measured in the same run.  Batches come from each method's
+own data loader (the private ones: fixed-size batches, ``poisson_sampling=False``, so that every step has
+the same size).
 
-    python benchmarks/step_bench.py                       # dim 256, 2 layers, B = 4, T in 512 2048
-    python benchmarks/step_bench.py --seq-lens 512
+    python benchmarks/step_bench.py                                 # every model, T = 64 (HF) / 512 (tiny)
+    python benchmarks/step_bench.py --models gpt2 llama --rounds 3
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 import warnings
 
 METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "opacus-ghost"]
+MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256)",
+          "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
+          "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)"}
 
 
-def one(method: str, t: int, batch: int, dim: int, layers: int) -> dict:
+def build(model: str, t: int):
+    import torch
+
+    torch.manual_seed(0)
+    if model == "tiny":
+        from dpsgd.demo import TinyLlama
+
+        return TinyLlama(256, t, dim=256, heads=4, layers=2), 256
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=t, n_embd=128, n_layer=2, n_head=4,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                          eos_token_id=0)), 1000
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=t,
+                                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)), 1000
+
+
+class LM:
+    """Logits of a tiny decoder or an HF causal LM, as a plain tensor."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids):
+        out = self.model(ids)
+        return out.logits if hasattr(out, "logits") else out
+
+
+def one(model_name: str, method: str, t: int, batch: int) -> dict:
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, TensorDataset
 
     from dpsgd import PrivacyEngine
-    from dpsgd.demo import TinyLlama, marker_task
 
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    data = marker_task(batch * 8, t, 256, 8, torch.Generator().manual_seed(0))
-    model = TinyLlama(256, t, dim=dim, heads=4, layers=layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(data, batch_size=batch)
+    model, vocab = build(model_name, t)
+    model.train()
+    ids = torch.randint(0, vocab, (batch * 16, t), generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(ids, ids)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
     crit = nn.CrossEntropyLoss()
     if method == "opacus-ghost":
         from opacus import PrivacyEngine as OpacusEngine
@@ -45,53 +89,86 @@ def one(method: str, t: int, batch: int, dim: int, layers: int) -> dict:
         model, opt, crit, loader = PrivacyEngine().make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
             noise_multiplier=1.0, estimator=method, k=32, poisson_sampling=False, seed=0)
-    x, y = data.tensors[0][:batch], data.tensors[1][:batch]  # the same fixed-size batch for every method
+    lm = LM(model)
+    batches = iter(loader)
 
     def step():
+        nonlocal batches
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
         opt.zero_grad()
-        crit(model(x), y).backward()
+        logits, target = lm(x)[:, :-1], y[:, 1:]
+        if method == "non-private":
+            loss = crit(logits.reshape(-1, vocab), target.reshape(-1))
+        elif method == "opacus-ghost":   # Opacus 1.6: flattened tokens and the logits' shape
+            loss = crit(logits.reshape(-1, vocab), target.reshape(-1), shape=logits.shape)
+        else:                            # ours: (B, T, V) logits, (B, T) targets, a mean per example
+            loss = crit(logits, target)
+        loss.backward()
         opt.step()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step()
     step()
     extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
     times = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"seconds": sorted(times)[1], "extra_mb": extra / 1024}
+    return {"seconds": statistics.median(times), "extra_mb": extra / 1024}
+
+
+def run(model: str, method: str, t: int, batch: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--one", model, method, str(t), str(batch)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:  # e.g. Opacus' ghost clipping refuses tied parameters
+        return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--seq-len", type=int, default=None, help="T (default 512 for tiny, 64 for the HF models)")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--one", nargs=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--one", nargs=4)
     args = ap.parse_args()
     if args.one:
-        m, t, b, d, n = args.one
-        print(json.dumps(one(m, int(t), int(b), int(d), int(n))))
+        model, method, t, b = args.one
+        print(json.dumps(one(model, method, int(t), int(b))))
         return
     methods = list(METHODS)
     try:
         import opacus  # noqa: F401
     except ImportError:
         methods.remove("opacus-ghost")
-    print(f"tiny decoder: dim {args.dim}, {args.layers} layers, batch {args.batch}, {os.cpu_count()} CPU threads; "
-          f"seconds per step (ratio to non-private) | extra MB")
-    print(f"{'T':>6} " + " ".join(f"{m:>24}" for m in methods))
-    for t in args.seq_lens:
-        res = {}
-        for m in methods:
-            out = subprocess.run([sys.executable, __file__, "--one", m, str(t), str(args.batch), str(args.dim),
-                                  str(args.layers)], capture_output=True, text=True, check=True)
-            res[m] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"batch {args.batch}, OMP_NUM_THREADS=1, median of 5 steps per process, median of {args.rounds} "
+          f"round-robin rounds; seconds per step (ratio to non-private) | extra peak MB")
+    for model in args.models:
+        t = args.seq_len or (512 if model == "tiny" else 64)
+        rounds = {m: [] for m in methods}
+        for _ in range(args.rounds):
+            for m in methods:
+                if not any("error" in r for r in rounds[m]):
+                    rounds[m].append(run(model, m, t, args.batch))
+        res = {m: next((r for r in rounds[m] if "error" in r), None) or
+               {k: statistics.median(r[k] for r in rounds[m]) for k in ("seconds", "extra_mb")} for m in methods}
         base = res["non-private"]["seconds"]
-        print(f"{t:>6} " + " ".join(f"{res[m]['seconds']:.3f}s ({res[m]['seconds'] / base:.2f}) | "
-                                    f"{res[m]['extra_mb']:.0f}".rjust(24) for m in methods), flush=True)
+        print(f"\n{MODELS[model]}, T = {t}")
+        print(f"| {'method':<12} | {'s / step':>9} | {'ratio':>6} | {'extra MB':>8} |")
+        print(f"|{'-' * 14}|{'-' * 11}|{'-' * 8}|{'-' * 10}|")
+        for m in methods:
+            r = res[m]
+            if "error" in r:
+                print(f"| {m:<12} | refused: {r['error'][:90]} |")
+                continue
+            print(f"| {m:<12} | {r['seconds']:>9.4f} | {r['seconds'] / base:>6.2f} | {r['extra_mb']:>8.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
