@@ -25,8 +25,8 @@ Soundness checks, each a clear error rather than a silent under-count:
 * several backwards before one step accumulate (gradient accumulation); the step refuses if more
   per-example losses were backpropagated than examples were drawn from the private loader since the last
   step (a second backward of the same batch would let an example contribute twice);
-* ``.grad`` edited between ``backward()`` and ``step()`` (e.g. ``clip_grad_norm_``) is refused: the step
-  would otherwise use a gradient whose sensitivity is not the one accounted for;
+* the clipped sums are held by the engine until ``step()`` (``p.grad`` stays ``None``: the sum before noise
+  is not private); a ``.grad`` written by anything else (a plain ``backward()``) makes ``step()`` refuse;
 * modules that mix examples are refused by :class:`~dpsgd.validator.ModuleValidator`.
 
 The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
@@ -214,11 +214,12 @@ class DPOptimizer(torch.optim.Optimizer):
     the expected batch size, steps, and records the step in the ledger.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so learning-rate schedulers,
-    ``state_dict`` and ``add_param_group`` work on it.  Between ``backward()`` and ``step()``, ``p.grad``
-    holds the clipped (not yet noisy) sum; ``step()`` refuses if it was edited (``clip_grad_norm_`` is not
-    needed: every example is already clipped).  Under :class:`~dpsgd.data.BatchMemoryManager`, ``step()``
-    after a micro-batch that does not end its logical batch only accumulates (``zero_grad()`` then keeps the
-    accumulated sums, as in Opacus).
+    ``state_dict`` and ``add_param_group`` work on it.  Between ``backward()`` and ``step()`` the clipped
+    sums are held by the engine and ``p.grad`` stays ``None``: the sum before noise is not private, so it is
+    not exposed for logging, and ``clip_grad_norm_`` has nothing to act on (every example is already clipped
+    to ``max_grad_norm``).  ``step()`` refuses if a ``.grad`` was written by anything else.  Under
+    :class:`~dpsgd.data.BatchMemoryManager`, ``step()`` after a micro-batch that does not end its logical
+    batch only accumulates (``zero_grad()`` then keeps the accumulated sums, as in Opacus).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: PrivacyEngine) -> None:
@@ -336,8 +337,7 @@ class PrivacyEngine:
         self._reset_step_state()
 
     def _reset_step_state(self) -> None:
-        self._sums: dict[int, torch.Tensor] = {}
-        self._marks: dict[int, tuple[torch.Tensor, int]] = {}
+        self._sums: dict[int, torch.Tensor] = {}   # the clipped sums, held here: not private before noise
         self._backpropagated = 0   # per-example losses backpropagated since the last step
         self._drawn = 0            # examples drawn from the private loader since the last step
         self._discarded = False    # zero_grad() dropped a backward's sums since the last step
@@ -465,11 +465,6 @@ class PrivacyEngine:
                 continue
             total = self._sums.get(id(p))
             self._sums[id(p)] = s if total is None else total + s
-        for p in self.plan.params:
-            total = self._sums.get(id(p))
-            if total is not None:
-                p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
-                self._marks[id(p)] = (p.grad, p.grad._version)
         b = int(losses.shape[0])
         self._backpropagated += b
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
@@ -485,7 +480,6 @@ class PrivacyEngine:
         if self._backpropagated:
             self._discarded = True
         self._sums.clear()
-        self._marks.clear()
         for p in self.plan.params:
             p.grad = None
 
@@ -507,14 +501,12 @@ class PrivacyEngine:
                                f"examples were drawn from the private data loader since the last step: an example "
                                f"may contribute one clipped gradient per step (a second backward of the same batch, "
                                f"or batches from another loader, would break the privacy guarantee)")
-        for p in self.plan.params:
-            mark = self._marks.get(id(p))
-            if mark is not None and (p.grad is not mark[0] or mark[0]._version != mark[1]):
-                name = self.plan.names[id(p)]
-                raise RuntimeError(f"{name}.grad was changed between backward() and step() (clip_grad_norm_ or "
-                                   f"another edit): the private step adds noise calibrated to the clipped sum "
-                                   f"backward() computed. Every example is already clipped to max_grad_norm; remove "
-                                   f"the edit (Hugging Face Trainer: max_grad_norm=0).")
+        written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
+        if written:
+            raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
+                               f"loss.backward() on an unrecorded forward, or an assignment); the private step "
+                               f"uses only the clipped sums of DPLoss.backward(). Call optimizer.zero_grad() "
+                               f"first if that gradient is to be dropped.")
         sums = [self._sums.get(id(p), torch.zeros(p.shape, device=p.device,
                                                   dtype=torch.promote_types(p.dtype, torch.float32)))
                 for p in self.plan.params]

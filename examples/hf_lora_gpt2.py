@@ -4,12 +4,13 @@ Synthetic text: each example repeats a short random "phrase" of token ids; a mod
 predicts the second half of every example from its first.  Nothing is downloaded.
 
     pip install torch==2.13.0 && pip install -e ".[hf]"
-    python examples/hf_lora_gpt2.py            # about a minute on 2 cores
+    python examples/hf_lora_gpt2.py            # about 3 minutes on 2 cores (epsilon 8, 48 steps)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -57,8 +58,10 @@ def main(argv: list[str] | None = None) -> float:
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train,
                         privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon,
                                                  target_delta=1e-5, estimator="hutch", k=16, seed=0))
-    trainer.train()
+    result = trainer.train()
     engine = trainer.privacy_engine
+    print(f"mean training loss {result.training_loss:.3f} (a uniform guess scores ln {VOCAB} = "
+          f"{math.log(VOCAB):.3f})")
     eps = engine.get_epsilon(1e-5)
     print(f"steps {engine.steps}, noise multiplier {engine.noise_multiplier:.3f}, "
           f"epsilon {eps:.3f} <= {args.epsilon} at delta 1e-5")

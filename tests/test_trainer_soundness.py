@@ -180,13 +180,26 @@ def test_second_backward_of_the_same_batch_is_refused():
     assert torch.equal(before, flat_params(model)) and engine.steps == 0
 
 
-def test_edited_grad_between_backward_and_step_is_refused():
+def test_clipped_sum_is_not_exposed_and_clip_grad_norm_has_nothing_to_act_on():
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    (x,) = next(iter(loader))
+    _lm(engine, model, x).backward()
+    assert all(p.grad is None for p in model.parameters())   # the sum before noise is not private
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)) == 0.0
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_grad_written_outside_the_private_backward_is_refused():
     engine, model, opt, crit, loader = _engine()
     (x,) = next(iter(loader))
     _lm(engine, model, x).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="clip_grad_norm_"):
+    model.eval()
+    lm_losses(model, x).sum().backward()   # plain autograd on an unrecorded forward
+    before = flat_params(model)
+    with pytest.raises(RuntimeError, match="outside the private backward"):
         opt.step()
+    assert torch.equal(before, flat_params(model)) and engine.steps == 0
 
 
 def test_eval_mode_forward_cannot_be_backpropagated_privately():
