@@ -372,3 +372,32 @@ def test_bad_input_gets_a_clear_message():
 def test_a_tiny_target_epsilon_is_met_with_a_large_finite_sigma():
     engine, *_ = _engine(noise=None, target_epsilon=1e-3, target_delta=1e-5, epochs=1)
     assert math.isfinite(engine.noise_multiplier) and engine.noise_multiplier > 100
+
+
+def test_micro_batched_update_is_the_sum_of_single_example_clipped_updates():
+    """BatchMemoryManager with one example per micro-batch, sigma = 0: the logical batch's update is the sum of
+    the examples' clipped gradients, each of norm min(||g_i||, C), over the expected batch size."""
+    from dpsgd import private_step
+
+    engine, model, opt, crit, loader = _engine(seed=6, c=0.05, n=24, batch=6)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=opt) as mem:
+        examples = []
+        for (x,) in mem:
+            examples.append(x)
+            _lm(engine, model, x).backward()
+            opt.step()
+            if engine.steps:
+                break
+    update = flat_params(model) - torch.cat([v.flatten().double() for v in init.values()])
+    total = torch.zeros_like(update)
+    for x in examples:
+        single = TwiceLM().double().train()
+        single.load_state_dict(init)
+        before = flat_params(single)
+        private_step(single, torch.optim.SGD(single.parameters(), lr=1.0), lambda m, x=x: lm_losses(m, x),
+                     max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=1, estimator="exact")
+        moved = flat_params(single) - before
+        assert moved.norm() <= 0.05 * (1 + 1e-9)
+        total += moved
+    assert torch.allclose(update, total / engine.expected_batch_size, rtol=1e-9, atol=1e-13)
