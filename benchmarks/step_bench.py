@@ -25,7 +25,7 @@ import time
 import warnings
 
 METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "opacus-ghost"]
-MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256)",
+MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd.demo's classification task)",
           "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
           "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)"}
 
@@ -75,8 +75,13 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
     warnings.filterwarnings("ignore")
     model, vocab = build(model_name, t)
     model.train()
-    ids = torch.randint(0, vocab, (batch * 16, t), generator=torch.Generator().manual_seed(0))
-    data = TensorDataset(ids, ids)
+    if model_name == "tiny":   # the demo's classification task: logits (B, classes), targets (B,)
+        from dpsgd.demo import marker_task
+
+        data = marker_task(batch * 16, t, 256, 8, torch.Generator().manual_seed(0))
+    else:                      # causal LM: next-token targets
+        ids = torch.randint(0, vocab, (batch * 16, t), generator=torch.Generator().manual_seed(0))
+        data = TensorDataset(ids, ids)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(data, batch_size=batch, shuffle=True)
     crit = nn.CrossEntropyLoss()
@@ -100,6 +105,10 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
             batches = iter(loader)
             x, y = next(batches)
         opt.zero_grad()
+        if model_name == "tiny":
+            crit(lm(x), y).backward()
+            opt.step()
+            return
         logits, target = lm(x)[:, :-1], y[:, 1:]
         if method == "non-private":
             loss = crit(logits.reshape(-1, vocab), target.reshape(-1))
