@@ -12,13 +12,10 @@ pytestmark = [pytest.mark.cuda,
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms  # noqa: E402
+from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
 from dpsgd.engine import Capture, clipped_backward  # noqa: E402
 
-from .workloads import brute_force_sq_norms, data, gpt2, lm_losses, make  # noqa: E402
+from .workloads import brute_force_sq_norms, data, gpt2, lm_losses, make, private_lora_run  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied", "bert", "lora_gpt2", "multihead_attention", "lstm",
@@ -53,21 +50,7 @@ def test_cuda_bf16_clipped_contributions_stay_within_c(variant):
         assert total <= 1e-2 * (1 + 1e-6)
 
 
-def test_cuda_private_training_loop_with_hutch():
-    torch.manual_seed(0)
-    model = make("lora_gpt2", dtype=torch.float32).cuda()
-    ids = torch.randint(1, 40, (64, 8))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine = PrivacyEngine()
-    model, opt, crit, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
-        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=0)
-    for x, y in loader:
-        x, y = x.cuda(), y.cuda()
-        opt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x).logits
-        crit(logits[:, :-1].float(), y[:, 1:]).backward()
-        opt.step()
+def test_cuda_private_training_loop_with_hutch_under_autocast():
+    engine, model, loader = private_lora_run("cuda", autocast=True)
     assert engine.steps == len(loader)
     assert all(p.device.type == "cuda" for p in model.parameters())

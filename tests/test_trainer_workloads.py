@@ -4,15 +4,22 @@ most C."""
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms, private_step  # noqa: E402
+from dpsgd import NormPlan, per_sample_sq_norms, private_step  # noqa: E402
 
-from .workloads import WORKLOADS, brute_force_sq_norms, data, flat_params, lm_losses, make, sem  # noqa: E402
+from .workloads import (  # noqa: E402
+    WORKLOADS,
+    brute_force_sq_norms,
+    data,
+    flat_params,
+    lm_losses,
+    make,
+    private_lora_run,
+    sem,
+)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -68,21 +75,8 @@ def test_lora_counts_only_the_adapters():
 
 
 def test_hf_training_loop_with_lora_gpt2_reaches_the_ledger():
-    torch.manual_seed(0)
-    model = make("lora_gpt2", dtype=torch.float32)
-    ids = torch.randint(1, 40, (64, 8))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine = PrivacyEngine()
-    model2, opt, crit, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
-        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=0)
-    assert model2 is model
-    for x, y in loader:
-        opt.zero_grad()
-        loss = crit(model(x), y)
-        loss.backward()
-        opt.step()
-    assert engine.steps == 4 and 0 < engine.get_epsilon(1e-5) < float("inf")
+    engine, model, loader = private_lora_run()
+    assert engine.steps == len(loader) == 4 and 0 < engine.get_epsilon(1e-5) < float("inf")
 
 
 def test_hutch_envelope_dimension_of_a_tied_gpt2_counts_the_shared_weight_once():

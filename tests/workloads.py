@@ -140,5 +140,30 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
 
 
+def private_lora_run(device: str = "cpu", autocast: bool = False):
+    """A private training epoch of the LoRA GPT-2 (Hutch, k = 8) on ``device``: ``(engine, model, loader)``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = make("lora_gpt2", dtype=torch.float32).to(device)
+    ids = torch.randint(1, VOCAB, (64, T))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = PrivacyEngine()
+    same, opt, crit, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=0)
+    assert same is model
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x).logits
+        crit(logits[:, :-1].float(), y[:, 1:]).backward()
+        opt.step()
+    return engine, model, loader
+
+
 def sem(x: torch.Tensor) -> torch.Tensor:
     return x.std(0) / math.sqrt(x.shape[0])
