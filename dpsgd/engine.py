@@ -178,9 +178,11 @@ class Capture:
 
     def _root_pre(self, module, args, kwargs):
         self._depth += 1
-        if self._depth == 1:  # the batch size of this forward: the first tensor argument's leading dimension
+        if self._depth == 1:  # the batch size of this forward: the main input's leading dimension
             self._root_grad = torch.is_grad_enabled()
-            first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+            main = [kwargs[n] for n in _MAIN_INPUTS if n in kwargs]
+            first = next((x for x in (*main, *args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0),
+                         None)
             self._batch = None if first is None else int(first.shape[0])
 
     def _root_post(self, module, args, output):
@@ -249,6 +251,10 @@ class Capture:
             h.remove()
         self._handles = []
         self.calls.clear()
+
+
+# keyword inputs that carry the batch (Hugging Face names), looked at before any other argument
+_MAIN_INPUTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features")
 
 
 def _locate(module: nn.Module, local: str) -> tuple[nn.Module, str]:

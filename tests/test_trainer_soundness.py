@@ -401,3 +401,21 @@ def test_micro_batched_update_is_the_sum_of_single_example_clipped_updates():
         assert moved.norm() <= 0.05 * (1 + 1e-9)
         total += moved
     assert torch.allclose(update, total / engine.expected_batch_size, rtol=1e-9, atol=1e-13)
+
+
+def test_batch_size_comes_from_the_main_input_even_after_a_broadcast_keyword():
+    """``position_ids`` of shape (1, T) given before ``input_ids`` must not make the forward's batch size 1."""
+    pytest.importorskip("transformers")
+    from .workloads import gpt2
+
+    model = gpt2().double().train()
+    ids = data(3)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+
+    def losses(m):
+        logits = m(position_ids=pos, input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    ref = brute_force_sq_norms(model, lambda m, i: F.cross_entropy(
+        m(position_ids=pos, input_ids=ids[i:i + 1]).logits[:, :-1].transpose(1, 2), ids[i:i + 1, 1:],
+        reduction="none").mean(), 3)
+    assert torch.allclose(per_sample_sq_norms(model, losses, "exact"), ref, rtol=1e-6)
