@@ -10,6 +10,7 @@ logical batch into physical micro-batches (gradient accumulation with one noise 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -76,9 +77,14 @@ def _empty_aware(collate):
     return collate_fn
 
 
+# one number per logical batch drawn by any private loader: a step may use examples of one logical batch only
+_LOGICAL_IDS = itertools.count()
+
+
 class _ChunkSampler(Sampler[list[int]]):
-    """Logical batches from ``logical``, split into physical chunks of at most ``max_size``; ``(size, last)`` of
-    each chunk is queued in ``fifo`` as it is produced (the loader pops it when the chunk reaches the user)."""
+    """Logical batches from ``logical``, split into physical chunks of at most ``max_size``; ``(size, last,
+    logical id)`` of each chunk is queued in ``fifo`` as it is produced (the loader pops it when the chunk
+    reaches the user)."""
 
     def __init__(self, logical: Sampler, max_size: int | None, fifo: deque, chunks: int | None = None) -> None:
         self.logical, self.max_size, self.fifo, self.chunks = logical, max_size, fifo, chunks
@@ -89,29 +95,31 @@ class _ChunkSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.logical:
             batch = list(batch)
+            logical = next(_LOGICAL_IDS)
             if self.chunks:  # exactly `chunks` pieces (some possibly empty), every one ends a step's share
                 n = len(batch)
                 for j in range(self.chunks):
                     piece = batch[j * n // self.chunks:(j + 1) * n // self.chunks]
-                    self.fifo.append((len(piece), True))
+                    self.fifo.append((len(piece), True, logical))
                     yield piece
                 continue
             if not batch:
-                self.fifo.append((0, True))
+                self.fifo.append((0, True, logical))
                 yield []
                 continue
             size = self.max_size or len(batch)
             chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
             for j, chunk in enumerate(chunks):
-                self.fifo.append((len(chunk), j == len(chunks) - 1))
+                self.fifo.append((len(chunk), j == len(chunks) - 1, logical))
                 yield chunk
 
 
 class DPDataLoader(DataLoader):
     r"""A ``DataLoader`` whose batches are drawn as the accountant assumes (Poisson by default).
 
-    Each logical batch is reported to ``on_batch(size, last)`` as it reaches the user (``last`` is false for
-    all but the final physical chunk of a logical batch split by ``max_physical_batch_size``); an empty
+    Each batch is reported to ``on_batch(size, last, logical)`` as it reaches the user (``last`` is false for
+    all but the final physical chunk of a logical batch split by ``max_physical_batch_size``; ``logical``
+    identifies the logical batch it belongs to); an empty
     Poisson batch is not yielded: ``on_empty()`` takes its noise-only step, so the user's forward never sees
     an empty tensor.  ``len(loader)`` counts logical batches, empty ones included.
 
@@ -137,13 +145,13 @@ class DPDataLoader(DataLoader):
     def __iter__(self):
         self._fifo.clear()
         for batch in super().__iter__():
-            size, last = self._fifo.popleft()
+            size, last, logical = self._fifo.popleft()
             if size == 0 and not self.chunks:
                 if self.on_empty is not None:
                     self.on_empty()
                 continue
             if self.on_batch is not None:
-                self.on_batch(size, last)
+                self.on_batch(size, last, logical)
             yield batch
 
     def in_chunks(self, chunks: int) -> DPDataLoader:

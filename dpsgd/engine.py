@@ -45,10 +45,14 @@ class IncompleteGradientError(RuntimeError):
     """A parameter received gradient that the per-example norms did not count; the step was not taken."""
 
 
-def check_estimator(estimator: object, k: object) -> None:
-    """``ValueError`` unless ``estimator`` is a known name and ``k`` a positive integer."""
+def _check_estimator_name(estimator: object) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+
+
+def check_estimator(estimator: object, k: object) -> None:
+    """``ValueError`` unless ``estimator`` is a known name and ``k`` a positive integer."""
+    _check_estimator_name(estimator)
     check_k(k)
 
 
@@ -97,8 +101,7 @@ class NormPlan:
     def build(cls, model: nn.Module, estimator: str) -> NormPlan:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+        _check_estimator_name(estimator)
         ModuleValidator.check(model)
         plan = cls(model, estimator)
         inside: set[int] = set()

@@ -333,6 +333,7 @@ class PrivacyEngine:
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
+        self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
         self._reset_step_state()
 
@@ -340,6 +341,7 @@ class PrivacyEngine:
         self._sums: dict[int, torch.Tensor] = {}   # the clipped sums, held here: not private before noise
         self._backpropagated = 0   # per-example losses backpropagated since the last step
         self._drawn = 0            # examples drawn from the private loader since the last step
+        self._used_logical: set = set()  # logical batches whose examples were backpropagated since the last step
         self._discarded = False    # zero_grad() dropped a backward's sums since the last step
         self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
@@ -457,6 +459,12 @@ class PrivacyEngine:
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
+        used = self._used_logical | ({self._current_logical} if self._current_logical is not None else set())
+        if len(used) > 1:  # checked before anything accumulates: the state stays as it was
+            raise RuntimeError("backward() on examples of a second logical batch before optimizer.step(): one noisy "
+                               "step may use one Poisson batch only (a step over two batches would be accounted "
+                               "at the wrong sampling rate and could clip an example twice). Call step() after "
+                               "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device))
         for p in self.plan.params:
@@ -466,10 +474,12 @@ class PrivacyEngine:
             total = self._sums.get(id(p))
             self._sums[id(p)] = s if total is None else total + s
         b = int(losses.shape[0])
+        self._used_logical = used
         self._backpropagated += b
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
 
-    def _on_batch(self, size: int, last: bool) -> None:
+    def _on_batch(self, size: int, last: bool, logical: int) -> None:
+        self._current_logical = logical
         self._drawn += size
         self._skip_next = not last
 

@@ -419,3 +419,22 @@ def test_batch_size_comes_from_the_main_input_even_after_a_broadcast_keyword():
         m(position_ids=pos, input_ids=ids[i:i + 1]).logits[:, :-1].transpose(1, 2), ids[i:i + 1, 1:],
         reduction="none").mean(), 3)
     assert torch.allclose(per_sample_sq_norms(model, losses, "exact"), ref, rtol=1e-6)
+
+
+def test_two_logical_batches_before_one_step_are_refused():
+    """Accumulating two Poisson batches into one step would be accounted at rate q while an example may be
+    sampled (and clipped) twice: the second batch's backward raises, with nothing accumulated from it."""
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    batches = iter(loader)
+    (x1,) = next(batches)
+    _lm(engine, model, x1).backward()
+    (x2,) = next(batches)
+    with pytest.raises(RuntimeError, match="second logical batch"):
+        _lm(engine, model, x2).backward()
+    opt.step()                               # the first batch's step is still fine
+    assert engine.steps == 1
+    (x3,) = next(batches)                    # a batch drawn but skipped, then the next one used: allowed
+    (x4,) = next(batches)
+    _lm(engine, model, x4).backward()
+    opt.step()
+    assert engine.steps == 2
