@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from .estimators import ESTIMATORS, check_k, gaussian_projection
-from .layers import Call, Handler, flat_tensors, handler_for
+from .layers import Call, Handler, flat_tensors, handler_for, matrix_view
 from .validator import ModuleValidator
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
+           "CLIPPING_PASSES", "check_clipping_pass",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
 
 
@@ -64,11 +65,6 @@ class Unit:
     module: nn.Module
     handler: Handler
     params: dict
-
-
-def _view_shape(p: torch.Tensor) -> tuple[int, int]:
-    cols = p.shape[-1] if p.dim() else 1
-    return p.numel() // max(cols, 1), cols
 
 
 @dataclass
@@ -131,7 +127,7 @@ class NormPlan:
             elif len(owners) == 1:
                 t = ts[0]
             else:  # tied: every use projected with one P, a chi-square mixture of the summed gradient
-                t = min(_view_shape(p)) if estimator == "hutch" else None
+                t = min(matrix_view(p.shape)) if estimator == "hutch" else None
             plan.terms[plan.names[id(p)]] = t
         return plan
 
@@ -309,14 +305,36 @@ def _margin(dtype: torch.dtype) -> float:
     return 2.0 ** -46 if dtype == torch.float64 else 2.0 ** -17
 
 
+CLIPPING_PASSES = ("bookkeeping", "two-pass")
+"""How the clipped sum is formed: from the recorded ``(A, G)`` (default), or by a second backward."""
+
+
+def check_clipping_pass(clipping_pass: object) -> str:
+    """``clipping_pass``, or ``ValueError`` unless it is one of :data:`CLIPPING_PASSES`."""
+    if clipping_pass not in CLIPPING_PASSES:
+        raise ValueError(f"clipping_pass must be one of {list(CLIPPING_PASSES)}, got {clipping_pass!r}")
+    return clipping_pass
+
+
 def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: float, k: int,
-                     generator: torch.Generator | None, *, norms_only: bool = False) -> ClippedGradients:
+                     generator: torch.Generator | None, *, norms_only: bool = False,
+                     clipping_pass: str = "bookkeeping") -> ClippedGradients:
     r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
 
     Consumes the calls the losses reached; raises :class:`IncompleteGradientError` if any trainable
     parameter of the model receives gradient outside them, and ``FloatingPointError`` on non-finite
     values.  With ``norms_only`` the sums are not formed.
+
+    ``clipping_pass="bookkeeping"`` forms ``sum_i c_i g_i`` per handler from the recorded activations and
+    output gradients (one backward; every layer's ``G`` is held until the sums are formed).
+    ``"two-pass"`` keeps the autograd graph and runs a second backward of ``sum_i c_i L_i`` to the
+    per-call parameter aliases (the classic DP-SGD order; the graph is held instead, and the backward
+    runs twice).  Both give the same sums to rounding.  The second backward accumulates in the model's
+    dtype, so ``"two-pass"`` refuses half-precision parameters, where rounding of ``c_i`` and of the sum
+    could push a clipped contribution above ``C``.
     """
+    check_clipping_pass(clipping_pass)
+    two_pass = clipping_pass == "two-pass" and not norms_only
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise ValueError(f"the per-example losses must be a 1-D tensor (one loss per example), got "
                          f"{'shape ' + str(tuple(losses.shape)) if isinstance(losses, torch.Tensor) else type(losses)}")
@@ -339,8 +357,12 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     if b and not losses.requires_grad:
         raise IncompleteGradientError("the losses do not require grad: the forward that produced them was not "
                                       "recorded with gradients (torch.no_grad?)")
-    grads = _first_backward(capture, losses, outputs, model_params) if b else [None] * (len(outputs) +
-                                                                                       len(model_params))
+    if two_pass and any(p.dtype in (torch.float16, torch.bfloat16) for p in plan.params):
+        raise ValueError("clipping_pass='two-pass' sums clipped gradients in the parameters' dtype, which is half "
+                         "precision here; rounding could let a clipped contribution exceed C. Use "
+                         "clipping_pass='bookkeeping' (sums in float32)")
+    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
+             else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
     if leaked:
@@ -371,7 +393,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         c_eff = max_grad_norm * (1 - _margin(dtype))
         weights = torch.clamp(c_eff / n.sqrt().clamp_min(1e-300), max=1.0)
         sums = {}
-        if not norms_only:
+        if two_pass:
+            sums = _second_backward(capture, losses, weights, uses)
+        elif not norms_only:
             for p, contributions in uses:
                 total = None
                 for call, local in contributions:
@@ -388,12 +412,31 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     return ClippedGradients(sums, n.detach(), weights)
 
 
-def _first_backward(capture: Capture, losses, outputs, model_params) -> list:
+def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tensor, uses: list) -> dict:
+    """``sum_i c_i g_i`` per parameter by autograd of ``sum_i c_i L_i`` to every call's alias (two-pass)."""
+    leaves = [(p, call.aliases[local]) for p, contributions in uses for call, local in contributions]
+    weighted = (losses * weights.to(losses.device, losses.dtype)).sum()
+    grads = torch.autograd.grad(weighted, [a for _, a in leaves], allow_unused=True)
+    sums: dict = {}
+    for (p, _), g in zip(leaves, grads, strict=True):
+        if g is None:
+            continue
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        sums[id(p)] = g if id(p) not in sums else sums[id(p)] + g
+    for p, _ in uses:
+        if id(p) not in sums:
+            sums[id(p)] = torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
+        elif not torch.isfinite(sums[id(p)]).all():
+            raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
+    return sums
+
+
+def _first_backward(capture: Capture, losses, outputs, model_params, retain_graph: bool = False) -> list:
     capture.active = False  # gradient checkpointing re-runs forwards inside this backward: record nothing
     before = [(p.grad, None if p.grad is None else p.grad._version) for p in model_params]
     try:
         grads = list(torch.autograd.grad(losses.sum(), outputs + model_params, allow_unused=True,
-                                         materialize_grads=False))
+                                         materialize_grads=False, retain_graph=retain_graph))
         touched = [_qualified(capture.plan.model, p) for p, (g, v) in zip(model_params, before, strict=True)
                    if p.grad is not g or (g is not None and g._version != v)]
         if touched:  # a backward inside our backward wrote .grad behind the per-example norms
@@ -450,8 +493,8 @@ def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int
     for call, local in contributions:
         if projected and proj is None:
             like = call.outputs[0]
-            proj = gaussian_projection(_view_shape(p)[1], k, like.to(torch.promote_types(like.dtype, torch.float32)),
-                                       generator)
+            like = like.to(torch.promote_types(like.dtype, torch.float32))
+            proj = gaussian_projection(matrix_view(p.shape)[1], k, like, generator)
         s = call.cache["unit"].handler.per_example(call, local, proj)
         total = s if total is None else total + s.to(total.dtype)
     return total.reshape(total.shape[0], -1).square().sum(1)
@@ -547,7 +590,7 @@ def check_positive(value: object, name: str, allow_zero: bool = False) -> float:
 def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module], torch.Tensor], *,
                  max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
                  estimator: str = "hutch", k: int = 32, generator: torch.Generator | None = None,
-                 noise_generator: torch.Generator | None = None) -> StepResult:
+                 noise_generator: torch.Generator | None = None, clipping_pass: str = "bookkeeping") -> StepResult:
     r"""One DP-SGD-RC step: estimate norms, clip (book-keeping), add noise, let ``optimizer`` step.
 
     .. math::
@@ -576,6 +619,9 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
         As in :func:`per_sample_sq_norms`.
     noise_generator : torch.Generator, optional
         Source of the Gaussian noise.
+    clipping_pass : {"bookkeeping", "two-pass"}
+        Clipped sums from the recorded activations and output gradients (one backward, default) or by a
+        second backward (see :func:`clipped_backward`); the same update to rounding.
 
     Returns
     -------
@@ -598,11 +644,12 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
     sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
     b_bar = check_positive(expected_batch_size, "expected_batch_size")
     check_estimator(estimator, k)
+    check_clipping_pass(clipping_pass)
     plan = NormPlan.build(model, estimator)
     capture = Capture(plan)
     try:
         losses = loss_fn(model)
-        result = clipped_backward(capture, losses, c, k, generator)
+        result = clipped_backward(capture, losses, c, k, generator, clipping_pass=clipping_pass)
     finally:
         capture.remove()
     sums = [result.sums.get(id(p), torch.zeros(p.shape, device=p.device,

@@ -49,6 +49,7 @@ class PrivacyArguments:
     target_delta: float = 1e-5
     estimator: str = "hutch"
     k: int = 32
+    clipping_pass: str = "bookkeeping"
     seed: int | None = None
     secure_mode: bool = False
 
@@ -91,7 +92,7 @@ class DPTrainer(Trainer):
             module=self.model, optimizer=self.optimizer, data_loader=logical, max_grad_norm=p.max_grad_norm,
             noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if epochs else None,
             target_delta=p.target_delta if epochs else None, epochs=epochs, estimator=p.estimator, k=p.k,
-            seed=p.seed)
+            seed=p.seed, clipping_pass=p.clipping_pass)
         self._dp_loader = loader.in_chunks(accumulation)
 
     def get_train_dataloader(self) -> DataLoader:

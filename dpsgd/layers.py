@@ -30,15 +30,18 @@ randomness inside the module (dropout), whose per-example re-run would not repro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .estimators import ESTIMATORS, gaussian_projection
 
 __all__ = ["Call", "Handler", "LinearHandler", "EmbeddingHandler", "FunctionalHandler", "HANDLERS",
-           "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors"]
+           "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
+           "ConvHandler", "NormalizationHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -134,6 +137,16 @@ def register_handler(module_type: type, handler: Handler | None = None):
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's ``Conv1D`` (transformers), recognised by name and weight layout, without importing it."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2
+
+
+def matrix_view(shape: tuple | torch.Size) -> tuple[int, int]:
+    """A parameter's shape as the ``rows x cols`` matrix its per-example gradient is projected as:
+    ``(shape[0], rest)`` for 2 or more dimensions (a convolution's weight is ``C_out x C_in k``), else
+    ``(1, numel)``."""
+    n = math.prod(shape)
+    if len(shape) >= 2:
+        return shape[0], n // max(shape[0], 1)
+    return 1, n
 
 
 def _as_btd(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -339,13 +352,162 @@ class FunctionalHandler(Handler):
 
     def per_example(self, call, name, projection):
         g = self._grads(call)[name]
-        g = g.reshape(g.shape[0], -1, g.shape[-1] if g.dim() > 1 else 1).to(compute_dtype(g))
+        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:])).to(compute_dtype(g))
         return g if projection is None else g @ projection.to(g.dtype)
 
     def clipped_sum(self, call, name, weights):
         g = self._grads(call)[name]
         g = g.to(compute_dtype(g))
         return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
+class ConvHandler(LinearHandler):
+    r"""``nn.Conv1d`` / ``nn.Conv2d`` with ``groups=1``: a linear map on unfolded patches.
+
+    With ``A_i`` the ``L x (C_in k)`` patches of example ``i`` (``F.unfold``; ``k`` the kernel's size, ``L``
+    the output positions) and ``G_i`` the ``L x C_out`` output gradients, the weight's per-example gradient is
+    ``G_i^T A_i`` (``C_out x C_in k``, the weight's own layout), so every estimator and the book-keeping sum
+    are those of :class:`LinearHandler`: weight ``min(C_out, C_in k)`` terms, bias 1.  Grouped convolutions
+    (``groups > 1``) are computed exactly by ``torch.func`` (:class:`FunctionalHandler`).
+    """
+
+    def _grouped(self, module: nn.Module) -> bool:
+        return module.groups != 1
+
+    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ag" not in call.cache:
+            m, b = call.module, call.batch_size
+            x, g = call.args[0], _single_grad(call, type(m).__name__)
+            dtype = compute_dtype(x, g)
+            x = x.to(dtype)
+            one_d = isinstance(m, nn.Conv1d)
+            if one_d:  # a 1-D convolution is a 2-D one of height 1
+                x = x.unsqueeze(2)
+            kernel, dilation, stride = ((1, *m.kernel_size), (1, *m.dilation), (1, *m.stride)) if one_d else \
+                (m.kernel_size, m.dilation, m.stride)
+            padding = (0, *m.padding) if one_d and not isinstance(m.padding, str) else m.padding
+            if isinstance(padding, str) or m.padding_mode != "zeros":
+                # the module pads explicitly ('same' may be asymmetric; reflect/replicate/circular modes)
+                x = F.pad(x, _explicit_padding(m) + ([0, 0] if one_d else []),
+                          mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+                padding = 0
+            a = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)   # (B, C_in k, L)
+            call.cache["ag"] = (a.transpose(1, 2), g.to(dtype).reshape(b, g.shape[1], -1).transpose(1, 2))
+        return call.cache["ag"]
+
+    def terms(self, module, name, estimator):
+        if self._grouped(module):
+            return None
+        if estimator not in ("hutch", "hutchpp"):
+            return None
+        return 1 if name == "bias" else min(module.weight.shape[0], module.weight[0].numel())
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        if self._grouped(call.module):
+            return _FUNCTIONAL.sq_norms(call, name, estimator, k, generator)
+        return super().sq_norms(call, name, estimator, k, generator)
+
+    def per_example(self, call, name, projection):
+        if self._grouped(call.module):
+            return _FUNCTIONAL.per_example(call, name, projection)
+        return super().per_example(call, name, projection)
+
+    def clipped_sum(self, call, name, weights):
+        if self._grouped(call.module):
+            return _FUNCTIONAL.clipped_sum(call, name, weights)
+        return super().clipped_sum(call, name, weights)
+
+
+def _explicit_padding(m: nn.Module) -> list[int]:
+    """``F.pad``'s list (last dimension first) for a convolution's ``padding`` (``'same'`` puts the odd one
+    at the end, as ``torch`` does)."""
+    pad = []
+    for i in reversed(range(len(m.kernel_size))):
+        if m.padding == "valid":
+            lo = hi = 0
+        elif m.padding == "same":
+            total = m.dilation[i] * (m.kernel_size[i] - 1)
+            lo, hi = total // 2, total - total // 2
+        else:
+            lo = hi = m.padding[i]
+        pad += [lo, hi]
+    return pad
+
+
+class NormalizationHandler(FunctionalHandler):
+    r"""``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: exact per-example gradients in closed form.
+
+    The output is ``w * x_hat + b`` with ``x_hat`` the normalized input, so example ``i``'s gradients are
+    ``sum G_i * x_hat_i`` (weight) and ``sum G_i`` (bias), summed over every position that shares the
+    affine parameters (tokens; GroupNorm: spatial positions).  ``x_hat`` is recomputed from the recorded
+    input in float32 (or float64).  Exact: a point mass in the estimate's law, no chi-square terms.
+    """
+
+    def _normalized(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        m = call.module
+        if isinstance(m, nn.LayerNorm):
+            return F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+        if isinstance(m, nn.RMSNorm):
+            return F.rms_norm(x, m.normalized_shape, None, m.eps)
+        return F.group_norm(x, m.num_groups, None, None, m.eps)
+
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        if "per_example" not in call.cache:
+            m, b = call.module, call.batch_size
+            x, g = call.args[0], _single_grad(call, type(m).__name__)
+            dtype = compute_dtype(x, g)
+            x, g = x.to(dtype), g.to(dtype)
+            xhat = self._normalized(call, x)
+            if isinstance(m, nn.GroupNorm):   # parameters per channel (dim 1); summed over positions
+                def per(t):
+                    return t.reshape(b, t.shape[1], -1).sum(-1)
+            else:                             # parameters over the trailing normalized_shape
+                def per(t):
+                    return t.reshape(b, -1, *m.normalized_shape).sum(1)
+            out = {}
+            for name in call.aliases:
+                out[name] = per(g * xhat) if name == "weight" else per(g)
+            call.cache["per_example"] = out
+        return call.cache["per_example"]
+
+
+class ScaledRMSNormHandler(FunctionalHandler):
+    r"""Hugging Face's ``*RMSNorm`` modules (Llama, Mistral, Qwen, ...): ``w * x_hat`` with ``x_hat`` computed in
+    float32 and cast back to the input dtype.
+
+    Recognised by name and attributes only, so every call is checked: the recorded output must equal
+    ``w * x_hat`` to rounding; a variant with another form (e.g. Gemma's ``(1 + w) * x_hat``) falls back to
+    the exact ``torch.func`` path.  Exact either way.
+    """
+
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        if "per_example" not in call.cache:
+            m, b = call.module, call.batch_size
+            x, g = call.args[0], _single_grad(call, type(m).__name__)
+            w = call.aliases["weight"].detach()
+            eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+            out = call.outputs[0]
+            tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(out.dtype, 1e-2)
+            # Hugging Face's x_hat in float32, or one in the input dtype (at least float32)
+            for inner in (torch.float32, torch.promote_types(x.dtype, torch.float32)):
+                xf = x.to(inner)
+                xhat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+                expect = w * xhat
+                if expect.shape == out.shape and torch.allclose(expect, out, rtol=tol, atol=tol):
+                    break
+            else:
+                return super()._grads(call)
+            dtype = compute_dtype(x, g)
+            call.cache["per_example"] = {"weight": (g.to(dtype) * xhat.to(dtype)).reshape(b, -1, w.shape[0]).sum(1)}
+        return call.cache["per_example"]
+
+
+def is_scaled_rmsnorm(module: nn.Module) -> bool:
+    """An ``*RMSNorm`` module with one 1-D ``weight`` and an epsilon (Hugging Face's layout)."""
+    params = dict(module.named_parameters(recurse=False))
+    return (type(module).__name__.endswith("RMSNorm") and list(params) == ["weight"] and params["weight"].dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
+            and not list(module.children()))
 
 
 class MultiheadAttentionHandler(FunctionalHandler):
@@ -367,10 +529,13 @@ def flat_tensors(out: object) -> list[torch.Tensor]:
 HANDLERS[nn.Linear] = LinearHandler()
 HANDLERS[nn.Embedding] = EmbeddingHandler()
 HANDLERS[nn.MultiheadAttention] = MultiheadAttentionHandler()
+HANDLERS[nn.Conv1d] = HANDLERS[nn.Conv2d] = ConvHandler()
+HANDLERS[nn.LayerNorm] = HANDLERS[nn.RMSNorm] = HANDLERS[nn.GroupNorm] = NormalizationHandler()
 # the out_proj of nn.MultiheadAttention: a Linear subclass with the same forward
 HANDLERS[nn.modules.linear.NonDynamicallyQuantizableLinear] = HANDLERS[nn.Linear]
 _LINEAR = HANDLERS[nn.Linear]
 _FUNCTIONAL = FunctionalHandler()
+_SCALED_RMSNORM = ScaledRMSNormHandler()
 
 
 def handler_for(module: nn.Module) -> Handler:
@@ -379,4 +544,6 @@ def handler_for(module: nn.Module) -> Handler:
         return HANDLERS[type(module)]
     if is_conv1d(module):
         return _LINEAR
+    if is_scaled_rmsnorm(module):
+        return _SCALED_RMSNORM
     return _FUNCTIONAL

@@ -55,7 +55,15 @@ from torch.utils.data import DataLoader
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
 
 from .data import DPDataLoader, private_data_loader
-from .engine import Capture, NormPlan, check_estimator, check_positive, clipped_backward, noisy_gradients
+from .engine import (
+    Capture,
+    NormPlan,
+    check_clipping_pass,
+    check_estimator,
+    check_positive,
+    clipped_backward,
+    noisy_gradients,
+)
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
@@ -351,7 +359,8 @@ class PrivacyEngine:
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
-                     seed: int | None = None) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
+                     seed: int | None = None, clipping_pass: str = "bookkeeping",
+                     ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
         Parameters
@@ -376,6 +385,11 @@ class PrivacyEngine:
             Poisson batches (default); ``False`` warns that the accounting assumes Poisson sampling.
         seed : int, optional
             Seeds the sampling, projection and noise generators (noise from ``os.urandom`` in secure mode).
+        clipping_pass : {"bookkeeping", "two-pass"}
+            ``"bookkeeping"`` (default): one backward; each layer's clipped sum ``sum_i c_i g_i`` is formed
+            from the activations and output gradients already recorded for the norms.  ``"two-pass"``: a
+            second backward of ``sum_i c_i L_i`` (holds the autograd graph instead; float32/float64
+            parameters only).  The same update to rounding; see :doc:`/trainer` for their cost.
 
         Returns
         -------
@@ -386,6 +400,7 @@ class PrivacyEngine:
         if self._capture is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         check_estimator(estimator, k)
+        check_clipping_pass(clipping_pass)
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -414,6 +429,7 @@ class PrivacyEngine:
         self.sample_rate = loader.sample_rate
         self.expected_batch_size = _all_sum(self.sample_rate * n)
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
+        self.clipping_pass = clipping_pass
         self.envelope = self._envelope(plan)
         if noise_multiplier is None:
             steps = check_positive(epochs, "epochs") * len(loader)
@@ -466,7 +482,8 @@ class PrivacyEngine:
                                "at the wrong sampling rate and could clip an example twice). Call step() after "
                                "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
-        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device))
+        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
+                                  clipping_pass=self.clipping_pass)
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:

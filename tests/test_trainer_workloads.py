@@ -87,3 +87,64 @@ def test_hutch_envelope_dimension_of_a_tied_gpt2_counts_the_shared_weight_once()
     assert "lm_head.weight" not in names                     # the same parameter
     _, exact = plan.envelope_dimension()
     assert exact                                             # LayerNorms are exact (point masses)
+
+
+def _private_update(model, ids, clipping_pass, c):
+    before = flat_params(model)
+    private_step(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
+                 lambda m: lm_losses(m, ids), max_grad_norm=c, noise_multiplier=0.0, expected_batch_size=4,
+                 estimator="exact", clipping_pass=clipping_pass)
+    return flat_params(model) - before
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_bookkeeping_and_two_pass_updates_are_equal(name):
+    """sigma = 0 and C at the median norm (half the examples clipped): the same update to 1e-6 relative."""
+    ids = data(4, seed=5)
+    model = make(name, seed=5)
+    c = per_sample_sq_norms(model, lambda m: lm_losses(m, ids), "exact").sqrt().median().item()
+    updates = {p: _private_update(make(name, seed=5), ids, p, c) for p in ("bookkeeping", "two-pass")}
+    a, b = updates["bookkeeping"], updates["two-pass"]
+    assert (a - b).norm() <= 1e-6 * b.norm(), (a - b).norm() / b.norm()
+
+
+class _Recorder(torch.optim.SGD):
+    """SGD that keeps the gradient it was given (float32 parameters round a small update; the gradient does
+    not)."""
+
+    def step(self, closure=None):
+        self.seen = torch.cat([p.grad.detach().flatten().double() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def test_two_pass_equals_bookkeeping_on_the_float32_tiny_decoder():
+    from dpsgd.demo import TinyLlama
+
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 4, (4,), generator=torch.Generator().manual_seed(1))
+
+    def update(clipping_pass):
+        torch.manual_seed(0)
+        model = TinyLlama(64, 32, dim=32, heads=2, layers=2).train()
+        opt = _Recorder(model.parameters(), lr=1.0)
+        private_step(model, opt,
+                     lambda m: torch.nn.functional.cross_entropy(m(ids), y, reduction="none"), max_grad_norm=0.05,
+                     noise_multiplier=0.0, expected_batch_size=4, estimator="hutch", k=4,
+                     generator=torch.Generator().manual_seed(3), clipping_pass=clipping_pass)
+        return opt.seen
+    a, b = update("bookkeeping"), update("two-pass")
+    assert (a - b).norm() <= 1e-6 * b.norm(), (a - b).norm() / b.norm()
+
+
+def test_two_pass_refuses_half_precision_parameters():
+    model = make("gpt2_tied", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="clipping_pass='two-pass'.*half"):
+        private_step(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda m: lm_losses(m, data(2)).float(),
+                     max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2, clipping_pass="two-pass")
+
+
+def test_unknown_clipping_pass_is_refused_by_name():
+    with pytest.raises(ValueError, match="clipping_pass must be one of"):
+        private_step(make("gpt2_tied"), torch.optim.SGD(make("gpt2_tied").parameters(), lr=1.0),
+                     lambda m: lm_losses(m, data(2)), max_grad_norm=1.0, noise_multiplier=0.0,
+                     expected_batch_size=2, clipping_pass="twice")

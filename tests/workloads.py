@@ -104,6 +104,43 @@ class TwiceLM(nn.Module):
         return self.head(x)
 
 
+class ConvLM(nn.Module):
+    """Token embeddings as a one-channel image: ``Conv2d`` (reflect-padded), ``GroupNorm``, a grouped ``Conv2d``,
+    a 1x1 ``Conv2d`` back to one channel, head (a CNN with the native convolution and normalization handlers)."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.conv = nn.Conv2d(1, 4, 3, padding="same", padding_mode="reflect")
+        self.norm = nn.GroupNorm(2, 4)
+        self.grouped = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.mix = nn.Conv2d(4, 1, 1)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids).unsqueeze(1)                        # (B, 1, T, dim)
+        y = torch.tanh(self.norm(self.conv(x)))
+        y = self.mix(torch.tanh(self.grouped(y)))
+        return self.head((x + y).squeeze(1))
+
+
+class Conv1dLM(nn.Module):
+    """A causal ``Conv1d`` over positions (left padding, dilation 2), ``LayerNorm``, ``RMSNorm``, head."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.conv = nn.Conv1d(dim, dim, 2, dilation=2)
+        self.norm = nn.LayerNorm(dim)
+        self.rms = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        y = self.conv(F.pad(x.transpose(1, 2), (2, 0))).transpose(1, 2)
+        return self.head(self.rms(x + self.norm(y)))
+
+
 WORKLOADS = {
     "gpt2_tied": gpt2,
     "llama_tied": lambda: llama(True),
@@ -113,6 +150,8 @@ WORKLOADS = {
     "multihead_attention": AttentionLM,
     "lstm": RecurrentLM,
     "module_called_twice": TwiceLM,
+    "cnn_groupnorm": ConvLM,
+    "conv1d_layernorm": Conv1dLM,
     "llama_checkpointing": lambda: llama(True, checkpointing=True),
 }
 
