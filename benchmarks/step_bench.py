@@ -1,17 +1,21 @@
-"""One whole training step on CPU: non-private, DP-SGD with each of our estimators, and Opacus' ghost clipping
-(when opacus is installed), for the tiny Llama-style decoder (dpsgd.demo.TinyLlama) and tiny Hugging Face
-GPT-2 (tied embeddings) and Llama models built from configs (random weights).
+"""One whole training step on CPU: non-private, DP-SGD with each of our estimators (book-keeping, and Hutchinson
+with the two-pass clipped sum), and Opacus' ghost clipping (when opacus is installed).
 
-Each (model, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm-up steps, then the median of
-five timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds and the
-median over rounds is reported, so that load on the shared machine hits every method alike.  "extra MB" is
-the growth of the process's peak resident memory from just before the first step (ru_maxrss).  Ratios are
-against the non-private step of the same model, measured in the same run.  Batches come from each method's
-own data loader (the private ones: fixed-size batches, ``poisson_sampling=False``, so that every step has
-the same size).
+Models (random weights, built from configs): the tiny Llama-style decoder of ``dpsgd.demo``; tiny Hugging Face
+GPT-2 (tied embeddings) and Llama; a Llama-shaped decoder for long contexts (``llama-long``, hidden 256, T up
+to 8192); a CNN with Conv2d + GroupNorm on 32x32 images (``cnn``).
 
-    python benchmarks/step_bench.py                                 # every model, T = 64 (HF) / 512 (tiny)
-    python benchmarks/step_bench.py --models gpt2 llama --rounds 3
+Each (model, T, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm-up steps, then the median
+of ``--steps`` timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds
+and the median over rounds is reported, so that load on the shared machine hits every method alike.
+"peak MB" is the growth of the process's peak resident memory from just before the first step
+(ru_maxrss): what the steps add on top of the model, optimizer and data.  Ratios are against the
+non-private step of the same model and T, measured in the same run.  Batches come from each method's own
+data loader (the private ones: fixed-size batches, ``poisson_sampling=False``, so that every step has the
+same size).
+
+    python benchmarks/step_bench.py                                   # tiny, gpt2, llama, cnn
+    python benchmarks/step_bench.py --models llama-long --seq-len 512 2048 4096 --batch 2 --steps 3
 """
 
 import argparse
@@ -24,16 +28,25 @@ import sys
 import time
 import warnings
 
-METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "opacus-ghost"]
+METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "hutch-two-pass", "opacus-ghost"]
 MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd.demo's classification task)",
           "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
-          "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)"}
+          "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)",
+          "cnn": "CNN on 32x32 RGB, 10 classes: 4 Conv2d (32-64 channels) each with GroupNorm, SiLU, linear head",
+          "llama-long": "HF Llama-shaped decoder (hidden 256, MLP 688, 2 layers, 4 heads, vocab 1000, untied)"}
 
 
 def build(model: str, t: int):
     import torch
 
     torch.manual_seed(0)
+    if model == "cnn":
+        from torch import nn
+
+        def block(i, o, s):
+            return [nn.Conv2d(i, o, 3, stride=s, padding=1), nn.GroupNorm(8, o), nn.SiLU()]
+        return nn.Sequential(*block(3, 32, 1), *block(32, 64, 2), *block(64, 64, 1), *block(64, 64, 2),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)), 10
     if model == "tiny":
         from dpsgd.demo import TinyLlama
 
@@ -49,6 +62,11 @@ def build(model: str, t: int):
                                           eos_token_id=0)), 1000
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if model == "llama-long":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                            max_position_embeddings=t, tie_word_embeddings=False, bos_token_id=0,
+                                            eos_token_id=0)), 1000
     return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=t,
                                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)), 1000
@@ -65,7 +83,7 @@ class LM:
         return out.logits if hasattr(out, "logits") else out
 
 
-def one(model_name: str, method: str, t: int, batch: int) -> dict:
+def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -79,6 +97,10 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
         from dpsgd.demo import marker_task
 
         data = marker_task(batch * 16, t, 256, 8, torch.Generator().manual_seed(0))
+    elif model_name == "cnn":  # t is the image side
+        gen = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(batch * 16, 3, t, t, generator=gen),
+                             torch.randint(0, 10, (batch * 16,), generator=gen))
     else:                      # causal LM: next-token targets
         ids = torch.randint(0, vocab, (batch * 16, t), generator=torch.Generator().manual_seed(0))
         data = TensorDataset(ids, ids)
@@ -91,9 +113,11 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
             module=model, optimizer=opt, data_loader=loader, criterion=crit, noise_multiplier=1.0,
             max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False)
     elif method != "non-private":
+        estimator, two_pass = method.removesuffix("-two-pass"), method.endswith("-two-pass")
         model, opt, crit, loader = PrivacyEngine().make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
-            noise_multiplier=1.0, estimator=method, k=32, poisson_sampling=False, seed=0)
+            noise_multiplier=1.0, estimator=estimator, k=32, poisson_sampling=False, seed=0,
+            clipping_pass="two-pass" if two_pass else "bookkeeping")
     lm = LM(model)
     batches = iter(loader)
 
@@ -105,7 +129,7 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
             batches = iter(loader)
             x, y = next(batches)
         opt.zero_grad()
-        if model_name == "tiny":
+        if model_name in ("tiny", "cnn"):
             crit(lm(x), y).backward()
             opt.step()
             return
@@ -123,61 +147,68 @@ def one(model_name: str, method: str, t: int, batch: int) -> dict:
     step()
     extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
     times = []
-    for _ in range(5):
+    for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     return {"seconds": statistics.median(times), "extra_mb": extra / 1024}
 
 
-def run(model: str, method: str, t: int, batch: int) -> dict:
+def run(model: str, method: str, t: int, batch: int, steps: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--one", model, method, str(t), str(batch)],
+    out = subprocess.run([sys.executable, __file__, "--one", model, method, str(t), str(batch), str(steps)],
                          capture_output=True, text=True, env=env)
     if out.returncode:  # e.g. Opacus' ghost clipping refuses tied parameters
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--seq-len", type=int, default=None, help="T (default 512 for tiny, 64 for the HF models)")
+    ap.add_argument("--models", nargs="+", default=["tiny", "gpt2", "llama", "cnn"], choices=list(MODELS))
+    ap.add_argument("--seq-len", type=int, nargs="+", default=None,
+                    help="T values (default: 512 tiny, 64 HF, 2048 llama-long; the image side for cnn: 32)")
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per process (after two warm-up steps)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--one", nargs=4)
+    ap.add_argument("--one", nargs=5)
     args = ap.parse_args()
     if args.one:
-        model, method, t, b = args.one
-        print(json.dumps(one(model, method, int(t), int(b))))
+        model, method, t, b, steps = args.one
+        print(json.dumps(one(model, method, int(t), int(b), int(steps))))
         return
-    methods = list(METHODS)
+    methods = list(dict.fromkeys(["non-private", *args.methods]))
     try:
         import opacus  # noqa: F401
     except ImportError:
-        methods.remove("opacus-ghost")
-    print(f"batch {args.batch}, OMP_NUM_THREADS=1, median of 5 steps per process, median of {args.rounds} "
-          f"round-robin rounds; seconds per step (ratio to non-private) | extra peak MB")
+        methods = [m for m in methods if m != "opacus-ghost"]
+    print(f"batch {args.batch}, OMP_NUM_THREADS=1, median of {args.steps} steps per process, median of "
+          f"{args.rounds} round-robin rounds; seconds per step, its ratio to non-private, the growth of peak "
+          f"memory during the steps (MB) and its ratio to non-private's")
     for model in args.models:
-        t = args.seq_len or (512 if model == "tiny" else 64)
-        rounds = {m: [] for m in methods}
-        for _ in range(args.rounds):
+        for t in args.seq_len or [DEFAULT_T.get(model, 64)]:
+            rounds = {m: [] for m in methods}
+            for _ in range(args.rounds):
+                for m in methods:
+                    if not any("error" in r for r in rounds[m]):
+                        rounds[m].append(run(model, m, t, args.batch, args.steps))
+            res = {m: next((r for r in rounds[m] if "error" in r), None) or
+                   {k: statistics.median(r[k] for r in rounds[m]) for k in ("seconds", "extra_mb")} for m in methods}
+            base, base_mb = res["non-private"]["seconds"], res["non-private"]["extra_mb"]
+            print(f"\n{MODELS[model]}, {'image side' if model == 'cnn' else 'T'} = {t}")
+            print(f"| {'method':<14} | {'s / step':>9} | {'ratio':>6} | {'peak MB':>8} | {'ratio':>6} |")
+            print(f"|{'-' * 16}|{'-' * 11}|{'-' * 8}|{'-' * 10}|{'-' * 8}|")
             for m in methods:
-                if not any("error" in r for r in rounds[m]):
-                    rounds[m].append(run(model, m, t, args.batch))
-        res = {m: next((r for r in rounds[m] if "error" in r), None) or
-               {k: statistics.median(r[k] for r in rounds[m]) for k in ("seconds", "extra_mb")} for m in methods}
-        base = res["non-private"]["seconds"]
-        print(f"\n{MODELS[model]}, T = {t}")
-        print(f"| {'method':<12} | {'s / step':>9} | {'ratio':>6} | {'extra MB':>8} |")
-        print(f"|{'-' * 14}|{'-' * 11}|{'-' * 8}|{'-' * 10}|")
-        for m in methods:
-            r = res[m]
-            if "error" in r:
-                print(f"| {m:<12} | refused: {r['error'][:90]} |")
-                continue
-            print(f"| {m:<12} | {r['seconds']:>9.4f} | {r['seconds'] / base:>6.2f} | {r['extra_mb']:>8.0f} |",
-                  flush=True)
+                r = res[m]
+                if "error" in r:
+                    print(f"| {m:<14} | refused: {r['error'][:90]} |")
+                    continue
+                print(f"| {m:<14} | {r['seconds']:>9.4f} | {r['seconds'] / base:>6.2f} | {r['extra_mb']:>8.0f} | "
+                      f"{r['extra_mb'] / base_mb:>6.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -362,50 +362,80 @@ class FunctionalHandler(Handler):
 
 
 class ConvHandler(LinearHandler):
-    r"""``nn.Conv1d`` / ``nn.Conv2d`` with ``groups=1``: a linear map on unfolded patches.
+    r"""``nn.Conv1d`` / ``nn.Conv2d`` with ``groups=1``: a linear map on patches.
 
-    With ``A_i`` the ``L x (C_in k)`` patches of example ``i`` (``F.unfold``; ``k`` the kernel's size, ``L``
-    the output positions) and ``G_i`` the ``L x C_out`` output gradients, the weight's per-example gradient is
-    ``G_i^T A_i`` (``C_out x C_in k``, the weight's own layout), so every estimator and the book-keeping sum
-    are those of :class:`LinearHandler`: weight ``min(C_out, C_in k)`` terms, bias 1.  Grouped convolutions
-    (``groups > 1``) are computed exactly by ``torch.func`` (:class:`FunctionalHandler`).
+    With ``A_i`` the ``L x (C_in k)`` patches of example ``i`` (``k`` the kernel's size, ``L`` the output
+    positions) and ``G_i`` the ``L x C_out`` output gradients, the weight's per-example gradient is
+    ``M_i = G_i^T A_i`` (``C_out x C_in k``, the weight's own layout): weight ``min(C_out, C_in k)`` chi-square
+    terms, bias 1, as for :class:`LinearHandler`.  Computed without forming ``A`` where possible:
+
+    * ``hutch`` with ``C_in k >= C_out``: ``A_i P`` is a convolution of the input with the ``k'`` filters
+      ``P^T`` (``P`` is ``(C_in k) x k'``), so ``||M_i P||^2 = ||G_i^T (A_i P)||^2`` costs one thin convolution
+      and a ``C_out x L x k'`` product per example;
+    * the clipped sum ``sum_i c_i M_i`` is the convolution's weight gradient for output gradients
+      ``c_i G_i`` (the same kernel as the non-private backward);
+    * ``exact``, ``ghost``, ``hutchpp`` and several calls of one convolution unfold the patches
+      (``F.unfold``) and use the linear estimators.
+
+    Grouped convolutions (``groups > 1``) are computed exactly by ``torch.func`` (:class:`FunctionalHandler`).
     """
 
     def _grouped(self, module: nn.Module) -> bool:
         return module.groups != 1
 
-    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-        if "ag" not in call.cache:
+    def _xg(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """The (explicitly padded) input as a 2-D convolution's ``(B, C_in, H, W)``, ``G`` as ``(B, C_out, L)``,
+        and the convolution's ``(kernel, stride, padding, dilation)`` in 2-D."""
+        if "xg" not in call.cache:
             m, b = call.module, call.batch_size
             x, g = call.args[0], _single_grad(call, type(m).__name__)
             dtype = compute_dtype(x, g)
             x = x.to(dtype)
             one_d = isinstance(m, nn.Conv1d)
+            if isinstance(m.padding, str) or m.padding_mode != "zeros":
+                # the module pads explicitly ('same' may be asymmetric; reflect/replicate/circular modes)
+                x = F.pad(x, _explicit_padding(m), mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+                padding = (0,) * len(m.kernel_size)
+            else:
+                padding = m.padding
             if one_d:  # a 1-D convolution is a 2-D one of height 1
                 x = x.unsqueeze(2)
-            kernel, dilation, stride = ((1, *m.kernel_size), (1, *m.dilation), (1, *m.stride)) if one_d else \
-                (m.kernel_size, m.dilation, m.stride)
-            padding = (0, *m.padding) if one_d and not isinstance(m.padding, str) else m.padding
-            if isinstance(padding, str) or m.padding_mode != "zeros":
-                # the module pads explicitly ('same' may be asymmetric; reflect/replicate/circular modes)
-                x = F.pad(x, _explicit_padding(m) + ([0, 0] if one_d else []),
-                          mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-                padding = 0
+                geometry = ((1, *m.kernel_size), (1, *m.stride), (0, *padding), (1, *m.dilation))
+            else:
+                geometry = (m.kernel_size, m.stride, padding, m.dilation)
+            call.cache["xg"] = (x, g.to(dtype).reshape(b, g.shape[1], -1), geometry)
+        return call.cache["xg"]
+
+    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ag" not in call.cache:
+            x, g, (kernel, stride, padding, dilation) = self._xg(call)
             a = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)   # (B, C_in k, L)
-            call.cache["ag"] = (a.transpose(1, 2), g.to(dtype).reshape(b, g.shape[1], -1).transpose(1, 2))
+            call.cache["ag"] = (a.transpose(1, 2), g.transpose(1, 2))
         return call.cache["ag"]
 
     def terms(self, module, name, estimator):
-        if self._grouped(module):
-            return None
-        if estimator not in ("hutch", "hutchpp"):
+        if self._grouped(module) or estimator not in ("hutch", "hutchpp"):
             return None
         return 1 if name == "bias" else min(module.weight.shape[0], module.weight[0].numel())
 
     def sq_norms(self, call, name, estimator, k, generator):
-        if self._grouped(call.module):
+        m = call.module
+        if self._grouped(m):
             return _FUNCTIONAL.sq_norms(call, name, estimator, k, generator)
-        return super().sq_norms(call, name, estimator, k, generator)
+        x, g, (kernel, stride, padding, dilation) = self._xg(call)
+        if name == "bias":   # M_i = 1^T G_i: the row sums
+            s = g.sum(-1).unsqueeze(1)
+            ones = torch.ones(s.shape[0], 1, 1, device=s.device, dtype=s.dtype)
+            fn = ESTIMATORS[estimator]
+            return fn(ones, s) if estimator in ("exact", "ghost") else fn(ones, s, k, generator)
+        c_out, d = m.weight.shape[0], m.weight[0].numel()
+        if estimator != "hutch" or d < c_out:
+            return super().sq_norms(call, name, estimator, k, generator)
+        p = gaussian_projection(d, k, x, generator)                         # (C_in k) x k'
+        filters = p.t().reshape(k, x.shape[1], *kernel)
+        ap = F.conv2d(x, filters, None, stride, padding, dilation)          # (B, k', H', W') = A_i P
+        mp = torch.bmm(g, ap.reshape(ap.shape[0], k, -1).transpose(1, 2))   # (B, C_out, k') = M_i P
+        return mp.square().sum((1, 2))
 
     def per_example(self, call, name, projection):
         if self._grouped(call.module):
@@ -415,7 +445,19 @@ class ConvHandler(LinearHandler):
     def clipped_sum(self, call, name, weights):
         if self._grouped(call.module):
             return _FUNCTIONAL.clipped_sum(call, name, weights)
-        return super().clipped_sum(call, name, weights)
+        x, g, (kernel, stride, padding, dilation) = self._xg(call)
+        gc = g * weights.to(g.dtype)[:, None, None]
+        if name == "bias":
+            return gc.sum((0, 2))
+        w = call.module.weight
+        gc = gc.reshape(*gc.shape[:2], *_out_hw(x, kernel, stride, padding, dilation))
+        out = torch.nn.grad.conv2d_weight(x, (w.shape[0], x.shape[1], *kernel), gc, stride, padding, dilation)
+        return out.reshape(w.shape)
+
+
+def _out_hw(x: torch.Tensor, kernel, stride, padding, dilation) -> tuple[int, int]:
+    return tuple((x.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+                 for i in range(2))
 
 
 def _explicit_padding(m: nn.Module) -> list[int]:
