@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .distributed import check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
-from .layers import Call, Handler, flat_tensors, handler_for, matrix_view
+from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
 from .validator import ModuleValidator
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
@@ -120,6 +121,8 @@ class NormPlan:
         if not plan.params:
             raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
         for p in plan.params:
+            check_sharding(plan.names[id(p)], p)
+        for p in plan.params:
             owners = plan.owners[id(p)]
             ts = [u.handler.terms(u.module, local, estimator) for u, local in owners]
             if all(t is None for t in ts):
@@ -142,7 +145,7 @@ class NormPlan:
         for u in self.units:
             ts = [self.terms[self.names[id(p)]] for p in u.params.values()]
             how = "exact" if all(t is None for t in ts) else f"{sum(t or 0 for t in ts)} terms"
-            rows.append((u.path, type(u.module).__name__, type(u.handler).__name__, how))
+            rows.append((u.path, module_type(u.module).__name__, type(u.handler).__name__, how))
         return rows
 
 
@@ -197,13 +200,22 @@ class Capture:
                     # parameters would silently not train
                     self.no_grad_units.append(unit.path or type(module).__name__)
                 return None
-            aliases = {}
+            aliases, previous = {}, {}
             for local, p in unit.params.items():
                 owner, attr = _locate(module, local)
-                alias = nn.Parameter(p.detach(), requires_grad=True)
+                current = owner._parameters[attr]
+                if current is p:
+                    data = p.detach()
+                elif is_sharded(p) and current is not None and current.shape == p.shape:
+                    # FSDP2 gathered the parameter for this forward; it frees the gathered copy after use
+                    data = current.detach().clone() if unit.handler.needs_weights(module) else current.detach()
+                else:
+                    raise RuntimeError(f"{self.plan.names[id(p)]} was replaced after make_private; its gradient "
+                                       f"would not be that of the parameter the optimizer updates")
+                alias = nn.Parameter(data, requires_grad=True)
                 owner._parameters[attr] = alias
-                aliases[local] = alias
-            self._swapped.setdefault(id(module), []).append(aliases)
+                aliases[local], previous[local] = alias, current
+            self._swapped.setdefault(id(module), []).append((aliases, previous))
             return None
         return hook
 
@@ -212,10 +224,10 @@ class Capture:
             stack = self._swapped.get(id(module))
             if not stack:
                 return None
-            aliases = stack.pop()
+            aliases, previous = stack.pop()
             for local in aliases:  # always restore, even when the forward raised
                 owner, attr = _locate(module, local)
-                owner._parameters[attr] = unit.params[local]
+                owner._parameters[attr] = previous[local]
             if output is None:  # the forward raised (always_call)
                 return None
             b = self._batch
@@ -365,6 +377,10 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
              else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
+    if b and any(is_sharded(p) for p in model_params):
+        # FSDP2 runs modules with gathered copies of the sharded parameters: gradient that reaches one outside
+        # a recorded call would not reach the parameter itself, so look for it in the graph
+        leaked += _gathered_leaves(losses, calls)
     if leaked:
         raise IncompleteGradientError(_leak_message(leaked, plan))
     pos, reached = 0, []
@@ -457,6 +473,22 @@ def _first_backward(capture: Capture, losses, outputs, model_params, retain_grap
         capture.active = True
 
 
+def _gathered_leaves(losses: torch.Tensor, calls: list[Call]) -> list[str]:
+    """Parameters (other than the recorded calls' aliases) that ``losses`` depend on, from its autograd graph."""
+    aliases = {id(a) for c in calls for a in c.aliases.values()}
+    seen, stack, found = set(), [losses.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if isinstance(var, nn.Parameter) and id(var) not in aliases:
+            found.append(f"a gathered FSDP parameter of shape {tuple(var.shape)}")
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
 def _qualified(model: nn.Module, p: nn.Parameter) -> str:
     return next((n for n, q in model.named_parameters() if q is p), "<unnamed parameter>")
 
@@ -546,13 +578,20 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_size: float,
-                    noise_generator: torch.Generator | None) -> list[torch.Tensor]:
-    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype."""
+                    noise_generator: torch.Generator | None, params: list | None = None) -> list[torch.Tensor]:
+    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype.
+
+    With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
+    shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums)."""
     out = []
-    for g in sums:
+    for i, g in enumerate(sums):
         if noise_std > 0:
+            p = params[i] if params is not None else None
             device = noise_generator.device if noise_generator is not None else g.device
-            xi = torch.randn(g.shape, generator=noise_generator, device=device, dtype=g.dtype)
+            xi = torch.randn(g.shape if p is None else p.shape, generator=noise_generator, device=device,
+                             dtype=g.dtype)
+            if p is not None:
+                xi = local_part(p, xi)
             g = g + noise_std * xi.to(g.device)
         out.append(g / expected_batch_size)
     if not all(torch.isfinite(g).all() for g in out):

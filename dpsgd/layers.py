@@ -41,7 +41,7 @@ from .estimators import ESTIMATORS, gaussian_projection
 
 __all__ = ["Call", "Handler", "LinearHandler", "EmbeddingHandler", "FunctionalHandler", "HANDLERS",
            "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
-           "ConvHandler", "NormalizationHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm"]
+           "ConvHandler", "NormalizationHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -87,6 +87,10 @@ class Handler:
 
     #: the handler covers the parameters of the module's submodules too (they are not hooked separately)
     recursive: bool = False
+    def needs_weights(self, module: nn.Module) -> bool:
+        """Whether the handler reads the parameters' values after the backward (not only the recorded
+        activations and output gradients): FSDP frees gathered parameters after use, so those are copied."""
+        return False
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The trainable parameters this handler covers, by name relative to ``module``."""
@@ -134,9 +138,18 @@ def register_handler(module_type: type, handler: Handler | None = None):
     return wrap
 
 
+def module_type(module: nn.Module) -> type:
+    """The module's class, or for a module that ``torch.distributed.fsdp.fully_shard`` wrapped (whose class
+    it replaces by ``FSDP<Class>(FSDPModule, Class)``), the original class."""
+    bases = type(module).__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1]
+    return type(module)
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's ``Conv1D`` (transformers), recognised by name and weight layout, without importing it."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2
+    return module_type(module).__name__ == "Conv1D" and hasattr(module, "weight") and module.weight.dim() == 2
 
 
 def matrix_view(shape: tuple | torch.Size) -> tuple[int, int]:
@@ -281,6 +294,9 @@ class FunctionalHandler(Handler):
     randomness inside the re-run raises.
     """
 
+    def needs_weights(self, module):
+        return True
+
     def terms(self, module, name, estimator):
         return None
 
@@ -382,6 +398,9 @@ class ConvHandler(LinearHandler):
 
     def _grouped(self, module: nn.Module) -> bool:
         return module.groups != 1
+
+    def needs_weights(self, module):
+        return self._grouped(module)
 
     def _xg(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """The (explicitly padded) input as a 2-D convolution's ``(B, C_in, H, W)``, ``G`` as ``(B, C_out, L)``,
@@ -485,6 +504,9 @@ class NormalizationHandler(FunctionalHandler):
     input in float32 (or float64).  Exact: a point mass in the estimate's law, no chi-square terms.
     """
 
+    def needs_weights(self, module):
+        return False
+
     def _normalized(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         m = call.module
         if isinstance(m, nn.LayerNorm):
@@ -522,6 +544,9 @@ class ScaledRMSNormHandler(FunctionalHandler):
     the exact ``torch.func`` path.  Exact either way.
     """
 
+    def needs_weights(self, module):
+        return True
+
     def _grads(self, call: Call) -> dict[str, torch.Tensor]:
         if "per_example" not in call.cache:
             m, b = call.module, call.batch_size
@@ -547,9 +572,9 @@ class ScaledRMSNormHandler(FunctionalHandler):
 def is_scaled_rmsnorm(module: nn.Module) -> bool:
     """An ``*RMSNorm`` module with one 1-D ``weight`` and an epsilon (Hugging Face's layout)."""
     params = dict(module.named_parameters(recurse=False))
-    return (type(module).__name__.endswith("RMSNorm") and list(params) == ["weight"] and params["weight"].dim() == 1
-            and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
-            and not list(module.children()))
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return (module_type(module).__name__.endswith("RMSNorm") and list(params) == ["weight"]
+            and params["weight"].dim() == 1 and isinstance(eps, float) and not list(module.children()))
 
 
 class MultiheadAttentionHandler(FunctionalHandler):
@@ -582,8 +607,8 @@ _SCALED_RMSNORM = ScaledRMSNormHandler()
 
 def handler_for(module: nn.Module) -> Handler:
     """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` as linear, else the exact fallback."""
-    if type(module) in HANDLERS:
-        return HANDLERS[type(module)]
+    if module_type(module) in HANDLERS:
+        return HANDLERS[module_type(module)]
     if is_conv1d(module):
         return _LINEAR
     if is_scaled_rmsnorm(module):

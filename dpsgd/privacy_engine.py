@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
 
 from .data import DPDataLoader, private_data_loader
+from .distributed import all_sum, as_grad, broadcast_int, rank_world, reduce_sums
 from .engine import (
     Capture,
     NormPlan,
@@ -66,29 +67,6 @@ from .engine import (
 )
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
-
-
-def _rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _broadcast_int(value: int) -> int:
-    """Rank 0's ``value`` on every rank (identity without torch.distributed)."""
-    if _rank_world()[1] == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    torch.distributed.broadcast(t, src=0)
-    return int(t.item())
-
-
-def _all_sum(value: float) -> float:
-    if _rank_world()[1] == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return float(t.item())
 
 
 class DPLoss:
@@ -413,21 +391,21 @@ class PrivacyEngine:
         plan = NormPlan.build(module, estimator)
         self.plan = plan
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
-        rank, world = _rank_world()
+        rank, world = rank_world()
         # one seed for the whole run (rank 0's, or os.urandom's in secure mode), shared by all ranks
         root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
-        base = torch.Generator().manual_seed(_broadcast_int(root))
+        base = torch.Generator().manual_seed(broadcast_int(root))
         seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
         self._sampling_rng = torch.Generator().manual_seed(seeds[3 + rank])   # each rank samples its own shard
         self._projection_seed = seeds[1] + rank
         self._projection_rngs: dict[torch.device, torch.Generator] = {}
-        noise_seed = _broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
+        noise_seed = broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
         self._noise_rng = torch.Generator().manual_seed(noise_seed)              # the same noise on every rank
         loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng,
                                      on_batch=self._on_batch, on_empty=self._empty_step)
         n = len(data_loader.dataset)
         self.sample_rate = loader.sample_rate
-        self.expected_batch_size = _all_sum(self.sample_rate * n)
+        self.expected_batch_size = all_sum(self.sample_rate * n)
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
         self.clipping_pass = clipping_pass
         self.envelope = self._envelope(plan)
@@ -537,14 +515,13 @@ class PrivacyEngine:
         sums = [self._sums.get(id(p), torch.zeros(p.shape, device=p.device,
                                                   dtype=torch.promote_types(p.dtype, torch.float32)))
                 for p in self.plan.params]
-        if _rank_world()[1] > 1:  # per-example norms stay local; the clipped sums add up across ranks
-            sums = [g.clone() for g in sums]
-            for g in sums:
-                torch.distributed.all_reduce(g)
+        # per-example norms stay local; the clipped sums add up across ranks (all-reduce, or reduce-scatter
+        # for FSDP2's sharded parameters)
+        sums = reduce_sums(self.plan.params, sums)
         noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, self.expected_batch_size,
-                                self._noise_rng)
+                                self._noise_rng, params=self.plan.params)
         for p, g in zip(self.plan.params, noisy, strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype)
+            p.grad = as_grad(p, g)
         self._optimizer.original_optimizer.step()
         self._record_step()  # the ledger: only after the step has happened
         self._capture.clear()
@@ -565,7 +542,7 @@ class PrivacyEngine:
 
     def _record_step(self) -> None:
         self._steps += 1
-        if self.ledger_path is not None and _rank_world()[0] == 0:
+        if self.ledger_path is not None and rank_world()[0] == 0:
             with open(self.ledger_path, "a") as fh:
                 fh.write(json.dumps({"step": self._steps, "settings": self._settings}) + "\n")
                 fh.flush()

@@ -1,0 +1,91 @@
+"""torch.distributed for the private step: ranks, shared seeds, and clipped sums of replicated (DDP) or
+sharded (FSDP2, ``torch.distributed.fsdp.fully_shard``) parameters.
+
+Every rank clips its own examples.  A replicated parameter's clipped sums are all-reduced; a sharded
+parameter's (a ``DTensor``, sharded along dimension 0 on a 1-D mesh) are reduce-scattered, so each rank
+keeps the sum of its shard only.  The noise is drawn once, from a generator with the same seed on every
+rank, at the parameter's full shape; a sharded parameter keeps the rows of its shard, so every coordinate
+of the model gets noise of standard deviation ``sigma C`` exactly once, the same as without sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+except ImportError:   # a torch build without torch.distributed
+    DTensor = ()
+
+__all__ = ["rank_world", "broadcast_int", "all_sum", "is_sharded", "check_sharding", "reduce_sums", "local_part",
+           "as_grad"]
+
+
+def rank_world() -> tuple[int, int]:
+    """``(rank, world size)``, ``(0, 1)`` without an initialized process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def broadcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank (identity without torch.distributed)."""
+    if rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.broadcast(t, src=0)
+    return int(t.item())
+
+
+def all_sum(value: float) -> float:
+    """The sum of ``value`` over ranks."""
+    if rank_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t.item())
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a ``DTensor`` (a parameter that FSDP2 shards)."""
+    return isinstance(p, DTensor)
+
+
+def check_sharding(name: str, p: torch.Tensor) -> None:
+    """``ValueError`` unless a sharded parameter is FSDP2's layout: one mesh dimension, ``Shard(0)``."""
+    if is_sharded(p) and (p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),)):
+        raise ValueError(f"{name} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
+                         f"mesh; the private step supports FSDP2's (Shard(0),) on a 1-D mesh (fully_shard without "
+                         f"HSDP or tensor parallelism)")
+
+
+def reduce_sums(params: list, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each rank's clipped sums (full shapes) added over ranks: all-reduced for a replicated parameter, the
+    local shard of the reduce-scattered sum for a sharded one."""
+    if rank_world()[1] == 1:
+        return sums
+    out = []
+    for p, g in zip(params, sums, strict=True):
+        if is_sharded(p):
+            out.append(DTensor.from_local(g.contiguous(), p.device_mesh, [Partial()], run_check=False)
+                       .redistribute(p.device_mesh, p.placements).to_local())
+        else:
+            g = g.clone()
+            torch.distributed.all_reduce(g)
+            out.append(g)
+    return out
+
+
+def local_part(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the parameter's full shape, identical on every rank) restricted to this rank's shard of ``p``."""
+    if not is_sharded(p):
+        return full
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def as_grad(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient for ``p``: a ``DTensor`` with ``p``'s layout when ``p`` is sharded."""
+    local = local.to(device=p.to_local().device if is_sharded(p) else p.device, dtype=p.dtype)
+    if not is_sharded(p):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
