@@ -410,6 +410,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         weights = torch.clamp(c_eff / n.sqrt().clamp_min(1e-300), max=1.0)
         sums = {}
         if two_pass:
+            for c in reached:   # the output gradients are not needed any more: free them before the second pass
+                c.grads = []
+                c.cache.clear()
             sums = _second_backward(capture, losses, weights, uses)
         elif not norms_only:
             for p, contributions in uses:
