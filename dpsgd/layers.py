@@ -323,12 +323,14 @@ class FunctionalHandler(Handler):
         def one(prm, gs, args, kws):
             args = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(args, arg_dims, strict=True))
             kws = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(kws, kw_dims, strict=True))
-            _, vjp = torch.func.vjp(lambda pp: run(pp, args, kws), prm)
-            return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0]
+            out, vjp = torch.func.vjp(lambda pp: run(pp, args, kws), prm)
+            return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0], out
 
         try:
-            return torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
+            per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
                 params, tuple(grads), call.args, kw_vals)
+            _check_per_example(call, outs, out_dims)
+            return per
         except RuntimeError as err:
             if "random" in str(err):
                 raise RuntimeError(f"{type(module).__name__} uses randomness (dropout) in training mode inside a "
@@ -341,7 +343,8 @@ class FunctionalHandler(Handler):
         rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
                     tuple(pick(x, d, i) for x, d in zip(call.args, arg_dims, strict=True)),
                     tuple(pick(x, d, i) for x, d in zip(kw_vals, kw_dims, strict=True))) for i in range(b)]
-        return {n: torch.stack([r[n] for r in rows]) for n in params}
+        _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_dims))), out_dims)
+        return {n: torch.stack([r[0][n] for r in rows]) for n in params}
 
     def _out_dims(self, call: Call, params: dict) -> list[int]:
         """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
@@ -575,6 +578,32 @@ def is_scaled_rmsnorm(module: nn.Module) -> bool:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return (module_type(module).__name__.endswith("RMSNorm") and list(params) == ["weight"]
             and params["weight"].dim() == 1 and isinstance(eps, float) and not list(module.children()))
+
+
+_MIXING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+
+
+def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
+    """``UnsupportedModuleError`` unless the module's per-example re-run reproduces its batched outputs: a
+    module whose output for one example depends on the others (a batch statistic, attention across the
+    batch) has no per-example gradient, and its clipped contribution would not be bounded by ``C``."""
+    from .validator import UnsupportedModuleError
+
+    for full, per, d in zip(call.outputs, outs, out_dims, strict=True):
+        if not full.is_floating_point():
+            continue
+        per = per.squeeze(d + 1)                     # (B, rest): the example's own batch dimension of size 1
+        full = full.movedim(d, 0)
+        scale = float(full.abs().max()) if full.numel() else 0.0
+        tol = _MIXING_TOLERANCE.get(full.dtype, 5e-2) * max(scale, 1e-30)
+        if per.shape != full.shape or float((per.to(full.dtype) - full).abs().max()) > tol:
+            unit = call.cache.get("unit")
+            raise UnsupportedModuleError(
+                getattr(unit, "path", type(call.module).__name__),
+                f"{type(call.module).__name__}'s output for one example depends on other examples of the batch "
+                f"(re-run on each example alone it differs), so it has no per-example gradient and a clipped "
+                f"contribution could exceed C. Make it treat examples independently (no batch statistics, no "
+                f"mixing along the batch dimension)")
 
 
 class MultiheadAttentionHandler(FunctionalHandler):

@@ -134,3 +134,24 @@ def test_native_handlers_in_lower_precision_are_close_to_float64(dtype):
     got = per_sample_sq_norms(low, lambda m: m(xl).float().square().sum(1), "exact")
     assert got.dtype == torch.float64
     assert torch.allclose(got, ref, rtol=1e-4 if dtype == torch.float32 else 0.1)
+
+
+class BatchCentered(nn.Module):
+    """A parameterized module that subtracts the batch mean: example i's output depends on the others."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.scale * (x - x.mean(0, keepdim=True))
+
+
+def test_a_module_that_mixes_examples_is_refused_at_the_backward():
+    from dpsgd.validator import UnsupportedModuleError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), BatchCentered(6), nn.Linear(6, 1)).double().train()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModuleError, match="depends on other examples"):
+        per_sample_sq_norms(model, lambda m: m(x).square().sum(1), "exact")
