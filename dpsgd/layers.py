@@ -19,13 +19,20 @@ Built in:
 * ``nn.Linear`` and GPT-2's ``Conv1D``: the estimator on ``(A, G)``; weight ``min(d_in, d_out)`` terms,
   bias 1;
 * ``nn.Embedding``: token-id sums of ``G`` rows; ``min(V, p)`` terms under ``hutch``, exact otherwise;
+* ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``): a linear map on patches, weight ``min(C_out, C_in k)``
+  terms, bias 1 (:class:`ConvHandler`); grouped convolutions exact by ``torch.func``;
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: exact in closed form (:class:`NormalizationHandler`);
+  Hugging Face's ``*RMSNorm`` modules likewise, checked per call (:class:`ScaledRMSNormHandler`);
 * ``nn.MultiheadAttention``: exact by ``torch.func``, over all its parameters including ``out_proj`` (used
   outside ``out_proj.forward``);
 * anything else with parameters of its own: exact by ``torch.func`` (point masses).
 
-The exact fallback (:class:`FunctionalHandler`) re-runs the module per example with ``torch.func`` on the
-recorded inputs; it supports tuple outputs (LSTM, GRU, attention) and keyword arguments, and refuses
-randomness inside the module (dropout), whose per-example re-run would not reproduce the forward.
+Modules that ``torch.distributed.fsdp.fully_shard`` wrapped get the handler of their original class
+(:func:`module_type`).  The exact fallback (:class:`FunctionalHandler`) re-runs the module per example
+with ``torch.func`` on the recorded inputs; it supports tuple outputs (LSTM, GRU, attention) and keyword
+arguments, refuses randomness inside the module (dropout), whose per-example re-run would not reproduce
+the forward, and refuses a module whose re-run on one example differs from its batched output (it mixes
+examples).
 """
 
 from __future__ import annotations
