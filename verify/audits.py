@@ -18,6 +18,7 @@ from .privacy import privacy_audit
 from .result import AuditResult
 from .schur_claims import schur_audit
 from .symbolic import symbolic_audit
+from .training import CONFIGS, trainer_audit
 
 __all__ = ["AUDITS"]
 
@@ -30,6 +31,7 @@ AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
     "privacy": (privacy_audit, {"samples": 400_000, "y_pool": 50_000, "pilot": 3000},
                 {"samples": 2_000_000, "y_pool": 400_000, "pilot": 20_000}),
     "symbolic": (symbolic_audit, {}, {}),
+    "trainer": (trainer_audit, {}, {"configs": CONFIGS, "runs": 3}),
     "peers": (peer_audit, {}, {"configs": PEER_CONFIGS}),
     "envelope_claims": (envelope_claims, {"ks": (1, 32, 128)}, {"ks": (1, 4, 32, 128, 512)}),
     "schur": (schur_audit, {}, {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0),

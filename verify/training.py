@@ -1,0 +1,327 @@
+r"""End-to-end audits of the trainer: ``dpsgd`` itself trains on data with canaries, and the canaries' scores
+give epsilon lower bounds that must stay below the epsilon the :class:`dpsgd.PrivacyEngine` reports.
+
+**Canaries.** Each run trains a real model (the tiny decoder of :mod:`dpsgd.demo`, or a tiny Hugging Face
+Llama built from a config) on ordinary examples plus ``m`` canary slots. The model carries a *probe*, an
+``nn.Embedding(m + 1, 1, padding_idx=0)`` looked up at ``j + 1`` for canary ``j`` and at the padding row (no
+gradient) for everything else. Canary ``j``'s per-example loss is ``s * probe(j + 1)`` with ``s`` far above
+``C`` (a *gradient canary*, a Dirac gradient on its own coordinate), so its clipped contribution is about
+``C`` along coordinate ``j`` and no other example touches that coordinate. Each slot holds its canary with
+probability 1/2 (decided before training); an empty slot holds an example of zero gradient, so the dataset
+size and the sampling rate ``q`` are the same in every run and "slot empty" is the mechanism without the
+canary. The ordinary examples train the backbone with the usual cross-entropy through the same private loss,
+so the step runs the trainer's whole machinery (hooks, handlers, estimators, the loader, accumulation).
+
+**Scores.**  The auditor sees every noisy update (the threat model of DP-SGD's accounting): after each step
+it reads coordinate ``j`` of the probe's update, ``x_t = -Delta w_j * qN / (lr sigma C)`` (plain SGD), and
+scores canary ``j`` with the log-likelihood ratio of the subsampled Gaussian,
+``sum_t log(1 - q + q exp(x_t / sigma - 1 / (2 sigma^2)))``.  Canaries' scores are independent (their
+coordinates, coins and noise are), so scores of all canaries of all runs are pooled and given to
+:class:`verify.auditing.CanaryScoreAuditor`: many-run Clopper-Pearson with a split-chosen threshold, and
+the one-run bound of Steinke, Nasr and Jagielski (2023) on the first run alone.
+
+**Power.**  The same audit with a deliberately broken step must fail: ``"unclipped"`` (every contribution
+left unclipped), ``"half-noise"`` (the noise's standard deviation halved, the accounting unchanged),
+``"microbatch-rate"`` (the accountant charged at a micro-batch's sampling rate, a quarter of the logical
+batch's).  :func:`trainer_audit` runs the configurations and the broken variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from unittest import mock
+
+import numpy as np
+
+from .auditing import CanaryScoreAuditor
+from .result import AuditResult, Figure
+
+__all__ = ["TrainerConfig", "canary_scores", "trainer_audit", "BREAKS", "CONFIGS"]
+
+BREAKS = ("unclipped", "half-noise", "microbatch-rate")
+"""The deliberately broken steps that the audit must catch."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """One audited trainer configuration.
+
+    Attributes
+    ----------
+    name : str
+    backbone : str
+        ``"tiny"`` (:class:`dpsgd.demo.TinyLlama`) or ``"hf-llama"`` (a tiny ``LlamaForCausalLM``).
+    estimator : str
+    accumulation : int
+        Micro-batches per logical batch (:class:`dpsgd.BatchMemoryManager`; 1: none).  The per-example losses
+        (cross-entropy, or the canary's probe term) go through :meth:`dpsgd.PrivacyEngine.private_loss`.
+    """
+
+    name: str
+    backbone: str = "tiny"
+    estimator: str = "hutch"
+    accumulation: int = 1
+
+
+CONFIGS = (
+    TrainerConfig("tiny decoder, hutch", "tiny", "hutch"),
+    TrainerConfig("tiny decoder, hutchpp, 2 micro-batches", "tiny", "hutchpp", accumulation=2),
+    TrainerConfig("tiny decoder, exact", "tiny", "exact"),
+    TrainerConfig("HF Llama, ghost", "hf-llama", "ghost"),
+    TrainerConfig("HF Llama, hutch, 4 micro-batches", "hf-llama", "hutch", accumulation=4),
+)
+
+_VOCAB, _LEN, _CLASSES = 32, 8, 4
+
+
+def _backbone(kind: str):
+
+    if kind == "tiny":
+        from dpsgd.demo import TinyLlama
+
+        return TinyLlama(_VOCAB, _LEN, dim=16, heads=2, layers=1, classes=_CLASSES)
+    if kind == "hf-llama":
+        import logging
+
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        cfg = LlamaConfig(vocab_size=_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=_LEN,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(f"backbone must be 'tiny' or 'hf-llama', got {kind!r}")
+
+
+def _model(kind: str, m: int):
+    import torch
+    from torch import nn
+
+    class CanaryModel(nn.Module):
+        """A backbone and the canaries' probe; returns per-example logits and probe outputs."""
+
+        def __init__(self):
+            super().__init__()
+            self.backbone = _backbone(kind)
+            self.probe = nn.Embedding(m + 1, 1, padding_idx=0)
+            nn.init.zeros_(self.probe.weight)
+
+        def forward(self, ids, slot):
+            out = self.backbone(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            return logits, self.probe(slot).squeeze(1)
+
+    torch.manual_seed(0)
+    return CanaryModel().train()
+
+
+def _losses(logits, probe, ids, label, is_canary, scale):
+    import torch
+    import torch.nn.functional as F
+
+    if logits.dim() == 3:   # causal LM: mean next-token cross-entropy per example
+        ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+    else:
+        ce = F.cross_entropy(logits, label, reduction="none")
+    # a canary's loss is its probe term only: no gradient reaches the backbone from it (and none reaches the
+    # probe from an ordinary example, which looks up the padding row)
+    return torch.where(is_canary, scale * probe, ce)
+
+
+@contextlib.contextmanager
+def _broken(kind: str | None, engine):
+    """The deliberately broken step ``kind`` (see the module docstring), or nothing."""
+    import dpsgd.privacy_engine as pe
+
+    if kind is None:
+        yield
+    elif kind == "unclipped":
+        original = pe.clipped_backward
+
+        def unclipped(capture, losses, max_grad_norm, k, generator, **kw):
+            return original(capture, losses, math.inf, k, generator, **kw)
+        with mock.patch.object(pe, "clipped_backward", unclipped):
+            yield
+    elif kind == "half-noise":
+        original = pe.noisy_gradients
+
+        def half(sums, noise_std, *a, **kw):
+            return original(sums, noise_std / 2, *a, **kw)
+        with mock.patch.object(pe, "noisy_gradients", half):
+            yield
+    elif kind == "microbatch-rate":
+        rate = engine.sample_rate
+        engine.sample_rate = rate / 4     # the accountant charges a micro-batch's rate
+        try:
+            yield
+        finally:
+            engine.sample_rate = rate
+    else:
+        raise ValueError(f"break must be one of {BREAKS} or None, got {kind!r}")
+
+
+def canary_scores(config: TrainerConfig, *, canaries: int = 4000, ordinary: int = 64, sample_rate: float = 0.5,
+                  steps: int = 2, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, k: int = 32,
+                  delta: float = 0.05, seed: int = 0, broken: str | None = None, report: bool = True) -> dict:
+    """Train once with ``dpsgd`` and return the canaries' scores and the epsilon the engine reports.
+
+    Parameters
+    ----------
+    config : TrainerConfig
+    canaries : int
+        Canary slots ``m``, each filled with probability 1/2.
+    ordinary : int
+        Ordinary training examples.
+    sample_rate, steps, noise_multiplier, max_grad_norm, k
+        The private training run (``q``, noisy steps, ``sigma``, ``C``, projection dimension).
+    delta : float
+        The delta at which the reported epsilon is read.
+    seed : int
+    broken : str, optional
+        One of :data:`BREAKS`: train with that step deliberately broken.
+    report : bool
+        Read the reported epsilon (a PLD computation of a few seconds); ``None`` otherwise.
+
+    Returns
+    -------
+    dict
+        ``in_scores`` and ``out_scores`` (numpy arrays), ``epsilon`` (reported by the engine after the run at
+        ``delta``, with the accounting as trained), ``steps``.
+    """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import BatchMemoryManager, PrivacyEngine
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, n = canaries, ordinary + canaries
+    included = rng.random(m) < 0.5
+    ids = torch.randint(1, _VOCAB, (n, _LEN), generator=gen)
+    label = torch.randint(0, _CLASSES, (n,), generator=gen)
+    slot = torch.zeros(n, dtype=torch.long)                     # ordinary examples and empty slots: row 0
+    slot[ordinary + np.flatnonzero(included)] = torch.as_tensor(np.flatnonzero(included) + 1)
+    is_canary = torch.zeros(n, dtype=torch.bool)
+    is_canary[ordinary:] = True
+    model = _model(config.backbone, m)
+    lr = 1.0
+    base_opt = torch.optim.SGD(model.parameters(), lr=lr)
+    track = [model.probe.weight.detach()[1:, 0].clone()]
+    base_opt.register_step_post_hook(lambda *_: track.append(model.probe.weight.detach()[1:, 0].clone()))
+    engine = PrivacyEngine()
+    batch = max(1, round(sample_rate * n))
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=base_opt, data_loader=DataLoader(TensorDataset(ids, label, slot, is_canary),
+                                                                 batch_size=batch),
+        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, k=k,
+        seed=int(rng.integers(2**62)))
+    scale = 1e3 * max_grad_norm   # a canary's gradient norm: far above C, clipped to about C
+    with _broken(broken, engine):
+        micro = max(1, math.ceil(batch / config.accumulation))
+        manager = (BatchMemoryManager(data_loader=loader, max_physical_batch_size=micro, optimizer=opt)
+                   if config.accumulation > 1 else contextlib.nullcontext(loader))
+        with manager as batches:
+            while engine.steps < steps:
+                for x, y, s, c in batches:
+                    opt.zero_grad()
+                    logits, probe = model(x, s)
+                    losses = _losses(logits, probe, x, y, c, scale)
+                    engine.private_loss(losses).backward()
+                    opt.step()
+                    if engine.steps >= steps:
+                        break
+        eps = engine.get_epsilon(delta) if report else None
+    w = torch.stack(track).double().numpy()[: steps + 1]       # (steps + 1, m)
+    sigma, q = noise_multiplier, sample_rate
+    x = -np.diff(w, axis=0) * engine.expected_batch_size / (lr * sigma * max_grad_norm)   # (steps, m)
+    llr = x / sigma - 1 / (2 * sigma ** 2)
+    if q < 1:
+        llr = np.logaddexp(np.log1p(-q), np.log(q) + llr)
+    score = llr.sum(0)
+    return {"in_scores": score[included], "out_scores": score[~included], "epsilon": eps, "steps": engine.steps}
+
+
+def audit_config(config: TrainerConfig, *, runs: int = 1, delta: float = 0.05, confidence: float = 0.95,
+                 seed: int = 0, broken: str | None = None, reported: float | None = None, **kw) -> dict:
+    """Pool the canaries' scores of ``runs`` runs; Clopper-Pearson on the pool, one-run on the first run.
+
+    ``reported``: the engine's epsilon if already known for these settings (skips its PLD computation)."""
+    t0 = time.perf_counter()
+    results = [canary_scores(config, delta=delta, seed=seed * 1000 + r, broken=broken,
+                             report=r == 0 and reported is None, **kw) for r in range(runs)]
+    pool = CanaryScoreAuditor(np.concatenate([r["in_scores"] for r in results]),
+                              np.concatenate([r["out_scores"] for r in results]))
+    first = CanaryScoreAuditor(results[0]["in_scores"], results[0]["out_scores"])
+    return {"clopper_pearson": pool.epsilon_clopper_pearson(delta, confidence, seed=seed),
+            "one_run": first.epsilon_one_run(delta, confidence),
+            "tpr_at_1pct_fpr": pool.tpr_at_fpr(0.01),
+            "reported": results[0]["epsilon"] if reported is None else reported,
+            "seconds": time.perf_counter() - t0}
+
+
+def trainer_audit(configs: tuple[TrainerConfig, ...] = (CONFIGS[0], CONFIGS[3]), *,
+                  breaks: tuple[str, ...] = BREAKS, break_config: TrainerConfig = CONFIGS[2], runs: int = 1,
+                  delta: float = 0.05, confidence: float = 0.95, seed: int = 0, **kw) -> AuditResult:
+    """Audit ``dpsgd`` end to end: each configuration's lower bound must stay at or below the epsilon its
+    engine reports, and each broken step (on ``break_config``) must be caught (lower bound above it).
+
+    The comparison is at ``delta`` (default 0.05, where a few thousand canaries can come close to the
+    reported curve; a sound trainer satisfies its reported ``(epsilon(delta), delta)`` at every delta).  The
+    sound configurations' check holds with probability ``>= confidence`` (the Clopper-Pearson bound is a
+    valid lower bound with that probability); a broken step is "caught" when its lower bound, which holds
+    with the same probability, exceeds the reported epsilon.
+    """
+    rows, points = [], []
+
+    def row(config, what, r, must_exceed):
+        cp, one = r["clopper_pearson"], r["one_run"]
+        holds = cp.epsilon > r["reported"] if must_exceed else max(cp.epsilon, one.epsilon) <= r["reported"]
+        rows.append({"configuration": config.name, "step": what, "lower bound (Clopper-Pearson)": round(cp.epsilon, 3),
+                     "lower bound (one run)": round(one.epsilon, 3), "reported epsilon": round(r["reported"], 3),
+                     "delta": delta, "confidence": confidence, "TPR at 1% FPR": round(r["tpr_at_1pct_fpr"], 3),
+                     "seconds": round(r["seconds"], 1), "holds": bool(holds)})
+        points.append((r["reported"], cp.epsilon, what))
+
+    for cfg in configs:
+        row(cfg, "as shipped", audit_config(cfg, runs=runs, delta=delta, confidence=confidence, seed=seed, **kw),
+            False)
+    if breaks:
+        sound = audit_config(break_config, runs=runs, delta=delta, confidence=confidence, seed=seed, **kw)
+        if break_config not in configs:
+            row(break_config, "as shipped", sound, False)
+        for b in breaks:
+            # the noise and clipping breaks do not change the accounting: reuse the reported epsilon
+            known = None if b == "microbatch-rate" else sound["reported"]
+            r = audit_config(break_config, runs=runs, delta=delta, confidence=confidence, seed=seed, broken=b,
+                             reported=known, **kw)
+            row(break_config, f"BROKEN: {b}", r, True)
+    shipped = [r for r in rows if r["step"] == "as shipped"]
+    caught = [r for r in rows if r["step"] != "as shipped"]
+    holds = all(r["holds"] for r in rows)
+    summary = (f"{sum(r['holds'] for r in shipped)}/{len(shipped)} trainer configurations keep the audited lower "
+               f"bound below the reported epsilon (delta = {delta:g}); {sum(r['holds'] for r in caught)}/"
+               f"{len(caught)} deliberately broken steps caught")
+
+    def draw(ax):
+        top = max(max(p[0], p[1]) for p in points) * 1.15 + 0.1
+        ax.plot([0, top], [0, top], color="0.4", lw=1, label="lower bound = reported")
+        ax.fill_between([0, top], [0, top], [top, top], color="tab:red", alpha=0.08, label="violation region")
+        for rep, lb, what in points:
+            broken = what.startswith("BROKEN")
+            ax.scatter(rep, lb, marker="x" if broken else "o", color="tab:red" if broken else "tab:blue", zorder=3)
+            ax.annotate(what.replace("BROKEN: ", "") if broken else "", (rep, lb), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel(f"epsilon reported by PrivacyEngine (delta = {delta:g})")
+        ax.set_ylabel(f"audited lower bound ({confidence:.0%} confidence)")
+        ax.set_title("dpsgd end to end: o as shipped (must be below), x broken (must be above)", fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+
+    return AuditResult("trainer", "check", holds, summary, rows,
+                       [Figure("trainer-canary-audit", "Each trainer configuration's audited epsilon lower bound "
+                               "against the epsilon its engine reports; broken steps must land above the diagonal.",
+                               draw)])
