@@ -39,7 +39,7 @@ import numpy as np
 from .auditing import CanaryScoreAuditor
 from .result import AuditResult, Figure
 
-__all__ = ["TrainerConfig", "canary_scores", "trainer_audit", "BREAKS", "CONFIGS"]
+__all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "BREAKS", "CONFIGS"]
 
 BREAKS = ("unclipped", "half-noise", "microbatch-rate")
 """The deliberately broken steps that the audit must catch."""
