@@ -24,8 +24,9 @@ def test_quick_run_passes_and_writes_a_report_with_plots(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "## Checks of this library's guarantees" in report and "## Findings about published claims" in report
     pngs = {p.name for p in tmp_path.glob("*.png")}
-    assert {"x_plus_grid.png", "envelope_k4_d6.png", "estimator_gaussian.png"} <= pngs
-    assert any(p.startswith("tradeoff_dp_sgd_rc") for p in pngs)
+    assert {"x-plus-grid.png", "envelope-k4-d6.png", "estimator-gaussian.png", "trainer-canary-audit.png"} <= pngs
+    assert any(p.startswith("tradeoff-dp-sgd-rc") for p in pngs)
+    assert not any("__" in p or "--" in p for p in pngs)
     for png in pngs:
         assert f"({png})" in report
 
@@ -151,3 +152,15 @@ def test_clopper_pearson_and_epsilon_bound():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_an_audit_whose_dependencies_are_absent_is_skipped_not_passed(monkeypatch):
+    import importlib.util
+
+    from verify.peers import peer_audit
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("dp_accounting", "prv_accountant") else real(name, *a))
+    r = peer_audit()
+    assert r.verdict == "SKIPPED" and "pip install" in r.skipped and r.holds

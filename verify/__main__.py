@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print("  - " + ", ".join(f"{k}: {v}" for k, v in row.items() if k != "holds"))
     path = write_report(results, args.report, mode_name, args.seed, seconds)
     verdict = "FAIL (" + ", ".join(r.name for r in failed) + ")" if failed else "PASS"
+    skipped = [r for r in results if r.skipped]
+    for r in skipped:
+        print(f"\nSKIPPED {r.name}: {r.skipped}")
+    if skipped:
+        verdict += f" ({len(skipped)} skipped: {', '.join(r.name for r in skipped)})"
     print(f"\nreport: {path}; verdict: {verdict}")
     return 1 if failed else 0
 

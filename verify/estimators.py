@@ -27,7 +27,7 @@ from scipy import stats
 
 from dpmath._validation import open_probability, positive_int
 
-from .result import AuditResult, Figure, progress
+from .result import AuditResult, Figure, progress, slug
 from .stats import bonferroni_z
 
 __all__ = ["estimator_audit"]
@@ -209,7 +209,7 @@ def _figures(samples: dict, cases: list, k: int) -> list[Figure]:
             ax.set_ylabel("density")
             ax.set_title(f"{name} (A, G), k = {k}")
             ax.legend(fontsize=7)
-        figs.append(Figure(f"estimator_{name.replace(' ', '_')}",
+        figs.append(Figure(f"estimator-{slug(name)}",
                            f"Estimator error distribution, {name} inputs: sampled Hutchinson and Hutch++ ratios "
                            "against the chi-square mixture Hutchinson must follow.", draw))
     return figs

@@ -99,8 +99,9 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
     have_dp = importlib.util.find_spec("dp_accounting") is not None
     have_prv = use_prv and importlib.util.find_spec("prv_accountant") is not None
     if not have_dp and not have_prv:
-        return AuditResult("peers", "check", True, "skipped: neither dp_accounting nor prv_accountant is installed "
-                                                   "(pip install dp-accounting prv-accountant)")
+        why = ("neither dp_accounting nor prv_accountant is installed; install them with "
+               "pip install dp-accounting prv-accountant (or pip install -e \".[peers]\")")
+        return AuditResult("peers", "check", True, f"skipped: {why}", skipped=why)
     rows = []
     for sigma, q, steps, delta in progress(configs or QUICK_PEER_CONFIGS, "peers"):
         lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)

@@ -63,7 +63,8 @@ def write_report(results: list[AuditResult], folder: pathlib.Path, mode: str, se
              f"{platform.python_version()}, numpy {numpy.__version__}, scipy {scipy.__version__}, "
              f"{sum(seconds.values()):.0f} s in all.", "",
              f"**Verdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}**: "
-             f"{sum(r.holds for r in checks)} of {len(checks)} checks of this library's guarantees pass; "
+             f"{sum(r.holds and not r.skipped for r in checks)} of {len(checks)} checks of this library's guarantees "
+             f"pass{', ' + str(sum(bool(r.skipped) for r in checks)) + ' skipped' if any(r.skipped for r in checks) else ''}; "
              f"{sum(len(r.failures) for r in findings)} published claims are refuted (findings do not fail the run).",
              "", "| audit | kind | verdict | seconds | summary |", "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.kind} | {r.verdict} | {seconds.get(r.name, 0):.1f} | {_cell(r.summary)} |"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["AuditResult", "Figure", "progress"]
+__all__ = ["AuditResult", "Figure", "progress", "slug"]
 
 T = TypeVar("T")
 
@@ -53,6 +54,9 @@ class AuditResult:
         or a refuted claim (finding).
     figures : list of Figure
         Plots for the report.
+    skipped : str, optional
+        Why the audit did not run (a missing optional dependency) and how to install it; its verdict is then
+        ``SKIPPED``, never ``PASS``.
     """
 
     name: str
@@ -61,6 +65,7 @@ class AuditResult:
     summary: str
     rows: list[dict] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
+    skipped: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("check", "finding"):
@@ -68,7 +73,9 @@ class AuditResult:
 
     @property
     def verdict(self) -> str:
-        """``PASS``/``FAIL`` for a check, ``holds``/``refuted`` for a finding."""
+        """``PASS``/``FAIL`` for a check, ``holds``/``refuted`` for a finding, ``SKIPPED`` if it did not run."""
+        if self.skipped:
+            return "SKIPPED"
         if self.kind == "check":
             return "PASS" if self.holds else "FAIL"
         return "holds" if self.holds else "refuted"
@@ -77,6 +84,18 @@ class AuditResult:
     def failures(self) -> list[dict]:
         """Rows whose ``holds`` is False."""
         return [r for r in self.rows if r.get("holds") is False]
+
+
+def slug(text: str, limit: int = 48) -> str:
+    """A file stem from free text: lower case, each run of other characters one ``-``.
+
+    Examples
+    --------
+    >>> from verify.result import slug
+    >>> slug("DP-SGD (q = 1)")
+    'dp-sgd-q-1'
+    """
+    return re.sub(r"[^a-z0-9]+", "-", text.lower())[:limit].strip("-")
 
 
 def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterator[T]:
