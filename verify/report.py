@@ -58,13 +58,15 @@ def write_report(results: list[AuditResult], folder: pathlib.Path, mode: str, se
     checks = [r for r in results if r.kind == "check"]
     findings = [r for r in results if r.kind == "finding"]
     failed = [r.name for r in checks if not r.holds]
+    n_skipped = sum(bool(r.skipped) for r in checks)
+    skipped_note = f", {n_skipped} skipped" if n_skipped else ""
     lines = [f"# Audit report ({mode} run)", "",
              f"`python -m verify --{mode} --seed {seed}` on {time.strftime('%Y-%m-%d')}, Python "
              f"{platform.python_version()}, numpy {numpy.__version__}, scipy {scipy.__version__}, "
              f"{sum(seconds.values()):.0f} s in all.", "",
              f"**Verdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}**: "
              f"{sum(r.holds and not r.skipped for r in checks)} of {len(checks)} checks of this library's guarantees "
-             f"pass{', ' + str(sum(bool(r.skipped) for r in checks)) + ' skipped' if any(r.skipped for r in checks) else ''}; "
+             f"pass{skipped_note}; "
              f"{sum(len(r.failures) for r in findings)} published claims are refuted (findings do not fail the run).",
              "", "| audit | kind | verdict | seconds | summary |", "|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.kind} | {r.verdict} | {seconds.get(r.name, 0):.1f} | {_cell(r.summary)} |"
