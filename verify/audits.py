@@ -14,7 +14,7 @@ from .divergences import divergence_audit
 from .envelope import envelope_audit, envelope_claims
 from .estimators import estimator_audit
 from .peers import PEER_CONFIGS, peer_audit
-from .privacy import privacy_audit
+from .privacy import QUICK_MECHANISMS, privacy_audit
 from .result import AuditResult
 from .schur_claims import schur_audit
 from .symbolic import symbolic_audit
@@ -23,19 +23,20 @@ from .training import CONFIGS, trainer_audit
 __all__ = ["AUDITS"]
 
 AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
-    "estimators": (estimator_audit, {"draws": 1000}, {"draws": 20_000, "model_draws": 2000}),
-    "envelope": (envelope_audit, {"lambdas": 20, "draws": 100_000, "starts": 2},
+    "estimators": (estimator_audit, {"draws": 500, "model_draws": 100}, {"draws": 20_000, "model_draws": 2000}),
+    "envelope": (envelope_audit, {"lambdas": 6, "draws": 40_000, "starts": 1},
                  {"cases": ((4, 6), (32, 8), (1, 5), (8, 16)), "lambdas": 200, "draws": 1_000_000, "starts": 4}),
-    "divergences": (divergence_audit, {"quad_points": 100_001, "mc_draws": 200_000},
+    "divergences": (divergence_audit, {"quad_points": 50_001, "mc_draws": 100_000},
                     {"quad_points": 400_001, "mc_draws": 2_000_000}),
-    "privacy": (privacy_audit, {"samples": 400_000, "y_pool": 50_000, "pilot": 3000},
+    "privacy": (privacy_audit, {"samples": 100_000, "y_pool": 5_000, "pilot": 500, "mechanisms": QUICK_MECHANISMS},
                 {"samples": 2_000_000, "y_pool": 400_000, "pilot": 20_000}),
     "symbolic": (symbolic_audit, {}, {}),
     "trainer": (trainer_audit, {}, {"configs": CONFIGS, "runs": 3}),
-    "peers": (peer_audit, {}, {"configs": PEER_CONFIGS}),
-    "envelope_claims": (envelope_claims, {"ks": (1, 32, 128)}, {"ks": (1, 4, 32, 128, 512)}),
-    "schur": (schur_audit, {}, {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0),
-                                          (4, 3, 2.0), (32, 3, 2.0), (32, 4, 2.5), (1, 3, 3.0))}),
-    "claims": (claims_audit, {"samples": 200_000}, {"samples": 2_000_000}),
+    "peers": (peer_audit, {"configs": [PEER_CONFIGS[i] for i in (0, 7, 15)]}, {"configs": PEER_CONFIGS}),
+    "envelope_claims": (envelope_claims, {"ks": (32, 128), "ds": (2, 8, 64)}, {"ks": (1, 4, 32, 128, 512)}),
+    "schur": (schur_audit, {"cases": ((4, 2, 1.0), (4, 3, 1.0))},
+              {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0), (4, 3, 2.0),
+                         (32, 3, 2.0), (32, 4, 2.5), (1, 3, 3.0))}),
+    "claims": (claims_audit, {"samples": 100_000}, {"samples": 2_000_000}),
 }
 """Registered audits: ``name -> (function, quick kwargs, full kwargs)``; checks first, then findings."""

@@ -54,15 +54,17 @@ def _mixture_weights(a, g) -> list[np.ndarray]:
     return [s.numpy() ** 2 for s in torch.linalg.svdvals(m)]
 
 
-def _law_cdf(w: np.ndarray, k: int) -> Callable[[np.ndarray], np.ndarray]:
-    """CDF of ``sum_i w_i chi2(k)/k``.  Weights below ``1e-3`` of the largest enter through their mean (a shift):
-    :func:`dpmath.chi2_mixture_cdf` is slow for weights spread over many decades, and the shift moves the CDF by
-    at most ``max pdf * sd`` of the lumped part, which :func:`estimator_audit` reports (below 1e-3 here)."""
-    from dpmath import chi2_mixture_cdf
+def _law(w: np.ndarray, k: int, kind: str = "cdf") -> Callable[[np.ndarray], np.ndarray]:
+    """CDF (or pdf) of ``sum_i w_i chi2(k)/k``.  Weights below ``1e-3`` of the largest enter through their mean
+    (a shift): :func:`dpmath.chi2_mixture_cdf` is slow for weights spread over many decades, and the shift moves
+    the CDF by at most ``max pdf * sd`` of the lumped part, which :func:`estimator_audit` reports (below 1e-3
+    here)."""
+    from dpmath import chi2_mixture_cdf, chi2_mixture_pdf
 
+    fn = chi2_mixture_cdf if kind == "cdf" else chi2_mixture_pdf
     big = w >= 1e-3 * w.max()
     shift = float(w[~big].sum())
-    return lambda t: chi2_mixture_cdf(np.asarray(t) - shift, w[big] / k, k)
+    return lambda t: fn(np.asarray(t) - shift, w[big] / k, k)
 
 
 def _model_and_reference(seed: int):
@@ -160,7 +162,7 @@ def estimator_audit(draws: int = 2000, k: int = 4, alpha: float = 1e-3, seed: in
             ks_p, var_z = 1.0, 0.0
             for i, w in enumerate(weights):
                 xi = x[:, i].numpy()
-                ks_p = min(ks_p, stats.kstest(xi, _law_cdf(w, k)).pvalue)
+                ks_p = min(ks_p, stats.kstest(xi, _law(w, k)).pvalue)
                 kappa2, kappa4 = 2 * np.sum(w**2) / k, 48 * np.sum(w**4) / k**3
                 var_z = max(var_z, abs(xi.var(ddof=1) - kappa2) / math.sqrt((kappa4 + 2 * kappa2**2) / draws))
             rows.append({"test": "law = chi2 mixture (KS)", "family": name, "estimator": est_name,
@@ -189,8 +191,6 @@ def estimator_audit(draws: int = 2000, k: int = 4, alpha: float = 1e-3, seed: in
 
 
 def _figures(samples: dict, cases: list, k: int) -> list[Figure]:
-    from dpmath import chi2_mixture_pdf
-
     figs = []
     for name, a, g in cases[:3]:
         if (name, "hutch") not in samples:
@@ -204,7 +204,7 @@ def _figures(samples: dict, cases: list, k: int) -> list[Figure]:
                 if (name, est_name) in samples:
                     ax.hist(samples[(name, est_name)], bins=60, range=(0, 3), density=True, alpha=0.5, color=color,
                             label=f"{est_name} / exact (sampled)")
-            ax.plot(grid, chi2_mixture_pdf(grid, w / k, k), "k-", lw=1.2, label="chi-square mixture law")
+            ax.plot(grid, _law(w, k, "pdf")(grid), "k-", lw=1.2, label="chi-square mixture law")
             ax.set_xlabel("estimate / exact squared norm")
             ax.set_ylabel("density")
             ax.set_title(f"{name} (A, G), k = {k}")

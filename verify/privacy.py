@@ -57,7 +57,7 @@ from dpmath._validation import open_probability, positive_int, positive_real, sa
 from .result import AuditResult, Figure, progress, slug
 from .stats import epsilon_lower_bound
 
-__all__ = ["privacy_audit", "DEFAULT_MECHANISMS"]
+__all__ = ["privacy_audit", "DEFAULT_MECHANISMS", "QUICK_MECHANISMS"]
 
 DEFAULT_MECHANISMS: list[dict] = [
     {"name": "DP-SGD, q = 1", "kind": "gaussian", "sigma": 0.6, "q": 1.0},
@@ -73,7 +73,11 @@ DEFAULT_MECHANISMS: list[dict] = [
     {"name": "twice sampling q1 = 0.5, q2 = 0.5, d0 = 4", "kind": "twice", "sigma": 0.5, "q1": 0.5, "q2": 0.5,
      "c_inf": 0.5},
 ]
-"""The mechanisms :func:`privacy_audit` simulates by default (quick and full runs)."""
+"""The mechanisms :func:`privacy_audit` simulates by default (the full run)."""
+
+QUICK_MECHANISMS: list[dict] = [DEFAULT_MECHANISMS[i] for i in (0, 2, 3, 5, 6, 7)]
+"""The quick run's subset: every kind, one or two of each (DP-SGD at q = 1 and over 10 steps, DP-SGD-RC with
+Hutch and Hutch++, LAP2, twice sampling)."""
 
 @dataclass(frozen=True)
 class _Simulation:
