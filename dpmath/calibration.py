@@ -16,11 +16,11 @@ import functools
 import math
 from typing import NamedTuple
 
-from ._validation import open_probability, positive_int, positive_real, real_array, sample_rate
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import PLDAccountant
 from .rdp import RDPAccountant
+from .validation import open_probability, positive_int, positive_real, real_array, sample_rate
 
 __all__ = ["Bracket", "calibrate_sigma", "dpsgd_epsilon", "estimator_envelope"]
 

@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
-from ._validation import real_array
+from .validation import real_array
 
 __all__ = [
     "chi2_mixture_cdf",

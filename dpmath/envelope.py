@@ -52,8 +52,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
-from ._validation import positive_int, probability_array, real_array
 from .chi2mix import two_block_cdf
+from .validation import positive_int, probability_array, real_array
 
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope",
            "ScaleDistribution", "pessimistic_discretization"]

@@ -61,9 +61,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import optimize, special
 
-from ._validation import non_negative, open_probability, positive_int, positive_real, real_array, sample_rate
 from .conversions import rdp_to_epsilon
 from .rdp import log_subsampled_moment
+from .validation import non_negative, open_probability, positive_int, positive_real, real_array, sample_rate
 
 __all__ = [
     "LAPLACE_GDP_FACTOR",

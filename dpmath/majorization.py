@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._validation import positive_int, real_array
+from .validation import positive_int, real_array
 
 __all__ = [
     "majorizes",

@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ._validation import positive_real, real_array, sample_rate
 from .envelope import Envelope
+from .validation import positive_real, real_array, sample_rate
 
 __all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace"]
 

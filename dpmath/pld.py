@@ -25,9 +25,9 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from ._pld_core import MAX_GRID, Composition, Pld, StepMasses, assemble, mix, pair_cdfs, split, step_masses
-from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
 __all__ = ["PLDAccountant", "Mechanism"]
 

@@ -37,8 +37,8 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from . import conversions
-from ._validation import non_negative, open_probability, positive_int, probability_array, real_array
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
 __all__ = ["RDPAccountant", "DEFAULT_ORDERS", "subsampled_gaussian_rdp"]
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validation import positive_int, real_array
 from .majorization import majorization_chain, random_doubly_stochastic, t_transform
+from .validation import positive_int, real_array
 
 __all__ = ["SchurReport", "check_schur"]
 

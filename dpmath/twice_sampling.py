@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._validation import positive_int, positive_real, real_array, sample_rate
 from .rdp import log_subsampled_moment, subsampled_gaussian_rdp
+from .validation import positive_int, positive_real, real_array, sample_rate
 
 __all__ = [
     "CoordinateSampledGaussian",
@@ -50,12 +50,13 @@ __all__ = [
     "HybridTwiceSampledGaussian",
     "coordinate_sampling_rdp",
     "twice_sampling_rdp",
+    "split_d0",
     "hypercube_noise",
     "hybrid_noise",
 ]
 
 
-def _split_d0(c2: float, c_inf: float) -> tuple[int, float]:
+def split_d0(c2: float, c_inf: float) -> tuple[int, float]:
     """``(floor(d0), c'^2)``: the vertex of ``{sum s^2 <= c2^2, |s| <= c_inf}``."""
     full = math.floor((c2 / c_inf) ** 2 + 1e-9)  # (c2/c_inf)^2 rounded to 99.999... must give 100
     rest = max(c2 * c2 - full * c_inf * c_inf, 0.0)
@@ -110,7 +111,7 @@ def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, ord
     if c_inf > c2:
         raise ValueError(f"c_inf must be at most c2 (a coordinate cannot exceed the l2 norm), got {c_inf} > {c2}")
     o = _integer_orders(orders)
-    full, rest = _split_d0(c2, c_inf)
+    full, rest = split_d0(c2, c_inf)
     out = np.full(o.size, np.inf)
     ints = o == np.round(o)
     # each coordinate is a subsampled Gaussian with noise multiplier sigma / (its sensitivity)

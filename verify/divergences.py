@@ -36,9 +36,9 @@ import math
 import numpy as np
 from scipy import stats
 
-from dpmath._validation import open_probability, positive_int
+from dpmath.validation import open_probability, positive_int
 
-from .privacy import _hockey, _twice_log_ratio, _twice_vertex
+from .privacy import hockey_stick_on_grid, twice_log_ratio, twice_vertex
 from .result import AuditResult, progress
 from .stats import bonferroni_z
 
@@ -108,7 +108,8 @@ def _rc_vertex_rows(x: np.ndarray, quad_tol: float) -> list[dict]:
         for eps in _EPS:
             # quantile midpoints miss the most extreme scales, which only lowers the computed divergence
             rows.append(_row(f"delta(eps = {eps})", f"DP-SGD-RC vertex sigma = {sigma}, q = {q}, k = {k} "
-                             "(quadrature; must be <= upper)", _hockey(p, phi, dx, eps), 0.0, acc.delta(eps), quad_tol))
+                             "(quadrature; must be <= upper)", hockey_stick_on_grid(p, phi, dx, eps), 0.0,
+                             acc.delta(eps), quad_tol))
     return rows
 
 
@@ -133,7 +134,7 @@ def _lap2_rows(x: np.ndarray, quad_tol: float) -> list[dict]:
         acc = PLDAccountant().compose(SubsampledL2Laplace(scale, q))
         for eps in _EPS:
             rows.append(_row(f"delta(eps = {eps})", f"LAP2 b/C = {scale}, q = {q}, one coordinate (quadrature; "
-                             "must be <= upper)", _hockey(p, lap, dx, eps), 0.0, acc.delta(eps), quad_tol))
+                             "must be <= upper)", hockey_stick_on_grid(p, lap, dx, eps), 0.0, acc.delta(eps), quad_tol))
     return rows
 
 
@@ -146,12 +147,12 @@ def _twice_sampling_rows(rng: np.random.Generator, mc_draws: int, alpha: float) 
     crit = bonferroni_z(alpha, 2 * len(orders) * len(configs))
     rows = []
     for sigma, q1, q2, c_inf in configs:
-        g = _twice_vertex(c_inf)
+        g = twice_vertex(c_inf)
         eq8 = TwiceSampledGaussian(sigma, q1, q2, 1.0, c_inf).rdp(orders)
         y_q = rng.standard_normal((mc_draws, g.size)) * sigma
         y_p = rng.standard_normal((mc_draws, g.size)) * sigma
         y_p += (rng.random((mc_draws, 1)) < q1) * (rng.random((mc_draws, g.size)) < q2) * g
-        lr_q, lr_p = _twice_log_ratio(y_q, g, sigma, q1, q2), _twice_log_ratio(y_p, g, sigma, q1, q2)
+        lr_q, lr_p = twice_log_ratio(y_q, g, sigma, q1, q2), twice_log_ratio(y_p, g, sigma, q1, q2)
         name = f"twice sampling sigma = {sigma}, q1 = {q1}, q2 = {q2}, c_inf = {c_inf}"
         for a, bound in zip(orders, eq8, strict=True):
             bound_moment = math.exp((a - 1) * bound)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import numpy as np
 from scipy import optimize
 
-from dpmath._validation import open_probability, positive_int
+from dpmath.validation import open_probability, positive_int
 
 from .result import AuditResult, Figure, progress
 from .stats import clopper_pearson
 
-__all__ = ["envelope_audit", "envelope_claims"]
+__all__ = ["envelope_audit", "envelope_claims", "envelope_member"]
 
 
 def _lambdas(d: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -52,7 +52,7 @@ def _lambdas(d: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
     return out
 
 
-def _member(env, x: float) -> np.ndarray:
+def envelope_member(env, x: float) -> np.ndarray:
     """The envelope's maximizing two-block member at ``x`` as a point of the simplex."""
     m = env.maximizer(x)
     lam = np.zeros(env.d)
@@ -87,7 +87,7 @@ def _adversarial(env, x: float, rng: np.random.Generator, starts: int, evals: in
     def loss(z):
         lam = lam_of(z)
         return -(_cdf(x, lam[lam > 0], k) - bound)
-    inits = [np.log(np.maximum(_member(env, x), 1e-6)), np.log(np.r_[1.0, np.full(d - 1, 1e-6)]), np.zeros(d)]
+    inits = [np.log(np.maximum(envelope_member(env, x), 1e-6)), np.log(np.r_[1.0, np.full(d - 1, 1e-6)]), np.zeros(d)]
     inits += [np.log(rng.dirichlet(np.ones(d))) for _ in range(max(starts - 3, 0))]
     best, best_lam = -np.inf, inits[0]
     for z0 in inits[:starts]:
@@ -239,7 +239,7 @@ def envelope_claims(ks: tuple[int, ...] = (1, 4, 32, 128), ds: tuple[int, ...] =
         below = max(_adversarial(env, x, rng, 2, 300)[0] + float(env.cdf(x)) - float(env.vertex_cdf(x))
                     for x in (0.8, 0.95, 0.999))
         x_mid = 1 + (env.x_plus - 1) / 2
-        lam = _member(env, x_mid)
+        lam = envelope_member(env, x_mid)
         beat = _cdf(x_mid, lam[lam > 0], k) - float(env.vertex_cdf(x_mid))
         rows.append({"claim": f"x_- = 1 (Thm B.9), k = {k}, d = {d}", "holds": bool(below <= 1e-12 and beat > 0),
                      "numbers": f"below 1 the best lam found beats the vertex by {below:.1e}; at x = {x_mid:.5f} the "

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import stats
 
-from dpmath._validation import open_probability, positive_int
+from dpmath.validation import open_probability, positive_int
 
 from .result import AuditResult, Figure, progress, slug
 from .stats import bonferroni_z

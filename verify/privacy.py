@@ -52,12 +52,13 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special, stats
 
-from dpmath._validation import open_probability, positive_int, positive_real, sample_rate
+from dpmath.validation import open_probability, positive_int, positive_real, sample_rate
 
 from .result import AuditResult, Figure, progress, slug
 from .stats import epsilon_lower_bound
 
-__all__ = ["privacy_audit", "DEFAULT_MECHANISMS", "QUICK_MECHANISMS"]
+__all__ = ["privacy_audit", "DEFAULT_MECHANISMS", "QUICK_MECHANISMS", "hockey_stick_on_grid", "twice_log_ratio",
+           "twice_vertex"]
 
 DEFAULT_MECHANISMS: list[dict] = [
     {"name": "DP-SGD, q = 1", "kind": "gaussian", "sigma": 0.6, "q": 1.0},
@@ -109,22 +110,22 @@ def _subsampled_llr(x: np.ndarray, shifts: np.ndarray, weights: np.ndarray, q: f
     return _log_mix(q, special.logsumexp(np.log(weights) + shifts * x[..., None] - shifts**2 / 2, axis=-1))
 
 
-def _hockey(p: np.ndarray, q: np.ndarray, dx: float, eps: float) -> float:
+def hockey_stick_on_grid(p: np.ndarray, q: np.ndarray, dx: float, eps: float) -> float:
     """``max(H(P||Q), H(Q||P))`` at ``e^eps`` from densities on a uniform grid."""
     e = math.exp(eps)
     return max(float(np.maximum(p - e * q, 0).sum() * dx), float(np.maximum(q - e * p, 0).sum() * dx))
 
 
-def _twice_vertex(c_inf: float) -> np.ndarray:
+def twice_vertex(c_inf: float) -> np.ndarray:
     """The worst-case gradient of twice sampling (``c2 = 1``): ``floor(d0)`` coordinates at ``c_inf``, one at the
     rest."""
-    from dpmath.twice_sampling import _split_d0
+    from dpmath.twice_sampling import split_d0
 
-    full, rest = _split_d0(1.0, c_inf)
+    full, rest = split_d0(1.0, c_inf)
     return np.r_[np.full(full, c_inf), [math.sqrt(rest)] if rest > 1e-12 else []]
 
 
-def _twice_log_ratio(y: np.ndarray, g: np.ndarray, sigma: float, q1: float, q2: float) -> np.ndarray:
+def twice_log_ratio(y: np.ndarray, g: np.ndarray, sigma: float, q1: float, q2: float) -> np.ndarray:
     """``log P/Q`` of one twice-sampling step at output ``y`` (rows) for the gradient ``g``."""
     return _log_mix(q1, _log_mix(q2, (g * y - g * g / 2) / sigma**2).sum(1))
 
@@ -176,12 +177,12 @@ def _estimator_ratios(estimator: str, spectrum: np.ndarray, k: int, n: int, seed
 def _candidates(estimator: str, k: int, d: int) -> dict[str, np.ndarray]:
     from dpmath import HutchEnvelope
 
-    from .envelope import _member
+    from .envelope import envelope_member
 
     out = {"vertex": np.r_[1.0, np.zeros(d - 1)], "centre": np.full(d, 1.0 / d)}
     if estimator == "hutch" and d > 1:
         env = HutchEnvelope(k, d)
-        out["heavy-light maximizer"] = _member(env, 1 + (env.x_plus - 1) / 2)
+        out["heavy-light maximizer"] = envelope_member(env, 1 + (env.x_plus - 1) / 2)
     if estimator == "hutchpp":
         for r in (k + 1, 2 * k):
             if r <= d:
@@ -197,7 +198,7 @@ def _hockey_stick(scales: np.ndarray, sigma: float, q: float, eps: float) -> flo
     w = hist / hist.sum()
     x = np.linspace(-10, mu.max() + 10, 4000)
     p = (1 - q) * stats.norm.pdf(x) + q * (w * stats.norm.pdf(x[:, None] - mu)).sum(1)
-    return _hockey(p, stats.norm.pdf(x), float(x[1] - x[0]), eps)
+    return hockey_stick_on_grid(p, stats.norm.pdf(x), float(x[1] - x[0]), eps)
 
 
 def _rc(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
@@ -269,7 +270,7 @@ def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
     c_inf = positive_real(spec["c_inf"], "c_inf")
     steps = _steps(spec)
     factor, account_steps = _broken(spec)
-    g = _twice_vertex(c_inf)
+    g = twice_vertex(c_inf)
 
     def sample(r, n, with_example):
         stat = np.zeros(n)
@@ -277,7 +278,7 @@ def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
             y = r.standard_normal((n, g.size)) * sigma * factor
             if with_example:
                 y = y + (r.random((n, 1)) < q1) * (r.random((n, g.size)) < q2) * g
-            stat += _twice_log_ratio(y, g, sigma, q1, q2)
+            stat += twice_log_ratio(y, g, sigma, q1, q2)
         return stat
     acc = RDPAccountant(orders=range(2, 257)).compose(TwiceSampledGaussian(sigma, q1, q2, 1.0, c_inf), account_steps)
     return _Simulation(spec["name"], sample, acc.epsilon(spec["delta"]), "RDP (eq. 8)",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpmath._validation import positive_int
+from dpmath.validation import positive_int
 
 from .result import AuditResult, progress
 

@@ -9,7 +9,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import stats
 
-from dpmath._validation import open_probability
+from dpmath.validation import open_probability
 
 __all__ = ["clopper_pearson", "bonferroni_z", "epsilon_lower_bound"]
 

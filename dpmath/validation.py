@@ -10,6 +10,9 @@ import numbers
 
 import numpy as np
 
+__all__ = ["positive_int", "real_array", "probability_array", "positive_real", "sample_rate", "open_probability",
+           "non_negative"]
+
 
 def positive_int(value: object, name: str) -> int:
     """Return ``value`` as an ``int`` if it is an integer >= 1, else raise ValueError."""
