@@ -117,10 +117,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.6))
+        layers = list(dict.fromkeys((p, d) for p, d, _ in curves))
         for (p, d, est), pts in curves.items():
             ks, red = zip(*pts, strict=True)
             ax.plot(ks, [100 * r for r in red], marker="o", ls="-" if est == "hutch" else "--",
-                    label=f"{p}x{d} {est}")
+                    color=f"C{layers.index((p, d))}", label=f"{p} x {d}, {est}")
+        ax.axhline(0, color="0.5", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("projection dimension k")
         ax.set_ylabel("peak memory reduction (%)")
