@@ -83,7 +83,7 @@ class NormPlan:
     >>> plan.envelope_dimension()
     (7, True)
     >>> plan.table()[1]
-    ('1', 'LayerNorm', 'FunctionalHandler', 'exact')
+    ('1', 'LayerNorm', 'NormalizationHandler', 'exact')
     """
 
     model: nn.Module

@@ -303,7 +303,7 @@ class PrivacyEngine:
     >>> engine = PrivacyEngine()
     >>> model, opt, crit, loader = engine.make_private(module=model, optimizer=opt,
     ...     data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
-    ...     noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
+    ...     noise_multiplier=1.0, estimator="hutch", k=32, seed=0)
     >>> for x, y in loader:
     ...     opt.zero_grad()
     ...     crit(model(x), y).backward()

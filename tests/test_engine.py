@@ -74,14 +74,15 @@ def test_exact_and_ghost_whole_model_norms_equal_torch_func():
 
 @pytest.mark.parametrize("estimator", ["hutch", "hutchpp"])
 def test_randomized_whole_model_norms_agree_in_expectation(estimator):
-    """Mean of 1500 estimates within 4.5 standard errors of torch.func's exact norms (4 examples)."""
+    """Mean of 500 estimates within 4.5 standard errors of torch.func's exact norms (4 examples; a two-sided z-test
+    at about 7e-6 per example, fixed seeds)."""
     torch.manual_seed(1)
     model = TinyDecoder()
     idx, tgt = _data(seed=1)
     ref = _reference_norms(model, idx, tgt)
     gen = torch.Generator().manual_seed(2)
     draws = torch.stack([per_sample_sq_norms(model, _loss_fn(idx, tgt), estimator, k=2, generator=gen)
-                         for _ in range(1500)]).double()
+                         for _ in range(500)]).double()
     se = draws.std(0) / math.sqrt(draws.shape[0])
     assert torch.all((draws.mean(0) - ref).abs() < 4.5 * se + 1e-6 * ref)
 

@@ -142,7 +142,7 @@ def _weights(k, lam):
     return lam / lam.sum() / k
 
 
-@settings(max_examples=25)
+@settings(max_examples=12)
 @given(
     d=st.integers(2, 5),
     k=st.sampled_from([1, 2, 4, 32]),

@@ -19,7 +19,7 @@ def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     engine = PrivacyEngine(ledger_path=ledger_path)
     args = dict(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
-                criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, k=16, seed=seed)
+                criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, k=32, seed=seed)
     args.update(kw if any(k_ in kw for k_ in ("noise_multiplier", "target_epsilon")) else
                 {"noise_multiplier": 1.5, **kw})
     return engine, *engine.make_private(**args)
@@ -39,7 +39,7 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     eps = engine.get_epsilon(1e-5)
     assert engine.envelope.d == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
-    ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(16, 9)), 10)
+    ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(32, 9)), 10)
     assert eps == ref.epsilon(1e-5)
     _epoch(model, opt, crit, loader)
     assert engine.get_epsilon(1e-5) > eps
@@ -144,7 +144,7 @@ def test_modules_without_a_handler_train_through_the_wrapper():
 
 def test_demo_runs_within_budget(capsys):
     from dpsgd.demo import main
-    acc = main(["--train", "1024", "--batch-size", "256", "--epochs", "1", "--seq-len", "32"])
+    acc = main(["--train", "512", "--batch-size", "128", "--epochs", "1", "--seq-len", "32"])
     out = capsys.readouterr().out
     assert 0.0 <= acc <= 1.0 and "epsilon" in out
     spent = float(out.split("epsilon ")[-1].split(" <=")[0])
