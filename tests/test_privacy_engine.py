@@ -45,6 +45,7 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert engine.get_epsilon(1e-5) > eps
 
 
+@pytest.mark.slow
 def test_calibrated_sigma_meets_the_target():
     engine, model, opt, crit, loader = _setup(target_epsilon=3.0, target_delta=1e-5, epochs=2)
     for _ in range(2):
@@ -142,6 +143,7 @@ def test_modules_without_a_handler_train_through_the_wrapper():
     assert engine.steps == 6 and isinstance(engine.envelope, HutchPPEnvelope)  # exact parts: the d -> inf limit
 
 
+@pytest.mark.slow
 def test_demo_runs_within_budget(capsys):
     from dpsgd.demo import main
     acc = main(["--train", "512", "--batch-size", "128", "--epochs", "1", "--seq-len", "32"])

@@ -185,7 +185,7 @@ def test_envelope_cdf_is_schur_convex_at_one_for_d2_as_claimed():
     assert np.all(np.diff(g) > 0)  # more spread, larger CDF at 1
 
 
-@pytest.mark.parametrize("k", [1, 4, 32])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4, pytest.param(32, marks=pytest.mark.slow)])
 def test_vertex_still_dominates_below_one_for_d3(k):
     """Prop. B.12 fails for d = 3, but its consequence used by the envelope (the vertex maximizes
     P(X(lam) <= x) for x < 1) survives on random Dirichlet points, including near the counterexample."""

@@ -1,6 +1,6 @@
 """``python -m verify``: run the audits, print a summary, write a report with plots; exit 1 on a failed check.
 
-    python -m verify --quick                 # the README's main job (about a minute on 2 cores)
+    python -m verify --quick                 # the README's main job (about 75 s on 2 cores)
     python -m verify --full --report out/    # more draws and cases
     python -m verify --only envelope --seed 3
 """
