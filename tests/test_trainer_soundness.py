@@ -438,3 +438,36 @@ def test_two_logical_batches_before_one_step_are_refused():
     _lm(engine, model, x4).backward()
     opt.step()
     assert engine.steps == 2
+
+
+@pytest.mark.xfail(strict=True, reason="known hole, open: a module called once per example inside the forward "
+                   "(x[i] of shape (T, d)) whose T equals the batch size passes the batch-size check, and its rows "
+                   "are taken as examples; the per-example norms are wrong without an error")
+def test_a_per_example_loop_inside_the_forward_is_refused_or_counted_right():
+    from torch import nn
+
+    from dpsgd import per_sample_sq_norms
+
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2).double()
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return torch.stack([self.lin(x[i]) for i in range(x.shape[0])])
+
+    model = Loop().train()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)       # B = T = 4: the coincidence the check cannot see
+
+    def loss(m):
+        return m(x).square().sum((1, 2))
+    ref = torch.stack([sum(g.square().sum() for g in torch.autograd.grad(loss(model)[i], list(model.parameters())))
+                       for i in range(4)])
+    try:
+        got = per_sample_sq_norms(model, loss, "exact")
+    except (ValueError, RuntimeError):
+        return                                           # refused: acceptable
+    assert torch.allclose(got, ref, rtol=1e-9)
