@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .estimators import ESTIMATORS, gaussian_projection
+from .validator import UnsupportedModuleError
 
 __all__ = ["Call", "Handler", "LinearHandler", "EmbeddingHandler", "FunctionalHandler", "HANDLERS",
            "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
@@ -169,6 +170,14 @@ def matrix_view(shape: tuple | torch.Size) -> tuple[int, int]:
     return 1, n
 
 
+def _bias_sq_norms(s: torch.Tensor, estimator: str, k: int, generator) -> torch.Tensor:
+    """A bias's norms: a linear layer with ``A = 1``, whose example ``i`` has the ``1 x p`` gradient ``s_i``,
+    the sum of ``G_i``'s rows (one chi-square term under the randomized estimators)."""
+    ones = torch.ones(s.shape[0], 1, 1, device=s.device, dtype=s.dtype)
+    fn = ESTIMATORS[estimator]
+    return fn(ones, s.unsqueeze(1)) if estimator in ("exact", "ghost") else fn(ones, s.unsqueeze(1), k, generator)
+
+
 def _as_btd(x: torch.Tensor, b: int) -> torch.Tensor:
     """``(B, ..., d)`` as ``(B, T, d)`` (every middle dimension is a token dimension of a linear map)."""
     return x.reshape(b, -1, x.shape[-1])
@@ -205,7 +214,7 @@ class LinearHandler(Handler):
     def sq_norms(self, call, name, estimator, k, generator):
         a, g = self._ag(call)
         if name == "bias":
-            a = torch.ones(*g.shape[:-1], 1, device=g.device, dtype=g.dtype)
+            return _bias_sq_norms(g.sum(1), estimator, k, generator)
         fn = ESTIMATORS[estimator]
         return fn(a, g) if estimator in ("exact", "ghost") else fn(a, g, k, generator)
 
@@ -452,11 +461,8 @@ class ConvHandler(LinearHandler):
         if self._grouped(m):
             return _FUNCTIONAL.sq_norms(call, name, estimator, k, generator)
         x, g, (kernel, stride, padding, dilation) = self._xg(call)
-        if name == "bias":   # M_i = 1^T G_i: the row sums
-            s = g.sum(-1).unsqueeze(1)
-            ones = torch.ones(s.shape[0], 1, 1, device=s.device, dtype=s.dtype)
-            fn = ESTIMATORS[estimator]
-            return fn(ones, s) if estimator in ("exact", "ghost") else fn(ones, s, k, generator)
+        if name == "bias":
+            return _bias_sq_norms(g.sum(-1), estimator, k, generator)
         c_out, d = m.weight.shape[0], m.weight[0].numel()
         if estimator != "hutch" or d < c_out:
             return super().sq_norms(call, name, estimator, k, generator)
@@ -566,7 +572,7 @@ class ScaledRMSNormHandler(FunctionalHandler):
             out = call.outputs[0]
             tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(out.dtype, 1e-2)
             # Hugging Face's x_hat in float32, or one in the input dtype (at least float32)
-            for inner in (torch.float32, torch.promote_types(x.dtype, torch.float32)):
+            for inner in dict.fromkeys((torch.float32, torch.promote_types(x.dtype, torch.float32))):
                 xf = x.to(inner)
                 xhat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
                 expect = w * xhat
@@ -594,8 +600,6 @@ def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
     """``UnsupportedModuleError`` unless the module's per-example re-run reproduces its batched outputs: a
     module whose output for one example depends on the others (a batch statistic, attention across the
     batch) has no per-example gradient, and its clipped contribution would not be bounded by ``C``."""
-    from .validator import UnsupportedModuleError
-
     for full, per, d in zip(call.outputs, outs, out_dims, strict=True):
         if not full.is_floating_point():
             continue
