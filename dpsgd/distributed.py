@@ -17,8 +17,8 @@ try:
 except ImportError:   # a torch build without torch.distributed
     DTensor = ()
 
-__all__ = ["rank_world", "broadcast_int", "all_sum", "is_sharded", "check_sharding", "reduce_sums", "local_part",
-           "as_grad"]
+__all__ = ["rank_world", "broadcast_int", "all_sum", "any_rank", "is_sharded", "check_sharding", "reduce_sums",
+           "local_part", "as_grad"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -89,3 +89,12 @@ def as_grad(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_sharded(p):
         return local
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank (``flag`` itself without torch.distributed)."""
+    if rank_world()[1] == 1:
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())

@@ -8,6 +8,9 @@ One step, for per-example losses ``L_i`` of a forward that :class:`Capture` reco
    the only way gradient can reach the real parameter, so it is detected rather than missed;
 2. **one backward**, ``autograd.grad(sum_i L_i, outputs + real parameters)``: the output gradients ``G``
    of every call.  Any real parameter that receives gradient raises :class:`IncompleteGradientError`;
+   on the first step with a new layout of calls (or on every step, ``Capture.check_every_step``), a second
+   backward with random per-example weights checks that row ``i`` of every call is example ``i``
+   (``_check_attribution``);
 3. **norms**: per parameter, the handler's per-example squared norm; a parameter with several calls
    (tied embeddings, a module called twice, two forwards before one backward) gets the norm of its
    *summed* per-example gradient (``exact``/``ghost``/``hutchpp``: materialized; ``hutch``: every use
@@ -27,13 +30,15 @@ it.
 from __future__ import annotations
 
 import math
+import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .distributed import check_sharding, is_sharded, local_part
+from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
 from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
 from .validator import ModuleValidator
@@ -166,6 +171,9 @@ class Capture:
         self._depth = 0
         self._root_grad = False
         self.no_grad_units: list[str] = []
+        # layouts of calls whose row-to-example attribution was verified, shared by every capture of the model
+        self.checked_layouts: set = _VERIFIED_LAYOUTS.setdefault(plan.model, set())
+        self.check_every_step = False
         self._swapped: dict[int, dict] = {}
         root = plan.model
         self._handles = [root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
@@ -263,6 +271,8 @@ class Capture:
         self._handles = []
         self.calls.clear()
 
+
+_VERIFIED_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # keyword inputs that carry the batch (Hugging Face names), looked at before any other argument
 _MAIN_INPUTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features")
@@ -373,7 +383,12 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         raise ValueError("clipping_pass='two-pass' sums clipped gradients in the parameters' dtype, which is half "
                          "precision here; rounding could let a clipped contribution exceed C. Use "
                          "clipping_pass='bookkeeping' (sums in float32)")
-    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
+    # the row-to-example check (below) runs on the first step with a new layout of calls, or on every step
+    layout = _layout(calls, b)
+    check = b > 1 and (capture.check_every_step or layout not in capture.checked_layouts)
+    if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
+        check = any_rank(check)
+    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass or check) if b
              else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
@@ -399,6 +414,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                              f"the loss (one row per example)")
     capture.active = False
     try:
+        if check:
+            _check_attribution(losses, reached, retain_graph=two_pass)
+            capture.checked_layouts.add(layout)
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
         for p, contributions in uses:
@@ -429,6 +447,56 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         for c in reached:
             c.cache.clear()
     return ClippedGradients(sums, n.detach(), weights)
+
+
+def _layout(calls: list[Call], b: int) -> tuple:
+    """The calls' modules and tensor shapes, with the batch size written ``-1``: equal for steps whose forwards
+    ran the same way on batches of any size."""
+    def shapes(ts):
+        return tuple(tuple(-1 if d == b else d for d in t.shape) for t in ts if isinstance(t, torch.Tensor))
+    return tuple((c.cache["unit"].path, type(c.cache["unit"].handler).__name__, shapes(c.args),
+                  shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls)
+
+
+def _check_attribution(losses: torch.Tensor, calls: list[Call], retain_graph: bool) -> None:
+    r"""``IncompleteGradientError`` unless row ``i`` of every recorded call carries example ``i``'s gradient.
+
+    The handlers take row ``i`` of a call's input and output as example ``i`` (the batch-size check sees only
+    shapes: a module run once per example inside the forward, on a slice with as many rows as the batch, or
+    on permuted rows, passes it).  For random weights ``v`` the handlers' ``sum_i v_i g_i`` (their clipped
+    sum with weights ``v``) must equal the autograd gradient of ``sum_i v_i L_i`` with respect to the call's
+    parameters; if any per-example gradient ``g_i`` were wrong, equality would hold only for ``v`` in a set of
+    measure zero.  One extra backward.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32, ``5e-2``
+    in half precision, of the layer's gradient or (if larger) of the largest layer's divided by the batch size.
+    """
+    b = losses.shape[0]
+    seed = int.from_bytes(os.urandom(7), "little")   # not the user's generators: their streams stay as they were
+    v = 1 + torch.rand(b, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    v = v.to(losses.device, losses.dtype)
+    pairs = [(c, local) for c in calls for local in c.aliases]
+    true = torch.autograd.grad((losses * v).sum(), [c.aliases[local] for c, local in pairs], allow_unused=True,
+                               retain_graph=retain_graph)
+    got = [c.cache["unit"].handler.clipped_sum(c, local, v.to(torch.float64)).to(torch.float64).reshape(-1)
+           for c, local in pairs]
+    true = [torch.zeros_like(g) if t is None else t.to(torch.float64).reshape(-1)
+            for g, t in zip(got, true, strict=True)]
+    # a layer whose every per-example gradient is rounding noise (a bias before a normalization) is compared
+    # with the model's largest gradient per example, not with its own
+    floor = max(float(t.norm()) for t in true) / b
+    for (c, local), g, t in zip(pairs, got, true, strict=True):
+        dtypes = (c.aliases[local].dtype, losses.dtype)
+        tol = 5e-2 if any(d in (torch.float16, torch.bfloat16) for d in dtypes) else (
+            1e-6 if all(d == torch.float64 for d in dtypes) else 1e-4)
+        err = float((g - t).norm())
+        if not err <= tol * max(float(t.norm()), floor):
+            unit = c.cache["unit"]
+            raise IncompleteGradientError(
+                f"the rows of {unit.path or type(c.module).__name__}'s input and output are not its examples: the "
+                f"per-example gradients read from them do not add up to the gradient of a weighted sum of the "
+                f"losses (relative error {err / max(float(t.norm()), floor, 1e-300):.3g}). The module is called on "
+                f"something other than the batch (a loop over examples inside the forward, a slice, permuted or "
+                f"gathered rows), or its output mixes examples afterwards. Run it on the whole batch, one row per "
+                f"example.")
 
 
 def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tensor, uses: list) -> dict:

@@ -315,6 +315,8 @@ class PrivacyEngine:
     def __init__(self, secure_mode: bool = False, ledger_path: str | os.PathLike | None = None) -> None:
         self.secure_mode = bool(secure_mode)
         self.ledger_path = ledger_path
+        # the row check (docs/trainer.md): on each new layout of module calls, or on every step when True
+        self.check_rows_every_step = False
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
@@ -460,6 +462,7 @@ class PrivacyEngine:
                                "at the wrong sampling rate and could clip an example twice). Call step() after "
                                "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
+        self._capture.check_every_step = bool(self.check_rows_every_step)
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
                                   clipping_pass=self.clipping_pass)
         for p in self.plan.params:

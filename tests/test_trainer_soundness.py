@@ -440,18 +440,13 @@ def test_two_logical_batches_before_one_step_are_refused():
     assert engine.steps == 2
 
 
-@pytest.mark.xfail(strict=True, reason="known hole, open: a module called once per example inside the forward "
-                   "(x[i] of shape (T, d)) whose T equals the batch size passes the batch-size check, and its rows "
-                   "are taken as examples; the per-example norms are wrong without an error")
-def test_a_per_example_loop_inside_the_forward_is_refused_or_counted_right():
+def _row_models():
     from torch import nn
-
-    from dpsgd import per_sample_sq_norms
 
     torch.manual_seed(0)
     lin = nn.Linear(3, 2).double()
 
-    class Loop(nn.Module):
+    class Loop(nn.Module):      # once per example, on (T, d) slices with T == B: the shapes look batched
         def __init__(self):
             super().__init__()
             self.lin = lin
@@ -459,15 +454,74 @@ def test_a_per_example_loop_inside_the_forward_is_refused_or_counted_right():
         def forward(self, x):
             return torch.stack([self.lin(x[i]) for i in range(x.shape[0])])
 
-    model = Loop().train()
-    x = torch.randn(4, 4, 3, dtype=torch.float64)       # B = T = 4: the coincidence the check cannot see
+    class Permuted(nn.Module):  # the whole batch, rows permuted inside the forward and put back after
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
 
-    def loss(m):
-        return m(x).square().sum((1, 2))
-    ref = torch.stack([sum(g.square().sum() for g in torch.autograd.grad(loss(model)[i], list(model.parameters())))
-                       for i in range(4)])
+        def forward(self, x):
+            perm = torch.tensor([1, 2, 3, 0])
+            return self.lin(x[perm])[torch.argsort(perm)]
+
+    class Rolled(nn.Module):    # each example's loss reads its neighbour's row: the output mixes examples after
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x).roll(1, dims=0)
+
+    return {"loop": Loop(), "permuted": Permuted(), "rolled": Rolled()}
+
+
+@pytest.mark.parametrize("kind", ["loop", "permuted", "rolled"])
+def test_rows_that_are_not_the_examples_are_refused(kind):
+    from dpsgd import per_sample_sq_norms
+    from dpsgd.engine import IncompleteGradientError
+
+    model = _row_models()[kind].train()
+    x = torch.randn(4, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # B = T = 4
+    with pytest.raises(IncompleteGradientError, match="rows of lin"):
+        per_sample_sq_norms(model, lambda m: m(x).square().sum((1, 2)), "exact")
+
+
+def test_rows_that_are_not_the_examples_are_refused_by_the_engine_before_anything_is_written():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+    from dpsgd.engine import IncompleteGradientError
+
+    model = _row_models()["permuted"].train()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(4, 4, 3, dtype=torch.float64))
+    engine = PrivacyEngine()
+    model, opt, _, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=4),
+                                           max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", seed=0)
+    x = data.tensors[0]
+    with pytest.raises(IncompleteGradientError):
+        engine.private_loss(model(x).square().sum((1, 2))).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_the_row_check_runs_once_per_layout_unless_asked_every_step(monkeypatch):
+    from torch import nn
+
+    from dpsgd import engine as eng
+
+    ran = []
+    real = eng._check_attribution
+    monkeypatch.setattr(eng, "_check_attribution", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double().train()
+    capture = eng.Capture(eng.NormPlan.build(model, "exact"))
     try:
-        got = per_sample_sq_norms(model, loss, "exact")
-    except (ValueError, RuntimeError):
-        return                                           # refused: acceptable
-    assert torch.allclose(got, ref, rtol=1e-9)
+        for b in (5, 7, 5, 6):   # Poisson batches: the size changes, the layout does not
+            x = torch.randn(b, 3, dtype=torch.float64)
+            eng.clipped_backward(capture, model(x).sum(1), 1.0, 4, None)
+        assert len(ran) == 1
+        capture.check_every_step = True
+        eng.clipped_backward(capture, model(torch.randn(3, 3, dtype=torch.float64)).sum(1), 1.0, 4, None)
+        assert len(ran) == 2
+    finally:
+        capture.remove()
