@@ -1,77 +1,152 @@
-"""Accountant benchmarks: time to epsilon against dp_accounting, and time to calibrate DP-SGD-RC.
+"""Accountant benchmarks: epsilon brackets and time against dp_accounting and prv_accountant, a referee, and
+the randomized-clipping accountant.
 
-Table 1: the subsampled Gaussian on the configurations of verify.peers.PEER_CONFIGS, our upper bound
-(``PLDAccountant.epsilon``) against dp_accounting's PLD accountant at the same discretization 1e-4, both
-timed in this run (best of 3); the ratio is ours / theirs.  The accuracy column is our epsilon relative to
-theirs (ours is a certified upper bound; theirs is connect-the-dots with an unbounded FFT error).
-Table 2: calibrate_sigma for DP-SGD-RC, k = 32, d = 2048, in the Table 4 setting (epsilon 0.7, delta 1e-5,
-q = 64/1139, 180 steps): cold (envelope built in the call) and warm (envelope cached).
+Table 1 (DP-SGD, Poisson-subsampled Gaussian, add-or-remove): for each configuration of issue 16 and the
+peer disagreements, our ``[lower, upper]`` bracket at discretization 1e-4, dp_accounting's pessimistic PLD
+epsilon at 1e-4 and prv_accountant's ``[lower, upper]`` at ``eps_error = 0.01``, each timed in this run
+(ours and dp_accounting alternate, median of 3; prv once), and the referee's enclosure of the true epsilon
+(:mod:`dpmath.referee`, Laplace inversion with an error bound, independent of any loss grid).
+Table 2: randomized clipping (Hutch, k = 32, d = 2048): our bracket and warm time per epsilon.
+Table 3: calibrate_sigma for DP-SGD-RC in the Table 4 setting of paper 000, cold and warm.
 
-    pip install dp-accounting && python benchmarks/accountant_bench.py
+    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3] [--no-prv]
 """
 
+import argparse
 import math
+import statistics
 import time
 
-from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, SubsampledGaussian, calibrate_sigma
-from verify.peers import PEER_CONFIGS
+from dpmath import (
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+    calibrate_sigma,
+)
+from dpmath.referee import referee_epsilon
+
+CONFIGS = [   # (sigma, q, steps, delta): issue 16's list, then the peer disagreement at (0.9, 0.1, 3000)
+    (1.1, 256 / 60000, 14063, 1e-5),
+    (0.8, 1e-3, 50000, 1e-6),
+    (1.5, 0.05, 1000, 1e-6),
+    (4.073, 64 / 1150, 180, 1e-5),
+    (0.6, 0.01, 100000, 1e-8),
+    (2.0, 1e-3, 1000000, 1e-9),
+    (0.9, 0.1, 3000, 1e-5),
+]
+RC_CONFIGS = [(0.8, 1e-3, 50000, 1e-6), (0.6, 0.01, 100000, 1e-8), (2.0, 1e-3, 1000000, 1e-9)]
 
 
-def best_of(fn, repeat=3):
-    best, value = math.inf, None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        value = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, value
+def timed(fn):
+    t = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - t, value
 
 
-def table1() -> None:
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
+def ours(sigma, q, steps, delta):
+    return PLDAccountant(1e-4).compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
 
-    def theirs(sigma, q, steps, delta):
-        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-        ev = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
-        acc.compose(dp_accounting.SelfComposedDpEvent(ev, steps))
-        return acc.get_epsilon(delta)
 
-    def ours(sigma, q, steps, delta):
-        return PLDAccountant(1e-4).compose(SubsampledGaussian(sigma, q), steps).epsilon(delta)
+def refined(sigma, q, steps, delta):
+    return PLDAccountant(1e-4, bracket_rtol=1e-3).compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
 
-    print("Table 1: time to epsilon, subsampled Gaussian, discretization 1e-4 (best of 3)")
-    print(f"{'sigma':>6} {'q':>9} {'steps':>6} {'delta':>7} {'epsilon':>11} {'rel. to dp_acc':>14} "
-          f"{'ours s':>8} {'dp_acc s':>8} {'ratio':>6}")
-    ratios, t_ours, t_theirs = [], 0.0, 0.0
-    for c in PEER_CONFIGS:
-        to, eo = best_of(lambda c=c: ours(*c))
-        tt, et = best_of(lambda c=c: theirs(*c))
-        ratios.append(to / tt)
-        t_ours += to
-        t_theirs += tt
-        print(f"{c[0]:>6g} {c[1]:>9.3g} {c[2]:>6d} {c[3]:>7.0e} {eo:>11.5f} {(eo - et) / et:>14.1e} "
-              f"{to:>8.3f} {tt:>8.3f} {to / tt:>6.2f}")
-    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    print(f"total time: ours {t_ours:.2f} s, dp_accounting {t_theirs:.2f} s, ratio {t_ours / t_theirs:.2f}; "
-          f"geometric mean of ratios {geo:.2f}; configurations with ratio > 1: {sum(r > 1 for r in ratios)}")
+
+def dp_accounting_eps(sigma, q, steps, delta):
+    from verify.peers import dp_accounting_epsilon
+
+    return dp_accounting_epsilon(sigma, q, steps, delta)
+
+
+def prv(sigma, q, steps, delta):
+    from verify.peers import prv_bracket
+
+    return prv_bracket(sigma, q, steps, delta)
+
+
+def table1(use_prv: bool) -> None:
+    print("Table 1: DP-SGD epsilon.  ours: discretization 1e-4; refined: bracket_rtol = 1e-3 (finer grids until the")
+    print("bracket is 0.1 % wide); dp_acc: dp_accounting's PLD at 1e-4; prv: prv_accountant at eps_error 0.01;")
+    print("referee: dpmath.referee's enclosure of the true epsilon.  Times: ours, refined and dp_accounting")
+    print("alternated, median of 3 (prv once); ratios to dp_accounting.")
+    print(f"{'sigma':>6} {'q':>8} {'steps':>8} {'delta':>6} | {'referee [low, high]':>28} | "
+          f"{'ours [lower, upper]':>22} {'width%':>7} | {'refined [lower, upper]':>22} {'width%':>7} | "
+          f"{'dp_acc':>9} | {'prv [lower, upper]':>20} | {'ours s':>6} {'ref. s':>6} {'dp s':>6} "
+          f"{'ratio':>5} {'ref.r':>5} {'prv s':>6}")
+    ratios, refined_ratios = [], []
+    for c in CONFIGS:
+        t_ours, t_ref, t_dp = [], [], []
+        for _ in range(3):
+            t, (lo, hi) = timed(lambda c=c: ours(*c))
+            t_ours.append(t)
+            t, (rlo_, rhi_) = timed(lambda c=c: refined(*c))
+            t_ref.append(t)
+            t, theirs = timed(lambda c=c: dp_accounting_eps(*c))
+            t_dp.append(t)
+        to, tr, td = (statistics.median(x) for x in (t_ours, t_ref, t_dp))
+        ratios.append(to / td)
+        refined_ratios.append(tr / td)
+        if use_prv:
+            tp, (plo, phi) = timed(lambda c=c: prv(*c))
+            prv_txt, tp_txt = f"[{plo:.4f}, {phi:.4f}]", f"{tp:6.1f}"
+        else:
+            prv_txt, tp_txt = "-", "-"
+        elo, ehi = referee_epsilon([(c[0], c[1], c[2])], c[3], guess=hi)
+        flag = "" if elo <= hi and lo <= ehi and elo <= rhi_ and rlo_ <= ehi else " !"
+        print(f"{c[0]:>6g} {c[1]:>8.3g} {c[2]:>8d} {c[3]:>6.0e} | [{elo:.8f}, {ehi:.8f}]{flag} | "
+              f"[{lo:.5f}, {hi:.5f}] {100 * (hi - lo) / hi:>7.4f} | [{rlo_:.5f}, {rhi_:.5f}] "
+              f"{100 * (rhi_ - rlo_) / rhi_:>7.4f} | {theirs:>9.5f} | {prv_txt:>20} | {to:>6.2f} {tr:>6.2f} {td:>6.2f} "
+              f"{to / td:>5.2f} {tr / td:>5.2f} {tp_txt:>6}", flush=True)
+
+    def geo(xs):
+        return math.exp(sum(math.log(r) for r in xs) / len(xs))
+    print(f"geometric mean of time ratios to dp_accounting: ours {geo(ratios):.2f}, refined {geo(refined_ratios):.2f}")
 
 
 def table2() -> None:
+    print()
+    print("Table 2: randomized clipping (Hutch, k = 32, d = 2048), discretization 1e-4, and refined to a 0.5 % bracket")
+    print(f"{'sigma':>6} {'q':>8} {'steps':>8} {'delta':>6} | {'ours [lower, upper]':>21} {'width%':>7} "
+          f"{'cold s':>6} {'warm s':>6} | {'refined [lower, upper]':>22} {'width%':>7} {'s':>6}")
+    env = HutchEnvelope(32, 2048)
+    for sigma, q, steps, delta in RC_CONFIGS:
+        def run(rtol=None, sigma=sigma, q=q, steps=steps, delta=delta):
+            acc = PLDAccountant(1e-4, bracket_rtol=rtol).compose(RandomizedClipGaussian(sigma, q, env), steps)
+            return acc.epsilon_bracket(delta)
+        cold, (lo, hi) = timed(run)
+        warm = statistics.median(timed(run)[0] for _ in range(3))
+        tr, (rlo, rhi) = timed(lambda run=run: run(5e-3))
+        print(f"{sigma:>6g} {q:>8.3g} {steps:>8d} {delta:>6.0e} | [{lo:.4f}, {hi:.4f}] {100 * (hi - lo) / hi:>7.3f} "
+              f"{cold:>6.2f} {warm:>6.2f} | [{rlo:.4f}, {rhi:.4f}] {100 * (rhi - rlo) / rhi:>7.3f} {tr:>6.1f}",
+              flush=True)
+
+
+def table3() -> None:
     q, steps = 64 / 1139, 180
     print()
-    print("Table 2: calibrate_sigma for DP-SGD-RC, k = 32, d = 2048, epsilon 0.7, delta 1e-5, q = 64/1139, 180 steps")
+    print("Table 3: calibrate_sigma for DP-SGD-RC, k = 32, d = 2048, epsilon 0.7, delta 1e-5, q = 64/1139, 180 steps")
     print(f"{'estimator':>10} {'sigma':>9} {'cold s':>8} {'warm s':>8}")
     for name, cls in (("Hutch", HutchEnvelope), ("Hutch++", HutchPPEnvelope)):
         t = time.perf_counter()
         env = cls(32, 2048)
         sigma = calibrate_sigma(0.7, 1e-5, q, steps, envelope=env)
         cold = time.perf_counter() - t
-        warm, _ = best_of(lambda env=env: calibrate_sigma(0.7, 1e-5, q, steps, envelope=env), repeat=2)
+        warm = statistics.median(timed(lambda env=env: calibrate_sigma(0.7, 1e-5, q, steps, envelope=env))[0]
+                                 for _ in range(2))
         print(f"{name:>10} {sigma:>9.4f} {cold:>8.2f} {warm:>8.2f}")
-    t, plain = best_of(lambda: calibrate_sigma(0.7, 1e-5, q, steps))
+    t, plain = timed(lambda: calibrate_sigma(0.7, 1e-5, q, steps))
     print(f"{'DP-SGD':>10} {plain:>9.4f} {t:>8.2f} {t:>8.2f}")
 
 
 if __name__ == "__main__":
-    table1()
-    table2()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--no-prv", action="store_true", help="skip prv_accountant (slow at many steps)")
+    args = parser.parse_args()
+    if 1 in args.tables:
+        table1(not args.no_prv)
+    if 2 in args.tables:
+        table2()
+    if 3 in args.tables:
+        table3()
