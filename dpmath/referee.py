@@ -278,7 +278,7 @@ def _delta_one(steps, eps: float) -> RefereeDelta:
     rounding = abs_sum * 8.0 * np.finfo(float).eps * (total + 10)
     # the aliased terms are non-negative: value - alias <= delta <= value (plus the symmetric errors)
     error = alias + trunc + quad + rounding
-    return RefereeDelta(value - 0.5 * alias, error - 0.5 * alias, alpha, points)
+    return RefereeDelta(float(value - 0.5 * alias), float(error - 0.5 * alias), float(alpha), int(points))
 
 
 def _chernoff(steps, eps: float) -> float:
