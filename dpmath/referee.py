@@ -332,9 +332,9 @@ def referee_delta(events, epsilon: float, relation: str | None = None) -> Refere
 
     Parameters
     ----------
-    events : list of (sigma, q, count)
-        Noise multiplier ``sigma > 0``, sampling rate ``q`` in ``(0, 1]`` (1: the Gaussian mechanism) and how
-        many steps (Poisson subsampling, add-or-remove neighbours).
+    events : list of tuple
+        ``(sigma, q, count)``: noise multiplier ``sigma > 0``, sampling rate ``q`` in ``(0, 1]`` (1: the
+        Gaussian mechanism) and how many steps (Poisson subsampling, add-or-remove neighbours).
     epsilon : float
         ``epsilon >= 0``.
     relation : {"remove", "add"}, optional
@@ -377,8 +377,8 @@ def referee_epsilon(events, delta: float, *, rtol: float = 1e-9, guess: float | 
 
     Parameters
     ----------
-    events : list of (sigma, q, count)
-        As in :func:`referee_delta`.
+    events : list of tuple
+        ``(sigma, q, count)``, as in :func:`referee_delta`.
     delta : float
         In ``(0, 1)``.
     rtol : float
@@ -390,7 +390,7 @@ def referee_epsilon(events, delta: float, *, rtol: float = 1e-9, guess: float | 
     Examples
     --------
     >>> from dpmath.referee import referee_epsilon
-    >>> lo, hi = referee_epsilon([(1.0, 1.0, 4)], 1e-5)             # Gaussian, mu = 2
+    >>> lo, hi = referee_epsilon([(2.0, 1.0, 16)], 1e-5)            # Gaussian, mu = 2
     >>> round(lo, 6), round(hi, 6)
     (9.997256, 9.997256)
     """

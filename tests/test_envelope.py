@@ -115,6 +115,7 @@ def test_vertex_below_one_and_uniform_above_x_plus(k, d):
     assert env.cdf(inside)[0] >= dense - 1e-14
 
 
+@pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_x_plus_disagrees_with_the_paper_formula_beyond_d_2():
     """Paper 000 (Prop 5.2, Fig. 7) states x_+ = 1 + 2/(dk) + O(1/k^2).  Only d = 2 follows it."""
     for k in (1, 2, 32):
@@ -142,6 +143,7 @@ def _weights(k, lam):
     return lam / lam.sum() / k
 
 
+@pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 @settings(max_examples=12)
 @given(
     d=st.integers(2, 5),
@@ -158,6 +160,7 @@ def test_dirichlet_lambdas_never_exceed_the_envelope(d, k, conc, seed):
     assert np.all(F <= env.cdf(xs) + 1e-12)
 
 
+@pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 @settings(max_examples=25)
 @given(
     d=st.integers(2, 8),

@@ -214,6 +214,7 @@ def test_randomized_clipping_bracket_is_tight(sigma, q, steps, rtol):
     assert lo <= hi <= lo * (1 + rtol)
 
 
+@pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_unbounded_scale_mass_is_charged_to_delta():
     # with q = 1 the mass of Y below the scale grid is an infinite loss: delta never drops below it
     acc = PLDAccountant().compose(RandomizedClipGaussian(1.0, 1.0, HutchEnvelope(k=2, d=4)))

@@ -31,7 +31,7 @@ def test_the_referee_composes_heterogeneous_steps_like_one_gaussian():
 
 
 def test_the_referee_epsilon_encloses_the_exact_gaussian_epsilon():
-    lo, hi = referee_epsilon([(1.0, 1.0, 4)], 1e-5)
+    lo, hi = referee_epsilon([(2.0, 1.0, 16)], 1e-5)   # mu = 2, as four steps at sigma 1
     assert lo <= 9.997256146434298 <= hi     # brentq on the closed form, xtol 1e-14
     assert hi - lo < 1e-7
 

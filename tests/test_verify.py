@@ -119,6 +119,7 @@ def test_symbolic_audit_flags_a_wrong_implementation(monkeypatch):
     assert not r.holds and len(r.failures) == 1
 
 
+@pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_findings_report_refuted_claims_without_failing():
     r = envelope_claims(ks=(32,), ds=(2, 8))
     assert r.kind == "finding" and not r.holds

@@ -11,13 +11,30 @@ On the subsampled Gaussian, for each configuration ``(sigma, q, steps, delta)``:
   bound below a peer's certified lower bound would be unsound).  Where prv's own bracket excludes the value
   both PLD accountants agree on, the row says so (the known case ``(0.9, 0.1, 3000, 1e-5)``: prv
   ``[65.309, 65.333]``, dp_accounting and ours 65.2585).
+
+:func:`referee_audit` needs no peer: on each configuration our ``[lower, upper]`` must hold the true epsilon
+as :mod:`dpmath.referee` encloses it (Laplace inversion with error bounds, no loss grid); it settles the
+disagreement above (the truth is 65.2585165) and the one at ``(0.6, 0.01, 100000, 1e-8)``.
 """
 
 from __future__ import annotations
 
 from .result import AuditResult, progress
 
-__all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "peer_audit", "dp_accounting_epsilon", "prv_bracket"]
+__all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "REFEREE_CONFIGS", "peer_audit", "referee_audit",
+           "dp_accounting_epsilon", "prv_bracket"]
+
+REFEREE_CONFIGS = [
+    (4.073, 64 / 1150, 180, 1e-5),
+    (1.5, 0.05, 1000, 1e-6),
+    (0.9, 0.1, 3000, 1e-5),
+    (1.1, 256 / 60000, 14063, 1e-5),
+    (0.8, 1e-3, 50000, 1e-6),
+    (0.6, 0.01, 100000, 1e-8),
+    (2.0, 1e-3, 1000000, 1e-9),
+]
+"""``(sigma, q, steps, delta)`` refereed by :func:`referee_audit` (issue 16's configurations and the prv
+disagreements); the quick run takes the first three."""
 
 PEER_CONFIGS = [
     (0.8, 0.001, 100, 1e-6),
@@ -129,3 +146,41 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
     return AuditResult("peers", "check", holds,
                        f"{sum(r['holds'] for r in rows)} of {len(rows)} configurations agree with {peers} "
                        "(within 0.5 % of dp_accounting; never below prv's certified lower end)", rows)
+
+
+def referee_audit(configs: list[tuple[float, float, int, float]] | None = None) -> AuditResult:
+    """Our PLD bracket against the referee's enclosure of the true epsilon (a check; no peer needed).
+
+    Parameters
+    ----------
+    configs : list of tuple, optional
+        ``(sigma, q, steps, delta)``; defaults to the first three of :data:`REFEREE_CONFIGS`.
+
+    Returns
+    -------
+    AuditResult
+        One row per configuration: the referee's ``[low, high]``, our bracket on the default grid, and how far
+        our upper end lies above the truth.
+
+    Examples
+    --------
+    >>> from verify.peers import referee_audit
+    >>> referee_audit([(4.073, 64 / 1150, 180, 1e-5)]).holds
+    True
+    """
+    from dpmath import PLDAccountant, SubsampledGaussian
+    from dpmath.referee import referee_epsilon
+
+    rows = []
+    for sigma, q, steps, delta in progress(configs or REFEREE_CONFIGS[:3], "referee"):
+        lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
+        r_lo, r_hi = referee_epsilon([(sigma, q, steps)], delta, guess=hi)
+        rows.append({"sigma, q, steps, delta": f"{sigma:g}, {q:.4g}, {steps}, {delta:g}",
+                     "referee [low, high]": f"[{r_lo:.8f}, {r_hi:.8f}]",
+                     "ours [lower, upper]": f"[{lo:.5f}, {hi:.5f}]",
+                     "upper above the truth": f"{(hi - r_lo) / r_lo:.1e}",
+                     "holds": bool(lo <= r_hi and r_lo <= hi)})
+    holds = all(r["holds"] for r in rows)
+    return AuditResult("referee", "check", holds,
+                       f"{sum(r['holds'] for r in rows)} of {len(rows)} PLD brackets hold the true epsilon as the "
+                       f"referee (Laplace inversion with error bounds) encloses it", rows)
