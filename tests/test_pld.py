@@ -111,6 +111,7 @@ def test_one_step_bracket_contains_exact_delta_off_grid(sigma, q, eps):
 
 
 # --------------------------------------------------------------------------- monotonicity
+@pytest.mark.slow  # 10-13 s: kept out of the README's 10-minute run
 @given(sigma=st.floats(0.5, 5.0), q=st.floats(0.01, 0.8), steps=st.integers(1, 300))
 def test_epsilon_is_monotone_in_sigma_q_and_steps(sigma, q, steps):
     def eps(s, qq, n):
@@ -206,7 +207,8 @@ def test_randomized_clipping_costs_privacy_and_more_probes_cost_less():
 
 
 @pytest.mark.parametrize(("sigma", "q", "steps", "rtol"), [(4.36, 64 / 1139, 180, 0.005),
-                                                            (1.1, 0.004, 14000, 0.01)])
+                                                            pytest.param(1.1, 0.004, 14000, 0.01,
+                                                                         marks=pytest.mark.slow)])
 def test_randomized_clipping_bracket_is_tight(sigma, q, steps, rtol):
     # both directions matter: the add direction's long negative loss tail must not be clipped
     env = HutchEnvelope(k=32, d=2048)

@@ -85,6 +85,7 @@ def test_envelope_audit_flags_an_envelope_without_its_left_tail(monkeypatch):
     assert all(not row["holds"] for row in r.rows)  # exact, adversarial and Monte Carlo all see it
 
 
+@pytest.mark.slow  # 26-35 s: kept out of the README's 10-minute run
 def test_divergence_audit_flags_an_optimistic_accountant(monkeypatch):
     """An accountant that reports its optimistic discretization as the upper bound misses closed forms."""
     from dpmath import PLDAccountant
