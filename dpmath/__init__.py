@@ -20,7 +20,7 @@ from .envelope import (
     pessimistic_discretization,
 )
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
-from .pld import PLDAccountant
+from .pld import GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "RandomizedClipGaussian",
     "SubsampledL2Laplace",
     "PLDAccountant",
+    "GridTooLargeError",
     "RDPAccountant",
     "Bracket",
     "calibrate_sigma",

@@ -43,6 +43,12 @@ import numpy as np
 from scipy import fft as sfft
 from scipy import signal, special
 
+
+class GridTooLargeError(ValueError):
+    """The loss grid would need more points than :data:`MAX_GRID`: the discretization is too fine for the
+    losses at hand (a coarser one still gives valid, looser bounds)."""
+
+
 MAX_GRID = 1 << 25  # ~34M points: 270 MB per float64 array, the most one composition may use
 _FFT_ERR = 5.0 * np.finfo(np.float64).eps  # |error| of an FFT coefficient per unit mass, per log2 N
 _TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias anywhere)
@@ -172,7 +178,7 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
     k_lo = math.floor(t_lo / h)
     k_hi = max(math.ceil(t_hi / h), k_lo + 1)
     if k_hi - k_lo + 1 > MAX_GRID:
-        raise ValueError(
+        raise GridTooLargeError(
             f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
             f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
     idx = None
@@ -538,7 +544,7 @@ class Composition:
                                                           self._cumulants)
         self.slack = sum(p.slack * n for p, n in events)
         if max(self.over, self.under) > _MAX_CUT:
-            raise ValueError(
+            raise GridTooLargeError(
                 f"the composed privacy loss needs more than {MAX_GRID:,} grid points (that many leave a mass of "
                 f"{max(self.over, self.under):.1e} outside); use a coarser discretization (now {self.h:g}), "
                 f"e.g. discretization={10 * self.h:g}")

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
-from .pld import PLDAccountant
+from .pld import GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_array, sample_rate
 
@@ -74,10 +74,10 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
     for _ in range(3):
         try:
             return PLDAccountant(h).compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
-        except ValueError as exc:
+        except GridTooLargeError:
             # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
             # upper bound on epsilon, which is all the search needs there
-            if "discretization" not in str(exc) or h >= 0.1:
+            if h >= 0.1:
                 raise
             h = min(10 * h, 0.1)
     return math.inf

@@ -24,12 +24,23 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
-from ._pld_core import MAX_GRID, Composition, Pld, StepMasses, assemble, mix, pair_cdfs, split, step_masses
+from ._pld_core import (
+    MAX_GRID,
+    Composition,
+    GridTooLargeError,
+    Pld,
+    StepMasses,
+    assemble,
+    mix,
+    pair_cdfs,
+    split,
+    step_masses,
+)
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
-__all__ = ["PLDAccountant", "Mechanism"]
+__all__ = ["PLDAccountant", "Mechanism", "GridTooLargeError"]
 
 Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace
 
@@ -263,7 +274,7 @@ class PLDAccountant:
             try:
                 hi = query(h, True)
                 lo = query(h, False) if (lower or self.bracket_rtol is not None) else 0.0
-            except ValueError:   # the finer grid would exceed the size limit: keep the tightest so far
+            except GridTooLargeError:   # the finer grid would exceed the size limit: keep the tightest so far
                 if best is None:
                     raise
                 break

@@ -89,6 +89,7 @@ def test_published_accountant_is_unsound():
     assert joint_log_moment(g, 8, 1.0, 0.5) <= published_log_moment(8, 1.0, 0.5, 1.0, 1000)
 
 
+@pytest.mark.slow  # about 8 s: kept out of the README's 10-minute run
 def test_published_epsilon_is_below_the_spread_gradient_limit():
     """(eps, delta) view: the published eps is far below the n -> inf limit of an evenly spread gradient."""
     pub = published_epsilon(1e-5, 0.001, 1000, 0.5, 1.0, 10_000)

@@ -17,6 +17,7 @@ dp_accounting = pytest.importorskip("dp_accounting")
 prv_accountant = pytest.importorskip("prv_accountant")
 
 
+@pytest.mark.slow  # about 8 s: kept out of the README's 10-minute run
 def test_configurations_span_the_required_ranges():
     eps = [PLDAccountant().compose(SubsampledGaussian(s, q), n).epsilon(d) for s, q, n, d in PEER_CONFIGS]
     assert len(PEER_CONFIGS) >= 20

@@ -190,8 +190,10 @@ def divergence_audit(quad_points: int = 200_001, mc_draws: int = 400_000, alpha:
 
     Examples
     --------
+    The call takes about 12 s (``python -m verify`` and ``pytest -m slow`` run it):
+
     >>> from verify.divergences import divergence_audit
-    >>> divergence_audit(quad_points=20_001, mc_draws=20_000).holds
+    >>> divergence_audit(quad_points=20_001, mc_draws=20_000).holds  # doctest: +SKIP
     True
     """
     quad_points = positive_int(quad_points, "quad_points")
