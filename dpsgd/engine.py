@@ -384,7 +384,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                          "precision here; rounding could let a clipped contribution exceed C. Use "
                          "clipping_pass='bookkeeping' (sums in float32)")
     # the row-to-example check (below) runs on the first step with a new layout of calls, or on every step
-    layout = _layout(calls, b)
+    layout = _layout(calls, losses)
     check = b > 1 and (capture.check_every_step or layout not in capture.checked_layouts)
     if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
         check = any_rank(check)
@@ -449,13 +449,17 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     return ClippedGradients(sums, n.detach(), weights)
 
 
-def _layout(calls: list[Call], b: int) -> tuple:
-    """The calls' modules and tensor shapes, with the batch size written ``-1``: equal for steps whose forwards
-    ran the same way on batches of any size."""
+def _layout(calls: list[Call], losses: torch.Tensor) -> tuple:
+    """The calls' modules and tensor shapes, with the batch size written ``-1``, and the operations of the
+    autograd graph from the calls to the losses: equal for steps whose forwards and losses ran the same way on
+    batches of any size (a loss that starts reading another example's output changes it)."""
+    b = losses.shape[0]
+
     def shapes(ts):
         return tuple(tuple(-1 if d == b else d for d in t.shape) for t in ts if isinstance(t, torch.Tensor))
+    ops = tuple(type(node).__name__ for node in _graph_nodes(losses)) if losses.requires_grad else ()
     return tuple((c.cache["unit"].path, type(c.cache["unit"].handler).__name__, shapes(c.args),
-                  shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls)
+                  shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls) + (ops,)
 
 
 def _check_attribution(losses: torch.Tensor, calls: list[Call], retain_graph: bool) -> None:
@@ -544,20 +548,24 @@ def _first_backward(capture: Capture, losses, outputs, model_params, retain_grap
         capture.active = True
 
 
-def _gathered_leaves(losses: torch.Tensor, calls: list[Call]) -> list[str]:
-    """Parameters (other than the recorded calls' aliases) that ``losses`` depend on, from its autograd graph."""
-    aliases = {id(a) for c in calls for a in c.aliases.values()}
-    seen, stack, found = set(), [losses.grad_fn], []
+def _graph_nodes(losses: torch.Tensor) -> list:
+    """Every node of the autograd graph below ``losses``, once each, in a deterministic depth-first order."""
+    seen, stack, nodes = set(), [losses.grad_fn], []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if isinstance(var, nn.Parameter) and id(var) not in aliases:
-            found.append(f"a gathered FSDP parameter of shape {tuple(var.shape)}")
+        nodes.append(node)
         stack.extend(fn for fn, _ in node.next_functions)
-    return found
+    return nodes
+
+
+def _gathered_leaves(losses: torch.Tensor, calls: list[Call]) -> list[str]:
+    """Parameters (other than the recorded calls' aliases) that ``losses`` depend on, from its autograd graph."""
+    aliases = {id(a) for c in calls for a in c.aliases.values()}
+    return [f"a gathered FSDP parameter of shape {tuple(var.shape)}" for node in _graph_nodes(losses)
+            if isinstance(var := getattr(node, "variable", None), nn.Parameter) and id(var) not in aliases]
 
 
 def _qualified(model: nn.Module, p: nn.Parameter) -> str:

@@ -525,3 +525,20 @@ def test_the_row_check_runs_once_per_layout_unless_asked_every_step(monkeypatch)
         assert len(ran) == 2
     finally:
         capture.remove()
+
+
+def test_a_loss_that_starts_mixing_examples_after_the_first_step_is_refused():
+    """The model's calls keep their layout, but step 2's loss reads a neighbour's output: checked again."""
+    from torch import nn
+
+    from dpsgd import engine as eng
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().train()
+    capture = eng.Capture(eng.NormPlan.build(model, "exact"))
+    try:
+        x = torch.randn(5, 3, dtype=torch.float64)
+        eng.clipped_backward(capture, model(x).square().sum(1), 1.0, 4, None)
+        with pytest.raises(IncompleteGradientError, match="rows of [02]"):
+            eng.clipped_backward(capture, model(x).roll(1, dims=0).square().sum(1), 1.0, 4, None)
+    finally:
+        capture.remove()
