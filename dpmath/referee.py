@@ -131,7 +131,7 @@ class _Step:
         """``log E_P[e^{zL}]`` for real ``z`` (``inf`` where it overflows)."""
         a = float(self._a(np.array(z)))
         x, hx = self._grid(a, 0.0, 2)
-        r = -0.5 * x * x - 0.5 * math.log(2 * math.pi) + a * self._ell(x)
+        r = _log_phi(x) + a * self._ell(x)
         if float(np.max(r)) > 0.5:
             return float(special.logsumexp(r) + math.log(hx))
         al = a * self._ell(x)
@@ -151,7 +151,7 @@ class _Step:
             x, hx = self._grid(re_a, float(np.max(np.abs(a.imag[i:i + 64]))), refine)
             per = max(1, min(_BLOCK // x.size, 64))
             ell = self._ell(x)
-            log_phi = -0.5 * x * x - 0.5 * math.log(2 * math.pi)
+            log_phi = _log_phi(x)
             phi = np.exp(log_phi)[None, :]
             big = (re_a * ell > 0.5)[None, :]                 # where e^{Re(a) l} is not close to 1
             grow = np.exp(np.minimum(log_phi + re_a * ell, 700.0))[None, :]
@@ -170,17 +170,22 @@ class _Step:
         x, hx = self._grid(re_a, 0.0, 2)
         ell = self._ell(x)
         with np.errstate(divide="ignore"):
-            r = -0.5 * x * x - 0.5 * math.log(2 * math.pi) + re_a * ell + np.log(np.abs(ell))
+            r = _log_phi(x) + re_a * ell + np.log(np.abs(ell))
         return float(math.exp(special.logsumexp(r)) * hx)
 
     def total_variation(self, alpha: float) -> float:
         """``TV`` of ``x -> phi(x) e^{Re(a) l(x)} / |l'(x)|`` on the line ``Re z = alpha``."""
         re_a = float(self._a(np.array(alpha + 0j)).real)
         x, _ = self._grid(re_a, 0.0, 8)
-        log_h = -0.5 * x * x - 0.5 * math.log(2 * math.pi) + re_a * self._ell(x) - np.log(self._slope(x))
+        log_h = _log_phi(x) + re_a * self._ell(x) - np.log(self._slope(x))
         c = float(np.max(log_h))
         h = np.exp(log_h - c)
         return float(np.sum(np.abs(np.diff(h))) + h[0] + h[-1]) * math.exp(c)
+
+
+def _log_phi(x: np.ndarray) -> np.ndarray:
+    """The standard normal log-density."""
+    return -0.5 * x * x - 0.5 * math.log(2 * math.pi)
 
 
 def _log1p(w: np.ndarray) -> np.ndarray:
@@ -357,12 +362,13 @@ def referee_delta(events, epsilon: float, relation: str | None = None) -> Refere
     if any(r not in _RELATIONS for r in rels):
         raise ValueError(f"relation must be one of {list(_RELATIONS)} or None, got {relation!r}")
     # a direction whose Chernoff bound lies below another's certified value cannot be the maximum: skipped
-    ranked = sorted(((_chernoff(_steps(events, r), e), r) for r in rels), reverse=True)
+    built = {r: _steps(events, r) for r in rels}
+    ranked = sorted(((_chernoff(built[r], e), r) for r in rels), reverse=True)
     best = None
     for bound, r in ranked:
         if best is not None and bound < best.low:
             continue
-        d = _delta_one(_steps(events, r), e)
+        d = _delta_one(built[r], e)
         best = d if best is None or d.value > best.value else best
     return best
 
