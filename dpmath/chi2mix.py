@@ -47,6 +47,7 @@ __all__ = [
     "chi2_mixture_sf",
     "chi2_mixture_pdf",
     "two_block_cdf",
+    "contour_inversion",
 ]
 
 _LEVEL_DROP = 48.0  # panels cover the set where the integrand exceeds exp(-48) of its maximum
@@ -54,8 +55,7 @@ _GOLDEN_ITERS = 52
 _BISECT_ITERS = 40
 _GL_ORDER = 40
 _RUBEN_TAIL = 1e-17
-_RUBEN_MAX_TERMS = 20000
-_MAX_SPLITS = 2
+_RUBEN_MAX_TERMS = 1000  # beyond this the O(terms^2) recursion costs more than the contour inversion
 _GOLD = (np.sqrt(5.0) - 1.0) / 2.0
 
 _gl_t, _gl_w = np.polynomial.legendre.leggauss(_GL_ORDER)
@@ -291,8 +291,8 @@ def _ruben(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str):
     return terms @ c
 
 
-def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth: int = 0) -> np.ndarray:
-    """cdf / sf / pdf at x > 0 for merged blocks (ascending weights); ``depth`` counts group splits."""
+def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str) -> np.ndarray:
+    """cdf / sf / pdf at x > 0 for merged blocks (ascending weights)."""
     w, nu = _drop_negligible(float(np.min(x)), w, nu)
     if w.size == 1:
         shape, scale = nu[0] / 2.0, 2.0 * w[0]
@@ -305,12 +305,13 @@ def _mixture(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth: int
         return _two_block(x, w[1], nu[1], w[0], nu[0], kind)
     out = _ruben(x, w, nu, kind)
     if out is None:
-        return _split_groups(x, w, nu, kind, depth)
-    # the discarded coefficient mass (< 1e-17) bounds the sf error only absolutely: in the right
-    # tail split the blocks instead, which keeps relative accuracy
-    tail = (kind == "sf") & (out < 1e-9)
+        return contour_inversion(x, w, nu, kind)[0]
+    # the discarded coefficient mass (< 1e-17) bounds the sf and pdf errors only absolutely: in the
+    # right tail invert instead, which keeps relative accuracy
+    scale = 1.0 if kind == "sf" else float(np.sqrt(2.0 * np.sum(nu * w * w)))
+    tail = (kind != "cdf") & (x > np.sum(nu * w)) & (out * scale < 1e-9)
     if np.any(tail):
-        out[tail] = _split_groups(x[tail], w, nu, kind, depth)
+        out[tail] = contour_inversion(x[tail], w, nu, kind)[0]
     return out
 
 
@@ -320,8 +321,7 @@ def _drop_negligible(x_min: float, w: np.ndarray, nu: np.ndarray) -> tuple[np.nd
     ``T = sum_j w_j chi2(nu_j)`` over dropped blocks satisfies ``P(T > t) < 1e-15`` for
     ``t = sum_j w_j (nu_j + 12 sqrt(nu_j) + 60)`` (a chi-square Chernoff bound per block), and
     ``F(x - t) <= F_with(x) <= F(x)``, so the relative change of the cdf is at most about
-    ``(N/2) t / x``: below ``1e-12`` for N < 200 degrees of freedom.  Without this, weights spread
-    over 20 orders of magnitude (a sparse Dirichlet draw) would need an astronomically long series.
+    ``(N/2) t / x``: below ``1e-12`` for N < 200 degrees of freedom.
     """
     reach = np.cumsum(w * (nu + 12.0 * np.sqrt(nu) + 60.0))
     keep_from = int(np.searchsorted(reach, 1e-14 * x_min, side="right"))
@@ -329,47 +329,201 @@ def _drop_negligible(x_min: float, w: np.ndarray, nu: np.ndarray) -> tuple[np.nd
     return w[keep_from:], nu[keep_from:]
 
 
-def _log_mixture(kind: str, w: np.ndarray, nu: np.ndarray,
-                 depth: int) -> Callable[[np.ndarray, bool], np.ndarray]:
-    """``u -> log`` of the mixture's cdf / sf / pdf, for use inside :func:`_convolve`."""
-    def fn(u: np.ndarray, _nodes: bool) -> np.ndarray:
-        flat = u.ravel()
-        out = np.full(flat.shape, 0.0 if kind == "sf" else -np.inf)
-        pos = flat > 0
-        if pos.any():
-            with np.errstate(divide="ignore"):
-                out[pos] = np.log(_mixture(flat[pos], w, nu, kind, depth))
-        return out.reshape(u.shape)
+# ----------------------------------------------------------------------------------------------
+# contour inversion of the moment generating function, for any spread of the weights
 
-    return fn
+_ALPHA = 0.4        # the hyperbola's asymptotes make angle pi/2 - alpha with the real axis
+_STRIP = 0.3        # half-width d of the strip |Im u| < d in which the integrand is analytic
+_EDGE_RIGHT = np.sin(_ALPHA + _STRIP) - np.sin(_ALPHA)   # s(0) moves right by mu * this on Im u = -d
+_EDGE_LEFT = np.sin(_ALPHA) - np.sin(_ALPHA - _STRIP)    # ... and left by mu * this on Im u = +d
+_INV_TOL = 1e-14    # target relative error of the inversion
+_INV_CHUNK = 16     # nodes added at a time until the integrand has died out
+_BULK = 1.0         # s_0 stays at least _BULK / sd away from the pole at 0
+_POLE_SHARE = 0.5   # the strip's edges come at most this share of the way to the pole or a branch point
+_INV_MAX_NODES = 6000
 
 
-def _split_groups(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, depth: int) -> np.ndarray:
-    """Split the blocks at the largest ratio between consecutive weights into a light group L and a
-    heavy group H, each with a shorter Ruben series, and integrate out L:
-    ``P(L + H <= x) = int_0^x f_L(v) F_H(x - v) dv`` (sf: ``+ P(L > x)``; pdf: ``f_H``).
+_SERIES_RADIUS = 0.05  # blocks with |2 w s| <= this enter K(s) through a power series ...
+_SERIES_TERMS = 20     # ... of this many terms (remainder below 0.05^20 of their part of K)
 
-    Each nested split multiplies the work by ~150 sequential evaluations (one split: about a second
-    for a handful of points, two: about half a minute), so two are allowed; weights that need a third
-    raise ValueError instead of running for an hour.
+
+class _Cumulant:
+    """``K(s) = log E exp(s Q) = -sum_j (nu_j / 2) log(1 - 2 w_j s)`` (principal branch) for many s.
+
+    The light blocks, those with ``|2 w_j s| <= 0.05`` at every s of a call, are summed as
+    ``sum_k P_k s^k / (2k)`` with ``P_k = sum_j nu_j (2 w_j)^k`` over them (``k <= 20``; the remainder
+    is below ``0.05^20`` of their contribution); only the heavy ones take a complex logarithm each.
+    With weights over many decades most blocks are light, and a call costs ~20 operations per
+    node for them instead of one logarithm per block and node.
     """
-    if depth >= _MAX_SPLITS:
-        raise ValueError("weights are spread over too many orders of magnitude for three or more distinct "
-                         "values (Ruben's series would exceed 20000 terms after two group splits); "
-                         "merge or drop the lightest weights")
-    gap = int(np.argmax(w[1:] / w[:-1])) + 1
-    light_w, light_nu, heavy_w, heavy_nu = w[:gap], nu[:gap], w[gap:], nu[gap:]
-    if light_w.size == 1:
-        shape, scale = light_nu[0] / 2.0, 2.0 * light_w[0]
 
-        def log_f(v: np.ndarray, _nodes: bool) -> np.ndarray:
-            return _gamma_logpdf(v, shape, scale)
+    def __init__(self, w: np.ndarray, nu: np.ndarray) -> None:
+        self.w, self.nu = w, nu  # ascending w
+        powers = (2.0 * w)[None, :] ** np.arange(1, _SERIES_TERMS + 1)[:, None] * nu
+        self.prefix = np.cumsum(powers, axis=1)  # prefix[k-1, j] = P_k over blocks 0..j
+
+    def __call__(self, s: np.ndarray) -> np.ndarray:
+        light = int(np.searchsorted(self.w, _SERIES_RADIUS / (2.0 * float(np.abs(s).max())), side="right"))
+        out = -0.5 * (np.log1p(-2.0 * s[..., None] * self.w[light:]) @ self.nu[light:])
+        if light:
+            p = self.prefix[:, light - 1]
+            acc = np.zeros_like(s)
+            for k in range(_SERIES_TERMS, 0, -1):  # Horner in s
+                acc = (acc + p[k - 1] / (2.0 * k)) * s
+            out = out + acc
+        return out
+
+
+def _saddle(x: np.ndarray, w: np.ndarray, nu: np.ndarray) -> np.ndarray:
+    """The root of ``K'(s) = sum_j nu_j w_j / (1 - 2 w_j s) = x`` on ``s < 1 / (2 w_max)``, elementwise.
+
+    ``K'`` increases from 0 (at -inf) to +inf (at ``1/(2 w_max)``); ``K'(-N/(2x)) < x`` with
+    ``N = sum nu``, and ``K'(s) > x`` once ``1/(2 w_max) - s < nu_max / (2x)``.  Bisection on
+    ``log(1/(2 w_max) - s)`` takes 64 steps whatever the spread; the root only has to be close,
+    since any point of the half-line gives a valid contour.
+    """
+    s_max = 0.5 / w[-1]
+    far = np.log(s_max + nu.sum() / (2.0 * x))
+    near = np.minimum(np.log(nu[-1] / (4.0 * x)), far)
+    for _ in range(64):
+        mid = 0.5 * (far + near)
+        above = (nu * w / (1.0 - 2.0 * w * (s_max - np.exp(mid))[:, None])).sum(-1) > x
+        near = np.where(above, mid, near)
+        far = np.where(above, far, mid)
+    return s_max - np.exp(0.5 * (far + near))
+
+
+def contour_inversion(x: ArrayLike, weights: ArrayLike, dof: ArrayLike,
+                      kind: str = "cdf") -> tuple[np.ndarray, np.ndarray]:
+    r"""cdf, sf or pdf of a chi-square mixture by inverting its moment generating function on a
+    hyperbolic contour through the saddle point; returns ``(value, error)`` with an error bound.
+
+    With ``K(s) = -\sum_j (\nu_j/2)\log(1 - 2 w_j s)`` and ``s_0`` on the real axis left of
+    ``1/(2 w_{max})``,
+
+    .. math::
+
+        F(x) = \frac{1}{2\pi i}\int_{\Gamma} \frac{e^{K(s) - s x}}{-s}\,ds \ (s_0 < 0),\quad
+        S(x) = \frac{1}{2\pi i}\int_{\Gamma} \frac{e^{K(s) - s x}}{s}\,ds \ (s_0 > 0),\quad
+        f(x) = \frac{1}{2\pi i}\int_{\Gamma} e^{K(s) - s x}\,ds,
+
+    on ``s(u) = s_0 + \mu(\sin\alpha(\cosh u - 1) + i\cos\alpha\sinh u)``, a hyperbola that
+    leaves the real axis vertically at ``s_0`` and bends to the right, between the branch cuts
+    ``[1/(2 w_j), \infty)``, so that ``e^{-sx}`` decays double-exponentially in ``u`` whatever the
+    spread of the weights (on a vertical line it would only decay like a power of ``v``, and
+    weights over 12 decades would need ~1e12 nodes).  ``s_0`` is the saddle point of
+    ``K(s) - sx``, moved at least ``1/(2\,sd)`` away from the pole at 0 (in the bulk), which keeps
+    *relative* accuracy in both tails; the side of the pole decides whether F or S is computed (the
+    other one is ``1 -`` it, then at least ~0.4).  ``\mu`` keeps the strip ``|Im u| < d`` clear of
+    the pole and the branch points, and within ``2/\sqrt{K''(s_0)}`` of the saddle.
+
+    The trapezoid rule with step ``h`` over ``u`` has error at most ``2 M / (e^{2\pi d/h} - 1)``,
+    ``M = \int |g(u \pm i d)| du`` (Trefethen & Weideman 2014, Thm 5.1; the integral means are
+    log-convex in ``Im u``, so the edges are the sup).  ``h`` starts at ``2\pi d / 40`` and is
+    shrunk until that bound is below ``1e-14`` of the value; the nodes run until the terms are below
+    ``1e-18`` of the value and falling (what is left is bounded by the last term times a geometric
+    factor); ``M`` is a trapezoid sum on the edges' own nodes.  The returned error adds these
+    three and a rounding term ``4 eps h \sum |g|``.  ``M`` and the tail are computed on grids, so the
+    bound is a numerical estimate of a rigorous one, not interval arithmetic.
+
+    Parameters
+    ----------
+    x : array_like
+        Positive finite points.
+    weights, dof : array_like
+        Positive weights and degrees of freedom, as in :func:`chi2_mixture_cdf` (no merging here).
+    kind : {"cdf", "sf", "pdf"}
+
+    Returns
+    -------
+    (value, error) : tuple of ndarray
+        Shaped like ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> w = np.logspace(0, -12, 200)                    # twelve decades
+    >>> F, err = contour_inversion([0.5, 2.0], w, 1)
+    >>> bool(np.all(err < 1e-13 * F))
+    True
+    """
+    xs = real_array(x, "x").astype(np.float64)
+    if np.any(~np.isfinite(xs) | (xs <= 0)):
+        raise ValueError("x must be positive and finite")
+    w = real_array(weights, "weights", allow_inf=False).ravel()
+    nu = np.broadcast_to(real_array(dof, "dof", allow_inf=False), w.shape).astype(np.float64)
+    if np.any(w <= 0) or np.any(nu <= 0):
+        raise ValueError("weights and dof must be positive (> 0)")
+    if kind not in ("cdf", "sf", "pdf"):
+        raise ValueError(f"kind must be 'cdf', 'sf' or 'pdf', got {kind!r}")
+    order = np.argsort(w)
+    w, nu = w[order], nu[order]
+    flat = xs.ravel()
+    value, error = np.empty_like(flat), np.empty_like(flat)
+    # points one at a time: the node count adapts per point, and a (nodes x weights) block is the memory
+    for i, xv in enumerate(flat):
+        value[i], error[i] = _invert_point(float(xv), w, nu, kind)
+    return value.reshape(xs.shape), error.reshape(xs.shape)
+
+
+def _invert_point(x: float, w: np.ndarray, nu: np.ndarray, kind: str) -> tuple[float, float]:
+    s_max = 0.5 / w[-1]
+    sd = float(np.sqrt(2.0 * np.sum(nu * w * w)))
+    s_hat = float(_saddle(np.array([x]), w, nu)[0])
+    if kind == "pdf":
+        s0, pole = s_hat, 0.0
+    elif s_hat < 0.0:
+        s0, pole = min(s_hat, -_BULK / sd), -1.0       # F, with the pole at 0 to the right
     else:
-        log_f = _log_mixture("pdf", light_w, light_nu, depth + 1)
-    out = _convolve(x, log_f, _log_mixture(kind, heavy_w, heavy_nu, depth + 1))
-    if kind == "sf":
-        out = out + _mixture(x, light_w, light_nu, "sf", depth + 1)
-    return out
+        s0, pole = min(max(s_hat, _BULK / sd), 0.5 * (s_hat + s_max)), 1.0   # S, pole to the left
+    curvature = float(np.sum(2.0 * nu * w * w / (1.0 - 2.0 * w * s0) ** 2))
+    mu = min(_POLE_SHARE * (s_max - s0) / _EDGE_RIGHT, 2.0 / np.sqrt(curvature))
+    if pole < 0:
+        mu = min(mu, _POLE_SHARE * -s0 / _EDGE_RIGHT)
+    elif pole > 0:
+        mu = min(mu, _POLE_SHARE * s0 / _EDGE_LEFT)
+    sa, ca = np.sin(_ALPHA), np.cos(_ALPHA)
+    cumulant = _Cumulant(w, nu)
+
+    def g(u: np.ndarray) -> np.ndarray:
+        # the integrand (1/2 pi i) e^{K(s) - s x} s'(u) [/ (-s) | / s]
+        s = s0 + mu * (sa * (np.cosh(u) - 1.0) + 1j * ca * np.sinh(u))
+        ds = mu * (sa * np.sinh(u) + 1j * ca * np.cosh(u))
+        with np.errstate(over="ignore", under="ignore"):
+            out = np.exp(cumulant(s) - s * x) * ds / (2j * np.pi)
+        return out if pole == 0.0 else out / (pole * s)
+
+    h = 2.0 * np.pi * _STRIP / 40.0
+    for _ in range(8):
+        vals = g(h * np.arange(_INV_CHUNK) + 0j)
+        while True:
+            total = h * (vals[0].real + 2.0 * vals[1:].real.sum())
+            last = np.abs(vals[-3:])
+            if (last[-1] <= 1e-18 * abs(total) and last[-1] <= last[-2] <= last[-3]) or vals.size >= _INV_MAX_NODES:
+                break
+            more = h * np.arange(vals.size, vals.size + _INV_CHUNK) + 0j
+            vals = np.concatenate([vals, g(more)])
+        u = h * np.arange(vals.size)
+        # M: |g(-u + i delta)| = |g(u + i delta)|, so each edge's integral is twice its half-line
+        # part; trapezoid at step 4h (|g| is smooth and positive there), doubled for safety
+        u2 = u[::4]
+        m_edge = 0.0
+        for delta in (_STRIP, -_STRIP):
+            edge = np.abs(g(u2 + 1j * delta))
+            m_edge = max(m_edge, 2.0 * 2.0 * 4.0 * h * (edge.sum() - 0.5 * edge[0]))
+        alias = 2.0 * m_edge / np.expm1(2.0 * np.pi * _STRIP / h)
+        if alias <= _INV_TOL * abs(total) or abs(total) == 0.0:
+            break
+        # the bound falls like exp(-2 pi d / h): aim straight for the target
+        need = np.log1p(2.0 * m_edge / (_INV_TOL * max(abs(total), 1e-300)))
+        h = min(h / 2.0, 2.0 * np.pi * _STRIP / need)
+    ratio = last[-1] / last[-2] if last[-2] > 0 else 0.0
+    tail = 2.0 * h * last[-1] * ratio / (1.0 - ratio) if ratio < 1.0 else np.inf
+    rounding = 4.0 * np.finfo(float).eps * h * 2.0 * np.abs(vals).sum()
+    error = float(alias + tail + rounding)
+    if (kind == "cdf" and pole > 0) or (kind == "sf" and pole < 0):
+        total = 1.0 - total
+    return float(total), error
 
 
 def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: ArrayLike,
@@ -568,12 +722,13 @@ def _mp_point(x, ws, nus, kind: str, precision: int):
         if kind == "sf":
             return mpmath.gammainc(a, z, mpmath.inf, regularized=True)
         return _mp_gamma_pdf(x, a, 2 * ws[0])
-    if len(ws) == 2:
-        # Ruben's coefficients are one negative binomial law; when it is long, quadrature is faster
-        r, ratio = nus[1] / 2, ws[1] / ws[0]
-        mean = r * (ratio - 1)
-        if mean + 20 * mpmath.sqrt(mean * ratio) + 50 > 5000:
-            return _mp_quad_two_block(x, ws, nus, kind)
+    # Ruben's coefficients are a convolution of negative binomial laws (mean r (ratio - 1), variance
+    # r (ratio - 1) ratio each); when that is long, quadrature is faster
+    ratios = [w / ws[0] for w in ws]
+    mean = mpmath.fsum(nu / 2 * (q - 1) for nu, q in zip(nus, ratios, strict=True))
+    var = mpmath.fsum(nu / 2 * (q - 1) * q for nu, q in zip(nus, ratios, strict=True))
+    if mean + 20 * mpmath.sqrt(var) + 50 > (5000 if len(ws) == 2 else 1500):
+        return _mp_quad_two_block(x, ws, nus, kind) if len(ws) == 2 else _mp_contour(x, ws, nus, kind, precision)
     digits = precision
     while True:
         with mpmath.workdps(digits + 10):
@@ -581,11 +736,11 @@ def _mp_point(x, ws, nus, kind: str, precision: int):
         if series is None:
             if len(ws) == 2:
                 return _mp_quad_two_block(x, ws, nus, kind)
-            raise ValueError("precision=: mixtures of three or more widely spread weights are not supported "
-                             "by the mpmath path (Ruben's series would exceed 4000 terms)")
-        # the series drops a coefficient mass below 10^-digits: fine for cdf and pdf (their terms
-        # shrink along the series) but only an absolute bound for sf, so a tiny sf needs more digits
-        if kind != "sf" or series > mpmath.mpf(10) ** (-digits + 12):
+            return _mp_contour(x, ws, nus, kind, precision)
+        # the series drops a coefficient mass below 10^-digits: fine for the cdf (its terms shrink
+        # along the series) but only an absolute bound for sf and pdf, so a tiny one needs more digits
+        size = series if kind == "sf" else series * x
+        if kind == "cdf" or size > mpmath.mpf(10) ** (-digits + 12):
             return series
         if len(ws) == 2:
             return _mp_quad_two_block(x, ws, nus, kind)
@@ -687,6 +842,62 @@ def _mp_quad_two_block(x, ws, nus, kind: str):
             points.add(p)
     pts = [mpmath.mpf(p) for p in sorted(points)]
     val = mpmath.quad(lambda v: _mp_gamma_pdf(v, av, sv) * g(x - v), pts)
+    if 0 < val < mpmath.mpf(10) ** -8:
+        # mpmath.quad stops on an absolute error estimate: integrate again relative to the first value
+        val = val * mpmath.quad(lambda v: _mp_gamma_pdf(v, av, sv) * g(x - v) / val, pts)
     if kind == "sf":
         val += mpmath.gammainc(av, x / sv, mpmath.inf, regularized=True)
     return val
+
+
+def _mp_contour(x, ws, nus, kind: str, precision: int):
+    """The contour integral of :func:`contour_inversion` by mpmath's tanh-sinh quadrature at
+    ``precision`` digits, on a different hyperbola (alpha = 0.5, the exact saddle point, mu = 1/sqrt(K''))
+    than the float64 path: a reference for mixtures whose Ruben series is too long."""
+    s_max = 1 / (2 * max(ws))
+
+    def k1(s):
+        return mpmath.fsum(nu * w / (1 - 2 * w * s) for w, nu in zip(ws, nus, strict=True))
+
+    # bisection on log(s_max - s), as in _saddle: K'(s_max - e^far) < x < K'(s_max - e^near)
+    far = mpmath.log(s_max + mpmath.fsum(nus) / (2 * x))
+    near = min(mpmath.log(nus[ws.index(max(ws))] / (4 * x)), far)
+    for _ in range(3 * precision + 60):
+        mid = (far + near) / 2
+        if k1(s_max - mpmath.exp(mid)) > x:
+            near = mid
+        else:
+            far = mid
+    s_hat = s_max - mpmath.exp((far + near) / 2)
+    sd = mpmath.sqrt(2 * mpmath.fsum(nu * w * w for w, nu in zip(ws, nus, strict=True)))
+    if kind == "pdf":
+        s0, pole = s_hat, 0
+    elif s_hat < 0:
+        s0, pole = min(s_hat, -1 / sd), -1
+    else:
+        s0, pole = min(max(s_hat, 1 / sd), (s_hat + s_max) / 2), 1
+    curv = mpmath.fsum(2 * nu * w * w / (1 - 2 * w * s0) ** 2 for w, nu in zip(ws, nus, strict=True))
+    mu = min(1 / mpmath.sqrt(curv), (s_max - s0) / 2)
+    if pole:
+        mu = min(mu, abs(s0) / 2)
+    alpha = mpmath.mpf(1) / 2
+    sa, ca = mpmath.sin(alpha), mpmath.cos(alpha)
+
+    def exponent(s):
+        return -mpmath.fsum(nu / 2 * mpmath.log(1 - 2 * w * s) for w, nu in zip(ws, nus, strict=True)) - s * x
+
+    # mpmath.quad stops on an *absolute* error estimate: integrate the integrand relative to its
+    # size at the saddle, or a value of 1e-90 is returned after one round
+    shift = exponent(s0)
+
+    def g(u):
+        s = s0 + mu * (sa * (mpmath.cosh(u) - 1) + 1j * ca * mpmath.sinh(u))
+        ds = mu * (sa * mpmath.sinh(u) + 1j * ca * mpmath.cosh(u))
+        val = mpmath.exp(exponent(s) - shift) * ds / (2j * mpmath.pi)
+        return (val if pole == 0 else val / (pole * s)).real
+
+    ends = [mpmath.mpf(0)] + [mpmath.mpf(t) for t in (0.5, 1, 2, 3, 4, 6, 8, 12)]
+    total = 2 * mpmath.quad(g, ends) * mpmath.exp(shift)
+    if (kind == "cdf" and pole > 0) or (kind == "sf" and pole < 0):
+        total = 1 - total
+    return total
