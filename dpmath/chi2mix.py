@@ -17,17 +17,21 @@ so the number of *distinct* weights, the number of blocks, decides the method:
   mass wherever it is, the same routine is accurate in the bulk and keeps *relative* accuracy deep in
   the left tail, where a fixed-node rule or Imhof's inversion would return only absolute accuracy;
 * **three or more blocks**: Ruben's (1962) series, a mixture of central chi-square laws with
-  non-negative coefficients, truncated with an explicit bound on the discarded mass.  When the weights
-  are so spread that the series would need more than ``_RUBEN_MAX_TERMS`` terms, the blocks are split
-  at the largest gap between consecutive weights and the light group is integrated out with the panel
-  quadrature above (each group recursively).  Blocks too light to move the sum by ``1e-14 x`` are
-  dropped first (:func:`_drop_negligible` states the bound).
+  non-negative coefficients, truncated with an explicit bound on the discarded mass, while it is
+  short (at most 1000 terms: its recursion costs the square of its length).  Otherwise, and in the
+  right tail of sf and pdf where the series' truncation is only an absolute bound,
+  :func:`contour_inversion`: the moment generating function inverted on a hyperbola through the
+  saddle point, with an error bound, for weights over any number of decades (~0.1 ms per point
+  for a few blocks, 3-10 ms for 2000 distinct weights).  Blocks too light to move the sum by
+  ``1e-14 x`` are dropped first (:func:`_drop_negligible` states the bound).
 
 Error: the panel quadrature agrees with the mpmath reference to about ``1e-14`` absolute in the bulk and
 ``1e-10`` relative in the left tail (see ``tests/test_chi2mix.py``); Ruben's series is truncated when the
-discarded coefficient mass is below ``1e-17``.  The arbitrary-precision path (``precision=`` digits)
-evaluates Ruben's series term by term in mpmath, or, when that series is too long, mpmath's tanh-sinh
-quadrature of the convolution integral; it is the reference the tests compare against.
+discarded coefficient mass is below ``1e-17``; the contour inversion targets ``1e-14`` relative and
+returns its bound.  The arbitrary-precision path (``precision=`` digits) evaluates Ruben's series term by
+term in mpmath, or, when that series is too long, mpmath's tanh-sinh quadrature of the convolution
+integral (two blocks) or of the contour integral on a different hyperbola (three or more); it is the
+reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -460,70 +464,74 @@ def contour_inversion(x: ArrayLike, weights: ArrayLike, dof: ArrayLike,
     w, nu = w[order], nu[order]
     flat = xs.ravel()
     value, error = np.empty_like(flat), np.empty_like(flat)
-    # points one at a time: the node count adapts per point, and a (nodes x weights) block is the memory
-    for i, xv in enumerate(flat):
-        value[i], error[i] = _invert_point(float(xv), w, nu, kind)
+    # batches of points share the nodes; a (points x nodes x heavy blocks) block is the memory
+    step = max(1, 4096 // w.size)
+    for lo in range(0, flat.size, step):
+        value[lo:lo + step], error[lo:lo + step] = _invert(flat[lo:lo + step], w, nu, kind)
     return value.reshape(xs.shape), error.reshape(xs.shape)
 
 
-def _invert_point(x: float, w: np.ndarray, nu: np.ndarray, kind: str) -> tuple[float, float]:
+def _invert(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str,
+            h: float = 2.0 * np.pi * _STRIP / 40.0) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`contour_inversion` at the points ``x`` (1-D) with trapezoid step ``h``; points whose
+    discretization bound misses the target are done again with the step that bound asks for."""
     s_max = 0.5 / w[-1]
     sd = float(np.sqrt(2.0 * np.sum(nu * w * w)))
-    s_hat = float(_saddle(np.array([x]), w, nu)[0])
+    s_hat = _saddle(x, w, nu)
     if kind == "pdf":
-        s0, pole = s_hat, 0.0
-    elif s_hat < 0.0:
-        s0, pole = min(s_hat, -_BULK / sd), -1.0       # F, with the pole at 0 to the right
+        s0, pole = s_hat, np.zeros_like(x)
     else:
-        s0, pole = min(max(s_hat, _BULK / sd), 0.5 * (s_hat + s_max)), 1.0   # S, pole to the left
-    curvature = float(np.sum(2.0 * nu * w * w / (1.0 - 2.0 * w * s0) ** 2))
-    mu = min(_POLE_SHARE * (s_max - s0) / _EDGE_RIGHT, 2.0 / np.sqrt(curvature))
-    if pole < 0:
-        mu = min(mu, _POLE_SHARE * -s0 / _EDGE_RIGHT)
-    elif pole > 0:
-        mu = min(mu, _POLE_SHARE * s0 / _EDGE_LEFT)
+        left = s_hat < 0.0
+        # F with the pole at 0 to the right of s0, or S with it to the left
+        s0 = np.where(left, np.minimum(s_hat, -_BULK / sd),
+                      np.minimum(np.maximum(s_hat, _BULK / sd), 0.5 * (s_hat + s_max)))
+        pole = np.where(left, -1.0, 1.0)
+    curvature = (2.0 * nu * w * w / (1.0 - 2.0 * w * s0[:, None]) ** 2).sum(-1)
+    mu = np.minimum(_POLE_SHARE * (s_max - s0) / _EDGE_RIGHT, 2.0 / np.sqrt(curvature))
+    mu = np.where(pole < 0, np.minimum(mu, _POLE_SHARE * -s0 / _EDGE_RIGHT), mu)
+    mu = np.where(pole > 0, np.minimum(mu, _POLE_SHARE * s0 / _EDGE_LEFT), mu)
     sa, ca = np.sin(_ALPHA), np.cos(_ALPHA)
     cumulant = _Cumulant(w, nu)
 
     def g(u: np.ndarray) -> np.ndarray:
-        # the integrand (1/2 pi i) e^{K(s) - s x} s'(u) [/ (-s) | / s]
-        s = s0 + mu * (sa * (np.cosh(u) - 1.0) + 1j * ca * np.sinh(u))
-        ds = mu * (sa * np.sinh(u) + 1j * ca * np.cosh(u))
+        # the integrand (1/2 pi i) e^{K(s) - s x} s'(u) [/ (-s) | / s], points x nodes
+        s = s0[:, None] + mu[:, None] * (sa * (np.cosh(u) - 1.0) + 1j * ca * np.sinh(u))
+        ds = mu[:, None] * (sa * np.sinh(u) + 1j * ca * np.cosh(u))
         with np.errstate(over="ignore", under="ignore"):
-            out = np.exp(cumulant(s) - s * x) * ds / (2j * np.pi)
-        return out if pole == 0.0 else out / (pole * s)
+            out = np.exp(cumulant(s) - s * x[:, None]) * ds / (2j * np.pi)
+        return np.where(pole[:, None] == 0.0, out, out / np.where(pole[:, None] == 0.0, 1.0, pole[:, None] * s))
 
-    h = 2.0 * np.pi * _STRIP / 40.0
-    for _ in range(8):
-        vals = g(h * np.arange(_INV_CHUNK) + 0j)
-        while True:
-            total = h * (vals[0].real + 2.0 * vals[1:].real.sum())
-            last = np.abs(vals[-3:])
-            if (last[-1] <= 1e-18 * abs(total) and last[-1] <= last[-2] <= last[-3]) or vals.size >= _INV_MAX_NODES:
-                break
-            more = h * np.arange(vals.size, vals.size + _INV_CHUNK) + 0j
-            vals = np.concatenate([vals, g(more)])
-        u = h * np.arange(vals.size)
-        # M: |g(-u + i delta)| = |g(u + i delta)|, so each edge's integral is twice its half-line
-        # part; trapezoid at step 4h (|g| is smooth and positive there), doubled for safety
-        u2 = u[::4]
-        m_edge = 0.0
-        for delta in (_STRIP, -_STRIP):
-            edge = np.abs(g(u2 + 1j * delta))
-            m_edge = max(m_edge, 2.0 * 2.0 * 4.0 * h * (edge.sum() - 0.5 * edge[0]))
-        alias = 2.0 * m_edge / np.expm1(2.0 * np.pi * _STRIP / h)
-        if alias <= _INV_TOL * abs(total) or abs(total) == 0.0:
+    vals = g(h * np.arange(_INV_CHUNK) + 0j)
+    while True:
+        total = h * (vals[:, 0].real + 2.0 * vals[:, 1:].real.sum(1))
+        last = np.abs(vals[:, -3:])
+        done = (last[:, -1] <= 1e-18 * np.abs(total)) & (last[:, -1] <= last[:, -2]) & (last[:, -2] <= last[:, -3])
+        if done.all() or vals.shape[1] >= _INV_MAX_NODES:
             break
+        vals = np.concatenate([vals, g(h * np.arange(vals.shape[1], vals.shape[1] + _INV_CHUNK) + 0j)], axis=1)
+    u = h * np.arange(vals.shape[1])
+    # M: |g(-u + i delta)| = |g(u + i delta)|, so each edge's integral is twice its half-line
+    # part; trapezoid at step 4h (|g| is smooth and positive there), doubled for safety
+    u4 = u[::4]
+    m_edge = np.zeros_like(x)
+    for delta in (_STRIP, -_STRIP):
+        edge = np.abs(g(u4 + 1j * delta))
+        m_edge = np.maximum(m_edge, 2.0 * 2.0 * 4.0 * h * (edge.sum(1) - 0.5 * edge[:, 0]))
+    alias = 2.0 * m_edge / np.expm1(2.0 * np.pi * _STRIP / h)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(last[:, -2] > 0, last[:, -1] / last[:, -2], 0.0)
+        tail = np.where(ratio < 1.0, 2.0 * h * last[:, -1] * ratio / (1.0 - ratio), np.inf)
+    rounding = 4.0 * np.finfo(float).eps * h * 2.0 * np.abs(vals).sum(1)
+    error = alias + tail + rounding
+    redo = (alias > _INV_TOL * np.abs(total)) & (total != 0.0)
+    need = np.log1p(2.0 * m_edge[redo] / (_INV_TOL * np.maximum(np.abs(total[redo]), 1e-300)))
+    flip = ((kind == "cdf") & (pole > 0)) | ((kind == "sf") & (pole < 0))
+    total = np.where(flip, 1.0 - total, total)
+    if redo.any() and h > 1e-3:
         # the bound falls like exp(-2 pi d / h): aim straight for the target
-        need = np.log1p(2.0 * m_edge / (_INV_TOL * max(abs(total), 1e-300)))
-        h = min(h / 2.0, 2.0 * np.pi * _STRIP / need)
-    ratio = last[-1] / last[-2] if last[-2] > 0 else 0.0
-    tail = 2.0 * h * last[-1] * ratio / (1.0 - ratio) if ratio < 1.0 else np.inf
-    rounding = 4.0 * np.finfo(float).eps * h * 2.0 * np.abs(vals).sum()
-    error = float(alias + tail + rounding)
-    if (kind == "cdf" and pole > 0) or (kind == "sf" and pole < 0):
-        total = 1.0 - total
-    return float(total), error
+        total[redo], error[redo] = _invert(x[redo], w, nu, kind,
+                                           min(h / 2.0, 2.0 * np.pi * _STRIP / float(need.max())))
+    return total, error
 
 
 def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: ArrayLike,
@@ -610,7 +618,8 @@ def chi2_mixture_cdf(x: ArrayLike, weights: ArrayLike, dof: ArrayLike = 1,
     -----
     Equal weights are merged first. One block is a scaled chi-square; two blocks use the panel
     quadrature of the convolution integral (accurate to ~1e-14 absolute, and relatively in the left
-    tail); three or more use Ruben's positive series (module docstring).
+    tail); three or more use Ruben's positive series when it is short and otherwise
+    :func:`contour_inversion` (relative error ~1e-14 with a bound, for weights over any spread).
 
     Examples
     --------

@@ -68,13 +68,6 @@ def _cdf(x: float, lam: np.ndarray, k: int) -> float:
     return float(chi2_mixture_cdf(x, lam / k, k))
 
 
-def _snap(lam: np.ndarray) -> np.ndarray:
-    """Zero the weights below 1e-2 and renormalize: still a point of the simplex (so an excess found there is
-    real), and the exact CDF stays fast (it slows down for weights spread over many decades)."""
-    lam = np.where(lam >= 1e-2, lam, 0.0)
-    return lam / lam.sum()
-
-
 def _adversarial(env, x: float, rng: np.random.Generator, starts: int, evals: int) -> tuple[float, np.ndarray]:
     """Largest ``P(X(lam) <= x) - F_env(x)`` found by Nelder-Mead on softmax logits."""
     k, d = env.k, env.d
@@ -82,7 +75,7 @@ def _adversarial(env, x: float, rng: np.random.Generator, starts: int, evals: in
 
     def lam_of(z):
         w = np.exp(z - z.max())
-        return _snap(w / w.sum())
+        return w / w.sum()
 
     def loss(z):
         lam = lam_of(z)
