@@ -97,6 +97,22 @@ def _zoom_max(f, lam_b: np.ndarray, val_b: np.ndarray, h: np.ndarray):
     return lam_b, val_b, h, tried
 
 
+def _lam_grid(lam_min: float, size: int) -> np.ndarray:
+    """``size`` points evenly on [0, 1] merged with ``size`` points geometric on ``[lam_min, 1]``: the
+    heavy-light family's interesting lam runs from the uniform vector (``1/d``) to the vertex (1),
+    and at large d its features sit at lam ~ 1e-3, between two points of a linear grid."""
+    return np.unique(np.concatenate([np.linspace(0.0, 1.0, size), np.geomspace(min(lam_min, 0.5), 1.0, size)]))
+
+
+def _local_spacing(grid: np.ndarray, arg: np.ndarray) -> np.ndarray:
+    """Per row, the larger of the two spacings of ``grid`` next to column ``arg``."""
+    rows = np.arange(grid.shape[0])
+    last = grid.shape[1] - 1
+    right = grid[rows, np.minimum(arg + 1, last)] - grid[rows, arg]
+    left = grid[rows, arg] - grid[rows, np.maximum(arg - 1, 0)]
+    return np.maximum(right, left)
+
+
 class Maximizer(NamedTuple):
     """A member ``S(i, j, lam)`` of the two-block family: ``lam`` spread over ``i`` coordinates and
     ``1 - lam`` over ``j`` others (``j = 0`` means all weight on ``i`` equal coordinates)."""
@@ -314,7 +330,7 @@ class HutchEnvelope(Envelope):
         if self._profile_cache is not None:
             return self._profile_cache
         ii, jj = self._candidates()
-        lam0 = np.linspace(0.0, 1.0, _PROFILE_GRID)
+        lam0 = _lam_grid(1.0 / self.d, _PROFILE_GRID)
         L = np.broadcast_to(lam0, (ii.size, lam0.size)).copy()
         Ii = np.broadcast_to(ii[:, None], L.shape)
         Jj = np.broadcast_to(jj[:, None], L.shape)
@@ -326,7 +342,7 @@ class HutchEnvelope(Envelope):
             shape = lam.shape
             return self._crossing(lam, np.broadcast_to(ii[:, None], shape), np.broadcast_to(jj[:, None], shape))
 
-        _, _, _, tried = _zoom_max(crossing, L[rows, first], C[rows, first], np.full(ii.size, lam0[1] - lam0[0]))
+        _, _, _, tried = _zoom_max(crossing, L[rows, first], C[rows, first], _local_spacing(L, first))
         allL = np.concatenate([L] + [t[0] for t in tried], axis=1)
         allC = np.concatenate([C] + [t[1] for t in tried], axis=1)
         prof = []
@@ -371,7 +387,13 @@ class HutchEnvelope(Envelope):
             return val, best_i, best_j, best_lam
         xs_all, i_all, j_all = np.concatenate(xs_l), np.concatenate(ii_l), np.concatenate(jj_l)
         lo, hi, rows = np.concatenate(lo_l), np.concatenate(hi_l), np.concatenate(row_l)
-        grid = lo[:, None] + (hi - lo)[:, None] * np.linspace(0.0, 1.0, _SEARCH_GRID)[None, :]
+        # geometric where the interval spans more than a factor 8 (at large d the maximizer sits at
+        # lam ~ 1e-3, a bump a linear grid on [0, 1] steps over), linear otherwise
+        t = np.linspace(0.0, 1.0, _SEARCH_GRID)[None, :]
+        wide = (lo > 0) & (hi > 8.0 * lo)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            geo = lo[:, None] * (hi / np.where(wide, lo, 1.0))[:, None] ** t
+        grid = np.where(wide[:, None], geo, lo[:, None] + (hi - lo)[:, None] * t)
         v = two_block_cdf(xs_all[:, None], grid, i_all[:, None], j_all[:, None], k)
         arg = np.argmax(v, axis=1)
         n = np.arange(xs_all.size)
@@ -380,7 +402,7 @@ class HutchEnvelope(Envelope):
         def family_cdf(lam: np.ndarray) -> np.ndarray:
             return two_block_cdf(xs_all[:, None], lam, i_all[:, None], j_all[:, None], k)
 
-        lam_b, val_b, h, _ = _zoom_max(family_cdf, lam_b, val_b, (hi - lo) / (_SEARCH_GRID - 1))
+        lam_b, val_b, h, _ = _zoom_max(family_cdf, lam_b, val_b, _local_spacing(grid, arg))
         lam3 = np.clip(lam_b[:, None] + h[:, None] * np.array([-1.0, 1.0])[None, :], 0.0, 1.0)
         v3 = family_cdf(lam3)
         denom = v3[:, 0] - 2.0 * val_b + v3[:, 1]
