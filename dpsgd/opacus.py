@@ -1,0 +1,139 @@
+r"""An Opacus accountant backed by dpmath's PLD accountant: brackets and randomized clipping in Opacus.
+
+Opacus picks its accountant by name (``PrivacyEngine(accountant="rdp")``) from a registry of
+``IAccountant`` classes that it constructs without arguments.  :func:`register` adds ours under a
+name, with its configuration bound, so one line gives an Opacus user our numbers::
+
+    from dpsgd.opacus import register
+    register("dpmath")                                          # DP-SGD, PLD with a [lower, upper] bracket
+    engine = opacus.PrivacyEngine(accountant="dpmath")          # make_private_with_epsilon works too
+
+    register("dpmath-hutch", envelope=dpmath.HutchEnvelope(32, 2048))  # DP-SGD-RC's mechanism
+
+:class:`BracketAccountant` keeps Opacus' history format, ``[(noise_multiplier, sample_rate, steps)]``,
+so ``opacus.accountants.utils.get_noise_multiplier`` drives it unchanged; ``get_epsilon`` returns the
+upper end of the bracket (the number to publish), :meth:`BracketAccountant.get_epsilon_bracket` both.
+
+An ``envelope`` accounts for randomized clipping (each step a
+:class:`~dpmath.RandomizedClipGaussian`); that is the mechanism of :mod:`dpsgd`'s estimated-norm
+trainer, not of Opacus' own exact clipping, for which it only over-charges.
+
+Requires the ``opacus`` extra.  Nothing in dpsgd imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opacus.accountants import IAccountant
+from opacus.accountants.registry import register_accountant
+
+from dpmath import Bracket, Envelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+
+__all__ = ["BracketAccountant", "register"]
+
+
+class BracketAccountant(IAccountant):
+    r"""Opacus ``IAccountant`` over :class:`dpmath.PLDAccountant` (both neighbouring directions, add or remove).
+
+    Parameters
+    ----------
+    envelope : dpmath.Envelope, optional
+        If given, every step is a :class:`~dpmath.RandomizedClipGaussian` with this envelope; otherwise a
+        :class:`~dpmath.SubsampledGaussian`.
+    discretization, bracket_rtol : float
+        As in :class:`dpmath.PLDAccountant`.
+
+    Examples
+    --------
+    >>> from dpsgd.opacus import BracketAccountant
+    >>> acc = BracketAccountant()
+    >>> for _ in range(100):
+    ...     acc.step(noise_multiplier=1.0, sample_rate=0.01)
+    >>> acc.history, len(acc)
+    ([(1.0, 0.01, 100)], 100)
+    >>> round(acc.get_epsilon(delta=1e-5), 3)
+    0.718
+    """
+
+    def __init__(self, *, envelope: Envelope | None = None, discretization: float = 1e-4,
+                 bracket_rtol: float | None = None) -> None:
+        if envelope is not None and not isinstance(envelope, Envelope):
+            raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
+        PLDAccountant(discretization, bracket_rtol=bracket_rtol)  # validates both now, not at the first epsilon
+        self.history: list[tuple[float, float, int]] = []
+        self.envelope = envelope
+        self.discretization = discretization
+        self.bracket_rtol = bracket_rtol
+
+    @classmethod
+    def mechanism(cls) -> str:
+        return "dpmath"
+
+    def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """Record one step; consecutive steps with the same parameters share one history entry."""
+        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
+            sigma, q, n = self.history[-1]
+            self.history[-1] = (sigma, q, n + 1)
+        else:
+            self.history.append((noise_multiplier, sample_rate, 1))
+
+    def __len__(self) -> int:
+        return sum(n for _, _, n in self.history)
+
+    def _accountant(self) -> PLDAccountant:
+        # Opacus replaces ``history`` wholesale (get_noise_multiplier) or appends to it (step): the
+        # composed accountant is reused while the history is unchanged
+        key = tuple(self.history)
+        cached = getattr(self, "_cached", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        acc = PLDAccountant(self.discretization, bracket_rtol=self.bracket_rtol)
+        for sigma, q, n in key:
+            step = (SubsampledGaussian(sigma, q) if self.envelope is None
+                    else RandomizedClipGaussian(sigma, q, self.envelope))
+            acc.compose(step, int(n))
+        self._cached = (key, acc)
+        return acc
+
+    def get_epsilon(self, delta: float, **kwargs: Any) -> float:
+        """Upper end of the epsilon bracket at ``delta`` (0 before the first step)."""
+        return self.get_epsilon_bracket(delta).upper
+
+    def get_epsilon_bracket(self, delta: float) -> Bracket:
+        """``(lower, upper)`` epsilon at ``delta``; publish ``upper``."""
+        if not self.history:
+            return Bracket(0.0, 0.0)
+        return Bracket(*self._accountant().epsilon_bracket(delta))
+
+
+def register(name: str = "dpmath", *, envelope: Envelope | None = None, discretization: float = 1e-4,
+             bracket_rtol: float | None = None) -> type[BracketAccountant]:
+    """Register a :class:`BracketAccountant` with this configuration in Opacus under ``name``.
+
+    Opacus constructs registered accountants without arguments, so the configuration is bound in a
+    subclass whose ``mechanism()`` is ``name``; registering a name again replaces it.  Returns the class.
+
+    Examples
+    --------
+    >>> import opacus
+    >>> from dpsgd.opacus import register
+    >>> cls = register("dpmath")
+    >>> opacus.accountants.create_accountant("dpmath").mechanism()
+    'dpmath'
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    BracketAccountant(envelope=envelope, discretization=discretization, bracket_rtol=bracket_rtol)  # validate
+
+    class Registered(BracketAccountant):
+        def __init__(self) -> None:
+            super().__init__(envelope=envelope, discretization=discretization, bracket_rtol=bracket_rtol)
+
+        @classmethod
+        def mechanism(cls) -> str:
+            return name
+
+    Registered.__name__ = Registered.__qualname__ = f"BracketAccountant[{name}]"
+    register_accountant(name, Registered, force=True)
+    return Registered
