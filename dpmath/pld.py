@@ -60,9 +60,12 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
 
     A bin's effect on epsilon grows with its mass times its relative width, so the grid is
     geometric in ``a`` with relative step ``resolution`` where the envelope holds all but ``1e-2`` of
-    its mass (``a = 1`` is a grid point), ``4 resolution`` between its ``1e-4`` and ``1e-2``
-    quantiles, ``16 resolution`` between ``1e-6`` and ``1e-4``, and the quantiles
-    ``1e-6, 10^{-6.5}, ..., 1e-20`` below.
+    its mass (``a = 1`` is a grid point), ``2 resolution`` between its ``1e-6`` and ``1e-2``
+    quantiles, and the quantiles ``1e-6, 10^{-6.5}, ..., 1e-20`` below.  The tail matters more than
+    its mass suggests at small ``sigma``: with ``16`` and ``4 resolution`` there (the first version),
+    (sigma, q, steps, delta) = (0.8, 1e-3, 5e4, 1e-6) with Hutch (k = 32, d = 2048) had the bracket
+    [4.0035, 4.4535]; with ``2 resolution`` it is [4.0865, 4.3462] at the same cost (313 atoms
+    instead of 243).
     """
     point = envelope.point_mass()
     if point is not None:
@@ -70,7 +73,7 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     levels = np.concatenate([10.0 ** -np.arange(20, 6, -0.5), [1e-6, 1e-4, 1e-2, 1.0 - 1e-16]])
     y_q = np.asarray(envelope.ppf(levels), dtype=np.float64)
     pieces = [y_q]
-    for (y_a, y_b), factor in zip(((y_q[-4], y_q[-3]), (y_q[-3], y_q[-2]), (y_q[-2], y_q[-1])), (16, 4, 1),
+    for (y_a, y_b), factor in zip(((y_q[-4], y_q[-3]), (y_q[-3], y_q[-2]), (y_q[-2], y_q[-1])), (2, 2, 1),
                                   strict=True):
         step = math.log1p(factor * resolution)
         m = np.arange(math.floor(-0.5 * math.log(y_b) / step), math.ceil(-0.5 * math.log(y_a) / step) + 1)
