@@ -4,7 +4,10 @@ r"""Noise calibration and one-call epsilon for DP-SGD and DP-SGD-RC.
 exceed the target: it brackets the root of the monotone ``epsilon(sigma)``, then narrows the
 bracket with safeguarded secant steps (Illinois) in ``log sigma`` until it is ``rtol`` wide, and
 returns the bracket's upper end, which was evaluated and meets the target.  It never overshoots:
-the returned sigma is one whose epsilon was computed, not an interpolated guess.
+the returned sigma is one whose epsilon was computed, not an interpolated guess.  For DP-SGD-RC the
+search starts from the plain DP-SGD answer, runs on a coarse grid (10x the loss step, 4x the scale bins:
+about 5x cheaper) and finishes on the requested grid from there; only the requested grid's epsilon
+decides the result.
 
 :func:`dpsgd_epsilon` is the common case in one call, and :func:`estimator_envelope` maps an
 estimator name (``"exact"``, ``"hutch"``, ``"hutchpp"``) and ``(k, d)`` to its envelope.
@@ -62,18 +65,22 @@ def estimator_envelope(estimator: str, projection_dim: int = 32, dim: int = 2048
     return HutchEnvelope(k, d) if estimator == "hutch" else HutchPPEnvelope(k, d)
 
 
-def _mechanism(sigma: float, q: float, envelope: Envelope | None):
-    return SubsampledGaussian(sigma, q) if envelope is None else RandomizedClipGaussian(sigma, q, envelope)
+_SCALE_RESOLUTION = RandomizedClipGaussian.__dataclass_fields__["scale_resolution"].default
+
+
+def _mechanism(sigma: float, q: float, envelope: Envelope | None, scale_resolution: float = _SCALE_RESOLUTION):
+    return (SubsampledGaussian(sigma, q) if envelope is None
+            else RandomizedClipGaussian(sigma, q, envelope, scale_resolution))
 
 
 def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelope | None, accountant: str,
-             discretization: float) -> float:
+             discretization: float, scale_resolution: float = _SCALE_RESOLUTION) -> float:
     if accountant == "rdp":
         return RDPAccountant().compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
     h = discretization
     for _ in range(3):
         try:
-            return PLDAccountant(h).compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
+            return PLDAccountant(h).compose(_mechanism(sigma, q, envelope, scale_resolution), steps).epsilon(delta)
         except GridTooLargeError:
             # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
             # upper bound on epsilon, which is all the search needs there
@@ -131,30 +138,49 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     if not 1e-8 <= rt <= 0.1:
         raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
 
-    def f(s: float) -> float:
-        # log epsilon is close to linear in log sigma, so secant steps on it converge in a few calls
-        e = _epsilon(s, qq, n, d, envelope, accountant, discretization)
-        return math.log(e / eps_t) if 0 < e < math.inf else (math.inf if e == math.inf else -math.inf)
+    def objective(scale_resolution: float, h: float):
+        def f(s: float) -> float:
+            # log epsilon is close to linear in log sigma, so secant steps on it converge in a few calls
+            e = _epsilon(s, qq, n, d, envelope, accountant, h, scale_resolution)
+            return math.log(e / eps_t) if 0 < e < math.inf else (math.inf if e == math.inf else -math.inf)
+        return f
 
-    # a randomized-clipping step costs ~100 plain ones: start it from the plain DP-SGD answer
-    guess = 1.0 if envelope is None else calibrate_sigma(eps_t, d, qq, n, discretization=discretization,
-                                                         rtol=1e-3, accountant="pld")
+    f = objective(_SCALE_RESOLUTION, discretization)
+    if envelope is None:
+        return _search(f, 1.0, [2.0], eps_t, d, qq, n, rt)[0]
+    # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, search on a
+    # coarse grid (4x the scale bins, 10x the loss step: ~5x cheaper, an upper bound all the same), then
+    # finish on the requested grid from there, which takes two to four evaluations
+    plain = calibrate_sigma(eps_t, d, qq, n, discretization=discretization, rtol=1e-3, accountant="pld")
+    coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
+    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, d, qq, n, 1e-3)
+    return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, d, qq, n, rt, slope)[0]
+
+
+def _search(f, guess: float, factors: list[float], eps_t: float, d: float, qq: float, n: int, rt: float,
+            slope: float | None = None) -> tuple[float, float]:
+    """Smallest sigma with ``f(sigma) <= 0`` to relative width ``rt``, and the final bracket's slope
+    ``d f / d log sigma``: grow or shrink ``guess`` by ``factors`` (then doubling) until the root is
+    bracketed, then Illinois steps on ``log sigma``.  With a ``slope`` (from a coarser search) the first
+    step is the Newton step from ``guess``, overshot by ``2 rt`` so that it usually brackets the root."""
     lo = hi = guess
     f_lo = f_hi = f(guess)
-    factors = iter(([2.0] if envelope is None else [1.03, 1.1, 1.3]) + [2.0] * 40)
+    if slope is not None and slope < 0 and math.isfinite(f_hi):
+        factors = [math.exp(abs(f_hi / slope) + 2.0 * rt)] + factors
+    steps = iter(factors + [2.0] * 40)
     if f_hi > 0:
         while f_hi > 0:
             lo, f_lo = hi, f_hi
-            hi *= next(factors)
+            hi *= next(steps)
             if hi > 1e8:
                 raise ValueError(f"no sigma <= 1e8 reaches epsilon = {eps_t:g} (delta={d:g}, q={qq:g}, steps={n})")
             f_hi = f(hi)
     else:
         while f_lo <= 0:
             hi, f_hi = lo, f_lo
-            lo /= next(factors)
+            lo /= next(steps)
             if lo < 1e-3:
-                return hi  # epsilon stays below the target down to sigma = 2e-3: noise is not the constraint
+                return hi, -1.0  # epsilon stays below the target down to sigma = 2e-3: noise is not the constraint
             f_lo = f(lo)
     # invariant: f(lo) > 0 >= f(hi); Illinois steps on log sigma
     x_lo, x_hi = math.log(lo), math.log(hi)
@@ -177,7 +203,8 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
             if side == 1:
                 f_lo *= 0.5
             side = 1
-    return math.exp(x_hi)
+    finite = math.isfinite(f_lo) and math.isfinite(f_hi) and x_hi > x_lo
+    return math.exp(x_hi), ((f_hi - f_lo) / (x_hi - x_lo) if finite else -1.0)
 
 
 def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
