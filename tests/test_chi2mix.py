@@ -117,7 +117,8 @@ def test_cdf_monotone_in_unit_interval_and_complements_sf(w, nu, xs):
     assert np.all(chi2_mixture_pdf(x, w, nu) >= 0)
 
 
-@pytest.mark.parametrize("decades", [1, 4, 8, 12])
+@pytest.mark.parametrize("decades", [pytest.param(1, marks=pytest.mark.slow), 4,
+                                     pytest.param(8, marks=pytest.mark.slow), 12])  # 3-5 s each (mpmath)
 def test_spread_weights_match_mpmath(decades):
     """Three blocks spread over 1-12 decades, from the deep left tail to the right tail (cdf, sf, pdf)."""
     w = np.array([1.0, 10.0 ** (-decades / 2), 10.0 ** -decades])
@@ -128,7 +129,8 @@ def test_spread_weights_match_mpmath(decades):
         np.testing.assert_allclose(fn(x, w, nu), ref, rtol=1e-12)
 
 
-@pytest.mark.parametrize("size", [200, pytest.param(1000, marks=pytest.mark.slow)])  # mpmath: 6 s / 90 s
+@pytest.mark.slow  # mpmath: 10 s / 90 s
+@pytest.mark.parametrize("size", [200, 1000])
 def test_hundreds_of_weights_over_twelve_decades_match_mpmath(size):
     w = np.sort(10.0 ** -np.random.default_rng(5).uniform(0, 12, size))
     x = np.sum(w) * (np.array([1.0]) if size < 1000 else np.array([0.5, 1.0, 2.0]))

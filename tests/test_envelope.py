@@ -272,7 +272,9 @@ def _member_cdf_by_inversion(x: float, lam: float, k: int, d: int) -> float:
     return float(contour_inversion([x], [lam / k, (1.0 - lam) / ((d - 1) * k)], [k, (d - 1) * k])[0][0])
 
 
-@pytest.mark.parametrize("k,d", [(1, 10**6), (4, 10**7), (32, 3 * 10**7),
+@pytest.mark.parametrize("k,d", [(1, 10**6),  # 3-5 s each: one in the README run, all in the slow one
+                                 pytest.param(4, 10**7, marks=pytest.mark.slow),
+                                 pytest.param(32, 3 * 10**7, marks=pytest.mark.slow),
                                  pytest.param(1, 10**7, marks=pytest.mark.slow),
                                  pytest.param(1, 3 * 10**7, marks=pytest.mark.slow),
                                  pytest.param(4, 10**6, marks=pytest.mark.slow),

@@ -63,9 +63,15 @@ def envelope_member(env, x: float) -> np.ndarray:
 
 
 def _cdf(x: float, lam: np.ndarray, k: int) -> float:
-    from dpmath import chi2_mixture_cdf
+    """``P(X(lam) <= x)`` by contour inversion of the moment generating function: exact (relative error
+    ~1e-15, with a bound) for any spread of ``lam``, ~0.1 ms per call, and independent of the two-block
+    quadrature that the envelope itself maximizes over."""
+    from dpmath.chi2mix import contour_inversion
 
-    return float(chi2_mixture_cdf(x, lam / k, k))
+    if x <= 0:
+        return 0.0
+    lam = lam[lam > 0]
+    return float(contour_inversion([x], lam / k, k)[0][0])
 
 
 def _adversarial(env, x: float, rng: np.random.Generator, starts: int, evals: int) -> tuple[float, np.ndarray]:
