@@ -129,11 +129,10 @@ def _log_p_temme(a: np.ndarray, z: np.ndarray) -> np.ndarray:
     ``R_a ~ e^{-a eta^2/2} / sqrt(2 pi a) (c_0 + c_1 / a)``; the dropped ``c_2 / a^2`` is below
     ``1e-10`` relative for ``a > 1e5``.  Written as ``e^{-a eta^2/2} [erfcx(t)/2 - (c_0 + c_1/a)/sqrt(2 pi a)]``
     with ``t = -eta sqrt(a/2)`` so that nothing underflows."""
-    u = z / a - 1.0
-    lam_m1 = u
+    u = z / a - 1.0                                # lambda - 1 in DLMF's notation
     eta = -np.sqrt(2.0 * (u - np.log1p(u)))        # z < a: eta < 0
-    c0 = 1.0 / lam_m1 - 1.0 / eta
-    c1 = 1.0 / eta**3 - 1.0 / lam_m1**3 - 1.0 / lam_m1**2 - 1.0 / (12.0 * lam_m1)
+    c0 = 1.0 / u - 1.0 / eta
+    c1 = 1.0 / eta**3 - 1.0 / u**3 - 1.0 / u**2 - 1.0 / (12.0 * u)
     t = -eta * np.sqrt(a / 2.0)
     bracket = 0.5 * special.erfcx(t) - (c0 + c1 / a) / np.sqrt(2.0 * np.pi * a)
     return -t * t + np.log(bracket)
@@ -441,7 +440,7 @@ def contour_inversion(x: ArrayLike, weights: ArrayLike, dof: ArrayLike,
     ``[1/(2 w_j), \infty)``, so that ``e^{-sx}`` decays double-exponentially in ``u`` whatever the
     spread of the weights (on a vertical line it would only decay like a power of ``v``, and
     weights over 12 decades would need ~1e12 nodes).  ``s_0`` is the saddle point of
-    ``K(s) - sx``, moved at least ``1/(2\,sd)`` away from the pole at 0 (in the bulk), which keeps
+    ``K(s) - sx``, moved at least ``1/sd`` away from the pole at 0 (in the bulk), which keeps
     *relative* accuracy in both tails; the side of the pole decides whether F or S is computed (the
     other one is ``1 -`` it, then at least ~0.4).  ``\mu`` keeps the strip ``|Im u| < d`` clear of
     the pole and the branch points, and within ``2/\sqrt{K''(s_0)}`` of the saddle.
@@ -451,7 +450,7 @@ def contour_inversion(x: ArrayLike, weights: ArrayLike, dof: ArrayLike,
     log-convex in ``Im u``, so the edges are the sup).  ``h`` starts at ``2\pi d / 40`` and is
     shrunk until that bound is below ``1e-14`` of the value; the nodes run until the terms are below
     ``1e-18`` of the value and falling (what is left is bounded by the last term times a geometric
-    factor); ``M`` is a trapezoid sum on the edges' own nodes.  The returned error adds these
+    factor); ``M`` is a trapezoid sum on the edges at step ``4h``, doubled.  The returned error adds these
     three and a rounding term ``4 eps h \sum |g|``.  ``M`` and the tail are computed on grids, so the
     bound is a numerical estimate of a rigorous one, not interval arithmetic.
 
@@ -524,7 +523,7 @@ def _invert(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str,
         ds = mu[:, None] * (sa * np.sinh(u) + 1j * ca * np.cosh(u))
         with np.errstate(over="ignore", under="ignore"):
             out = np.exp(cumulant(s) - s * x[:, None]) * ds / (2j * np.pi)
-        return np.where(pole[:, None] == 0.0, out, out / np.where(pole[:, None] == 0.0, 1.0, pole[:, None] * s))
+        return out if kind == "pdf" else out / (pole[:, None] * s)
 
     vals = g(h * np.arange(_INV_CHUNK) + 0j)
     while True:

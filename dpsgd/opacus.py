@@ -65,6 +65,7 @@ class BracketAccountant(IAccountant):
         self.envelope = envelope
         self.discretization = discretization
         self.bracket_rtol = bracket_rtol
+        self._cached: tuple[tuple, PLDAccountant] | None = None  # (history, its composed accountant)
 
     @classmethod
     def mechanism(cls) -> str:
@@ -85,9 +86,8 @@ class BracketAccountant(IAccountant):
         # Opacus replaces ``history`` wholesale (get_noise_multiplier) or appends to it (step): the
         # composed accountant is reused while the history is unchanged
         key = tuple(self.history)
-        cached = getattr(self, "_cached", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
         acc = PLDAccountant(self.discretization, bracket_rtol=self.bracket_rtol)
         for sigma, q, n in key:
             step = (SubsampledGaussian(sigma, q) if self.envelope is None
