@@ -126,7 +126,24 @@ class Envelope:
     """Base class of the envelope distributions: a frozen, scipy.stats-like distribution on (0, inf).
 
     Subclasses implement :meth:`cdf` and :meth:`sf`; :meth:`ppf` inverts :meth:`cdf` by bisection.
+    Envelopes whose parameters determine them (this module's) compare and hash by value, so two equal
+    envelopes share the accountant's caches and survive a pickle round trip (``torch.distributed``
+    ranks compare them); a subclass without ``_parameters`` compares by identity.
     """
+
+    def _parameters(self) -> tuple | None:
+        """The arguments that determine the distribution, or ``None`` (identity semantics)."""
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        p = self._parameters()
+        if p is None:
+            return self is other
+        return type(other) is type(self) and other._parameters() == p
+
+    def __hash__(self) -> int:
+        p = self._parameters()
+        return id(self) if p is None else hash((type(self).__name__, p))
 
     def cdf(self, x: ArrayLike) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -240,6 +257,9 @@ class HutchEnvelope(Envelope):
 
     def __repr__(self) -> str:
         return f"HutchEnvelope(k={self.k}, d={self.d}, family={self.family!r})"
+
+    def _parameters(self) -> tuple:
+        return (self.k, self.d, self.family)
 
     # extremes -----------------------------------------------------------------------------------
     def vertex_cdf(self, x: ArrayLike) -> np.ndarray:
@@ -561,6 +581,9 @@ class HutchPPEnvelope(Envelope):
     def __repr__(self) -> str:
         return f"HutchPPEnvelope(k={self.k}, d={self.d})"
 
+    def _parameters(self) -> tuple:
+        return (self.k, self.d)
+
     def cdf(self, x: ArrayLike) -> np.ndarray:
         """``max(F(x; chi2(k)/k), 1{x >= 1})``, vectorized.
 
@@ -660,6 +683,9 @@ class PointMassEnvelope(Envelope):
 
     def __repr__(self) -> str:
         return f"PointMassEnvelope(value={self.value!r})"
+
+    def _parameters(self) -> tuple:
+        return (self.value,)
 
     def cdf(self, x: ArrayLike) -> np.ndarray:
         """``1{x >= value}``, vectorized."""

@@ -321,6 +321,7 @@ class PrivacyEngine:
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
+        self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
         self._reset_step_state()
@@ -584,7 +585,14 @@ class PrivacyEngine:
     def get_epsilon(self, delta: float) -> float:
         """Upper bound on epsilon spent so far at ``delta`` (0 before the first step)."""
         self._require_private()
-        return self.accountant().epsilon(delta) if self.spent_steps else 0.0
+        if not self.spent_steps:
+            return 0.0
+        # logging loops ask again between steps: the accountant caches its composed PLD, so keep it while
+        # nothing it depends on has changed
+        key = (self.noise_multiplier, self.sample_rate, self.envelope, self.spent_steps)
+        if self._epsilon_accountant is None or self._epsilon_accountant[0] != key:
+            self._epsilon_accountant = (key, self.accountant())
+        return self._epsilon_accountant[1].epsilon(delta)
 
     def detach(self) -> None:
         """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""

@@ -303,3 +303,25 @@ def test_heavy_light_search_is_exact_at_huge_d(k, d):
         fine = np.geomspace(lam[max(best - 1, 0)], lam[min(best + 1, lam.size - 1)], 41)
         top = max(vals.max(), max(_member_cdf_by_inversion(x, v, k, d) for v in fine))
         assert top - f <= 1e-12
+
+
+def test_envelopes_compare_and_hash_by_value_and_survive_pickling():
+    import pickle
+
+    from dpmath import PLDAccountant, PointMassEnvelope, RandomizedClipGaussian
+    from dpmath.envelope import Envelope
+
+    a, b = HutchEnvelope(4, 16), pickle.loads(pickle.dumps(HutchEnvelope(4, 16)))
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != HutchEnvelope(4, 17) and a != HutchEnvelope(4, 16, family="full") and a != HutchPPEnvelope(4, 16)
+    assert HutchPPEnvelope(2, 8) == HutchPPEnvelope(2, 8) and PointMassEnvelope(2.0) == PointMassEnvelope(2.0)
+    assert len({a, b, HutchPPEnvelope(4, 16)}) == 2
+    acc = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, a), 3)
+    assert acc.events == PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, b), 3).events
+
+    class Custom(Envelope):   # no parameters declared: identity
+        def cdf(self, x):
+            return np.ones_like(np.asarray(x, float))
+
+    c = Custom()
+    assert c == c and c != Custom() and hash(c) == hash(c)
