@@ -111,20 +111,22 @@ def loss_range(mu: float, q: float, relation: str, z: float) -> tuple[float, flo
     return float(vals[0]), float(vals[1])
 
 
-def pair_cdfs(t: np.ndarray, mu: float, q: float, relation: str) -> tuple[np.ndarray, ...]:
+def pair_cdfs(t: np.ndarray, mu, q: float, relation: str, shift: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """``P(L <= t), P(L > t), Q(L <= t), Q(L > t)`` for the subsampled-Gaussian pair.
 
     ``relation`` is "remove" (``P = q N(mu) + (1-q) N(0)``, ``Q = N(0)``), "add" (the swap) or "replace"
     (``P = q N(-mu) + (1-q) N(0)``, ``Q = q N(mu) + (1-q) N(0)``, ``q < 1``).  ``q = 1`` is the
-    Gaussian mechanism.
+    Gaussian mechanism.  For "remove" and "add", ``mu`` may be an array that broadcasts against ``t``
+    (a column of shifts gives one row per shift), and ``shift`` the precomputed ``_shift(t, q)``
+    ("remove") or ``_shift(-t, q)`` ("add").
     """
     if relation == "remove":
-        x = _shift(t, q) / mu + 0.5 * mu
+        x = (_shift(t, q) if shift is None else shift) / mu + 0.5 * mu
         pa, pa_c = _ndtr_pair(x - mu)
         pb, pb_c = _ndtr_pair(x)
         return q * pa + (1 - q) * pb, q * pa_c + (1 - q) * pb_c, pb, pb_c
     if relation == "add":
-        x = _shift(-t, q) / mu + 0.5 * mu  # L <= t  iff  X >= x
+        x = (_shift(-t, q) if shift is None else shift) / mu + 0.5 * mu  # L <= t  iff  X >= x
         pb, pb_c = _ndtr_pair(x)
         pa, pa_c = _ndtr_pair(x - mu)
         return pb_c, pb, q * pa_c + (1 - q) * pb_c, q * pa + (1 - q) * pb
@@ -153,25 +155,16 @@ class StepMasses:
     inf: float
     idx: np.ndarray | None = None
 
-    def scaled(self, w: float) -> StepMasses:
-        return StepMasses(self.lo, w * self.p_int, w * self.q_int, w * self.atoms, w * self.excess, w * self.inf,
-                          self.idx)
 
 
-def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: float,
-                t_cap: float = math.inf, max_points: int = MAX_GRID, t_floor: float = -math.inf) -> StepMasses:
-    """One subsampled-Gaussian step, resolved on ``z`` standard deviations of the output under ``P``
-    and on losses in ``[t_floor, t_cap]``, with at most ``max_points`` grid points (a longer range uses every
-    grid point near zero loss and geometrically spaced grid points beyond, recorded in ``idx``:
-    connect-the-dots on a coarser partition is still an upper bound, and the
-    greedy split on it still a lower bound, only less tight).
-
-    Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
-    bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
-    masses preserved (upper) or rounded down to the last grid point (lower).
-    """
-    if mu == 0.0:
-        return StepMasses(0, np.zeros(0), np.zeros(0), np.ones(1), np.zeros(1), 0.0)
+def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: float = math.inf,
+              max_points: int = MAX_GRID, t_floor: float = -math.inf) -> tuple[int, int, int | None]:
+    """``(k_lo, k_hi, sparse)``: the grid indices on which a subsampled-Gaussian step with shift ``mu > 0`` is
+    resolved: ``z`` standard deviations of the output under ``P``, losses in ``[t_floor, t_cap]``, at most
+    about ``max_points`` points.  ``sparse`` is ``None`` for every index in ``[k_lo, k_hi]``; a longer range
+    uses ``sparse_points(k_lo, k_hi, sparse)``: every grid point near zero loss and geometrically spaced
+    ones beyond (connect-the-dots on a coarser partition is still an upper bound, and the greedy split on it
+    still a lower bound, only less tight)."""
     t_lo, t_hi = loss_range(mu, q, relation, z)
     t_lo = max(t_lo, t_floor)
     t_hi = min(t_hi, max(t_cap, t_lo + h))
@@ -181,32 +174,78 @@ def step_masses(mu: float, q: float, relation: str, h: float, upper: bool, z: fl
         raise GridTooLargeError(
             f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
             f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
-    idx = None
-    if k_hi - k_lo + 1 > max_points:
-        idx = _sparse_points(k_lo, k_hi, max_points)
-        t = idx * h
-    else:
-        t = np.arange(k_lo, k_hi + 1) * h
-    p_cdf, p_sf, q_cdf, q_sf = pair_cdfs(t, mu, q, relation)
-    # interval masses from whichever side of the distribution is small, so tails keep relative accuracy
-    p_int = np.maximum(np.where(p_cdf[1:] <= 0.5, p_cdf[1:] - p_cdf[:-1], p_sf[:-1] - p_sf[1:]), 0.0)
-    q_int = np.maximum(np.where(q_cdf[1:] <= 0.5, q_cdf[1:] - q_cdf[:-1], q_sf[:-1] - q_sf[1:]), 0.0)
-    atoms = np.zeros(t.size)
-    excess = np.zeros(t.size)
-    p_above = float(p_sf[-1])
-    eq_top = math.exp(t[-1] + math.log(q_sf[-1])) if q_sf[-1] > 0 else 0.0
-    inf = 0.0
+    if k_hi - k_lo + 1 <= max_points:
+        return k_lo, k_hi, None
+    # round the sparse grid's ends outward and its size up to one of a few buckets: the scales of a
+    # randomized-clipping step that land in one bucket share the grid, so they are computed as one array,
+    # mixed and split once (a wider range and more points only make the bounds tighter)
+    return -_bucket(-k_lo), _bucket(k_hi), 1 << (max_points - 1).bit_length()
+
+
+_MIX_BLOCK = 1 << 21   # scales times grid points evaluated per block of :func:`mixture_masses`
+
+
+def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str, h: float, upper: bool,
+                   k_lo: int, k_hi: int, idx: np.ndarray | None) -> StepMasses:
+    """Interval masses of the ``weights``-mixture of subsampled-Gaussian steps with shifts ``mus`` (all
+    ``> 0``) on the grid of :func:`step_grid`: the weighted sums of each step's masses, computed as one
+    array per block of shifts (``relation`` "replace" takes a single shift).
+
+    Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
+    bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
+    masses preserved (upper) or rounded down to the last grid point (lower).
+    """
+    t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
+    single = mus.size == 1   # the replace relation's bisection, and DP-SGD's grids of up to MAX_GRID points
+    shift = None if single else (_shift(t, q) if relation == "remove" else _shift(-t, q))
+    n = t.size
+    p_int = q_int = None
+    first, top, inf, top_excess = 0.0, 0.0, 0.0, 0.0
+    block = max(1, _MIX_BLOCK // n)
+    for b in range(0, mus.size, block):
+        mu = float(mus[0]) if single else mus[b:b + block, None]
+        w = weights[b:b + block]
+        p_cdf, p_sf, q_cdf, q_sf = (np.atleast_2d(c) for c in pair_cdfs(t, mu, q, relation, shift))
+        # interval masses from whichever side of the distribution is small, so tails keep relative accuracy
+        p_part = w @ np.maximum(np.where(p_cdf[:, 1:] <= 0.5, p_cdf[:, 1:] - p_cdf[:, :-1],
+                                         p_sf[:, :-1] - p_sf[:, 1:]), 0.0)
+        q_part = w @ np.maximum(np.where(q_cdf[:, 1:] <= 0.5, q_cdf[:, 1:] - q_cdf[:, :-1],
+                                         q_sf[:, :-1] - q_sf[:, 1:]), 0.0)
+        p_int = p_part if p_int is None else p_int + p_part
+        q_int = q_part if q_int is None else q_int + q_part
+        p_above = p_sf[:, -1]
+        with np.errstate(divide="ignore"):
+            eq_top = np.where(q_sf[:, -1] > 0, np.exp(t[-1] + np.log(q_sf[:, -1])), 0.0)
+        first += float(w @ p_cdf[:, 0])
+        kept = np.minimum(p_above, eq_top)
+        top += float(w @ (kept if upper else p_above))
+        inf += float(w @ (p_above - kept))
+        top_excess += float(w @ np.maximum(p_above - eq_top, 0.0))
+    atoms = np.zeros(n)
+    excess = np.zeros(n)
     if upper:
-        atoms[0] = p_cdf[0]
-        atoms[-1] = min(p_above, eq_top)
-        inf = p_above - atoms[-1]
+        atoms[0] = first
+        atoms[-1] = top
     else:
-        atoms[-1] = p_above
-        excess[-1] = max(p_above - eq_top, 0.0)
-    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf, idx)
+        atoms[-1] = top
+        excess[-1] = top_excess
+    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf if upper else 0.0, idx)
 
 
-def _sparse_points(k_lo: int, k_hi: int, max_points: int) -> np.ndarray:
+def _bucket(k: int) -> int:
+    """``k`` rounded away from zero to the next ``round(2^(j/4))`` (``|k| >= 1``; 0 stays 0)."""
+    if k == 0:
+        return 0
+    m = abs(k)
+    j = math.ceil(4 * math.log2(m) - 1e-9)
+    b = round(2.0 ** (j / 4))
+    while b < m:
+        j += 1
+        b = round(2.0 ** (j / 4))
+    return b if k > 0 else -b
+
+
+def sparse_points(k_lo: int, k_hi: int, max_points: int) -> np.ndarray:
     """About ``max_points`` grid indices in ``[k_lo, k_hi]``: every one within ``max_points / 4`` of zero
     loss (where a subsampled step's mass sits) and geometrically spaced ones beyond, on each side."""
     core = max_points // 4
@@ -225,7 +264,7 @@ def _sparse_points(k_lo: int, k_hi: int, max_points: int) -> np.ndarray:
 
 
 def mix(parts: list[StepMasses]) -> StepMasses:
-    """Sum of (already weighted) step masses on a common grid."""
+    """Sum of (already weighted) step masses on the dense grid."""
     lo = min(p.lo for p in parts)
     hi = max(p.lo + p.atoms.size for p in parts)
     out = StepMasses(lo, np.zeros(hi - lo - 1), np.zeros(hi - lo - 1), np.zeros(hi - lo), np.zeros(hi - lo), 0.0)
@@ -282,16 +321,21 @@ def _greedy_fractions(left: list[float], deficit: list[float], extra: list[float
     Where the incoming deficit cannot be covered, ``r_{j-1}`` is lowered until it can.
     """
     n = len(left)
-    r = [0.0] * n
+    r = [1.0] * n
     owed = 0.0
-    for k in range(n):
-        avail = left[k] + extra[k]
+    # the hot loop of a randomized-clipping step (hundreds of scales): plain comparisons, no min()
+    for k, (lk, xk, dk) in enumerate(zip(left, extra, deficit, strict=False)):  # extra has n + 1 entries
+        avail = lk + xk
         if owed > avail:
             r[k - 1] = avail / deficit[k - 1]
             owed = avail
-        rk = 1.0 if left[k] <= 0.0 else min(1.0, (avail - owed) / left[k])
-        r[k] = rk
-        owed = rk * deficit[k]
+        if lk > 0.0:
+            rk = (avail - owed) / lk
+            if rk < 1.0:
+                r[k] = rk
+                owed = rk * dk
+                continue
+        owed = dk
     if n and owed > extra[n]:
         r[n - 1] = extra[n] / deficit[n - 1]
     return np.asarray(r)

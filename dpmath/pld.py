@@ -32,9 +32,11 @@ from ._pld_core import (
     StepMasses,
     assemble,
     mix,
+    mixture_masses,
     pair_cdfs,
+    sparse_points,
     split,
-    step_masses,
+    step_grid,
 )
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
@@ -47,9 +49,11 @@ Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
-_TAIL_POINTS = 20000    # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
+_TAIL_POINTS = 5000     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
 _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
-_Y_TAIL = 1e-20         # envelope mass below the scale grid (unbounded scale, charged to delta)
+_FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass
+_FINE_DROP = 10.0 ** (-1 / 64)
+_COARSE_DROP = 10.0 ** (-1 / 8)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
 
@@ -58,34 +62,40 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     """``(scales, weights, unbounded_mass)`` of ``a = 1/sqrt(Y)``, discretized toward larger (``upper``)
     or smaller scales.
 
-    A bin's effect on epsilon grows with its mass times its relative width, so the grid is
-    geometric in ``a`` with relative step ``resolution`` where the envelope holds all but ``1e-2`` of
-    its mass (``a = 1`` is a grid point), ``2 resolution`` between its ``1e-6`` and ``1e-2``
-    quantiles, and the quantiles ``1e-6, 10^{-6.5}, ..., 1e-20`` below.  The tail matters more than
-    its mass suggests at small ``sigma``: with ``16`` and ``4 resolution`` there (the first version),
-    (sigma, q, steps, delta) = (0.8, 1e-3, 5e4, 1e-6) with Hutch (k = 32, d = 2048) had the bracket
-    [4.0035, 4.4535]; with ``2 resolution`` it is [4.0865, 4.3462] at the same cost (313 atoms
-    instead of 243).
+    The grid is geometric in ``a`` with relative step ``resolution`` (``a = 1`` is a grid point) from
+    the top of the support down to the envelope's ``1e-2`` quantile of ``Y``, and on down to its
+    ``_FINE_TAIL`` quantile, except that a bin may widen while it holds at most a ``1/64`` decade of the
+    tail's mass (heavy tails, e.g. ``k = 1``, would otherwise need a bin per ``resolution`` over many
+    decades of ``a``); below, a bin holds up to an ``1/8`` decade, down to the ``1e-20`` quantile,
+    whose lower mass is unbounded.  The tail carries the large scales, whose steps dominate a long
+    composition's epsilon: with Hutch (k = 32, d = 2048) at (sigma, q, steps, delta) =
+    (0.8, 1e-3, 5e4, 1e-6) and ``discretization = 2.5e-5``, the first grid (``2 resolution`` between
+    the ``1e-6`` and ``1e-2`` quantiles, half-decade quantile bins below) gave [4.2258, 4.3461]; this
+    one gives [4.2589, 4.2955] (714 atoms instead of 313).
     """
     point = envelope.point_mass()
     if point is not None:
         return np.array([1.0 / math.sqrt(point)]), np.ones(1), 0.0
-    levels = np.concatenate([10.0 ** -np.arange(20, 6, -0.5), [1e-6, 1e-4, 1e-2, 1.0 - 1e-16]])
-    y_q = np.asarray(envelope.ppf(levels), dtype=np.float64)
-    pieces = [y_q]
-    for (y_a, y_b), factor in zip(((y_q[-4], y_q[-3]), (y_q[-3], y_q[-2]), (y_q[-2], y_q[-1])), (2, 2, 1),
-                                  strict=True):
-        step = math.log1p(factor * resolution)
-        m = np.arange(math.floor(-0.5 * math.log(y_b) / step), math.ceil(-0.5 * math.log(y_a) / step) + 1)
-        y_geo = np.exp(-2.0 * step * m)
-        pieces.append(y_geo[(y_geo > y_a) & (y_geo < y_b)])
-    grid = np.unique(np.concatenate(pieces))
-    grid = grid[grid > 0]
+    y_lo, y_b, y_top = (float(v) for v in envelope.ppf([1e-20, 1e-2, 1.0 - 1e-16]))
+    step = math.log1p(resolution)
+    m = np.arange(math.floor(-0.5 * math.log(y_top) / step), math.ceil(-0.5 * math.log(y_lo) / step) + 1)
+    y_geo = np.exp(-2.0 * step * m)                      # increasing in m: decreasing y, increasing a
+    bulk = y_geo[(y_geo > y_b) & (y_geo < y_top)]
+    cand = np.append(y_geo[(y_geo <= y_b) & (y_geo > y_lo)], y_lo)
+    F = np.asarray(envelope.cdf(cand), dtype=np.float64)  # non-increasing along cand
+    # from the 1e-2 quantile outward, a bin ends at the last candidate within its mass allowance
+    keep, j = [], 0
+    neg = -F
+    while j < cand.size - 1:
+        keep.append(j)
+        drop = _FINE_DROP if F[j] >= _FINE_TAIL else _COARSE_DROP
+        j = max(j + 1, int(np.searchsorted(neg, -drop * F[j], side="right")) - 1)
+    grid = np.unique(np.concatenate([cand[keep], [y_lo], bulk, [y_top]]))
     dist = pessimistic_discretization(envelope, grid, optimistic=not upper)
-    keep = dist.weights > 0
+    keep_w = dist.weights > 0
     with np.errstate(divide="ignore"):
-        scales = 1.0 / np.sqrt(dist.y[keep])
-    return scales, dist.weights[keep], float(dist.below_mass)
+        scales = 1.0 / np.sqrt(dist.y[keep_w])
+    return scales, dist.weights[keep_w], float(dist.below_mass)
 
 
 def _loss_cap(scales: np.ndarray, weights: np.ndarray, sigma: float, q: float, relation: str, h: float,
@@ -94,16 +104,17 @@ def _loss_cap(scales: np.ndarray, weights: np.ndarray, sigma: float, q: float, r
     ``sum_i w_i P_i(L > T)`` is below ``_CAP_MASS / count`` (so the composition charges at most
     ``_CAP_MASS`` to delta for it), and at most ``_LOSS_CAP`` grid points."""
     t_grid = np.geomspace(1e-2, _LOSS_CAP * h, 240)
-    tail = np.zeros(t_grid.size)
-    for a, w in zip(scales, weights, strict=True):
-        if a > 0:  # scale 0 (the lower bound's atom at Y = inf) has loss 0
-            tail += w * pair_cdfs(t_grid, float(a) / sigma, q, relation)[1]
+    pos = scales > 0   # scale 0 (the lower bound's atom at Y = inf) has loss 0
+    tail = weights[pos] @ pair_cdfs(t_grid, scales[pos, None] / sigma, q, relation)[1]
     ok = np.nonzero(tail <= _CAP_MASS / count)[0]
     return float(t_grid[ok[0]]) if ok.size else _LOSS_CAP * h
 
 
-def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count: int = 1) -> Pld:
+def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count: int = 1,
+              scale_refinement: float = 1.0) -> Pld:
     """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD.
+
+    A random scale is discretized with ``scale_resolution * scale_refinement``.
 
     For a random scale the envelope's tail reaches losses no grid can hold: losses beyond
     :func:`_loss_cap` are charged to ``+inf`` (upper) or held at the cap (lower), and a scale of weight
@@ -111,7 +122,8 @@ def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count:
     """
     q = mechanism.q
     if isinstance(mechanism, RandomizedClipGaussian):
-        scales, weights, unbounded = scale_atoms(mechanism.envelope, mechanism.scale_resolution, upper)
+        scales, weights, unbounded = scale_atoms(mechanism.envelope, mechanism.scale_resolution * scale_refinement,
+                                                 upper)
     else:
         scales, weights, unbounded = np.ones(1), np.ones(1), 0.0
     if relation == "replace" and q == 1.0:
@@ -120,15 +132,28 @@ def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count:
     if scales.size > 1:
         t_cap = _loss_cap(scales, weights, mechanism.sigma, q, relation, h, count)
         t_floor = -_LOSS_CAP * h  # below: placed at the floor (upper) or dropped (lower); never matters for delta
-    fine, pieces = [], []
+    fine: list[StepMasses] = []
+    groups: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}   # scales sharing a sparse grid
     for a, w in zip(scales, weights, strict=True):
+        if a == 0.0:   # the lower bound's atom at Y = inf: loss 0
+            fine.append(StepMasses(0, np.zeros(0), np.zeros(0), np.array([w]), np.zeros(1), 0.0))
+            continue
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = MAX_GRID if scales.size == 1 else max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
-        m = step_masses(float(a) / mechanism.sigma, q, relation, h, upper, z, t_cap, points, t_floor).scaled(float(w))
-        if m.idx is not None:
-            pieces.append(split(m, h, upper))
-        else:
-            fine.append(m)
+        mu = float(a) / mechanism.sigma
+        grid = step_grid(mu, q, relation, h, z, t_cap, points, t_floor)
+        if grid[2] is None:
+            fine.append(mixture_masses(np.array([mu]), np.array([w]), q, relation, h, upper, *grid[:2], None))
+            continue
+        mus, ws = groups.setdefault(grid, ([], []))
+        mus.append(mu)
+        ws.append(float(w))
+    # the scales on one sparse grid are one mixture, computed as one array and split once: its interval
+    # masses are the weighted sums (the PLD of a mixture whose label is revealed is the mixture of the
+    # PLDs), connect-the-dots is linear in them, and the greedy lower-bound split pools the scales' excesses
+    pieces = [split(mixture_masses(np.array(mus), np.array(ws), q, relation, h, upper, k_lo, k_hi,
+                                   sparse_points(k_lo, k_hi, n)), h, upper)
+              for (k_lo, k_hi, n), (mus, ws) in groups.items()]
     if unbounded > 0:
         # the unbounded scale: atoms whose loss is the supremum over scales (upper bound only)
         if relation == "remove" and q < 1:
@@ -179,7 +204,8 @@ class PLDAccountant:
         Refine the grid until ``upper - lower <= bracket_rtol * upper`` for each query: the discretization
         shrinks by the factor the bracket's width asks for (errors fall about like ``h^2``; each grid is
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
-        grid-size limit; the tightest bracket reached is returned.  ``None``
+        grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
+        grid is refined with it, its step by ``sqrt`` of the loss grid's factor.  ``None``
         (default): one grid.  ``1e-3`` makes the published upper end at most 0.1 % above the truth
         wherever the refinement reaches its target; it costs the finer grids' time (about 1 to 8 times,
         measured on the benchmarks page).
@@ -311,7 +337,10 @@ class PLDAccountant:
             # discretized once (tighter and faster than composing discretized steps)
             sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in events))
             return [(_step_pld(Gaussian(sigma), relations[0], h, upper), 1)]
-        return [(_step_pld(m, rel, h, upper, n), n)
+        # a refined grid also refines the scale grid: its error is first order in the scale step, the loss
+        # grid's about second order in h, so the scale step shrinks like sqrt(h)
+        refinement = math.sqrt(h / self.discretization)
+        return [(_step_pld(m, rel, h, upper, n, refinement), n)
                 for (m, n), rel in zip(events, relations, strict=True)]
 
     def epsilon(self, delta: float) -> float:

@@ -220,6 +220,33 @@ def test_randomized_clipping_bracket_is_tight(sigma, q, steps, rtol):
     assert lo <= hi <= lo * (1 + rtol)
 
 
+@pytest.mark.slow  # about 30 s
+def test_refined_randomized_clipping_bracket_reaches_half_a_percent_at_small_sigma():
+    # issue 16's hardest randomized-clipping configuration: the refinement shrinks the scale grid with the
+    # loss grid (the first scale grid stopped at 2.6 %: its tail bins, not h, set the upper end)
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(0.8, 1e-3, HutchEnvelope(32, 2048)), 50000)
+    lo, hi = acc.epsilon_bracket(1e-6)
+    assert 4.26 < lo <= hi <= lo * 1.005 and hi < 4.29
+
+
+@pytest.mark.parametrize("env", [HutchEnvelope(k=32, d=2048), HutchEnvelope(k=1, d=2048), HutchPPEnvelope(k=4, d=64)],
+                         ids=repr)
+def test_scale_grid_is_fine_into_the_tail_and_bounded_in_size(env):
+    from dpmath.pld import scale_atoms
+
+    res = 2e-3
+    scales, weights, unbounded = scale_atoms(env, res, True)
+    assert 0 < unbounded <= 1.1e-20 and weights.sum() + unbounded == pytest.approx(1.0, abs=1e-12)
+    assert scales.size < 4000 and np.all(np.diff(scales) < 0)   # k = 1: 2950, most in its wide bulk
+    # atom i (scales decreasing, Y increasing) holds the bin of Y between 1/s_i^2 and 1/s_{i+1}^2; down to the
+    # 1e-12 quantile of Y a bin is one scale step wide or holds at most a 1/64 decade of the tail's mass
+    below = unbounded + np.cumsum(weights)[:-1]        # P(Y <= the bin's upper end)
+    wide = scales[:-1] / scales[1:] - 1 > res * (1 + 1e-9)
+    heavy = weights[:-1] > (1 - 10 ** (-1 / 64)) * below * 1.01
+    assert not np.any(wide & heavy & (below >= 1e-12) & (below <= 1e-2))
+    assert np.all(scales[:-1] / scales[1:] - 1 < 0.5)   # below 1e-12: an 1/8 decade (k = 1: a factor 1.33)
+
+
 @pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_unbounded_scale_mass_is_charged_to_delta():
     # with q = 1 the mass of Y below the scale grid is an infinite loss: delta never drops below it
@@ -304,3 +331,27 @@ def test_a_grid_over_the_size_limit_raises_the_typed_error_that_calibration_catc
     with pytest.raises(GridTooLargeError, match="coarser discretization"):
         PLDAccountant(1e-7).compose(SubsampledGaussian(0.05, 1.0), 1).epsilon(1e-5)
     assert issubclass(GridTooLargeError, ValueError)   # code that caught ValueError keeps working
+
+
+@pytest.mark.parametrize("relation", ["remove", "add"])
+@pytest.mark.parametrize("upper", [True, False])
+def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation, upper):
+    from dpmath._pld_core import mixture_masses, sparse_points, step_grid
+
+    q, h = 0.01, 1e-3
+    mus = np.array([0.9, 1.3, 2.0, 3.1])
+    weights = np.array([0.5, 0.3, 0.15, 0.05])
+    k_lo, k_hi, n = step_grid(3.1, q, relation, h, 9.0, max_points=500)
+    assert n is not None and n >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
+    idx = sparse_points(k_lo, k_hi, n)
+    assert idx[0] == k_lo and idx[-1] == k_hi and np.all(np.diff(idx) > 0)
+    whole = mixture_masses(mus, weights, q, relation, h, upper, k_lo, k_hi, idx)
+    parts = [mixture_masses(mus[i:i + 1], weights[i:i + 1], q, relation, h, upper, k_lo, k_hi, idx) for i in range(4)]
+    for field in ("p_int", "q_int", "atoms", "excess"):
+        summed = sum(getattr(p, field) for p in parts)
+        np.testing.assert_allclose(getattr(whole, field), summed, rtol=1e-13, atol=1e-300)
+    assert whole.inf == pytest.approx(sum(p.inf for p in parts), rel=1e-13, abs=1e-300)
+    # the upper bound keeps all of P's mass (below the grid at its first point, above it at the last and +inf);
+    # the lower bound drops what lies below the grid
+    total = whole.p_int.sum() + whole.atoms.sum() + whole.inf
+    assert total == pytest.approx(1.0, abs=1e-12) if upper else total <= 1.0 + 1e-12
