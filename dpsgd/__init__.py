@@ -5,7 +5,8 @@ gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hut
 computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
 a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), a module validator
 (:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
-``Trainer`` (:mod:`dpsgd.hf`) and the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`).
+``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`) and
+paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`).
 Importing this package does not need torch until one of these names is used.
 """
 
