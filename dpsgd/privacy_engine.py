@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
 
 from .data import DPDataLoader, private_data_loader
-from .distributed import all_sum, as_grad, broadcast_int, rank_world, reduce_sums
+from .distributed import all_sum, as_grad, broadcast_int, is_sharded, rank_world, reduce_sums
 from .engine import (
     Capture,
     NormPlan,
@@ -321,6 +321,7 @@ class PrivacyEngine:
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
+        self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
@@ -341,6 +342,7 @@ class PrivacyEngine:
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
+                     gradient_projection: torch.Tensor | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
@@ -371,6 +373,13 @@ class PrivacyEngine:
             from the activations and output gradients already recorded for the norms.  ``"two-pass"``: a
             second backward of ``sum_i c_i L_i`` (holds the autograd graph instead; float32/float64
             parameters only).  The same update to rounding; see :doc:`/trainer` for their cost.
+        gradient_projection : torch.Tensor, optional
+            A ``P x k`` basis (``P`` the number of trainable parameters, in the model's parameter order):
+            each step's clipped sum is projected on its span before the isotropic noise is added (paper
+            004's re-training in a top-``k`` subspace; :doc:`/spectrum`).  It is orthonormalized here, so
+            the projection cannot lengthen a clipped contribution and the accounting is unchanged.  **It must
+            not depend on the private data**: take it from public data, or from gradients this run already
+            released (:class:`dpsgd.spectrum.GradientRecorder`; a post-processing).  Single process only.
 
         Returns
         -------
@@ -395,6 +404,7 @@ class PrivacyEngine:
         self.plan = plan
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         rank, world = rank_world()
+        basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         # one seed for the whole run (rank 0's, or os.urandom's in secure mode), shared by all ranks
         root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
         base = torch.Generator().manual_seed(broadcast_int(root))
@@ -422,6 +432,7 @@ class PrivacyEngine:
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
         self.noise_multiplier = sigma
+        self._basis = basis
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
         self._read_ledger()
@@ -430,6 +441,35 @@ class PrivacyEngine:
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
         return module, self._optimizer, crit, loader
+
+    def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
+        """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""
+        if world > 1 or any(is_sharded(p) for p in self.plan.params):
+            raise ValueError("gradient_projection is supported in a single process only (every rank would "
+                             "need the same basis over the full, unsharded parameter vector)")
+        total = sum(p.numel() for p in self.plan.params)
+        if not isinstance(basis, torch.Tensor) or basis.ndim != 2 or basis.shape[0] != total or basis.shape[1] < 1:
+            raise ValueError(f"gradient_projection must be a ({total}, k) tensor with k >= 1 (one row per trainable "
+                             f"parameter entry, in the model's parameter order), got "
+                             f"{tuple(getattr(basis, 'shape', ())) or type(basis).__name__}")
+        if not torch.isfinite(basis).all():
+            raise ValueError("gradient_projection must be finite")
+        q, r = torch.linalg.qr(basis.detach().to(self.plan.params[0].device, torch.float64))
+        diag = r.diagonal().abs()
+        if diag.min() <= 1e-10 * diag.max():
+            raise ValueError("gradient_projection's columns are linearly dependent (rank below k)")
+        return q
+
+    def _project(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``V V^T`` applied to the clipped sums, flattened in parameter order (``V`` orthonormal: a contraction,
+        so one example's contribution stays within ``C``)."""
+        flat = torch.cat([s.reshape(-1).to(self._basis.device, torch.float64) for s in sums])
+        flat = self._basis @ (self._basis.T @ flat)
+        out, at = [], 0
+        for s in sums:
+            out.append(flat[at:at + s.numel()].reshape(s.shape).to(s.device, s.dtype))
+            at += s.numel()
+        return out
 
     def _check_covered(self, params, where: str) -> None:
         covered = {id(p) for p in self.plan.params}
@@ -522,6 +562,8 @@ class PrivacyEngine:
         # per-example norms stay local; the clipped sums add up across ranks (all-reduce, or reduce-scatter
         # for FSDP2's sharded parameters)
         sums = reduce_sums(self.plan.params, sums)
+        if self._basis is not None:
+            sums = self._project(sums)
         noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, self.expected_batch_size,
                                 self._noise_rng, params=self.plan.params)
         for p, g in zip(self.plan.params, noisy, strict=True):

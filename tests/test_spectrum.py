@@ -132,3 +132,48 @@ def test_an_attached_recorder_sees_the_released_noisy_gradient_of_a_private_step
     update = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters(), strict=True)])
     assert torch.allclose(0.1 * row, update, atol=1e-6)      # SGD applied exactly the recorded gradient
     assert all(p.grad is None for p in model.parameters())   # the private optimizer cleared it afterwards
+
+
+def _private_linear(projection=None, sigma=0.0):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(40, 5, generator=torch.Generator().manual_seed(1)),
+                         torch.randint(0, 2, (40,), generator=torch.Generator().manual_seed(2)))
+    engine = PrivacyEngine()
+    m, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(data, batch_size=8),
+        criterion=torch.nn.CrossEntropyLoss(), max_grad_norm=0.5, noise_multiplier=sigma, estimator="exact", seed=3,
+        gradient_projection=projection)
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    crit(m(x), y).backward()
+    opt.step()
+    return before - torch.cat([p.detach().reshape(-1) for p in model.parameters()]), engine
+
+
+def test_projected_step_applies_the_projection_of_the_clipped_mean_and_keeps_the_accounting():
+    plain, _ = _private_linear()
+    gen = torch.Generator().manual_seed(5)
+    basis = torch.randn(plain.numel(), 6, generator=gen, dtype=torch.float64) * 3.0   # not orthonormal: fixed here
+    projected, _ = _private_linear(basis)
+    q, _ = torch.linalg.qr(basis)
+    expected = (q @ (q.T @ plain.double())).float()
+    assert torch.allclose(projected, expected, atol=1e-6)
+    assert projected.norm() < plain.norm()                       # a contraction of the clipped sum
+    # with noise, the ledger is the same as without the projection
+    assert _private_linear(sigma=1.0)[1].accountant().events == _private_linear(basis, 1.0)[1].accountant().events
+
+
+@pytest.mark.parametrize(("basis", "match"), [
+    (torch.ones(7, 2), "gradient_projection must be a"),
+    (torch.full((34, 2), float("nan")), "finite"),
+    (torch.ones(34, 2), "linearly dependent"),
+])
+def test_a_bad_projection_basis_is_refused_with_the_reason(basis, match):
+    with pytest.raises(ValueError, match=match):
+        _private_linear(basis)
