@@ -51,8 +51,8 @@ _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at 
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
 _TAIL_POINTS = 5000     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
 _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
-_FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass
-_FINE_DROP = 10.0 ** (-1 / 64)
+_FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass ...
+_FINE_DECADES = 1 / 64 / 2e-3   # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
@@ -65,12 +65,13 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     The grid is geometric in ``a`` with relative step ``resolution`` (``a = 1`` is a grid point) from
     the top of the support down to the envelope's ``1e-2`` quantile of ``Y``, and on down to its
     ``_FINE_TAIL`` quantile, except that a bin may widen while it holds at most a ``1/64`` decade of the
-    tail's mass (heavy tails, e.g. ``k = 1``, would otherwise need a bin per ``resolution`` over many
-    decades of ``a``); below, a bin holds up to an ``1/8`` decade, down to the ``1e-20`` quantile,
-    whose lower mass is unbounded.  The tail carries the large scales, whose steps dominate a long
-    composition's epsilon: with Hutch (k = 32, d = 2048) at (sigma, q, steps, delta) =
-    (0.8, 1e-3, 5e4, 1e-6) and ``discretization = 2.5e-5``, the first grid (``2 resolution`` between
-    the ``1e-6`` and ``1e-2`` quantiles, half-decade quantile bins below) gave [4.2258, 4.3461]; this
+    tail's mass at the default ``resolution = 2e-3``, proportionally less at a finer one (heavy tails,
+    e.g. ``k = 1``, would otherwise need a bin per ``resolution`` over many decades of ``a``).  Below, a
+    bin holds up to an ``1/8`` decade, down to the ``1e-20`` quantile, whose lower mass is unbounded.
+    The tail carries the large scales, whose steps dominate a long composition's epsilon: with Hutch
+    (k = 32, d = 2048) at (sigma, q, steps, delta) = (0.8, 1e-3, 5e4, 1e-6) and
+    ``discretization = 2.5e-5``, the first grid (``2 resolution`` between the ``1e-6`` and ``1e-2``
+    quantiles, half-decade quantile bins below) gave [4.2258, 4.3461]; this
     one gives [4.2589, 4.2955] (714 atoms instead of 313).
     """
     point = envelope.point_mass()
@@ -86,9 +87,10 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     # from the 1e-2 quantile outward, a bin ends at the last candidate within its mass allowance
     keep, j = [], 0
     neg = -F
+    fine_drop = 10.0 ** (-_FINE_DECADES * resolution)
     while j < cand.size - 1:
         keep.append(j)
-        drop = _FINE_DROP if F[j] >= _FINE_TAIL else _COARSE_DROP
+        drop = fine_drop if F[j] >= _FINE_TAIL else _COARSE_DROP
         j = max(j + 1, int(np.searchsorted(neg, -drop * F[j], side="right")) - 1)
     grid = np.unique(np.concatenate([cand[keep], [y_lo], bulk, [y_top]]))
     dist = pessimistic_discretization(envelope, grid, optimistic=not upper)
