@@ -657,8 +657,10 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_size: float,
-                    noise_generator: torch.Generator | None, params: list | None = None) -> list[torch.Tensor]:
-    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype.
+                    noise_generator: torch.Generator | None, params: list | None = None,
+                    laplace: bool = False) -> list[torch.Tensor]:
+    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype; with
+    ``laplace``, independent Laplace noise of scale ``noise_std`` on each coordinate instead (LAP2, paper 003).
 
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
     shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums)."""
@@ -667,8 +669,12 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_s
         if noise_std > 0:
             p = params[i] if params is not None else None
             device = noise_generator.device if noise_generator is not None else g.device
-            xi = torch.randn(g.shape if p is None else p.shape, generator=noise_generator, device=device,
-                             dtype=g.dtype)
+            shape = g.shape if p is None else p.shape
+            if laplace:   # the difference of two standard exponentials is standard Laplace
+                xi = (torch.empty(shape, device=device, dtype=g.dtype).exponential_(generator=noise_generator)
+                      - torch.empty(shape, device=device, dtype=g.dtype).exponential_(generator=noise_generator))
+            else:
+                xi = torch.randn(shape, generator=noise_generator, device=device, dtype=g.dtype)
             if p is not None:
                 xi = local_part(p, xi)
             g = g + noise_std * xi.to(g.device)

@@ -46,13 +46,21 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian, calibrate_sigma, estimator_envelope
+from dpmath import (
+    PLDAccountant,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+    SubsampledL2Laplace,
+    calibrate_sigma,
+    estimator_envelope,
+)
 
 from .data import DPDataLoader, private_data_loader
 from .distributed import all_sum, as_grad, broadcast_int, is_sharded, rank_world, reduce_sums
@@ -322,6 +330,7 @@ class PrivacyEngine:
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
+        self.noise = "gaussian"
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
@@ -342,7 +351,7 @@ class PrivacyEngine:
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
-                     gradient_projection: torch.Tensor | None = None,
+                     gradient_projection: torch.Tensor | None = None, noise: str = "gaussian",
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
@@ -381,6 +390,14 @@ class PrivacyEngine:
             not depend on the private data**: take it from public data, or from gradients this run already
             released (:class:`dpsgd.spectrum.GradientRecorder`; a post-processing).  Single process only.
 
+        noise : {"gaussian", "laplace"}
+            ``"laplace"``: LAP2 (paper 003), independent Laplace noise of scale ``b = noise_multiplier * C`` on
+            each coordinate of the l2-clipped sum.  It is accounted as :class:`dpmath.SubsampledL2Laplace`,
+            through its sound Gaussian domination (never the paper's Thm III.7 bound, which
+            :doc:`/majorization` shows fails), and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma``
+            from the dominating Gaussian's ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"):
+            no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
+
         Returns
         -------
         tuple
@@ -391,6 +408,12 @@ class PrivacyEngine:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
+        if noise not in ("gaussian", "laplace"):
+            raise ValueError(f"noise must be 'gaussian' or 'laplace', got {noise!r}")
+        if noise == "laplace" and estimator in ("hutch", "hutchpp"):
+            raise ValueError(f"noise='laplace' needs exact norms (estimator 'ghost' or 'exact'), got estimator="
+                             f"{estimator!r}: the randomized-clipping envelope accounts Gaussian noise only, and no "
+                             f"accountant here covers Laplace noise on an estimated-norm clipped gradient")
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -431,10 +454,15 @@ class PrivacyEngine:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
+            if noise == "laplace":   # the Laplace scale whose Gaussian domination has this sigma
+                sigma *= math.sqrt(math.pi / 2.0)
         self.noise_multiplier = sigma
+        self.noise = noise
         self._basis = basis
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
+        if noise != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
+            self._settings["noise"] = noise
         self._read_ledger()
         self._capture = Capture(plan)
         self._module = module
@@ -565,7 +593,7 @@ class PrivacyEngine:
         if self._basis is not None:
             sums = self._project(sums)
         noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, self.expected_batch_size,
-                                self._noise_rng, params=self.plan.params)
+                                self._noise_rng, params=self.plan.params, laplace=self.noise == "laplace")
         for p, g in zip(self.plan.params, noisy, strict=True):
             p.grad = as_grad(p, g)
         self._optimizer.original_optimizer.step()
@@ -619,8 +647,12 @@ class PrivacyEngine:
         if self.spent_steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")
-            mech = SubsampledGaussian(self.noise_multiplier, self.sample_rate) if self.envelope is None else \
-                RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+            if self.noise == "laplace":
+                mech = SubsampledL2Laplace(self.noise_multiplier, self.sample_rate)
+            elif self.envelope is None:
+                mech = SubsampledGaussian(self.noise_multiplier, self.sample_rate)
+            else:
+                mech = RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
             acc.compose(mech, self.spent_steps)
         return acc
 
@@ -631,7 +663,7 @@ class PrivacyEngine:
             return 0.0
         # logging loops ask again between steps: the accountant caches its composed PLD, so keep it while
         # nothing it depends on has changed
-        key = (self.noise_multiplier, self.sample_rate, self.envelope, self.spent_steps)
+        key = (self.noise, self.noise_multiplier, self.sample_rate, self.envelope, self.spent_steps)
         if self._epsilon_accountant is None or self._epsilon_accountant[0] != key:
             self._epsilon_accountant = (key, self.accountant())
         return self._epsilon_accountant[1].epsilon(delta)

@@ -1,0 +1,74 @@
+"""LAP2 (paper 003) as a trainer option: Laplace noise on the l2-clipped sum, accounted soundly."""
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpmath import PLDAccountant, SubsampledL2Laplace, calibrate_sigma
+from dpsgd import PrivacyEngine
+from dpsgd.engine import noisy_gradients
+
+
+def test_laplace_noise_has_the_stated_scale():
+    # 400,000 coordinates of Laplace(b): E|X| = b and E X^2 = 2 b^2; 5 standard errors (fixed seed)
+    b, n = 0.7, 400_000
+    gen = torch.Generator().manual_seed(0)
+    (x,) = noisy_gradients([torch.zeros(n, dtype=torch.float64)], b, 1.0, gen, laplace=True)
+    se_abs = b / math.sqrt(n)                      # sd of |X| is b
+    se_sq = math.sqrt(20 * b ** 4 / n)            # var X^2 = E X^4 - (E X^2)^2 = 24 b^4 - 4 b^4
+    assert abs(float(x.abs().mean()) - b) < 5 * se_abs
+    assert abs(float((x ** 2).mean()) - 2 * b * b) < 5 * se_sq
+    assert abs(float(x.mean())) < 5 * math.sqrt(2) * b / math.sqrt(n)
+    # heavier tails than a Gaussian of the same variance: P(|X| > 4 b) = e^-4
+    assert abs(float((x.abs() > 4 * b).double().mean()) - math.exp(-4)) < 5 * math.sqrt(math.exp(-4) / n)
+
+
+def _setup(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(200, 6, generator=gen), torch.randint(0, 3, (200,), generator=gen))
+    engine = PrivacyEngine()
+    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(data, batch_size=20), criterion=torch.nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                estimator="ghost", seed=2, noise="laplace")
+    args.update(kw)
+    return engine, *engine.make_private(**args)
+
+
+def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_target():
+    engine, m, opt, crit, loader = _setup(target_epsilon=4.0, target_delta=1e-5, epochs=2)
+    sigma = calibrate_sigma(4.0, 1e-5, 0.1, 20)
+    assert engine.noise_multiplier == pytest.approx(sigma * math.sqrt(math.pi / 2), rel=1e-12)
+    for x, y in loader:                                        # one epoch: 10 steps
+        opt.zero_grad()
+        crit(m(x), y).backward()
+        opt.step()
+    ((mech, steps),) = engine.accountant().events
+    assert isinstance(mech, SubsampledL2Laplace) and steps == 10 and mech.scale == engine.noise_multiplier
+    eps = engine.get_epsilon(1e-5)
+    assert eps <= 4.0 and eps == PLDAccountant().compose(SubsampledL2Laplace(mech.scale, 0.1), 10).epsilon(1e-5)
+
+
+def test_laplace_step_adds_noise_of_scale_b_over_the_batch():
+    # zero learning signal: the update is the noise alone, (lr / B) Laplace(b = noise_multiplier C) per coordinate
+    engine, m, opt, crit, loader = _setup(noise_multiplier=2e6, max_grad_norm=1e-6)   # b = 2, signal <= 1e-6
+    before = torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    crit(m(x), y).backward()
+    opt.step()
+    step = torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - before
+    noise = step / (-0.1) * engine.expected_batch_size        # back to the noise on the summed gradient
+    assert 1.0 < float(noise.abs().mean()) < 3.0              # E|X| = b = 2 (48 coordinates)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(estimator="hutch", noise_multiplier=1.0), "needs exact norms"),
+    (dict(noise="uniform", noise_multiplier=1.0), "noise must be"),
+])
+def test_unsupported_noise_combinations_are_refused_with_the_reason(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _setup(**kw)
