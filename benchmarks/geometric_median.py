@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 D_MIN = 10
 
 
-def spectra(reading: str) -> dict[str, callable]:
+def spectra(reading: str) -> dict[str, Callable[[int], np.ndarray]]:
     power = {"text": (0.0, 0.5, 1.0), "coefficients": (0.0, 1.0, 2.0)}[reading]
     return {name: (lambda d, p=p: np.arange(1, d + 1, dtype=np.float64) ** -p)
             for name, p in zip(("const", "sqr", "linear"), power, strict=True)}

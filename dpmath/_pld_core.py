@@ -156,7 +156,6 @@ class StepMasses:
     idx: np.ndarray | None = None
 
 
-
 def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: float = math.inf,
               max_points: int = MAX_GRID, t_floor: float = -math.inf) -> tuple[int, int, int | None]:
     """``(k_lo, k_hi, sparse)``: the grid indices on which a subsampled-Gaussian step with shift ``mu > 0`` is

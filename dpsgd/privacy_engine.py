@@ -330,7 +330,7 @@ class PrivacyEngine:
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
-        self.noise = "gaussian"
+        self._noise = "gaussian"   # make_private's noise; read-only afterwards (the accountant follows it)
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
@@ -457,7 +457,7 @@ class PrivacyEngine:
             if noise == "laplace":   # the Laplace scale whose Gaussian domination has this sigma
                 sigma *= math.sqrt(math.pi / 2.0)
         self.noise_multiplier = sigma
-        self.noise = noise
+        self._noise = noise
         self._basis = basis
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
@@ -469,6 +469,12 @@ class PrivacyEngine:
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
         return module, self._optimizer, crit, loader
+
+    @property
+    def noise(self) -> str:
+        """The noise distribution chosen in ``make_private`` ("gaussian" or "laplace"); the step draws it and
+        the accountant composes its mechanism, so it cannot be changed afterwards."""
+        return self._noise
 
     def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
         """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""

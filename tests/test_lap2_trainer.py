@@ -50,6 +50,10 @@ def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_ta
     assert isinstance(mech, SubsampledL2Laplace) and steps == 10 and mech.scale == engine.noise_multiplier
     eps = engine.get_epsilon(1e-5)
     assert eps <= 4.0 and eps == PLDAccountant().compose(SubsampledL2Laplace(mech.scale, 0.1), 10).epsilon(1e-5)
+    # the noise and the accounted mechanism cannot be switched apart after make_private
+    with pytest.raises(AttributeError):
+        engine.noise = "gaussian"
+    assert engine.noise == "laplace"
 
 
 def test_laplace_step_adds_noise_of_scale_b_over_the_batch():

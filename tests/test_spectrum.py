@@ -177,3 +177,15 @@ def test_projected_step_applies_the_projection_of_the_clipped_mean_and_keeps_the
 def test_a_bad_projection_basis_is_refused_with_the_reason(basis, match):
     with pytest.raises(ValueError, match=match):
         _private_linear(basis)
+
+
+def test_an_ill_conditioned_projection_basis_cannot_lengthen_the_clipped_update():
+    # columns nearly parallel (condition ~1e8, above the rank threshold) and scaled by 1e3: a projection built
+    # from it as given (V V^T) would stretch the update; the orthonormalized one only shortens it
+    plain, _ = _private_linear()
+    gen = torch.Generator().manual_seed(7)
+    u = torch.randn(plain.numel(), 1, generator=gen, dtype=torch.float64)
+    basis = 1e3 * torch.cat([u, u + 1e-8 * torch.randn(plain.numel(), 1, generator=gen, dtype=torch.float64)], 1)
+    assert (basis @ (basis.T @ plain.double())).norm() > 1e3 * plain.norm()
+    projected, _ = _private_linear(basis)
+    assert projected.norm() <= plain.norm() * (1 + 1e-6)
