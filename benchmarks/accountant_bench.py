@@ -8,8 +8,11 @@ epsilon at 1e-4 and prv_accountant's ``[lower, upper]`` at ``eps_error = 0.01``,
 (:mod:`dpmath.referee`, Laplace inversion with an error bound, independent of any loss grid).
 Table 2: randomized clipping (Hutch, k = 32, d = 2048): our bracket and warm time per epsilon.
 Table 3: calibrate_sigma for DP-SGD-RC in the Table 4 setting of paper 000, cold and warm.
+Table 4: one randomized-clipping step (Hutch) at issue 16's three cases, whose exact values (a quadrature of the
+same envelope mechanism, from the issue) are printed beside our default and refined (``bracket_rtol=5e-3``)
+brackets; not in the default run (``--tables 4``, about 3 minutes).
 
-    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3] [--no-prv]
+    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4] [--no-prv]
 """
 
 import argparse
@@ -139,6 +142,24 @@ def table3() -> None:
     print(f"{'DP-SGD':>10} {plain:>9.4f} {t:>8.2f} {t:>8.2f}")
 
 
+ONE_STEP = [((8, 200, 0.8, 0.3, 1e-8), "105.54-105.58"), ((4, 8, 3.0, 0.1, 1e-6), "23.44"),
+            ((32, 2048, 1.0, 0.05, 1e-6), "2.3103")]
+
+
+def table4() -> None:
+    print()
+    print("Table 4: one randomized-clipping step (Hutch) against the exact values quoted in issue 16")
+    print(f"{'k':>3} {'d':>5} {'sigma':>5} {'q':>5} {'delta':>6} | {'exact':>13} | {'ours [lower, upper]':>22} "
+          f"{'width%':>7} {'s':>5} | {'refined [lower, upper]':>22} {'width%':>7} {'s':>5}")
+    for (k, d, sigma, q, delta), exact in ONE_STEP:
+        cells = []
+        for rtol in (None, 5e-3):
+            acc = PLDAccountant(bracket_rtol=rtol).compose(RandomizedClipGaussian(sigma, q, HutchEnvelope(k, d)), 1)
+            t, (lo, hi) = timed(lambda acc=acc, delta=delta: acc.epsilon_bracket(delta))
+            cells.append(f"[{lo:.4f}, {hi:.4f}] {100 * (hi - lo) / hi:>7.3f} {t:>5.1f}")
+        print(f"{k:>3} {d:>5} {sigma:>5g} {q:>5g} {delta:>6.0e} | {exact:>13} | {cells[0]} | {cells[1]}", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", nargs="+", type=int, default=[1, 2, 3])
@@ -150,3 +171,5 @@ if __name__ == "__main__":
         table2()
     if 3 in args.tables:
         table3()
+    if 4 in args.tables:
+        table4()
