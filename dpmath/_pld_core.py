@@ -18,11 +18,22 @@ and ``Q_k`` of the exact pair:
   the exact one at every grid point and is the chord between them (delta is convex in ``e^eps``), so
   it lies above.  Mass below the grid goes to its first point, mass above to the last point and to
   ``+inf`` (again preserving both masses).
-* **lower** (optimistic): merging all outputs in an interval is post-processing, and so is splitting
-  an atom and merging its pieces.  Each interval's atom sends a fraction ``r_k`` right and the rest
-  left, as much right as possible from the bottom up while the merged atom at every grid point keeps
-  a loss ``>= t_j`` (:func:`_greedy_fractions`); its loss is then rounded *down* to ``t_j``.  Mass
-  below the grid is dropped.
+* **lower** (optimistic): a pair whose curve lies below the exact one everywhere is a post-processing
+  of it (Blackwell), and composition keeps that order.  Write ``x = e^eps`` and ``D(x)`` for the
+  intervals' part of the exact curve, convex in ``x``.  The lower curve takes ``D(x_j) - c_j`` at
+  every grid point and is linear in between.  On interval ``k`` it stays below the two tangents of ``D``
+  at the interval's ends, hence below ``D``, if and only if ``d_k c_k + l_k c_{k+1} >= l_k d_k``.  Here
+  ``l_k = P_k - e^{t_k} Q_k`` and ``d_k = e^{t_{k+1}} Q_k - P_k`` (both ``>= 0``).  The default is
+  ``c_j = max(H_{j-1}, H_j)`` with the tangents' gap ``H_k = l_k d_k / (l_k + d_k)``, about ``P_k h / 4``.
+  This makes the error second order in ``h``, like the upper bound's (:func:`_lowered`).  The end
+  points keep their values, so both masses are preserved; the points stay above the curve's left
+  tangent and above 0.  Where the result is not convex (a negative mass), the greatest convex minorant is
+  taken; it is lower still.  Atoms already on grid points (the mass above the grid), and any interval
+  whose constraint cannot be met, have their losses rounded *down* to the grid.  Mass below the grid is
+  dropped.  Rounding down is sound because the delta of a composition, ``E_{P^n}[(1 - e^{eps - sum
+  L})_+]``, is non-decreasing in every loss.  With the greedy post-processing split used before, the
+  lower end's error was 10 to 100 times the upper end's at ``h = 1e-4``; with this one it is about 2
+  times.
 
 Composition (:class:`Composition`) multiplies the Fourier transforms of all steps at once, on a window
 chosen by a Chernoff bound: the mass beyond it is charged to ``inf`` (upper) and the mass that can
@@ -56,6 +67,7 @@ _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
 _MAX_TILTS = 64
 _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta) before it is an error
+_ROUND_UP = 1.0 + 1e-12   # lowerings are raised by this factor so their constraints survive rounding
 
 
 def _ndtr_pair(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,16 +154,15 @@ def pair_cdfs(t: np.ndarray, mu, q: float, relation: str, shift: np.ndarray | No
 class StepMasses:
     """Interval masses of one step on the grid ``t_j = j h``, ready to be split onto grid points.
 
-    ``p_int[i], q_int[i]`` are ``P, Q(L in (t_{lo+i}, t_{lo+i+1}])``; ``atoms`` are masses already on
-    grid points with ``excess`` ``E_P[(1 - e^{t_j - L}); atom] >= 0`` (their loss is at least ``t_j``);
-    ``inf`` is mass at ``+inf``.  Adding two of them is mixing the pairs (with the label revealed).
+    ``p_int[i], q_int[i]`` are ``P, Q(L in (t_{lo+i}, t_{lo+i+1}])``; ``atoms`` are ``P``-masses already on
+    grid points, whose loss is at least ``t_j`` (the upper bound's are exactly ``t_j``); ``inf`` is mass at
+    ``+inf``.  Adding two of them is mixing the pairs (with the label revealed).
     """
 
     lo: int
     p_int: np.ndarray
     q_int: np.ndarray
     atoms: np.ndarray
-    excess: np.ndarray
     inf: float
     idx: np.ndarray | None = None
 
@@ -199,7 +210,7 @@ def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str
     shift = None if single else (_shift(t, q) if relation == "remove" else _shift(-t, q))
     n = t.size
     p_int = q_int = None
-    first, top, inf, top_excess = 0.0, 0.0, 0.0, 0.0
+    first, top, inf = 0.0, 0.0, 0.0
     block = max(1, _MIX_BLOCK // n)
     for b in range(0, mus.size, block):
         mu = float(mus[0]) if single else mus[b:b + block, None]
@@ -219,16 +230,11 @@ def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str
         kept = np.minimum(p_above, eq_top)
         top += float(w @ (kept if upper else p_above))
         inf += float(w @ (p_above - kept))
-        top_excess += float(w @ np.maximum(p_above - eq_top, 0.0))
     atoms = np.zeros(n)
-    excess = np.zeros(n)
+    atoms[-1] = top
     if upper:
         atoms[0] = first
-        atoms[-1] = top
-    else:
-        atoms[-1] = top
-        excess[-1] = top_excess
-    return StepMasses(k_lo, p_int, q_int, atoms, excess, inf if upper else 0.0, idx)
+    return StepMasses(k_lo, p_int, q_int, atoms, inf if upper else 0.0, idx)
 
 
 def _bucket(k: int) -> int:
@@ -266,39 +272,135 @@ def mix(parts: list[StepMasses]) -> StepMasses:
     """Sum of (already weighted) step masses on the dense grid."""
     lo = min(p.lo for p in parts)
     hi = max(p.lo + p.atoms.size for p in parts)
-    out = StepMasses(lo, np.zeros(hi - lo - 1), np.zeros(hi - lo - 1), np.zeros(hi - lo), np.zeros(hi - lo), 0.0)
+    out = StepMasses(lo, np.zeros(hi - lo - 1), np.zeros(hi - lo - 1), np.zeros(hi - lo), 0.0)
     for p in parts:
         a = p.lo - lo
         out.p_int[a:a + p.p_int.size] += p.p_int
         out.q_int[a:a + p.q_int.size] += p.q_int
         out.atoms[a:a + p.atoms.size] += p.atoms
-        out.excess[a:a + p.excess.size] += p.excess
         out.inf += p.inf
     return out
 
 
 def split(m: StepMasses, h: float, upper: bool) -> tuple[np.ndarray, np.ndarray, float]:
-    """Place every interval's mass on its two end points: connect-the-dots (upper) or the greedy
-    post-processing split (lower); see the module docstring.  Returns ``(grid indices, masses, inf)``."""
+    """Place every interval's mass on grid points: connect-the-dots (upper) or the lowered curve of
+    :func:`_lowered` (lower); see the module docstring.  Returns ``(grid indices, masses, inf)``."""
     idx = m.lo + np.arange(m.atoms.size) if m.idx is None else m.idx
     t = idx * h
-    width = np.diff(t) if m.idx is not None else h
-    p_int, q_int = m.p_int, m.q_int
+    width = np.diff(t).astype(np.float64) if m.idx is not None else np.full(max(t.size - 1, 0), h)
+    if not upper:
+        return idx, m.atoms + _lowered(m.p_int, m.q_int, t, width), 0.0
+    return idx, m.atoms + _connect_the_dots(m.p_int, m.q_int, t, width), min(m.inf, 1.0)
+
+
+def _excesses(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(l_k, d_k) = (P_k - e^{t_k} Q_k, e^{t_{k+1}} Q_k - P_k)``, both ``>= 0`` (rounding clipped)."""
     with np.errstate(divide="ignore", over="ignore"):
         log_q = np.log(q_int)
-        left = np.clip(p_int - np.exp(t[:-1] + log_q), 0.0, p_int)      # excess at the left end, >= 0
-    pmf = m.atoms.copy()
-    if upper:
-        right = np.minimum(left / -np.expm1(-width), p_int)
-        pmf[:-1] += p_int - right
-        pmf[1:] += right
-        return idx, pmf, min(m.inf, 1.0)
-    with np.errstate(over="ignore"):
-        deficit = (-np.minimum(p_int - np.exp(t[1:] + log_q), 0.0)).tolist()  # -(excess at the right end)
-    frac = _greedy_fractions(left.tolist(), deficit, m.excess.tolist())
-    pmf[:-1] += (1.0 - frac) * p_int
-    pmf[1:] += frac * p_int
-    return idx, pmf, 0.0
+        left = np.clip(p_int - np.exp(t[:-1] + log_q), 0.0, p_int)
+        deficit = np.maximum(np.exp(t[1:] + log_q) - p_int, 0.0)
+    return left, deficit
+
+
+def _connect_the_dots(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``P``-masses at the grid points that keep each interval's ``P`` and ``Q`` masses: the curve through the
+    exact one's values at the grid points."""
+    left, _ = _excesses(p_int, q_int, t)
+    right = np.minimum(left / -np.expm1(-width), p_int)
+    pmf = np.zeros(t.size)
+    pmf[:-1] += p_int - right
+    pmf[1:] += right
+    return pmf
+
+
+def _lowered(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``P``-masses at the grid points whose curve lies below the intervals' exact curve (module docstring).
+
+    The connect-the-dots curve is lowered by ``c_j`` at grid point ``j``; in ``P``-masses that subtracts
+    ``x_j`` times the slope change of the piecewise-linear ``c`` at ``x_j = e^{t_j}``.  An interval
+    whose constraint cannot be met within the caps, or whose ``Q``-mass underflowed, is rounded down to its
+    left end, and the rest is solved again.
+    """
+    n = t.size
+    rounded = np.zeros(n)
+    # an interval whose masses say its loss exceeds t_{k+1} (its Q-mass underflowed to 0 at losses in the
+    # hundreds, or rounding in a wide interval's tail) has no usable curve: rounded down
+    with np.errstate(divide="ignore", over="ignore"):
+        lost = (p_int > 0) & ((q_int <= 0) | (np.exp(t[1:] + np.log(q_int)) < p_int))
+    rounded[:-1] += np.where(lost, p_int, 0.0)
+    p_int, q_int = np.where(lost, 0.0, p_int), q_int.copy()
+    while True:
+        if n < 3:   # no interior grid point to lower: the intervals are rounded down
+            rounded[:-1] += p_int
+            return rounded
+        left, deficit = _excesses(p_int, q_int, t)
+        total = left + deficit
+        gap = np.divide(left * deficit, total, out=np.zeros_like(total), where=total > 0)
+        with np.errstate(divide="ignore", over="ignore"):
+            q_below = np.cumsum(q_int)                             # Q of intervals <= k, and ...
+            q_above = np.r_[np.cumsum(q_int[::-1])[::-1][1:], 0.0]  # ... > k, each summed from its own tail
+            # caps: every point stays above the curve's left tangent (the first point's mass >= 0) and
+            # above 0 (the last point's); the end points are not lowered (both masses preserved).
+            # (x_{k+1} - x_k) Q = exp(t_k + log(e^w - 1) + log Q), finite for any width
+            log_dx = t[:-1] + width + np.log(-np.expm1(-width))
+            cap = np.zeros(n)
+            cap[1:] = np.cumsum(deficit + np.exp(log_dx + np.log(np.r_[0.0, q_below[:-1]])))
+            above = np.cumsum((left + np.exp(log_dx + np.log(q_above)))[::-1])[::-1]
+            cap[:-1] = np.minimum(cap[:-1], above)
+        cap[0] = cap[-1] = 0.0
+        c = np.zeros(n)
+        c[1:-1] = np.maximum(gap[:-1], gap[1:]) * _ROUND_UP
+        c = np.minimum(c, cap)
+        # near the ends the caps bind: raise the neighbour instead (each constraint is monotone in c)
+        need = np.divide(deficit * (left - c[:-1]), left, out=np.zeros_like(left), where=left > 0)
+        c[1:] = np.maximum(c[1:], np.minimum(need * _ROUND_UP, cap[1:]))
+        need = np.divide(left * (deficit - c[1:]), deficit, out=np.zeros_like(deficit), where=deficit > 0)
+        c[:-1] = np.maximum(c[:-1], np.minimum(need * _ROUND_UP, cap[:-1]))
+        bad = deficit * c[:-1] + left * c[1:] < left * deficit
+        if not bad.any():
+            break
+        rounded[:-1] += np.where(bad, p_int, 0.0)
+        p_int[bad] = 0.0
+        q_int[bad] = 0.0
+    step = np.diff(c)
+    pmf = _connect_the_dots(p_int, q_int, t, width)
+    with np.errstate(over="ignore"):   # an interval wider than ~700 in loss: its slope change is 0
+        pmf[:-1] -= step / np.expm1(width)
+    pmf[1:] += step / -np.expm1(-width)
+    return rounded + _convex_minorant(pmf, t)
+
+
+def _convex_minorant(pmf: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Masses of the greatest convex minorant of the piecewise-linear curve with masses ``pmf``.
+
+    A grid point of negative mass lies above the chord of its neighbours; it is dropped onto that chord,
+    its ``Q``-mass shared between the neighbours so that their curve values stay.  Repeated until no mass
+    is negative, this gives the greatest convex minorant: every drop lowers the curve, and each result lies
+    above it.  The end points are never dropped.  Their masses are ``>= 0`` in exact arithmetic; a
+    rounding residue below is cleared.
+    """
+    n = pmf.size
+    todo = (np.nonzero(pmf[1:-1] < 0)[0] + 1).tolist()
+    if todo:
+        pmf = pmf.copy()
+        prev, nxt = list(range(-1, n - 1)), list(range(1, n + 1))
+        while todo:
+            j = todo.pop()
+            if pmf[j] >= 0:   # dropped already (mass 0), or made non-negative by a neighbour's drop
+                continue
+            i, k = prev[j], nxt[j]
+            to_right = math.expm1(t[i] - t[j]) / math.expm1(t[i] - t[k])   # P-mass share at t_k
+            pmf[k] += to_right * pmf[j]
+            pmf[i] += (1.0 - to_right) * pmf[j]
+            pmf[j] = 0.0
+            nxt[i], prev[k] = k, i
+            todo.extend(m for m in (i, k) if 0 < m < n - 1 and pmf[m] < 0)
+    if not np.all(np.isfinite(pmf)):
+        raise ArithmeticError("lower-bound split: a mass is not finite")
+    scale = float(np.max(np.abs(pmf))) if n else 0.0
+    if n and min(pmf[0], pmf[-1]) < -1e-9 * scale:
+        raise ArithmeticError(f"lower-bound split: an end point's mass is {min(pmf[0], pmf[-1]):.3g} < 0")
+    return np.maximum(pmf, 0.0)
 
 
 def assemble(pieces: list[tuple[np.ndarray, np.ndarray, float]], h: float, upper: bool) -> Pld:
@@ -309,35 +411,6 @@ def assemble(pieces: list[tuple[np.ndarray, np.ndarray, float]], h: float, upper
     for i, m, _ in pieces:
         np.add.at(pmf, i - lo, m)
     return Pld(h, lo, pmf, min(1.0, sum(f for _, _, f in pieces)), upper)
-
-
-def _greedy_fractions(left: list[float], deficit: list[float], extra: list[float]) -> np.ndarray:
-    """Fractions ``r_k`` of interval ``k`` sent to its right end, as large as possible from the bottom up,
-    such that every grid point's merged atom keeps a non-negative excess (loss ``>= t_j``).
-
-    Label ``j`` receives ``r_{j-1}`` of interval ``j-1`` (excess ``-r_{j-1} deficit_{j-1} <= 0``),
-    ``1 - r_j`` of interval ``j`` (excess ``(1 - r_j) left_j >= 0``) and its own atoms (``extra_j``).
-    Where the incoming deficit cannot be covered, ``r_{j-1}`` is lowered until it can.
-    """
-    n = len(left)
-    r = [1.0] * n
-    owed = 0.0
-    # the hot loop of a randomized-clipping step (hundreds of scales): plain comparisons, no min()
-    for k, (lk, xk, dk) in enumerate(zip(left, extra, deficit, strict=False)):  # extra has n + 1 entries
-        avail = lk + xk
-        if owed > avail:
-            r[k - 1] = avail / deficit[k - 1]
-            owed = avail
-        if lk > 0.0:
-            rk = (avail - owed) / lk
-            if rk < 1.0:
-                r[k] = rk
-                owed = rk * dk
-                continue
-        owed = dk
-    if n and owed > extra[n]:
-        r[n - 1] = extra[n] / deficit[n - 1]
-    return np.asarray(r)
 
 
 @dataclass
