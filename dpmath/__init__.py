@@ -8,7 +8,7 @@ discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod
 (:mod:`dpmath.twice_sampling`).
 """
 
-from .calibration import Bracket, calibrate_sigma, dpsgd_epsilon, estimator_envelope
+from .calibration import Bracket, calibrate_noise, calibrate_sigma, dpsgd_epsilon, estimator_envelope
 from .chi2mix import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
 from .envelope import (
     Envelope,
@@ -43,6 +43,7 @@ __all__ = [
     "GridTooLargeError",
     "RDPAccountant",
     "Bracket",
+    "calibrate_noise",
     "calibrate_sigma",
     "dpsgd_epsilon",
     "estimator_envelope",

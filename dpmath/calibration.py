@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
@@ -25,7 +26,7 @@ from .pld import GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_array, sample_rate
 
-__all__ = ["Bracket", "calibrate_sigma", "dpsgd_epsilon", "estimator_envelope"]
+__all__ = ["Bracket", "calibrate_noise", "calibrate_sigma", "dpsgd_epsilon", "estimator_envelope"]
 
 _ESTIMATORS = ("exact", "hutch", "hutchpp")
 
@@ -146,18 +147,64 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
         return f
 
     f = objective(_SCALE_RESOLUTION, discretization)
+    context = f"delta={d:g}, q={qq:g}, steps={n}"
     if envelope is None:
-        return _search(f, 1.0, [2.0], eps_t, d, qq, n, rt)[0]
+        return _search(f, 1.0, [2.0], eps_t, context, rt)[0]
     # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, search on a
     # coarse grid (4x the scale bins, 10x the loss step: ~5x cheaper, an upper bound all the same), then
     # finish on the requested grid from there, which takes two to four evaluations
     plain = calibrate_sigma(eps_t, d, qq, n, discretization=discretization, rtol=1e-3, accountant="pld")
     coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
-    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, d, qq, n, 1e-3)
-    return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, d, qq, n, rt, slope)[0]
+    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3)
+    return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
 
 
-def _search(f, guess: float, factors: list[float], eps_t: float, d: float, qq: float, n: int, rt: float,
+def calibrate_noise(epsilon: Callable[[float], float], target_epsilon: float, *, guess: float = 1.0,
+                    rtol: float = 1e-4) -> float:
+    r"""Smallest noise multiplier ``sigma`` with ``epsilon(sigma) <= target_epsilon``, for any mechanism.
+
+    The search of :func:`calibrate_sigma` (bracketing, then Illinois steps on ``log sigma``; the returned
+    ``sigma`` is one whose epsilon was evaluated and meets the target) over a caller's ``epsilon(sigma)``,
+    which must be non-increasing, e.g. an :class:`RDPAccountant` over a mechanism of
+    :mod:`dpmath.twice_sampling`.
+
+    Parameters
+    ----------
+    epsilon : callable
+        ``sigma -> epsilon`` (an upper bound), non-increasing in ``sigma``.
+    target_epsilon : float
+        The budget, ``> 0``.
+    guess : float
+        Where the search starts, ``> 0``.
+    rtol : float
+        Relative width of the final bracket, in ``[1e-8, 0.1]``.
+
+    Examples
+    --------
+    >>> from dpmath import RDPAccountant, calibrate_noise
+    >>> from dpmath.twice_sampling import TwiceSampledGaussian
+    >>> def eps(s):
+    ...     return RDPAccountant().compose(TwiceSampledGaussian(s, 0.01, 0.5, 1.0, 0.1), 1000).epsilon(1e-5)
+    >>> s = calibrate_noise(eps, 1.0)
+    >>> bool(eps(s) <= 1.0 < eps(s * (1 - 2e-4)))
+    True
+    """
+    if not callable(epsilon):
+        raise ValueError(f"epsilon must be a callable sigma -> epsilon, got {type(epsilon).__name__}")
+    eps_t = positive_real(target_epsilon, "target_epsilon")
+    start = positive_real(guess, "guess")
+    rt = float(real_array(rtol, "rtol", allow_inf=False))
+    if not 1e-8 <= rt <= 0.1:
+        raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
+
+    def f(s: float) -> float:
+        e = float(epsilon(s))
+        return math.log(e / eps_t) if 0 < e < math.inf else (math.inf if e == math.inf else -math.inf)
+
+    return _search(f, start, [2.0], eps_t, "the given epsilon function", rt)[0]
+
+
+def _search(f, guess: float, factors: list[float], eps_t: float, context: str, rt: float,
             slope: float | None = None) -> tuple[float, float]:
     """Smallest sigma with ``f(sigma) <= 0`` to relative width ``rt``, and the final bracket's slope
     ``d f / d log sigma``: grow or shrink ``guess`` by ``factors`` (then doubling) until the root is
@@ -173,7 +220,7 @@ def _search(f, guess: float, factors: list[float], eps_t: float, d: float, qq: f
             lo, f_lo = hi, f_hi
             hi *= next(steps)
             if hi > 1e8:
-                raise ValueError(f"no sigma <= 1e8 reaches epsilon = {eps_t:g} (delta={d:g}, q={qq:g}, steps={n})")
+                raise ValueError(f"no sigma <= 1e8 reaches epsilon = {eps_t:g} ({context})")
             f_hi = f(hi)
     else:
         while f_lo <= 0:

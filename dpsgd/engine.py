@@ -41,6 +41,7 @@ from torch import nn
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
 from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
+from .sampling import TwiceSampling
 from .validator import ModuleValidator
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
@@ -340,7 +341,8 @@ def check_clipping_pass(clipping_pass: object) -> str:
 
 def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: float, k: int,
                      generator: torch.Generator | None, *, norms_only: bool = False,
-                     clipping_pass: str = "bookkeeping") -> ClippedGradients:
+                     clipping_pass: str = "bookkeeping", twice: TwiceSampling | None = None,
+                     mask_generator: torch.Generator | None = None) -> ClippedGradients:
     r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
 
     Consumes the calls the losses reached; raises :class:`IncompleteGradientError` if any trainable
@@ -354,9 +356,16 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     runs twice).  Both give the same sums to rounding.  The second backward accumulates in the model's
     dtype, so ``"two-pass"`` refuses half-precision parameters, where rounding of ``c_i`` and of the sum
     could push a clipped contribution above ``C``.
+
+    ``twice`` (with ``mask_generator``, on the losses' device) forms each parameter's per-example gradients
+    from the recorded calls and sums them with :meth:`TwiceSampling.clipped_sum` (l-infinity clipping and
+    coordinate masks after the l2 clipping); bookkeeping pass and exact norms only.
     """
     check_clipping_pass(clipping_pass)
     two_pass = clipping_pass == "two-pass" and not norms_only
+    if twice is not None and (two_pass or capture.plan.estimator not in ("exact", "ghost") or mask_generator is None):
+        raise ValueError("twice sampling needs exact norms (estimator 'exact' or 'ghost'), the bookkeeping pass and "
+                         "a mask generator")
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         raise ValueError(f"the per-example losses must be a 1-D tensor (one loss per example), got "
                          f"{'shape ' + str(tuple(losses.shape)) if isinstance(losses, torch.Tensor) else type(losses)}")
@@ -432,6 +441,17 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                 c.grads = []
                 c.cache.clear()
             sums = _second_backward(capture, losses, weights, uses)
+        elif twice is not None and not norms_only:
+            for p, contributions in uses:
+                per_example = None
+                for call, local in contributions:   # one parameter at a time: B x numel floats at most
+                    e = call.cache["unit"].handler.per_example(call, local, None)
+                    e = e.reshape(b, -1).to(torch.promote_types(e.dtype, dtype))
+                    per_example = e if per_example is None else per_example + e
+                total = twice.clipped_sum(per_example.to(losses.device), weights, mask_generator, _margin(dtype))
+                if not torch.isfinite(total).all():
+                    raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
+                sums[id(p)] = total.reshape(p.shape).to(p.device)
         elif not norms_only:
             for p, contributions in uses:
                 total = None

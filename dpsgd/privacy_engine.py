@@ -56,8 +56,10 @@ from torch.utils.data import DataLoader
 from dpmath import (
     PLDAccountant,
     RandomizedClipGaussian,
+    RDPAccountant,
     SubsampledGaussian,
     SubsampledL2Laplace,
+    calibrate_noise,
     calibrate_sigma,
     estimator_envelope,
 )
@@ -73,6 +75,7 @@ from .engine import (
     clipped_backward,
     noisy_gradients,
 )
+from .sampling import TwiceSampling
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
@@ -331,6 +334,8 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
         self._noise = "gaussian"   # make_private's noise; read-only afterwards (the accountant follows it)
+        self._sampling: TwiceSampling | None = None   # make_private's sampling; read-only afterwards too
+        self._mask_rngs: dict[torch.device, torch.Generator] = {}
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
         self.plan: NormPlan | None = None
@@ -352,6 +357,7 @@ class PrivacyEngine:
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: str = "gaussian",
+                     sampling: TwiceSampling | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
@@ -397,6 +403,16 @@ class PrivacyEngine:
             :doc:`/majorization` shows fails), and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma``
             from the dominating Gaussian's ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"):
             no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
+        sampling : TwiceSampling, optional
+            Twice sampling (paper 002, Alg. 2; :mod:`dpsgd.sampling`): inside each Poisson batch every
+            coordinate of the clipped sum is formed from its own Poisson sub-sample of rate
+            ``coordinate_rate``, with each example also clipped to l-infinity norm ``max_grad_coordinate``.
+            The step divides by ``coordinate_rate`` times the expected batch size (an unbiased gradient).
+            Accounted by :class:`dpmath.twice_sampling.TwiceSampledGaussian` (an RDP bound, so
+            :meth:`accountant` is then an :class:`dpmath.RDPAccountant`).  It needs per-example gradients:
+            exact norms (``estimator`` "ghost" or "exact"), Gaussian noise, the bookkeeping pass, no
+            ``gradient_projection`` (a projection could break the l-infinity bound the accounting
+            uses), one process.
 
         Returns
         -------
@@ -410,6 +426,8 @@ class PrivacyEngine:
         check_clipping_pass(clipping_pass)
         if noise not in ("gaussian", "laplace"):
             raise ValueError(f"noise must be 'gaussian' or 'laplace', got {noise!r}")
+        if sampling is not None:
+            self._check_twice(sampling, estimator, noise, clipping_pass, gradient_projection)
         if noise == "laplace" and estimator in ("hutch", "hutchpp"):
             raise ValueError(f"noise='laplace' needs exact norms (estimator 'ghost' or 'exact'), got estimator="
                              f"{estimator!r}: the randomized-clipping envelope accounts Gaussian noise only, and no "
@@ -448,8 +466,13 @@ class PrivacyEngine:
         if noise_multiplier is None:
             steps = check_positive(epochs, "epochs") * len(loader)
             try:
-                sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
-                                        envelope=self.envelope)
+                if sampling is not None:
+                    delta = float(target_delta)
+                    sigma = calibrate_noise(lambda s: RDPAccountant().compose(
+                        sampling.mechanism(s, self.sample_rate, c), max(1, int(steps))).epsilon(delta), target_epsilon)
+                else:
+                    sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
+                                            envelope=self.envelope)
             except ValueError as err:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
@@ -458,11 +481,17 @@ class PrivacyEngine:
                 sigma *= math.sqrt(math.pi / 2.0)
         self.noise_multiplier = sigma
         self._noise = noise
+        self._sampling = sampling
         self._basis = basis
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
         if noise != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
             self._settings["noise"] = noise
+        if sampling is not None:
+            self._settings["sampling"] = {"coordinate_rate": sampling.coordinate_rate,
+                                          "max_grad_coordinate": sampling.max_grad_coordinate}
+            # the masks are sampling randomness: from os.urandom in secure mode, like the noise
+            self._mask_seed = (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1
         self._read_ledger()
         self._capture = Capture(plan)
         self._module = module
@@ -475,6 +504,37 @@ class PrivacyEngine:
         """The noise distribution chosen in ``make_private`` ("gaussian" or "laplace"); the step draws it and
         the accountant composes its mechanism, so it cannot be changed afterwards."""
         return self._noise
+
+    @property
+    def sampling(self) -> TwiceSampling | None:
+        """The coordinate sampling chosen in ``make_private`` (``None``: examples only); the step and the
+        accountant both follow it, so it cannot be changed afterwards."""
+        return self._sampling
+
+    @staticmethod
+    def _check_twice(sampling: object, estimator: str, noise: str, clipping_pass: str, projection) -> None:
+        """Refuse, with the reason, the combinations twice sampling's accounting does not cover."""
+        if not isinstance(sampling, TwiceSampling):
+            raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling or None, got {type(sampling).__name__}")
+        if estimator not in ("exact", "ghost"):
+            raise ValueError(f"sampling=TwiceSampling(...) needs exact norms (estimator 'ghost' or 'exact'), got "
+                             f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
+                             f"sampling or l-infinity clipping")
+        if noise != "gaussian":
+            raise ValueError(f"sampling=TwiceSampling(...) is accounted for Gaussian noise only, got noise={noise!r}")
+        if clipping_pass != "bookkeeping":
+            raise ValueError("sampling=TwiceSampling(...) forms the masked sums from the recorded per-example "
+                             "gradients: use clipping_pass='bookkeeping'")
+        if projection is not None:
+            raise ValueError("sampling=TwiceSampling(...) with gradient_projection is refused: the projection of a "
+                             "coordinate-clipped sum can exceed the l-infinity bound that its accounting uses")
+        if rank_world()[1] > 1:
+            raise ValueError("sampling=TwiceSampling(...) is supported in a single process only")
+
+    def _mask_rng(self, device: torch.device) -> torch.Generator:
+        if device not in self._mask_rngs:
+            self._mask_rngs[device] = torch.Generator(device=device).manual_seed(self._mask_seed)
+        return self._mask_rngs[device]
 
     def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
         """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""
@@ -538,8 +598,10 @@ class PrivacyEngine:
                                "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         self._capture.check_every_step = bool(self.check_rows_every_step)
+        twice = self._sampling
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
-                                  clipping_pass=self.clipping_pass)
+                                  clipping_pass=self.clipping_pass, twice=twice,
+                                  mask_generator=None if twice is None else self._mask_rng(device))
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:
@@ -598,7 +660,10 @@ class PrivacyEngine:
         sums = reduce_sums(self.plan.params, sums)
         if self._basis is not None:
             sums = self._project(sums)
-        noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, self.expected_batch_size,
+        # twice sampling keeps each coordinate of an example with probability q2: dividing by q2 too leaves the
+        # gradient unbiased (a post-processing; the noise is scaled with it)
+        divisor = self.expected_batch_size * (1.0 if self._sampling is None else self._sampling.coordinate_rate)
+        noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, divisor,
                                 self._noise_rng, params=self.plan.params, laplace=self.noise == "laplace")
         for p, g in zip(self.plan.params, noisy, strict=True):
             p.grad = as_grad(p, g)
@@ -646,9 +711,18 @@ class PrivacyEngine:
         """Noisy steps whose privacy is spent: this run's, or the ledger file's count if that is larger."""
         return max(self._steps, self._recorded + self._steps - self._resumed)
 
-    def accountant(self) -> PLDAccountant:
-        """A fresh :class:`dpmath.PLDAccountant` holding every step taken so far."""
+    def accountant(self) -> PLDAccountant | RDPAccountant:
+        """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
+        sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only)."""
         self._require_private()
+        if self._sampling is not None:
+            acc = RDPAccountant()
+            if self.spent_steps:
+                if self.noise_multiplier == 0:
+                    raise ValueError("noise_multiplier is 0: no privacy guarantee")
+                acc.compose(self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm),
+                            self.spent_steps)
+            return acc
         acc = PLDAccountant()
         if self.spent_steps:
             if self.noise_multiplier == 0:
@@ -669,7 +743,7 @@ class PrivacyEngine:
             return 0.0
         # logging loops ask again between steps: the accountant caches its composed PLD, so keep it while
         # nothing it depends on has changed
-        key = (self.noise, self.noise_multiplier, self.sample_rate, self.envelope, self.spent_steps)
+        key = (self.noise, self._sampling, self.noise_multiplier, self.sample_rate, self.envelope, self.spent_steps)
         if self._epsilon_accountant is None or self._epsilon_accountant[0] != key:
             self._epsilon_accountant = (key, self.accountant())
         return self._epsilon_accountant[1].epsilon(delta)
@@ -685,6 +759,7 @@ class PrivacyEngine:
         return {"settings": dict(self._settings), "steps": self._steps,
                 "sampling_rng": self._sampling_rng.get_state(),
                 "projection_rngs": {str(d): g.get_state() for d, g in self._projection_rngs.items()},
+                "mask_rngs": {} if self.secure_mode else {str(d): g.get_state() for d, g in self._mask_rngs.items()},
                 "noise_rng": None if self.secure_mode else self._noise_rng.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -698,5 +773,7 @@ class PrivacyEngine:
         self._sampling_rng.set_state(state["sampling_rng"])
         for d, s in state.get("projection_rngs", {}).items():
             self._projection_rng(torch.device(d)).set_state(s)
+        for d, s in state.get("mask_rngs", {}).items():
+            self._mask_rng(torch.device(d)).set_state(s)
         if state["noise_rng"] is not None and not self.secure_mode:
             self._noise_rng.set_state(state["noise_rng"])

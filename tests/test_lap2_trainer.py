@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import PLDAccountant, SubsampledL2Laplace, calibrate_sigma
-from dpsgd import PrivacyEngine
 from dpsgd.engine import noisy_gradients
+
+from .workloads import one_step_change, private_classifier
 
 
 def test_laplace_noise_has_the_stated_scale():
@@ -26,16 +26,7 @@ def test_laplace_noise_has_the_stated_scale():
 
 
 def _setup(**kw):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(200, 6, generator=gen), torch.randint(0, 3, (200,), generator=gen))
-    engine = PrivacyEngine()
-    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(data, batch_size=20), criterion=torch.nn.CrossEntropyLoss(), max_grad_norm=1.0,
-                estimator="ghost", seed=2, noise="laplace")
-    args.update(kw)
-    return engine, *engine.make_private(**args)
+    return private_classifier(**{"noise": "laplace", **kw})
 
 
 def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_target():
@@ -59,12 +50,7 @@ def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_ta
 def test_laplace_step_adds_noise_of_scale_b_over_the_batch():
     # zero learning signal: the update is the noise alone, (lr / B) Laplace(b = noise_multiplier C) per coordinate
     engine, m, opt, crit, loader = _setup(noise_multiplier=2e6, max_grad_norm=1e-6)   # b = 2, signal <= 1e-6
-    before = torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
-    x, y = next(iter(loader))
-    opt.zero_grad()
-    crit(m(x), y).backward()
-    opt.step()
-    step = torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - before
+    step = one_step_change(m, opt, crit, loader)
     noise = step / (-0.1) * engine.expected_batch_size        # back to the noise on the summed gradient
     assert 1.0 < float(noise.abs().mean()) < 3.0              # E|X| = b = 2 (48 coordinates)
 

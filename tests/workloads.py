@@ -206,3 +206,32 @@ def private_lora_run(device: str = "cpu", autocast: bool = False):
 
 def sem(x: torch.Tensor) -> torch.Tensor:
     return x.std(0) / math.sqrt(x.shape[0])
+
+
+def private_classifier(**kw):
+    """``(engine, model, optimizer, criterion, loader)`` of a small tanh MLP on 200 random 3-class examples,
+    made private with ghost norms, C = 1, batch 20 and seed 2; ``kw`` overrides ``make_private``'s arguments."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(200, 6, generator=gen), torch.randint(0, 3, (200,), generator=gen))
+    engine = PrivacyEngine()
+    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                estimator="ghost", seed=2)
+    args.update(kw)
+    return engine, *engine.make_private(**args)
+
+
+def one_step_change(model: nn.Module, optimizer, criterion, loader) -> torch.Tensor:
+    """The flattened parameter change of one private step on the loader's first batch."""
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    x, y = next(iter(loader))
+    optimizer.zero_grad()
+    criterion(model(x), y).backward()
+    optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
