@@ -41,7 +41,7 @@ from torch import nn
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
 from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
-from .sampling import TwiceSampling
+from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .validator import ModuleValidator
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
@@ -341,7 +341,7 @@ def check_clipping_pass(clipping_pass: object) -> str:
 
 def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: float, k: int,
                      generator: torch.Generator | None, *, norms_only: bool = False,
-                     clipping_pass: str = "bookkeeping", twice: TwiceSampling | None = None,
+                     clipping_pass: str = "bookkeeping", twice: TwiceSampling | HybridClipping | None = None,
                      mask_generator: torch.Generator | None = None) -> ClippedGradients:
     r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
 
@@ -358,8 +358,10 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     could push a clipped contribution above ``C``.
 
     ``twice`` (with ``mask_generator``, on the losses' device) forms each parameter's per-example gradients
-    from the recorded calls and sums them with :meth:`TwiceSampling.clipped_sum` (l-infinity clipping and
-    coordinate masks after the l2 clipping); bookkeeping pass and exact norms only.
+    from the recorded calls and sums them with :func:`dpsgd.sampling.masked_clipped_sum`: l2 clipping of each
+    example's part in the parameter's group (one group for :class:`~dpsgd.sampling.TwiceSampling`), then
+    l-infinity clipping and coordinate masks; bookkeeping pass and exact norms only.  ``weights`` are then
+    the whole-gradient factors, reported only.
     """
     check_clipping_pass(clipping_pass)
     two_pass = clipping_pass == "two-pass" and not norms_only
@@ -428,8 +430,13 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
             capture.checked_layouts.add(layout)
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
+        bounds = None if twice is None else twice.bounds(max_grad_norm)
+        group_n = None if twice is None else torch.zeros(len(bounds), b, dtype=torch.float64, device=losses.device)
         for p, contributions in uses:
-            n = n + _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
+            sq = _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
+            n = n + sq
+            if group_n is not None:
+                group_n[twice.group_of(plan.names[id(p)])] += sq.to(group_n.device)
         if not torch.isfinite(n).all():
             raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
@@ -448,7 +455,12 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                     e = call.cache["unit"].handler.per_example(call, local, None)
                     e = e.reshape(b, -1).to(torch.promote_types(e.dtype, dtype))
                     per_example = e if per_example is None else per_example + e
-                total = twice.clipped_sum(per_example.to(losses.device), weights, mask_generator, _margin(dtype))
+                j = twice.group_of(plan.names[id(p)])
+                c2, c_inf = bounds[j]
+                w = torch.clamp(c2 * (1 - _margin(dtype)) / group_n[j].sqrt().clamp_min(1e-300), max=1.0)
+                # the margin keeps the bound below c_inf after rounding (float32's nearest value to 0.05 is above)
+                total = masked_clipped_sum(per_example.to(losses.device), w, c_inf * (1 - _margin(dtype)),
+                                           twice.coordinate_rate, mask_generator)
                 if not torch.isfinite(total).all():
                     raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape).to(p.device)
@@ -676,17 +688,20 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
         capture.remove()
 
 
-def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_size: float,
+def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
                     noise_generator: torch.Generator | None, params: list | None = None,
                     laplace: bool = False) -> list[torch.Tensor]:
     """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype; with
     ``laplace``, independent Laplace noise of scale ``noise_std`` on each coordinate instead (LAP2, paper 003).
+    ``noise_std`` may be a list, one per tensor (hybrid clipping's per-group noise).
 
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
     shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums)."""
     out = []
+    stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
     for i, g in enumerate(sums):
-        if noise_std > 0:
+        std = stds[i]
+        if std > 0:
             p = params[i] if params is not None else None
             device = noise_generator.device if noise_generator is not None else g.device
             shape = g.shape if p is None else p.shape
@@ -697,7 +712,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float, expected_batch_s
                 xi = torch.randn(shape, generator=noise_generator, device=device, dtype=g.dtype)
             if p is not None:
                 xi = local_part(p, xi)
-            g = g + noise_std * xi.to(g.device)
+            g = g + std * xi.to(g.device)
         out.append(g / expected_batch_size)
     if not all(torch.isfinite(g).all() for g in out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")

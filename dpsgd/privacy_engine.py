@@ -75,7 +75,7 @@ from .engine import (
     clipped_backward,
     noisy_gradients,
 )
-from .sampling import TwiceSampling
+from .sampling import HybridClipping, TwiceSampling
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
@@ -334,7 +334,8 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
         self._noise = "gaussian"   # make_private's noise; read-only afterwards (the accountant follows it)
-        self._sampling: TwiceSampling | None = None   # make_private's sampling; read-only afterwards too
+        self._sampling: TwiceSampling | HybridClipping | None = None   # make_private's; read-only afterwards too
+        self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs: dict[torch.device, torch.Generator] = {}
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
@@ -357,7 +358,7 @@ class PrivacyEngine:
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: str = "gaussian",
-                     sampling: TwiceSampling | None = None,
+                     sampling: TwiceSampling | HybridClipping | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
@@ -412,7 +413,10 @@ class PrivacyEngine:
             :meth:`accountant` is then an :class:`dpmath.RDPAccountant`).  It needs per-example gradients:
             exact norms (``estimator`` "ghost" or "exact"), Gaussian noise, the bookkeeping pass, no
             ``gradient_projection`` (a projection could break the l-infinity bound the accounting
-            uses), one process.
+            uses), one process.  :class:`~dpsgd.sampling.HybridClipping` (Thm 5.6) clips parameter groups to
+            their own bounds with Thm 4.6's noise shape, accounted by
+            :class:`dpmath.twice_sampling.HybridTwiceSampledGaussian`; ``max_grad_norm`` must then be its
+            overall bound ``sqrt(sum_j c2_j^2)``.
 
         Returns
         -------
@@ -443,6 +447,8 @@ class PrivacyEngine:
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
         plan = NormPlan.build(module, estimator)
         self.plan = plan
+        if sampling is not None:
+            self._ranks = self._sampling_ranks(sampling, plan, c)
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
@@ -469,7 +475,8 @@ class PrivacyEngine:
                 if sampling is not None:
                     delta = float(target_delta)
                     sigma = calibrate_noise(lambda s: RDPAccountant().compose(
-                        sampling.mechanism(s, self.sample_rate, c), max(1, int(steps))).epsilon(delta), target_epsilon)
+                        sampling.mechanism(s, self.sample_rate, c, self._ranks), max(1, int(steps))).epsilon(delta),
+                        target_epsilon)
                 else:
                     sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
                                             envelope=self.envelope)
@@ -488,8 +495,7 @@ class PrivacyEngine:
         if noise != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
             self._settings["noise"] = noise
         if sampling is not None:
-            self._settings["sampling"] = {"coordinate_rate": sampling.coordinate_rate,
-                                          "max_grad_coordinate": sampling.max_grad_coordinate}
+            self._settings["sampling"] = sampling.settings()
             # the masks are sampling randomness: from os.urandom in secure mode, like the noise
             self._mask_seed = (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1
         self._read_ledger()
@@ -506,7 +512,7 @@ class PrivacyEngine:
         return self._noise
 
     @property
-    def sampling(self) -> TwiceSampling | None:
+    def sampling(self) -> TwiceSampling | HybridClipping | None:
         """The coordinate sampling chosen in ``make_private`` (``None``: examples only); the step and the
         accountant both follow it, so it cannot be changed afterwards."""
         return self._sampling
@@ -514,8 +520,9 @@ class PrivacyEngine:
     @staticmethod
     def _check_twice(sampling: object, estimator: str, noise: str, clipping_pass: str, projection) -> None:
         """Refuse, with the reason, the combinations twice sampling's accounting does not cover."""
-        if not isinstance(sampling, TwiceSampling):
-            raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling or None, got {type(sampling).__name__}")
+        if not isinstance(sampling, (TwiceSampling, HybridClipping)):
+            raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling, a HybridClipping or None, got "
+                             f"{type(sampling).__name__}")
         if estimator not in ("exact", "ghost"):
             raise ValueError(f"sampling=TwiceSampling(...) needs exact norms (estimator 'ghost' or 'exact'), got "
                              f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
@@ -530,6 +537,22 @@ class PrivacyEngine:
                              "coordinate-clipped sum can exceed the l-infinity bound that its accounting uses")
         if rank_world()[1] > 1:
             raise ValueError("sampling=TwiceSampling(...) is supported in a single process only")
+
+    @staticmethod
+    def _sampling_ranks(sampling: TwiceSampling | HybridClipping, plan: NormPlan, max_grad_norm: float) -> list[int]:
+        """Coordinates per group; every parameter in a group (else ValueError), every group non-empty."""
+        ranks = [0] * len(sampling.bounds(max_grad_norm))
+        for p in plan.params:
+            ranks[sampling.group_of(plan.names[id(p)])] += p.numel()
+        if isinstance(sampling, HybridClipping):
+            empty = [prefix for (prefix, _), r in zip(sampling.groups, ranks, strict=True) if r == 0]
+            if empty:
+                raise ValueError(f"HybridClipping group(s) {empty} hold no trainable parameter")
+            overall = sampling.overall_norm()
+            if abs(max_grad_norm - overall) > 1e-9 * overall:
+                raise ValueError(f"with HybridClipping, max_grad_norm must be the overall bound sqrt(sum c2_j^2) = "
+                                 f"{overall!r}, got {max_grad_norm!r}")
+        return ranks
 
     def _mask_rng(self, device: torch.device) -> torch.Generator:
         if device not in self._mask_rngs:
@@ -663,7 +686,11 @@ class PrivacyEngine:
         # twice sampling keeps each coordinate of an example with probability q2: dividing by q2 too leaves the
         # gradient unbiased (a post-processing; the noise is scaled with it)
         divisor = self.expected_batch_size * (1.0 if self._sampling is None else self._sampling.coordinate_rate)
-        noisy = noisy_gradients(sums, self.noise_multiplier * self.max_grad_norm, divisor,
+        std = self.noise_multiplier * self.max_grad_norm
+        if self._sampling is not None:   # one noise level per group (hybrid clipping's shape; else all equal)
+            per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
+            std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
+        noisy = noisy_gradients(sums, std, divisor,
                                 self._noise_rng, params=self.plan.params, laplace=self.noise == "laplace")
         for p, g in zip(self.plan.params, noisy, strict=True):
             p.grad = as_grad(p, g)
@@ -720,8 +747,8 @@ class PrivacyEngine:
             if self.spent_steps:
                 if self.noise_multiplier == 0:
                     raise ValueError("noise_multiplier is 0: no privacy guarantee")
-                acc.compose(self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm),
-                            self.spent_steps)
+                acc.compose(self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm,
+                                                     self._ranks), self.spent_steps)
             return acc
         acc = PLDAccountant()
         if self.spent_steps:

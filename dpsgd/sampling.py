@@ -13,6 +13,11 @@ and Gaussian noise of standard deviation ``sigma C`` is added to every coordinat
 :class:`dpmath.twice_sampling.TwiceSampledGaussian` (eq. 8 of the paper over the coordinate-wise RDP of
 Thm 5.2), an RDP bound; ``PrivacyEngine.accountant()`` is then a :class:`dpmath.RDPAccountant`.
 
+:class:`HybridClipping` (Thm 5.6) splits the parameters into groups, orthogonal coordinate subspaces of
+ranks ``r_j`` (their sizes).  Group ``j`` is clipped to its own ``(c2_j, c_inf_j)`` and gets noise
+``sigma_j`` of the shape of Thm 4.6 (:func:`dpmath.twice_sampling.hybrid_noise`); it is accounted by
+:class:`dpmath.twice_sampling.HybridTwiceSampledGaussian`.  :class:`TwiceSampling` is its one-group case.
+
 The masks need every example's gradient coordinate by coordinate, so the step materializes per-example
 gradients one parameter at a time (``B x numel`` floats for the largest parameter): exact norms only
 (``estimator="exact"`` or ``"ghost"``), in one process.
@@ -27,13 +32,39 @@ TwiceSampledGaussian(sigma=1.0, q1=0.01, q2=0.5, c2=1.0, c_inf=0.05)
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dpmath.twice_sampling import TwiceSampledGaussian
+from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
 
-__all__ = ["TwiceSampling"]
+__all__ = ["TwiceSampling", "HybridClipping", "masked_clipped_sum"]
+
+
+def _rate(q2: object) -> float:
+    if isinstance(q2, bool) or not isinstance(q2, (int, float)) or not 0.0 < q2 <= 1.0:
+        raise ValueError(f"coordinate_rate must be a number in (0, 1], got {q2!r}")
+    return float(q2)
+
+
+def _bound(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def masked_clipped_sum(per_example: torch.Tensor, weights: torch.Tensor, coordinate_bound: float, rate: float,
+                       generator: torch.Generator) -> torch.Tensor:
+    """``sum_i m_i * clamp(w_i g_i, +-coordinate_bound)`` over the ``(B, m)`` per-example gradients
+    ``per_example``, with the l2 clipping factors ``weights`` (``(B,)``, each ``<= 1``) and Bernoulli(``rate``)
+    masks ``m_i`` drawn from ``generator`` (none at ``rate = 1``)."""
+    clipped = (per_example * weights.to(per_example.dtype)[:, None]).clamp_(-coordinate_bound, coordinate_bound)
+    if rate < 1.0:
+        keep = torch.rand(clipped.shape, generator=generator, device=clipped.device) < rate
+        clipped = clipped * keep.to(clipped.dtype)
+    return clipped.sum(0)
 
 
 @dataclass(frozen=True)
@@ -54,30 +85,107 @@ class TwiceSampling:
     max_grad_coordinate: float
 
     def __post_init__(self) -> None:
-        q2, c_inf = self.coordinate_rate, self.max_grad_coordinate
-        if isinstance(q2, bool) or not isinstance(q2, (int, float)) or not 0.0 < q2 <= 1.0:
-            raise ValueError(f"coordinate_rate must be a number in (0, 1], got {q2!r}")
-        if (isinstance(c_inf, bool) or not isinstance(c_inf, (int, float)) or not math.isfinite(c_inf)
-                or c_inf <= 0):
-            raise ValueError(f"max_grad_coordinate must be a finite number > 0, got {c_inf!r}")
-        object.__setattr__(self, "coordinate_rate", float(q2))
-        object.__setattr__(self, "max_grad_coordinate", float(c_inf))
+        object.__setattr__(self, "coordinate_rate", _rate(self.coordinate_rate))
+        object.__setattr__(self, "max_grad_coordinate", _bound(self.max_grad_coordinate, "max_grad_coordinate"))
 
-    def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float) -> TwiceSampledGaussian:
+    def group_of(self, name: str) -> int:
+        """Every parameter is in the one group."""
+        return 0
+
+    def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
+        """``[(c2, c_inf)]`` per group: ``C`` and ``min(c_inf, C)``."""
+        return [(max_grad_norm, min(self.max_grad_coordinate, max_grad_norm))]
+
+    def noise_stds(self, noise_multiplier: float, max_grad_norm: float, ranks: Sequence[int]) -> list[float]:
+        """Noise standard deviation per group: ``noise_multiplier * C``."""
+        return [noise_multiplier * max_grad_norm]
+
+    def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
+                  ranks: Sequence[int] = (1,)) -> TwiceSampledGaussian:
         """The dpmath mechanism of one step: noise ``noise_multiplier * C`` per coordinate (absolute units,
         like ``c2 = C`` and ``c_inf``), examples sampled at ``sample_rate``."""
+        (c2, c_inf), = self.bounds(max_grad_norm)
         return TwiceSampledGaussian(sigma=noise_multiplier * max_grad_norm, q1=sample_rate, q2=self.coordinate_rate,
-                                    c2=max_grad_norm, c_inf=min(self.max_grad_coordinate, max_grad_norm))
+                                    c2=c2, c_inf=c_inf)
 
-    def clipped_sum(self, per_example: torch.Tensor, weights: torch.Tensor, generator: torch.Generator,
-                    margin: float = 0.0) -> torch.Tensor:
-        """``sum_i m_i * clamp(w_i g_i, +-c_inf (1 - margin))`` over the ``(B, m)`` per-example gradients
-        ``per_example``, with the l2 clipping factors ``weights`` (``(B,)``, each ``<= 1``) and fresh Bernoulli
-        masks.  ``margin`` keeps the bound below ``c_inf`` after rounding to the tensors' dtype (float32's
-        nearest value to 0.05 is above it)."""
-        bound = self.max_grad_coordinate * (1.0 - margin)
-        clipped = (per_example * weights.to(per_example.dtype)[:, None]).clamp_(-bound, bound)
-        if self.coordinate_rate < 1.0:
-            keep = torch.rand(clipped.shape, generator=generator, device=clipped.device) < self.coordinate_rate
-            clipped = clipped * keep.to(clipped.dtype)
-        return clipped.sum(0)
+    def settings(self) -> dict:
+        """The ledger's record of these settings (a resumed run must match them)."""
+        return {"coordinate_rate": self.coordinate_rate, "max_grad_coordinate": self.max_grad_coordinate}
+
+
+@dataclass(frozen=True)
+class HybridClipping:
+    """Hybrid clipping with twice sampling (paper 002, Thm 5.6): parameter groups, each clipped to its own l2
+    and l-infinity bounds, with the noise shape of Thm 4.6.
+
+    Noise: group ``j`` (rank ``r_j``, its number of coordinates) gets standard deviation
+    ``sigma_j = noise_multiplier * C * sqrt(R) * s_j``, with ``s_j`` from
+    :func:`dpmath.twice_sampling.hybrid_noise` (``sum_j r_j s_j^2 = 1``), ``R = sum_j r_j`` and ``C`` the
+    overall bound: the total noise power of isotropic DP-SGD at ``C``, spread as Thm 4.6 prescribes.
+
+    Parameters
+    ----------
+    groups : mapping of str to (float, float)
+        Parameter-name prefix -> ``(c2_j, c_inf_j)``, both ``> 0``.  A parameter belongs to the group of the
+        longest prefix its qualified name starts with (``""`` catches the rest); every trainable parameter
+        must belong to one, and every group must hold one.  ``make_private``'s ``max_grad_norm`` must be
+        the overall bound ``sqrt(sum_j c2_j^2)``.
+    coordinate_rate : float
+        ``q2`` in ``(0, 1]`` (default 1: hybrid clipping without coordinate sampling).
+
+    Examples
+    --------
+    >>> from dpsgd.sampling import HybridClipping
+    >>> h = HybridClipping({"0.": (0.6, 0.1), "": (0.8, 0.05)})
+    >>> h.group_of("0.weight"), h.group_of("2.bias")
+    (0, 1)
+    """
+
+    groups: Mapping[str, tuple[float, float]]
+    coordinate_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, Mapping) or not self.groups:
+            raise ValueError(f"groups must be a non-empty mapping of name prefix -> (c2, c_inf), got {self.groups!r}")
+        frozen = []
+        for prefix, pair in self.groups.items():
+            if not isinstance(prefix, str):
+                raise ValueError(f"groups' keys must be parameter-name prefixes (str), got {prefix!r}")
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"groups[{prefix!r}] must be a pair (c2, c_inf), got {pair!r}")
+            frozen.append((prefix, (_bound(pair[0], f"groups[{prefix!r}] c2"),
+                                    _bound(pair[1], f"groups[{prefix!r}] c_inf"))))
+        object.__setattr__(self, "groups", tuple(frozen))
+        object.__setattr__(self, "coordinate_rate", _rate(self.coordinate_rate))
+
+    def group_of(self, name: str) -> int:
+        """Index of the group of the longest prefix of ``name`` (``ValueError`` if none)."""
+        matches = [(len(prefix), j) for j, (prefix, _) in enumerate(self.groups) if name.startswith(prefix)]
+        if not matches:
+            raise ValueError(f"parameter {name!r} matches no prefix of HybridClipping.groups "
+                             f"{[p for p, _ in self.groups]}; add one (\"\" catches the rest)")
+        return max(matches)[1]
+
+    def overall_norm(self) -> float:
+        """``sqrt(sum_j c2_j^2)``: the l2 bound of a whole clipped contribution."""
+        return math.sqrt(sum(c2 * c2 for _, (c2, _) in self.groups))
+
+    def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
+        """``[(c2_j, min(c_inf_j, c2_j))]`` per group."""
+        return [(c2, min(c_inf, c2)) for _, (c2, c_inf) in self.groups]
+
+    def noise_stds(self, noise_multiplier: float, max_grad_norm: float, ranks: Sequence[int]) -> list[float]:
+        """``sigma_j`` per group (see the class docstring)."""
+        shape = hybrid_noise([c2 for _, (c2, _) in self.groups], list(ranks))
+        return [float(v) for v in noise_multiplier * max_grad_norm * math.sqrt(float(np.sum(ranks))) * shape]
+
+    def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
+                  ranks: Sequence[int] = ()) -> HybridTwiceSampledGaussian:
+        """The dpmath mechanism of one step, for groups of ``ranks`` coordinates."""
+        b = self.bounds(max_grad_norm)
+        return HybridTwiceSampledGaussian(tuple(self.noise_stds(noise_multiplier, max_grad_norm, ranks)), sample_rate,
+                                          self.coordinate_rate, tuple(c2 for c2, _ in b), tuple(c for _, c in b))
+
+    def settings(self) -> dict:
+        """The ledger's record of these settings (a resumed run must match them)."""
+        return {"coordinate_rate": self.coordinate_rate, "groups": {p: list(v) for p, v in self.groups}}

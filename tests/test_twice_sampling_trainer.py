@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dpmath import RDPAccountant
-from dpmath.twice_sampling import TwiceSampledGaussian
+from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
 from dpsgd.engine import Capture, NormPlan, clipped_backward
-from dpsgd.sampling import TwiceSampling
+from dpsgd.sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 
 from .workloads import VOCAB, gpt2, lm_losses, one_step_change, private_classifier
 
@@ -40,7 +40,7 @@ def test_rate_one_and_a_loose_coordinate_bound_give_the_plain_clipped_sums(estim
 
 def test_each_example_coordinate_enters_with_probability_q2():
     q2, b, m = 0.3, 40, 25_000
-    counts = TwiceSampling(q2, 10.0).clipped_sum(torch.ones(b, m), torch.ones(b), torch.Generator().manual_seed(3))
+    counts = masked_clipped_sum(torch.ones(b, m), torch.ones(b), 10.0, q2, torch.Generator().manual_seed(3))
     # counts ~ Binomial(b, q2) per coordinate: mean and variance within 5 standard errors (fixed seed)
     mean, var = float(counts.mean()), float(counts.var())
     assert abs(mean - b * q2) < 5 * math.sqrt(b * q2 * (1 - q2) / m)
@@ -130,3 +130,61 @@ def test_unsupported_twice_sampling_combinations_are_refused_with_the_reason(kw,
 def test_bad_twice_sampling_parameters_name_the_argument(args, match):
     with pytest.raises(ValueError, match=match):
         TwiceSampling(*args)
+
+
+# hybrid clipping (paper 002, Thm 5.6): groups "0." (the first layer, 35 coordinates) and the rest (18)
+HYBRID = {"0.": (0.6, 0.1), "": (0.8, 0.05)}
+
+
+def test_hybrid_clipping_bounds_each_groups_part_of_every_contribution():
+    gen = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    hybrid = HybridClipping(HYBRID, coordinate_rate=1.0)
+    for _ in range(4):   # one example per batch: its sum is its clipped contribution
+        x, y = 5 * torch.randn(1, 6, generator=gen), torch.randint(0, 3, (1,), generator=gen)
+        sums = _sums(model, lambda m, x=x, y=y: torch.nn.functional.cross_entropy(m(x), y, reduction="none"), hybrid)
+        for prefix, (c2, c_inf) in (("0.", (0.6, 0.1)), ("2.", (0.8, 0.05))):
+            part = torch.cat([v.reshape(-1) for k, v in sums.items() if k.startswith(prefix)])
+            assert float(part.norm()) <= c2 and float(part.abs().max()) <= c_inf
+
+
+def test_hybrid_clipping_with_one_group_is_twice_sampling():
+    one = _setup(noise_multiplier=1.0, sampling=HybridClipping({"": (1.0, 0.2)}, coordinate_rate=0.5))
+    two = _setup(noise_multiplier=1.0, sampling=TwiceSampling(0.5, 0.2))
+    torch.testing.assert_close(one_step_change(*one[1:]), one_step_change(*two[1:]), rtol=0, atol=0)
+    assert one[0].get_epsilon(1e-5) == pytest.approx(two[0].get_epsilon(1e-5), rel=1e-12)
+
+
+def test_hybrid_clipping_adds_each_groups_noise_and_is_accounted_by_thm_5_6():
+    c = math.hypot(0.6, 0.8)
+    engine, m, opt, crit, loader = _setup(noise_multiplier=1.0, max_grad_norm=c, sampling=HybridClipping(HYBRID))
+    shape = hybrid_noise([0.6, 0.8], [35, 18])
+    sigmas = 1.0 * c * math.sqrt(53) * shape
+    assert float((shape ** 2 * [35, 18]).sum()) == pytest.approx(1.0)
+    assert engine.accountant().events == ()   # no step yet
+    step = one_step_change(m, opt, crit, loader)
+    ((mech, steps),) = engine.accountant().events
+    assert mech == HybridTwiceSampledGaussian(tuple(sigmas), 0.1, 1.0, (0.6, 0.8), (0.1, 0.05)) and steps == 1
+    # the signal is at most B * c2_j / B per group; the noise is lr sigma_j / B with sigma_j = 8.4 and 11.5
+    for part, sigma in ((step[:35], sigmas[0]), (step[35:], sigmas[1])):
+        assert abs(float(part.std()) / (0.1 * sigma / engine.expected_batch_size) - 1) < 0.35
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(sampling=HybridClipping(HYBRID)), "overall bound"),
+    (dict(max_grad_norm=1.0, sampling=HybridClipping({"0.": (0.6, 0.1), "2.": (0.8, 0.05), "9.": (0.1, 0.1)})),
+     "hold no trainable"),
+    (dict(max_grad_norm=0.6, sampling=HybridClipping({"0.": (0.6, 0.1)})), "matches no prefix"),
+])
+def test_hybrid_clipping_refuses_groups_that_do_not_cover_the_model(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _setup(noise_multiplier=1.0, **{"max_grad_norm": 1.5, **kw})
+
+
+@pytest.mark.parametrize(("groups", "match"), [
+    ({}, "non-empty"), ({"": (0.0, 0.1)}, "c2"), ({"": (1.0, math.nan)}, "c_inf"), ({"": 1.0}, "pair"),
+    ({1: (1.0, 0.1)}, "prefixes"),
+])
+def test_bad_hybrid_groups_name_the_argument(groups, match):
+    with pytest.raises(ValueError, match=match):
+        HybridClipping(groups)
