@@ -294,12 +294,16 @@ class PLDAccountant:
         self._plds = {}
         return self
 
-    def _refined(self, query, lower: bool) -> tuple[float, float]:
+    def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
         """``query(h, upper)`` on finer grids until the bracket is ``bracket_rtol`` tight.
 
         The brackets' errors shrink about like ``h^2``, so the next step is ``h sqrt(rtol / width)`` (with a
-        safety factor 0.8, between ``h/8`` and ``h/2``), down to ``discretization / 64``."""
+        safety factor 0.8, between ``h/8`` and ``h/2``), down to ``discretization / 64``.  Without
+        ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of 0 under a positive upper
+        end (one step's losses span only a few grid points, e.g. ``q mu < h``) is refined the same way, to
+        ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0, finer ones rarely help)."""
         best, h = None, self.discretization
+        rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
         while True:
             try:
                 hi = query(h, True)
@@ -310,9 +314,11 @@ class PLDAccountant:
                 break
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
             width = best[1] - best[0]
-            if self.bracket_rtol is None or width <= self.bracket_rtol * best[1] or h <= self.discretization / 64:
+            collapsed = zero_refines and lower and best[0] <= 0.0 < best[1] and h == self.discretization
+            if ((self.bracket_rtol is None and not collapsed) or width <= rtol * best[1]
+                    or h <= self.discretization / 64):
                 break
-            shrink = 0.8 * math.sqrt(self.bracket_rtol * best[1] / width)
+            shrink = 0.8 * math.sqrt(rtol * best[1] / width)
             h = max(h * min(max(shrink, 0.125), 0.5), self.discretization / 64)
         return best if lower else (0.0, best[1])
 
@@ -360,7 +366,7 @@ class PLDAccountant:
 
     def epsilon_bracket(self, delta: float, *, lower: bool = True) -> tuple[float, float]:
         """``(lower, upper)`` bounds on ``epsilon(delta)``; ``lower=False`` skips the lower bound (NaN-free:
-        it is then reported as 0).
+        it is then reported as 0).  A lower end of 0 under a positive upper end tries one grid 8 times finer.
 
         Examples
         --------
@@ -370,7 +376,7 @@ class PLDAccountant:
         (2.1245, 2.12452)
         """
         d = open_probability(delta, "delta")
-        return self._refined(lambda h, upper: max(p.epsilon(d) for p in self._composed(upper, h)), lower)
+        return self._refined(lambda h, upper: max(p.epsilon(d) for p in self._composed(upper, h)), lower, True)
 
     def delta(self, epsilon: float) -> float:
         """Upper bound on ``delta(epsilon)``, the worse of the two directions.

@@ -440,3 +440,12 @@ def test_both_splits_bracket_the_exact_curve_of_any_scale_mixture(log_mus, log_q
         assert np.all(pld.pmf >= 0) and pld.pmf.sum() + pld.inf <= 1 + 1e-12
         curve = np.array([pld.delta(e) for e in eps])
         assert np.all(curve >= exact - 1e-12) if upper else np.all(curve <= exact + 1e-12)
+
+
+def test_a_lower_end_of_zero_is_refined_until_it_is_positive():
+    # q mu = 1e-4 = h: one step's losses span a few grid points and the first grid's lower end is 0; the
+    # bracket refines until it is not (the referee's epsilon is 0.156892074 to 0.156892087)
+    lo, hi = PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon_bracket(1e-6)
+    assert 0 < lo <= 0.156892073 and 0.156892087 <= hi <= lo * 1.005
+    # the published upper end alone (epsilon) does not pay for the refinement
+    assert PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon(1e-6) > 0.16
