@@ -156,10 +156,12 @@ class _Step:
             big = (re_a * ell > 0.5)[None, :]                 # where e^{Re(a) l} is not close to 1
             grow = np.exp(np.minimum(log_phi + re_a * ell, 700.0))[None, :]
             wr, wi = re_a * ell[None, :], a.imag[i:i + per, None] * ell[None, :]
-            # phi * expm1(wr + i wi), accurate for small arguments; phi e^{a l} - phi where that is large
-            small = phi * (np.expm1(wr) * np.cos(wi) - 2.0 * np.sin(0.5 * wi) ** 2)
+            # phi * expm1(wr + i wi), accurate for small arguments; phi e^{a l} - phi where that is large (the
+            # small-argument branch is capped where it is not used, so it cannot overflow)
+            wr_small = np.minimum(wr, 0.5)
+            small = phi * (np.expm1(wr_small) * np.cos(wi) - 2.0 * np.sin(0.5 * wi) ** 2)
             s_re = np.where(big, grow * np.cos(wi) - phi, small)
-            s_im = np.where(big, grow * np.sin(wi), phi * np.exp(wr) * np.sin(wi))
+            s_im = np.where(big, grow * np.sin(wi), phi * np.exp(wr_small) * np.sin(wi))
             out[i:i + per] = _log1p((s_re.sum(1) + 1j * s_im.sum(1)) * hx)   # log(1 + (M - 1))
             i += per
         return out
