@@ -290,7 +290,8 @@ def split(m: StepMasses, h: float, upper: bool) -> tuple[np.ndarray, np.ndarray,
     width = np.diff(t).astype(np.float64) if m.idx is not None else np.full(max(t.size - 1, 0), h)
     if not upper:
         return idx, m.atoms + _lowered(m.p_int, m.q_int, t, width), 0.0
-    return idx, m.atoms + _connect_the_dots(m.p_int, m.q_int, t, width), min(m.inf, 1.0)
+    left, _ = _excesses(m.p_int, m.q_int, t)
+    return idx, m.atoms + _connect_the_dots(m.p_int, left, width), min(m.inf, 1.0)
 
 
 def _excesses(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,12 +303,11 @@ def _excesses(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray) -> tuple[np.n
     return left, deficit
 
 
-def _connect_the_dots(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray, width: np.ndarray) -> np.ndarray:
-    """``P``-masses at the grid points that keep each interval's ``P`` and ``Q`` masses: the curve through the
-    exact one's values at the grid points."""
-    left, _ = _excesses(p_int, q_int, t)
+def _connect_the_dots(p_int: np.ndarray, left: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """``P``-masses at the grid points that keep each interval's ``P`` and ``Q`` masses (given through its
+    left-end excess ``left``, :func:`_excesses`): the curve through the exact one's values at the grid points."""
     right = np.minimum(left / -np.expm1(-width), p_int)
-    pmf = np.zeros(t.size)
+    pmf = np.zeros(p_int.size + 1)
     pmf[:-1] += p_int - right
     pmf[1:] += right
     return pmf
@@ -363,7 +363,7 @@ def _lowered(p_int: np.ndarray, q_int: np.ndarray, t: np.ndarray, width: np.ndar
         p_int[bad] = 0.0
         q_int[bad] = 0.0
     step = np.diff(c)
-    pmf = _connect_the_dots(p_int, q_int, t, width)
+    pmf = _connect_the_dots(p_int, left, width)   # left is the last pass's, for these p_int and q_int
     with np.errstate(over="ignore"):   # an interval wider than ~700 in loss: its slope change is 0
         pmf[:-1] -= step / np.expm1(width)
     pmf[1:] += step / -np.expm1(-width)

@@ -431,12 +431,13 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
         bounds = None if twice is None else twice.bounds(max_grad_norm)
+        group = {} if twice is None else {id(p): twice.group_of(plan.names[id(p)]) for p, _ in uses}
         group_n = None if twice is None else torch.zeros(len(bounds), b, dtype=torch.float64, device=losses.device)
         for p, contributions in uses:
             sq = _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
             n = n + sq
             if group_n is not None:
-                group_n[twice.group_of(plan.names[id(p)])] += sq.to(group_n.device)
+                group_n[group[id(p)]] += sq.to(group_n.device)
         if not torch.isfinite(n).all():
             raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
@@ -449,18 +450,20 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                 c.cache.clear()
             sums = _second_backward(capture, losses, weights, uses)
         elif twice is not None and not norms_only:
+            # each group's l2 clipping factors, and its l-infinity bound kept below c_inf after rounding (float32's
+            # nearest value to 0.05 is above it)
+            group_w = [torch.clamp(c2 * (1 - _margin(dtype)) / group_n[j].sqrt().clamp_min(1e-300), max=1.0)
+                       for j, (c2, _) in enumerate(bounds)]
             for p, contributions in uses:
                 per_example = None
                 for call, local in contributions:   # one parameter at a time: B x numel floats at most
                     e = call.cache["unit"].handler.per_example(call, local, None)
                     e = e.reshape(b, -1).to(torch.promote_types(e.dtype, dtype))
                     per_example = e if per_example is None else per_example + e
-                j = twice.group_of(plan.names[id(p)])
-                c2, c_inf = bounds[j]
-                w = torch.clamp(c2 * (1 - _margin(dtype)) / group_n[j].sqrt().clamp_min(1e-300), max=1.0)
-                # the margin keeps the bound below c_inf after rounding (float32's nearest value to 0.05 is above)
-                total = masked_clipped_sum(per_example.to(losses.device), w, c_inf * (1 - _margin(dtype)),
-                                           twice.coordinate_rate, mask_generator)
+                j = group[id(p)]
+                c_inf = bounds[j][1] * (1 - _margin(dtype))
+                total = masked_clipped_sum(per_example.to(losses.device), group_w[j], c_inf, twice.coordinate_rate,
+                                           mask_generator)
                 if not torch.isfinite(total).all():
                     raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape).to(p.device)

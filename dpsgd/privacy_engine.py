@@ -523,20 +523,21 @@ class PrivacyEngine:
         if not isinstance(sampling, (TwiceSampling, HybridClipping)):
             raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling, a HybridClipping or None, got "
                              f"{type(sampling).__name__}")
+        kind = type(sampling).__name__
         if estimator not in ("exact", "ghost"):
-            raise ValueError(f"sampling=TwiceSampling(...) needs exact norms (estimator 'ghost' or 'exact'), got "
+            raise ValueError(f"sampling={kind}(...) needs exact norms (estimator 'ghost' or 'exact'), got "
                              f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
                              f"sampling or l-infinity clipping")
         if noise != "gaussian":
-            raise ValueError(f"sampling=TwiceSampling(...) is accounted for Gaussian noise only, got noise={noise!r}")
+            raise ValueError(f"sampling={kind}(...) is accounted for Gaussian noise only, got noise={noise!r}")
         if clipping_pass != "bookkeeping":
-            raise ValueError("sampling=TwiceSampling(...) forms the masked sums from the recorded per-example "
+            raise ValueError(f"sampling={kind}(...) forms the masked sums from the recorded per-example "
                              "gradients: use clipping_pass='bookkeeping'")
         if projection is not None:
-            raise ValueError("sampling=TwiceSampling(...) with gradient_projection is refused: the projection of a "
+            raise ValueError(f"sampling={kind}(...) with gradient_projection is refused: the projection of a "
                              "coordinate-clipped sum can exceed the l-infinity bound that its accounting uses")
         if rank_world()[1] > 1:
-            raise ValueError("sampling=TwiceSampling(...) is supported in a single process only")
+            raise ValueError(f"sampling={kind}(...) is supported in a single process only")
 
     @staticmethod
     def _sampling_ranks(sampling: TwiceSampling | HybridClipping, plan: NormPlan, max_grad_norm: float) -> list[int]:
@@ -738,29 +739,25 @@ class PrivacyEngine:
         """Noisy steps whose privacy is spent: this run's, or the ledger file's count if that is larger."""
         return max(self._steps, self._recorded + self._steps - self._resumed)
 
+    def _mechanism(self):
+        """The dpmath mechanism of one step: the one place that maps the step's settings to its accounting."""
+        if self._sampling is not None:
+            return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks)
+        if self.noise == "laplace":
+            return SubsampledL2Laplace(self.noise_multiplier, self.sample_rate)
+        if self.envelope is None:
+            return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
+        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
         sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only)."""
         self._require_private()
-        if self._sampling is not None:
-            acc = RDPAccountant()
-            if self.spent_steps:
-                if self.noise_multiplier == 0:
-                    raise ValueError("noise_multiplier is 0: no privacy guarantee")
-                acc.compose(self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm,
-                                                     self._ranks), self.spent_steps)
-            return acc
-        acc = PLDAccountant()
+        acc = PLDAccountant() if self._sampling is None else RDPAccountant()
         if self.spent_steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")
-            if self.noise == "laplace":
-                mech = SubsampledL2Laplace(self.noise_multiplier, self.sample_rate)
-            elif self.envelope is None:
-                mech = SubsampledGaussian(self.noise_multiplier, self.sample_rate)
-            else:
-                mech = RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
-            acc.compose(mech, self.spent_steps)
+            acc.compose(self._mechanism(), self.spent_steps)
         return acc
 
     def get_epsilon(self, delta: float) -> float:

@@ -188,3 +188,29 @@ def test_hybrid_clipping_refuses_groups_that_do_not_cover_the_model(kw, match):
 def test_bad_hybrid_groups_name_the_argument(groups, match):
     with pytest.raises(ValueError, match=match):
         HybridClipping(groups)
+
+
+def test_micro_batches_take_the_same_doubly_clipped_step():
+    # BatchMemoryManager splits each Poisson batch into physical batches of 3: each example is still clipped once
+    # per group in l2 and l-infinity, and the one noisy step per logical batch is the unsplit one (q2 = 1, no noise)
+    from dpsgd import BatchMemoryManager
+
+    def epoch(m, opt, crit, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            crit(m(x), y).backward()
+            opt.step()
+
+    changes = []
+    for physical in (None, 3):
+        engine, m, opt, crit, loader = _setup(noise_multiplier=0.0, sampling=HybridClipping(HYBRID, 1.0),
+                                              max_grad_norm=1.0)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
+        if physical is None:
+            epoch(m, opt, crit, loader)
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=opt) as mem:
+                epoch(m, opt, crit, mem)
+        assert engine.steps == len(loader)
+        changes.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - before)
+    torch.testing.assert_close(changes[0], changes[1], rtol=1e-5, atol=1e-7)
