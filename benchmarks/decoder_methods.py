@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpsgd import PrivacyEngine
+from dpsgd.noise import LaplaceNoise
 from dpsgd.sampling import HybridClipping, TwiceSampling
 from dpsgd.spectrum import top_singular
 
@@ -109,7 +110,7 @@ def run(method: str, seed: int, eps: float, train: torch.Tensor, test: torch.Ten
     if method == "dp-sgd-rc":
         kw = dict(estimator="hutch", k=16)
     elif method == "lap2":
-        kw["noise"] = "laplace"
+        kw["noise"] = LaplaceNoise()
     elif method == "twice":
         kw["sampling"] = TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)
     elif method == "hybrid":

@@ -62,6 +62,7 @@ from numpy.typing import ArrayLike
 from scipy import optimize, special
 
 from .conversions import rdp_to_epsilon
+from .mechanisms import LAPLACE_GDP_FACTOR
 from .rdp import log_subsampled_moment
 from .validation import non_negative, open_probability, positive_int, positive_real, real_array, sample_rate
 
@@ -77,8 +78,6 @@ __all__ = [
     "laplace_gdp_mu",
 ]
 
-LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
-"""``c = sqrt(pi/2)``: a Laplace shift of ``t`` noise scales is dominated by ``G_{c t}``."""
 
 
 def _order(order: object) -> int:

@@ -164,6 +164,11 @@ class RandomizedClipGaussian:
         object.__setattr__(self, "scale_resolution", r)
 
 
+
+LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
+"""``c = sqrt(pi/2)``: a Laplace shift of ``t`` noise scales is dominated by ``G_{c t}`` (:mod:`dpmath.lap2`)."""
+
+
 @dataclass(frozen=True)
 class SubsampledL2Laplace:
     r"""LAP2 (paper 003): Poisson sampling ``q``, l2 clipping, independent Laplace noise on each coordinate.
@@ -199,4 +204,18 @@ class SubsampledL2Laplace:
 
     def dominating(self) -> SubsampledGaussian:
         """The subsampled Gaussian whose pair dominates this mechanism's in both directions."""
-        return SubsampledGaussian(self.scale / math.sqrt(math.pi / 2.0), self.q)
+        return SubsampledGaussian(self.scale / LAPLACE_GDP_FACTOR, self.q)
+
+    @classmethod
+    def for_sigma(cls, sigma: float, q: float) -> SubsampledL2Laplace:
+        """The LAP2 mechanism whose :meth:`dominating` Gaussian has noise multiplier ``sigma``: scale
+        ``b / C = sqrt(pi / 2) sigma``, so it is accounted exactly as that Gaussian (used to calibrate ``b``).
+
+        >>> SubsampledL2Laplace.for_sigma(1.0, 0.01).dominating().sigma
+        1.0
+        """
+        s = positive_real(sigma, "sigma")
+        scale = s * LAPLACE_GDP_FACTOR
+        while scale / LAPLACE_GDP_FACTOR < s:   # rounded up: the dominating Gaussian never has less noise than sigma
+            scale = math.nextafter(scale, math.inf)
+        return cls(scale, q)

@@ -6,17 +6,18 @@ computed exactly (fast-gradient and ghost clipping), with per-layer-type handler
 a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), a module validator
 (:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
 ``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`),
-paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`) and paper 002's twice sampling and hybrid
-clipping (:mod:`dpsgd.sampling`).
+paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`), the step's noise (:mod:`dpsgd.noise`: Gaussian,
+or paper 003's Laplace) and paper 002's twice sampling and hybrid clipping (:mod:`dpsgd.sampling`).
 Importing this package does not need torch until one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
-           "IncompleteGradientError", "NormPlan", "TwiceSampling", "HybridClipping"]
+           "IncompleteGradientError", "NormPlan", "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
-          "BatchMemoryManager": "data", "TwiceSampling": "sampling", "HybridClipping": "sampling"}
+          "BatchMemoryManager": "data", "TwiceSampling": "sampling", "HybridClipping": "sampling",
+          "GaussianNoise": "noise", "LaplaceNoise": "noise"}
 
 
 def __getattr__(name: str):

@@ -41,6 +41,7 @@ from torch import nn
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
 from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
+from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .validator import ModuleValidator
 
@@ -693,14 +694,15 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
                     noise_generator: torch.Generator | None, params: list | None = None,
-                    laplace: bool = False) -> list[torch.Tensor]:
-    """``(sum + N(0, noise_std^2 I)) / expected_batch_size`` per tensor, in the sums' (wide) dtype; with
-    ``laplace``, independent Laplace noise of scale ``noise_std`` on each coordinate instead (LAP2, paper 003).
-    ``noise_std`` may be a list, one per tensor (hybrid clipping's per-group noise).
+                    noise: StepNoise | None = None) -> list[torch.Tensor]:
+    """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
+    draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
+    be a list, one per tensor (hybrid clipping's per-group noise).
 
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
     shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums)."""
     out = []
+    noise = GaussianNoise() if noise is None else noise
     stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
     for i, g in enumerate(sums):
         std = stds[i]
@@ -708,11 +710,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             p = params[i] if params is not None else None
             device = noise_generator.device if noise_generator is not None else g.device
             shape = g.shape if p is None else p.shape
-            if laplace:   # the difference of two standard exponentials is standard Laplace
-                xi = (torch.empty(shape, device=device, dtype=g.dtype).exponential_(generator=noise_generator)
-                      - torch.empty(shape, device=device, dtype=g.dtype).exponential_(generator=noise_generator))
-            else:
-                xi = torch.randn(shape, generator=noise_generator, device=device, dtype=g.dtype)
+            xi = noise.sample(shape, noise_generator, device, g.dtype)
             if p is not None:
                 xi = local_part(p, xi)
             g = g + std * xi.to(g.device)

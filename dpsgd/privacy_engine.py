@@ -46,7 +46,6 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -55,12 +54,8 @@ from torch.utils.data import DataLoader
 
 from dpmath import (
     PLDAccountant,
-    RandomizedClipGaussian,
     RDPAccountant,
-    SubsampledGaussian,
-    SubsampledL2Laplace,
     calibrate_noise,
-    calibrate_sigma,
     estimator_envelope,
 )
 
@@ -75,6 +70,7 @@ from .engine import (
     clipped_backward,
     noisy_gradients,
 )
+from .noise import GaussianNoise, StepNoise, as_noise
 from .sampling import HybridClipping, TwiceSampling
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
@@ -333,7 +329,7 @@ class PrivacyEngine:
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
-        self._noise = "gaussian"   # make_private's noise; read-only afterwards (the accountant follows it)
+        self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
         self._sampling: TwiceSampling | HybridClipping | None = None   # make_private's; read-only afterwards too
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs: dict[torch.device, torch.Generator] = {}
@@ -357,7 +353,7 @@ class PrivacyEngine:
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
-                     gradient_projection: torch.Tensor | None = None, noise: str = "gaussian",
+                     gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      sampling: TwiceSampling | HybridClipping | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
@@ -397,13 +393,15 @@ class PrivacyEngine:
             not depend on the private data**: take it from public data, or from gradients this run already
             released (:class:`dpsgd.spectrum.GradientRecorder`; a post-processing).  Single process only.
 
-        noise : {"gaussian", "laplace"}
-            ``"laplace"``: LAP2 (paper 003), independent Laplace noise of scale ``b = noise_multiplier * C`` on
-            each coordinate of the l2-clipped sum.  It is accounted as :class:`dpmath.SubsampledL2Laplace`,
-            through its sound Gaussian domination (never the paper's Thm III.7 bound, which
-            :doc:`/majorization` shows fails), and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma``
-            from the dominating Gaussian's ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"):
-            no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
+        noise : StepNoise or {"gaussian", "laplace"}
+            The step's noise (:mod:`dpsgd.noise`), which also decides its mechanism: :class:`~dpsgd.noise.
+            GaussianNoise` (default), or :class:`~dpsgd.noise.LaplaceNoise` (``"laplace"``): LAP2 (paper 003),
+            independent Laplace noise of scale ``b = noise_multiplier * C`` on each coordinate of the
+            l2-clipped sum.  It is accounted as :class:`dpmath.SubsampledL2Laplace`, through its sound
+            Gaussian domination (never the paper's Thm III.7 bound, which :doc:`/majorization` shows fails),
+            and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma`` from the dominating Gaussian's
+            ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"): no accountant here covers
+            Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
         sampling : TwiceSampling, optional
             Twice sampling (paper 002, Alg. 2; :mod:`dpsgd.sampling`): inside each Poisson batch every
             coordinate of the clipped sum is formed from its own Poisson sub-sample of rate
@@ -428,14 +426,10 @@ class PrivacyEngine:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
-        if noise not in ("gaussian", "laplace"):
-            raise ValueError(f"noise must be 'gaussian' or 'laplace', got {noise!r}")
+        noise = as_noise(noise)
         if sampling is not None:
             self._check_twice(sampling, estimator, noise, clipping_pass, gradient_projection)
-        if noise == "laplace" and estimator in ("hutch", "hutchpp"):
-            raise ValueError(f"noise='laplace' needs exact norms (estimator 'ghost' or 'exact'), got estimator="
-                             f"{estimator!r}: the randomized-clipping envelope accounts Gaussian noise only, and no "
-                             f"accountant here covers Laplace noise on an estimated-norm clipped gradient")
+        noise.check_estimator(estimator)
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -478,22 +472,20 @@ class PrivacyEngine:
                         sampling.mechanism(s, self.sample_rate, c, self._ranks), max(1, int(steps))).epsilon(delta),
                         target_epsilon)
                 else:
-                    sigma = calibrate_sigma(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
+                    sigma = noise.calibrate(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
                                             envelope=self.envelope)
             except ValueError as err:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
-            if noise == "laplace":   # the Laplace scale whose Gaussian domination has this sigma
-                sigma *= math.sqrt(math.pi / 2.0)
         self.noise_multiplier = sigma
         self._noise = noise
         self._sampling = sampling
         self._basis = basis
         self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
-        if noise != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
-            self._settings["noise"] = noise
+        if noise.name != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
+            self._settings["noise"] = noise.name
         if sampling is not None:
             self._settings["sampling"] = sampling.settings()
             # the masks are sampling randomness: from os.urandom in secure mode, like the noise
@@ -506,8 +498,8 @@ class PrivacyEngine:
         return module, self._optimizer, crit, loader
 
     @property
-    def noise(self) -> str:
-        """The noise distribution chosen in ``make_private`` ("gaussian" or "laplace"); the step draws it and
+    def noise(self) -> StepNoise:
+        """The noise chosen in ``make_private`` (a :class:`~dpsgd.noise.StepNoise`); the step draws it and
         the accountant composes its mechanism, so it cannot be changed afterwards."""
         return self._noise
 
@@ -518,7 +510,7 @@ class PrivacyEngine:
         return self._sampling
 
     @staticmethod
-    def _check_twice(sampling: object, estimator: str, noise: str, clipping_pass: str, projection) -> None:
+    def _check_twice(sampling: object, estimator: str, noise: StepNoise, clipping_pass: str, projection) -> None:
         """Refuse, with the reason, the combinations twice sampling's accounting does not cover."""
         if not isinstance(sampling, (TwiceSampling, HybridClipping)):
             raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling, a HybridClipping or None, got "
@@ -528,7 +520,7 @@ class PrivacyEngine:
             raise ValueError(f"sampling={kind}(...) needs exact norms (estimator 'ghost' or 'exact'), got "
                              f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
                              f"sampling or l-infinity clipping")
-        if noise != "gaussian":
+        if type(noise) is not GaussianNoise:   # its mechanism is twice sampling's own, Gaussian by construction
             raise ValueError(f"sampling={kind}(...) is accounted for Gaussian noise only, got noise={noise!r}")
         if clipping_pass != "bookkeeping":
             raise ValueError(f"sampling={kind}(...) forms the masked sums from the recorded per-example "
@@ -692,7 +684,7 @@ class PrivacyEngine:
             per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
             std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         noisy = noisy_gradients(sums, std, divisor,
-                                self._noise_rng, params=self.plan.params, laplace=self.noise == "laplace")
+                                self._noise_rng, params=self.plan.params, noise=self._noise)
         for p, g in zip(self.plan.params, noisy, strict=True):
             p.grad = as_grad(p, g)
         self._optimizer.original_optimizer.step()
@@ -743,11 +735,7 @@ class PrivacyEngine:
         """The dpmath mechanism of one step: the one place that maps the step's settings to its accounting."""
         if self._sampling is not None:
             return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks)
-        if self.noise == "laplace":
-            return SubsampledL2Laplace(self.noise_multiplier, self.sample_rate)
-        if self.envelope is None:
-            return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
-        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+        return self._noise.mechanism(self.noise_multiplier, self.sample_rate, self.envelope)
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice

@@ -127,6 +127,12 @@ def test_sound_accountant_composes_through_the_dominating_gaussian():
         PLDAccountant(neighboring="replace_one").compose(m)
 
 
+@given(st.floats(1e-6, 1e6))
+def test_the_scale_for_a_dominating_sigma_never_rounds_below_it(sigma):
+    m = SubsampledL2Laplace.for_sigma(sigma, 0.01)
+    assert m.dominating().sigma >= sigma and m.scale == pytest.approx(sigma * LAPLACE_GDP_FACTOR, rel=1e-15)
+
+
 @given(st.floats(0.01, 5), st.integers(1, 12), st.floats(1e-3, 1))
 def test_moments_are_finite_and_increasing_in_the_shift(u, lam, q):
     a = univariate_log_moment([u, u * 1.1], lam, q)

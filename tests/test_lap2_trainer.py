@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
-from dpmath import PLDAccountant, SubsampledL2Laplace, calibrate_sigma
+from dpmath import PLDAccountant, SubsampledGaussian, SubsampledL2Laplace, calibrate_sigma, estimator_envelope
 from dpsgd.engine import noisy_gradients
+from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise
+from dpsgd.sampling import TwiceSampling
 
 from .workloads import one_step_change, private_classifier
 
@@ -15,7 +17,7 @@ def test_laplace_noise_has_the_stated_scale():
     # 400,000 coordinates of Laplace(b): E|X| = b and E X^2 = 2 b^2; 5 standard errors (fixed seed)
     b, n = 0.7, 400_000
     gen = torch.Generator().manual_seed(0)
-    (x,) = noisy_gradients([torch.zeros(n, dtype=torch.float64)], b, 1.0, gen, laplace=True)
+    (x,) = noisy_gradients([torch.zeros(n, dtype=torch.float64)], b, 1.0, gen, noise=LaplaceNoise())
     se_abs = b / math.sqrt(n)                      # sd of |X| is b
     se_sq = math.sqrt(20 * b ** 4 / n)            # var X^2 = E X^4 - (E X^2)^2 = 24 b^4 - 4 b^4
     assert abs(float(x.abs().mean()) - b) < 5 * se_abs
@@ -43,8 +45,8 @@ def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_ta
     assert eps <= 4.0 and eps == PLDAccountant().compose(SubsampledL2Laplace(mech.scale, 0.1), 10).epsilon(1e-5)
     # the noise and the accounted mechanism cannot be switched apart after make_private
     with pytest.raises(AttributeError):
-        engine.noise = "gaussian"
-    assert engine.noise == "laplace"
+        engine.noise = GaussianNoise()
+    assert engine.noise == LaplaceNoise()
 
 
 def test_laplace_step_adds_noise_of_scale_b_over_the_batch():
@@ -57,8 +59,66 @@ def test_laplace_step_adds_noise_of_scale_b_over_the_batch():
 
 @pytest.mark.parametrize(("kw", "match"), [
     (dict(estimator="hutch", noise_multiplier=1.0), "needs exact norms"),
+    (dict(estimator="hutchpp", noise=LaplaceNoise(), noise_multiplier=1.0), "needs exact norms"),
     (dict(noise="uniform", noise_multiplier=1.0), "noise must be"),
+    (dict(noise=torch.distributions.Laplace(0.0, 1.0), noise_multiplier=1.0), "noise must be"),
 ])
 def test_unsupported_noise_combinations_are_refused_with_the_reason(kw, match):
     with pytest.raises(ValueError, match=match):
         _setup(**kw)
+
+
+def test_gaussian_noise_has_the_stated_scale():
+    # 400,000 coordinates of N(0, s^2): mean square s^2 within 5 standard errors (sd of X^2 is sqrt(2) s^2)
+    s, n = 0.7, 400_000
+    (x,) = noisy_gradients([torch.zeros(n, dtype=torch.float64)], s, 1.0, torch.Generator().manual_seed(1))
+    assert abs(float((x ** 2).mean()) - s * s) < 5 * math.sqrt(2) * s * s / math.sqrt(n)
+    assert abs(float((x.abs() > 4 * s).double().mean()) - math.erfc(4 / math.sqrt(2))) < 5 * math.sqrt(6.3e-5 / n)
+
+
+def test_each_noise_object_pairs_its_draws_with_its_mechanism_and_refusals():
+    env = estimator_envelope("hutch", 8, 100)
+    assert as_noise("gaussian") == GaussianNoise() and as_noise("laplace") == LaplaceNoise()
+    assert GaussianNoise().mechanism(1.5, 0.01) == SubsampledGaussian(1.5, 0.01)
+    assert type(GaussianNoise().mechanism(1.5, 0.01, env)).__name__ == "RandomizedClipGaussian"
+    assert LaplaceNoise().mechanism(1.5, 0.01) == SubsampledL2Laplace(1.5, 0.01)
+    with pytest.raises(ValueError, match="estimated norms"):
+        LaplaceNoise().mechanism(1.5, 0.01, env)
+    GaussianNoise().check_estimator("hutch")   # covers every estimator
+    # calibration: the Laplace scale is the one whose dominating Gaussian meets the target
+    b = LaplaceNoise().calibrate(2.0, 1e-5, 0.05, 100)
+    assert b == pytest.approx(math.sqrt(math.pi / 2) * GaussianNoise().calibrate(2.0, 1e-5, 0.05, 100), rel=1e-12)
+    assert PLDAccountant().compose(SubsampledL2Laplace(b, 0.05), 100).epsilon(1e-5) <= 2.0
+
+
+def test_make_private_takes_a_noise_object_like_its_name():
+    by_name = _setup(noise_multiplier=1.3)[0]
+    by_object = private_classifier(noise=LaplaceNoise(), noise_multiplier=1.3)[0]
+    assert by_name.noise == by_object.noise == LaplaceNoise()
+    assert by_name.state_dict()["settings"] == by_object.state_dict()["settings"]
+    assert private_classifier(noise_multiplier=1.3)[0].noise == GaussianNoise()
+
+
+def test_a_noise_of_the_users_own_is_drawn_and_accounted_as_it_says():
+    class HalfGaussian(GaussianNoise):   # draws and claims N(0, (sigma C / 2)^2): accounted at sigma / 2
+        name = "half-gaussian"
+
+        def sample(self, shape, generator, device, dtype):
+            return super().sample(shape, generator, device, dtype) / 2
+
+        def mechanism(self, noise_multiplier, sample_rate, envelope=None):
+            return super().mechanism(noise_multiplier / 2, sample_rate, envelope)
+
+    assert isinstance(HalfGaussian(), StepNoise)
+    engine, m, opt, crit, loader = private_classifier(noise=HalfGaussian(), noise_multiplier=2.0)
+    for x, y in loader:
+        opt.zero_grad()
+        crit(m(x), y).backward()
+        opt.step()
+        break
+    ((mech, steps),) = engine.accountant().events
+    assert mech == SubsampledGaussian(1.0, engine.sample_rate) and steps == 1
+    assert engine.state_dict()["settings"]["noise"] == "half-gaussian"   # a resumed run must use it too
+    # twice sampling accounts its own Gaussian mechanism, so it refuses any other noise, subclasses included
+    with pytest.raises(ValueError, match="Gaussian noise only"):
+        private_classifier(noise=HalfGaussian(), noise_multiplier=2.0, sampling=TwiceSampling(0.5, 0.1))

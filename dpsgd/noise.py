@@ -1,0 +1,155 @@
+r"""The noise of the private step, as an object that pairs its draws with its accounting.
+
+A step adds noise of scale ``noise_multiplier * C`` to every coordinate of the clipped sum.  Which
+distribution that is decides both what the step draws and which dpmath mechanism the accountant composes,
+so both come from one object, chosen in :meth:`dpsgd.PrivacyEngine.make_private` (``noise=``):
+
+* :class:`GaussianNoise` (default): ``N(0, (sigma C)^2)`` per coordinate; accounted as
+  :class:`dpmath.SubsampledGaussian` with exact norms, or :class:`dpmath.RandomizedClipGaussian` with
+  estimated ones (the estimator's envelope).
+* :class:`LaplaceNoise`: LAP2 (paper 003), ``Laplace(b)`` per coordinate with ``b = noise_multiplier * C``
+  on the l2-clipped sum; accounted as :class:`dpmath.SubsampledL2Laplace` through its sound Gaussian
+  domination (never the paper's Thm III.7 bound, which :doc:`/majorization` refutes).  Exact norms only:
+  no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
+
+The strings ``"gaussian"`` and ``"laplace"`` name these two (:func:`as_noise`).  A noise object refuses,
+with the reason, the estimators its accounting does not cover (:meth:`StepNoise.check_estimator`), and
+calibrates its own scale to a target epsilon (:meth:`StepNoise.calibrate`).
+
+Examples
+--------
+>>> from dpsgd.noise import LaplaceNoise
+>>> LaplaceNoise().mechanism(2.0, 0.01)
+SubsampledL2Laplace(scale=2.0, q=0.01)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from dpmath import (
+    Envelope,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+    SubsampledL2Laplace,
+    calibrate_sigma,
+)
+
+__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
+
+
+class StepNoise(ABC):
+    """What the private step needs of a noise distribution: its unit draws, its mechanism, what it refuses."""
+
+    name: str
+
+    @abstractmethod
+    def sample(self, shape: torch.Size, generator: torch.Generator | None, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Independent draws of unit scale (the step multiplies them by ``noise_multiplier * C``)."""
+
+    @abstractmethod
+    def mechanism(self, noise_multiplier: float, sample_rate: float, envelope: Envelope | None = None):
+        """The dpmath mechanism of one Poisson-sampled step with this noise at ``noise_multiplier``
+        (``envelope``: the norm estimator's, ``None`` for exact norms)."""
+
+    def check_estimator(self, estimator: str) -> None:
+        """``ValueError`` with the reason if this noise's accounting does not cover ``estimator``'s norms
+        (by default it covers every estimator)."""
+        return None
+
+    @abstractmethod
+    def calibrate(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
+                  envelope: Envelope | None = None) -> float:
+        """The smallest ``noise_multiplier`` whose accounted epsilon after ``steps`` is at most the target."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@dataclass(frozen=True, repr=False)
+class GaussianNoise(StepNoise):
+    r"""``N(0, (\sigma C)^2)`` on every coordinate: DP-SGD, and DP-SGD-RC with estimated norms.
+
+    Examples
+    --------
+    >>> from dpmath import estimator_envelope
+    >>> GaussianNoise().mechanism(1.0, 0.01)
+    SubsampledGaussian(sigma=1.0, q=0.01)
+    >>> type(GaussianNoise().mechanism(1.0, 0.01, estimator_envelope("hutch", 8, 100))).__name__
+    'RandomizedClipGaussian'
+    """
+
+    name = "gaussian"
+
+    def sample(self, shape, generator, device, dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def mechanism(self, noise_multiplier, sample_rate, envelope=None):
+        if envelope is None:
+            return SubsampledGaussian(noise_multiplier, sample_rate)
+        return RandomizedClipGaussian(noise_multiplier, sample_rate, envelope)
+
+    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
+        return calibrate_sigma(target_epsilon, target_delta, sample_rate, steps, envelope=envelope)
+
+
+@dataclass(frozen=True, repr=False)
+class LaplaceNoise(StepNoise):
+    r"""LAP2 (paper 003): ``Laplace(b)``, ``b = noise_multiplier * C``, on every coordinate of the l2-clipped sum.
+
+    Accounted as :class:`dpmath.SubsampledL2Laplace` (its Gaussian domination: each step is at least as
+    private as a subsampled Gaussian of ``sigma = (b / C) / sqrt(pi / 2)``), so a target epsilon calibrates
+    ``b / C = sqrt(pi / 2) sigma`` from the dominating Gaussian's ``sigma``.
+
+    Examples
+    --------
+    >>> LaplaceNoise().check_estimator("hutch")
+    Traceback (most recent call last):
+    ...
+    ValueError: LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator='hutch': ...
+    """
+
+    name = "laplace"
+
+    def sample(self, shape, generator, device, dtype):
+        # the difference of two standard exponentials is standard Laplace
+        return (torch.empty(shape, device=device, dtype=dtype).exponential_(generator=generator)
+                - torch.empty(shape, device=device, dtype=dtype).exponential_(generator=generator))
+
+    def mechanism(self, noise_multiplier, sample_rate, envelope=None):
+        if envelope is not None:
+            raise ValueError("LaplaceNoise has no accountant for estimated norms (an envelope was given)")
+        return SubsampledL2Laplace(noise_multiplier, sample_rate)
+
+    def check_estimator(self, estimator):
+        if estimator not in ("ghost", "exact"):
+            raise ValueError(f"LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator="
+                             f"{estimator!r}: the randomized-clipping envelope accounts Gaussian noise only, and no "
+                             f"accountant here covers Laplace noise on an estimated-norm clipped gradient")
+
+    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
+        if envelope is not None:
+            raise ValueError("LaplaceNoise has no accountant for estimated norms (an envelope was given)")
+        sigma = calibrate_sigma(target_epsilon, target_delta, sample_rate, steps)
+        return SubsampledL2Laplace.for_sigma(sigma, sample_rate).scale
+
+
+_NAMED = {"gaussian": GaussianNoise(), "laplace": LaplaceNoise()}
+
+
+def as_noise(noise: StepNoise | str) -> StepNoise:
+    """``noise`` itself if a :class:`StepNoise`, else the one its name (``"gaussian"``, ``"laplace"``) names.
+
+    >>> as_noise("laplace")
+    LaplaceNoise()
+    """
+    if isinstance(noise, StepNoise):
+        return noise
+    if isinstance(noise, str) and noise in _NAMED:
+        return _NAMED[noise]
+    raise ValueError(f"noise must be a dpsgd.noise.StepNoise (GaussianNoise(), LaplaceNoise()) or one of "
+                     f"{sorted(_NAMED)}, got {noise!r}")
