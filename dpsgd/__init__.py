@@ -12,11 +12,13 @@ Importing this package does not need torch until one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
-           "IncompleteGradientError", "NormPlan", "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise"]
+           "IncompleteGradientError", "NormPlan", "PoissonSampling", "TwiceSampling", "HybridClipping", "GaussianNoise",
+           "LaplaceNoise"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
-          "BatchMemoryManager": "data", "TwiceSampling": "sampling", "HybridClipping": "sampling",
+          "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
+          "HybridClipping": "sampling",
           "GaussianNoise": "noise", "LaplaceNoise": "noise"}
 
 

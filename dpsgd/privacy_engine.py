@@ -55,7 +55,6 @@ from torch.utils.data import DataLoader
 from dpmath import (
     PLDAccountant,
     RDPAccountant,
-    calibrate_noise,
     estimator_envelope,
 )
 
@@ -71,7 +70,7 @@ from .engine import (
     noisy_gradients,
 )
 from .noise import GaussianNoise, StepNoise, as_noise
-from .sampling import HybridClipping, TwiceSampling
+from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
@@ -330,7 +329,7 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
         self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
-        self._sampling: TwiceSampling | HybridClipping | None = None   # make_private's; read-only afterwards too
+        self._sampling: PoissonSampling | TwiceSampling | HybridClipping = PoissonSampling()   # read-only too
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs: dict[torch.device, torch.Generator] = {}
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
@@ -354,7 +353,7 @@ class PrivacyEngine:
                      epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
-                     sampling: TwiceSampling | HybridClipping | None = None,
+                     sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
 
@@ -402,10 +401,12 @@ class PrivacyEngine:
             and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma`` from the dominating Gaussian's
             ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"): no accountant here covers
             Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
-        sampling : TwiceSampling, optional
-            Twice sampling (paper 002, Alg. 2; :mod:`dpsgd.sampling`): inside each Poisson batch every
-            coordinate of the clipped sum is formed from its own Poisson sub-sample of rate
-            ``coordinate_rate``, with each example also clipped to l-infinity norm ``max_grad_coordinate``.
+        sampling : PoissonSampling, TwiceSampling or HybridClipping, optional
+            How a step samples (:mod:`dpsgd.sampling`); ``None`` is :class:`~dpsgd.sampling.PoissonSampling`
+            (examples only, DP-SGD's).  :class:`~dpsgd.sampling.TwiceSampling` is twice sampling (paper 002,
+            Alg. 2): inside each Poisson batch every coordinate of the clipped sum is formed from its own
+            Poisson sub-sample of rate ``coordinate_rate``, with each example also clipped to l-infinity norm
+            ``max_grad_coordinate``.
             The step divides by ``coordinate_rate`` times the expected batch size (an unbiased gradient).
             Accounted by :class:`dpmath.twice_sampling.TwiceSampledGaussian` (an RDP bound, so
             :meth:`accountant` is then an :class:`dpmath.RDPAccountant`).  It needs per-example gradients:
@@ -427,9 +428,12 @@ class PrivacyEngine:
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
         noise = as_noise(noise)
-        if sampling is not None:
-            self._check_twice(sampling, estimator, noise, clipping_pass, gradient_projection)
-        noise.check_estimator(estimator)
+        if sampling is None:
+            sampling = PoissonSampling()
+        if not isinstance(sampling, (PoissonSampling, TwiceSampling, HybridClipping)):
+            raise ValueError(f"sampling must be a dpsgd.sampling.PoissonSampling, TwiceSampling, HybridClipping or "
+                             f"None, got {type(sampling).__name__}")
+        sampling.check(estimator, noise, clipping_pass, gradient_projection)
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -441,8 +445,7 @@ class PrivacyEngine:
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
         plan = NormPlan.build(module, estimator)
         self.plan = plan
-        if sampling is not None:
-            self._ranks = self._sampling_ranks(sampling, plan, c)
+        self._ranks = self._sampling_ranks(sampling, plan, c)
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
@@ -466,14 +469,8 @@ class PrivacyEngine:
         if noise_multiplier is None:
             steps = check_positive(epochs, "epochs") * len(loader)
             try:
-                if sampling is not None:
-                    delta = float(target_delta)
-                    sigma = calibrate_noise(lambda s: RDPAccountant().compose(
-                        sampling.mechanism(s, self.sample_rate, c, self._ranks), max(1, int(steps))).epsilon(delta),
-                        target_epsilon)
-                else:
-                    sigma = noise.calibrate(target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
-                                            envelope=self.envelope)
+                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
+                                           c, self._ranks, self.envelope)
             except ValueError as err:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
@@ -486,7 +483,7 @@ class PrivacyEngine:
                           "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
         if noise.name != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
             self._settings["noise"] = noise.name
-        if sampling is not None:
+        if sampling.per_coordinate:
             self._settings["sampling"] = sampling.settings()
             # the masks are sampling randomness: from os.urandom in secure mode, like the noise
             self._mask_seed = (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1
@@ -504,32 +501,10 @@ class PrivacyEngine:
         return self._noise
 
     @property
-    def sampling(self) -> TwiceSampling | HybridClipping | None:
-        """The coordinate sampling chosen in ``make_private`` (``None``: examples only); the step and the
-        accountant both follow it, so it cannot be changed afterwards."""
+    def sampling(self) -> PoissonSampling | TwiceSampling | HybridClipping:
+        """The sampling chosen in ``make_private`` (:class:`~dpsgd.sampling.PoissonSampling` by default); the
+        step and the accountant both follow it, so it cannot be changed afterwards."""
         return self._sampling
-
-    @staticmethod
-    def _check_twice(sampling: object, estimator: str, noise: StepNoise, clipping_pass: str, projection) -> None:
-        """Refuse, with the reason, the combinations twice sampling's accounting does not cover."""
-        if not isinstance(sampling, (TwiceSampling, HybridClipping)):
-            raise ValueError(f"sampling must be a dpsgd.sampling.TwiceSampling, a HybridClipping or None, got "
-                             f"{type(sampling).__name__}")
-        kind = type(sampling).__name__
-        if estimator not in ("exact", "ghost"):
-            raise ValueError(f"sampling={kind}(...) needs exact norms (estimator 'ghost' or 'exact'), got "
-                             f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
-                             f"sampling or l-infinity clipping")
-        if type(noise) is not GaussianNoise:   # its mechanism is twice sampling's own, Gaussian by construction
-            raise ValueError(f"sampling={kind}(...) is accounted for Gaussian noise only, got noise={noise!r}")
-        if clipping_pass != "bookkeeping":
-            raise ValueError(f"sampling={kind}(...) forms the masked sums from the recorded per-example "
-                             "gradients: use clipping_pass='bookkeeping'")
-        if projection is not None:
-            raise ValueError(f"sampling={kind}(...) with gradient_projection is refused: the projection of a "
-                             "coordinate-clipped sum can exceed the l-infinity bound that its accounting uses")
-        if rank_world()[1] > 1:
-            raise ValueError(f"sampling={kind}(...) is supported in a single process only")
 
     @staticmethod
     def _sampling_ranks(sampling: TwiceSampling | HybridClipping, plan: NormPlan, max_grad_norm: float) -> list[int]:
@@ -614,7 +589,7 @@ class PrivacyEngine:
                                "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         self._capture.check_every_step = bool(self.check_rows_every_step)
-        twice = self._sampling
+        twice = self._sampling if self._sampling.per_coordinate else None
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
                                   mask_generator=None if twice is None else self._mask_rng(device))
@@ -678,11 +653,10 @@ class PrivacyEngine:
             sums = self._project(sums)
         # twice sampling keeps each coordinate of an example with probability q2: dividing by q2 too leaves the
         # gradient unbiased (a post-processing; the noise is scaled with it)
-        divisor = self.expected_batch_size * (1.0 if self._sampling is None else self._sampling.coordinate_rate)
-        std = self.noise_multiplier * self.max_grad_norm
-        if self._sampling is not None:   # one noise level per group (hybrid clipping's shape; else all equal)
-            per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
-            std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
+        divisor = self.expected_batch_size * self._sampling.coordinate_rate
+        # one noise level per group (hybrid clipping's shape; else all equal)
+        per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
+        std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         noisy = noisy_gradients(sums, std, divisor,
                                 self._noise_rng, params=self.plan.params, noise=self._noise)
         for p, g in zip(self.plan.params, noisy, strict=True):
@@ -733,15 +707,14 @@ class PrivacyEngine:
 
     def _mechanism(self):
         """The dpmath mechanism of one step: the one place that maps the step's settings to its accounting."""
-        if self._sampling is not None:
-            return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks)
-        return self._noise.mechanism(self.noise_multiplier, self.sample_rate, self.envelope)
+        return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks,
+                                        noise=self._noise, envelope=self.envelope)
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
         sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only)."""
         self._require_private()
-        acc = PLDAccountant() if self._sampling is None else RDPAccountant()
+        acc = self._sampling.accountant()
         if self.spent_steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")

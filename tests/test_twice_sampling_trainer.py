@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from dpmath import RDPAccountant
+from dpmath import PLDAccountant, RDPAccountant, SubsampledGaussian, SubsampledL2Laplace, estimator_envelope
 from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
 from dpsgd.engine import Capture, NormPlan, clipped_backward
-from dpsgd.sampling import HybridClipping, TwiceSampling, masked_clipped_sum
+from dpsgd.noise import LaplaceNoise
+from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling, masked_clipped_sum
 
 from .workloads import VOCAB, gpt2, lm_losses, one_step_change, private_classifier
 
@@ -214,3 +215,19 @@ def test_micro_batches_take_the_same_doubly_clipped_step():
         assert engine.steps == len(loader)
         changes.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - before)
     torch.testing.assert_close(changes[0], changes[1], rtol=1e-5, atol=1e-7)
+
+
+def test_poisson_sampling_is_the_default_part_and_hands_the_mechanism_to_the_noise():
+    default = _setup(noise_multiplier=1.0, sampling=None)[0]
+    explicit = _setup(noise_multiplier=1.0, sampling=PoissonSampling())[0]
+    assert default.sampling == explicit.sampling == PoissonSampling()
+    assert default.state_dict()["settings"] == explicit.state_dict()["settings"]   # ledgers stay compatible
+    assert "sampling" not in default.state_dict()["settings"]
+    assert PoissonSampling().mechanism(1.0, 0.1, 1.0) == SubsampledGaussian(1.0, 0.1)
+    assert PoissonSampling().mechanism(1.0, 0.1, 1.0, noise=LaplaceNoise()) == SubsampledL2Laplace(1.0, 0.1)
+    assert isinstance(PoissonSampling().accountant(), PLDAccountant)
+    # twice sampling's own mechanism is Gaussian: asked for another noise or an envelope, it refuses
+    with pytest.raises(ValueError, match="Gaussian noise and exact norms only"):
+        TwiceSampling(0.5, 0.1).mechanism(1.0, 0.1, 1.0, noise=LaplaceNoise())
+    with pytest.raises(ValueError, match="Gaussian noise and exact norms only"):
+        TwiceSampling(0.5, 0.1).mechanism(1.0, 0.1, 1.0, envelope=estimator_envelope("hutch", 8, 100))

@@ -149,7 +149,8 @@ def _broken(kind: str | None, engine):
         original = pe.noisy_gradients
 
         def half(sums, noise_std, *a, **kw):
-            return original(sums, noise_std / 2, *a, **kw)
+            half_std = [v / 2 for v in noise_std] if isinstance(noise_std, list) else noise_std / 2
+            return original(sums, half_std, *a, **kw)
         with mock.patch.object(pe, "noisy_gradients", half):
             yield
     elif kind == "microbatch-rate":
