@@ -122,3 +122,9 @@ def test_a_noise_of_the_users_own_is_drawn_and_accounted_as_it_says():
     # twice sampling accounts its own Gaussian mechanism, so it refuses any other noise, subclasses included
     with pytest.raises(ValueError, match="Gaussian noise only"):
         private_classifier(noise=HalfGaussian(), noise_multiplier=2.0, sampling=TwiceSampling(0.5, 0.1))
+
+
+def test_without_noise_lap2_takes_dp_sgds_clipped_step():
+    laplace = one_step_change(*_setup(noise_multiplier=0.0)[1:])
+    gaussian = one_step_change(*private_classifier(noise_multiplier=0.0)[1:])
+    assert torch.equal(laplace, gaussian) and float(laplace.abs().max()) > 0
