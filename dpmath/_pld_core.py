@@ -66,6 +66,7 @@ _TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias 
 _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
 _MAX_TILTS = 64
+_LOG_TINY = -700.0     # log of the smallest spectrum modulus worth a complex power (exp(-700) ~ 1e-304)
 _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta) before it is an error
 _ROUND_UP = 1.0 + 1e-12   # lowerings are raised by this factor so their constraints survive rounding
 
@@ -611,35 +612,52 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
     """Values and log error bounds at grid indices ``a..b`` of the composition, computed on the FFT
     window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted."""
     nfft = sfft.next_fast_len(w_hi - w_lo + 1, real=True)
-    spec = np.ones(nfft // 2 + 1, dtype=np.complex128)
-    log_abs = []
+    xs, log_abs = [], []
+    log_spec = np.zeros(nfft // 2 + 1)
     log_scale = 0.0
     offset = 0
     for f in factors:
         w, log_norm, _, _ = f.tilted(lam)
         x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft))
-        spec *= x ** f.n
         with np.errstate(divide="ignore"):
-            log_abs.append(np.log(np.abs(x)))
+            la = np.log(np.abs(x))
+        xs.append(x)
+        log_abs.append(la)
+        log_spec += f.n * la
         log_scale += f.n * log_norm
         offset += f.n * int(f.k[0])
+    # the power is taken only where the product's modulus is representable (after many steps, few
+    # frequencies); the others are left at 0 and their moduli are charged to the error below
+    keep = log_spec > _LOG_TINY
+    spec = np.zeros(nfft // 2 + 1, dtype=np.complex128)
+    part = np.ones(int(keep.sum()), dtype=np.complex128)
+    for x, f in zip(xs, factors, strict=True):
+        part *= x[keep] ** f.n
+    spec[keep] = part
+    dropped = float(spec.size - part.size) * math.exp(_LOG_TINY)   # each dropped modulus is below this
     # |d prod X_i^n_i| <= sum_i n_i |dX_i| |X_i|^(n_i - 1) prod_{j != i} |X_j|^n_j, |dX| <= _FFT_ERR log2 N
-    sens = np.zeros(spec.size)
+    sens = 0.0
     for i, f in enumerate(factors):
         log_term = (f.n - 1) * log_abs[i] if f.n > 1 else np.zeros(spec.size)
         for j, g in enumerate(factors):
             if j != i:
                 log_term = log_term + g.n * log_abs[j]
-        sens += f.n * np.exp(log_term)
+        # exp underflows to exactly 0 below -746: only the other terms are summed (the same sum, faster)
+        sens += f.n * float(np.exp(log_term[log_term > -746.0]).sum())
     circ = sfft.irfft(spec, nfft)
     scale = _FFT_ERR * math.log2(nfft)
-    err_t = scale * ((2.0 / nfft) * (float(np.sum(sens)) + float(np.sum(np.abs(spec)))) + float(np.max(np.abs(circ))))
+    peak = max(float(circ.max()), -float(circ.min()))
+    err_t = scale * ((2.0 / nfft) * (sens + float(np.sum(np.abs(part)))) + peak)
+    err_t += (2.0 / nfft) * dropped   # each output moves by at most 2/N times the dropped moduli
     if lam != 0.0:
         err_t += 2.0 * _TILT_TAIL  # tilted mass outside the window may alias onto any point
-    pos = (np.arange(a, b + 1) - offset) % nfft
+    first = (a - offset) % nfft   # indices a..b of the composition, a contiguous run of the circle
+    run = circ[first:first + b - a + 1]
+    if run.size < b - a + 1:
+        run = np.concatenate([run, circ[:b - a + 1 - run.size]])
     log_fac = log_scale - lam * np.arange(a, b + 1) * h
     with np.errstate(over="ignore"):
-        return circ[pos] * np.exp(log_fac), math.log(err_t) + log_fac
+        return run * np.exp(log_fac), math.log(err_t) + log_fac
 
 
 class Composition:
