@@ -524,19 +524,66 @@ class _Factor:
         return w, log_norm, mean, var
 
 
-def _log_mgf(logw: np.ndarray, t: np.ndarray, thetas: np.ndarray) -> np.ndarray:
-    """``log sum_j exp(logw_j + theta t_j)`` for every theta, in blocks of about 4M terms."""
-    out = np.empty(thetas.size)
-    block = max(1, (1 << 22) // max(t.size, 1))
-    for i in range(0, thetas.size, block):
-        # logsumexp in place (scipy's allocates three more blocks of this size and took 5 s of a calibration)
-        x = thetas[i:i + block, None] * t[None, :]
-        x += logw[None, :]
-        top = x.max(axis=1)
-        x -= top[:, None]
+def _cumulant_terms(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], theta: float
+                    ) -> tuple[float, float, float]:
+    """``K(theta), K'(theta), K''(theta)`` of ``sum_f n_f log E exp(theta c)`` over ``parts`` of
+    ``(n_f, log weights, values c, c^2)``; ``K`` is evaluated exactly (the Chernoff bounds rest on it),
+    the derivatives only steer the search."""
+    k0 = k1 = k2 = 0.0
+    for n, logw, c, c2 in parts:
+        x = theta * c
+        x += logw
+        top = float(x.max())
+        x -= top
         np.exp(x, out=x)
-        out[i:i + block] = np.log(x.sum(axis=1)) + top
-    return out
+        s0 = float(x.sum())
+        m1, m2 = float(x @ c) / s0, float(x @ c2) / s0
+        k0 += n * (math.log(s0) + top)
+        k1 += n * m1
+        k2 += n * max(m2 - m1 * m1, 0.0)
+    return k0, k1, k2
+
+
+def _chernoff(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], var: float, sd: float,
+              level: float | None = None, dist: float | None = None) -> tuple[float, float]:
+    """The best Chernoff exponent over ``theta`` in ``[1e-4, 300] / sd``: ``(theta, K(theta))`` minimizing
+    ``(K(theta) + level) / theta`` (the distance the mass ``e^-level`` lies beyond) or, with ``dist``,
+    ``K(theta) - theta dist`` (the log of the mass beyond ``dist``).
+
+    Both objectives are unimodal (``phi = theta K' - K - level``, resp. ``K' - dist``, increases), so a
+    safeguarded Newton search on ``phi`` finds the optimum in a few evaluations.  Every evaluated ``theta``
+    gives a valid bound; the best one evaluated is returned, so the search only affects tightness.
+    """
+    lo_b, hi_b = 1e-4 / sd, 300.0 / sd
+
+    def evaluate(theta: float) -> tuple[float, float, float, float]:
+        k0, k1, k2 = _cumulant_terms(parts, theta)
+        if dist is None:
+            return (k0 + level) / theta, theta * k1 - k0 - level, theta * k2, k0
+        return k0 - theta * dist, k1 - dist, k2, k0
+
+    guess = math.sqrt(2.0 * level / var) if dist is None else dist / var   # the Gaussian's optimum
+    theta = min(max(guess, lo_b), hi_b)
+    lo, hi = lo_b, hi_b
+    best = (math.inf, theta, 0.0)
+    for _ in range(40):
+        g, phi, dphi, k0 = evaluate(theta)
+        if g < best[0]:
+            best = (g, theta, k0)
+        if phi > 0:
+            hi = theta
+        else:
+            lo = theta
+        if (phi > 0 and theta <= lo_b) or (phi <= 0 and theta >= hi_b):
+            break   # the optimum is at an end of the searched range
+        nxt = theta - phi / dphi if dphi > 0 else (math.inf if phi <= 0 else 0.0)
+        if not lo < nxt < hi:
+            # past an end of the range not yet tried: try that end, else bisect the bracket
+            nxt = hi_b if nxt >= hi == hi_b else lo_b if nxt <= lo == lo_b else math.sqrt(lo * hi)
+        if abs(nxt - theta) <= 1e-3 * theta:
+            break
+        theta = nxt
+    return best[1], best[2]
 
 
 def _tilted_stats(factors: list[_Factor], lam: float) -> tuple[float, float]:
@@ -559,27 +606,27 @@ def _window(factors: list[_Factor], lam: float, tail: float, h: float, half_widt
     """
     mean, var = _tilted_stats(factors, lam)
     sd = max(math.sqrt(var), h)
-    # small thetas matter for heavy tails (rare large losses), large ones for light tails
-    thetas = np.geomspace(1e-4, 300.0, 22) / sd
-    tilted = []
-    for f in factors:
-        _, log_norm, m, _ = f.tilted(lam)
-        tilted.append((f.logp + lam * f.t - log_norm, f.t - m))  # log weights, centred losses
+    var = sd * sd
+    level = -math.log(tail)
     ends, masses = [], []
     for sign in (1.0, -1.0):
-        cum = np.zeros(thetas.size)
-        for f, (logw, centred) in zip(factors, tilted, strict=True):
-            cum += f.n * _log_mgf(logw, sign * centred, thetas)
+        parts = []
+        for f in factors:
+            _, log_norm, m, _ = f.tilted(lam)
+            c = sign * (f.t - m)   # centred losses
+            parts.append((f.n, f.logp + lam * f.t - log_norm, c, c * c))
         if keep is not None and sign > 0:
-            keep.update(thetas=thetas, cum=cum, mean=mean)
-        dist = float(np.min((cum - math.log(tail)) / thetas))
+            keep.update(parts=parts, var=var, sd=sd, mean=mean)
+        theta, k0 = _chernoff(parts, var, sd, level=level)
+        dist = (k0 + level) / theta
         if dist <= half_width * h:
             ends.append(dist)
             masses.append(tail)
         else:
             dist = half_width * h
             ends.append(dist)
-            masses.append(math.exp(min(0.0, float(np.min(cum - thetas * dist)))))
+            theta, k0 = _chernoff(parts, var, sd, dist=dist)
+            masses.append(math.exp(min(0.0, k0 - theta * dist)))
     k_max = sum(f.n * int(f.k[-1]) for f in factors)
     k_min = sum(f.n * int(f.k[0]) for f in factors)
     hi = math.ceil((mean + ends[0]) / h)
@@ -791,10 +838,10 @@ class Composition:
     def epsilon(self, delta: float) -> float:
         if self.single is not None:
             return self.single.epsilon(delta)
-        mean = self._cumulants["mean"]
+        c = self._cumulants
+        mean = c["mean"]
         # the tilt that minimises the Chernoff bound exp(K(theta) - theta u) at its delta quantile
-        thetas, cum = self._cumulants["thetas"], self._cumulants["cum"]
-        lam = float(thetas[int(np.argmin((cum - math.log(delta)) / thetas))])
+        lam = _chernoff(c["parts"], c["var"], c["sd"], level=-math.log(delta))[0]
         for _ in range(4):
             pld = self.local(lam)
             eps = pld.epsilon(delta)

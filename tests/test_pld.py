@@ -449,3 +449,39 @@ def test_a_lower_end_of_zero_is_refined_until_it_is_positive():
     assert 0 < lo <= 0.156892073 and 0.156892087 <= hi <= lo * 1.005
     # the published upper end alone (epsilon) does not pay for the refinement
     assert PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon(1e-6) > 0.16
+
+
+@pytest.mark.parametrize("n", [1, 30, 3000])
+def test_the_composition_windows_chernoff_search_finds_the_best_exponent_and_a_true_bound(n):
+    # one factor (a lopsided law on 40 lattice points) composed n times: the Newton search's distance is
+    # within 1e-3 of the best over a dense theta grid, and the exact mass beyond it is at most the tail
+    from dpmath._pld_core import _chernoff
+
+    w = np.random.default_rng(5).random(40) ** 3
+    w[-3:] *= 20.0   # a cluster at the top: a skewed tail
+    w /= w.sum()
+    t = np.arange(40) * 0.1
+    m = float(w @ t)
+    var = n * float(w @ (t - m) ** 2)
+    c = t - m
+    parts = [(n, np.log(w), c, c * c)]
+    tail = 1e-12
+    theta, k0 = _chernoff(parts, var, math.sqrt(var), level=-math.log(tail))
+    dist = (k0 - math.log(tail)) / theta
+    grid = np.geomspace(1e-4, 300, 20001) / math.sqrt(var)
+    cum = n * special.logsumexp(np.log(w)[None, :] + grid[:, None] * c[None, :], axis=1)
+    dense = float(np.min((cum - math.log(tail)) / grid))
+    assert dense * (1 - 1e-9) <= dist <= dense * (1 + 1e-3)   # the optimum (to rounding), or within 1e-3
+    law = np.array([1.0])
+    for _ in range(min(n, 30)):
+        law = np.convolve(law, w)   # the exact law of the sum on the lattice (n <= 30)
+    lattice = np.arange(law.size) * 0.1 - n * m
+    if n <= 30:
+        assert float(law[lattice >= dist].sum()) <= tail
+    # the mass form: K(theta) - theta D at the search's theta is at most every grid point's value
+    far = 2.0 * math.sqrt(var)
+    theta2, k2 = _chernoff(parts, var, math.sqrt(var), dist=far)
+    dense2 = float(np.min(cum - grid * far))
+    assert k2 - theta2 * far <= dense2 + 1e-6 * abs(dense2)
+    if n <= 30:
+        assert float(law[lattice >= far].sum()) <= math.exp(k2 - theta2 * far)
