@@ -586,6 +586,25 @@ def _chernoff(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], var: 
     return best[1], best[2]
 
 
+def _grid_tilt(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], sd: float, level: float) -> float:
+    """The starting tilt of :meth:`Composition.epsilon`: the best Chernoff tilt for the mass ``e^-level`` on
+    a grid of 22 values, each twice the last, on ``[1e-4, 300] / sd``.
+
+    Deliberately not the exact optimum: with heavy tails (randomized clipping) the tilted law's spread, and
+    so the FFT window, grows fast with the tilt.  At sigma = 0.8, q = 1e-3, 50000 steps (Hutch, k = 32,
+    d = 2048) the exact optimum, 1.32, needs a pass of 5.9M points; this grid's 0.96 needs 1.7M, and both
+    passes resolve the answer.  The pass it gives is checked, and the tilt moved if needed.
+    """
+    thetas = np.geomspace(1e-4, 300.0, 22) / sd
+    cum = np.zeros(thetas.size)
+    for n, logw, c, _ in parts:
+        for i, theta in enumerate(thetas):
+            x = theta * c + logw
+            top = float(x.max())
+            cum[i] += n * (math.log(float(np.exp(x - top).sum())) + top)
+    return float(thetas[int(np.argmin((cum + level) / thetas))])
+
+
 def _tilted_stats(factors: list[_Factor], lam: float) -> tuple[float, float]:
     mean = var = 0.0
     for f in factors:
@@ -841,7 +860,7 @@ class Composition:
         c = self._cumulants
         mean = c["mean"]
         # the tilt that minimises the Chernoff bound exp(K(theta) - theta u) at its delta quantile
-        lam = _chernoff(c["parts"], c["var"], c["sd"], level=-math.log(delta))[0]
+        lam = _grid_tilt(c["parts"], c["sd"], -math.log(delta))
         for _ in range(4):
             pld = self.local(lam)
             eps = pld.epsilon(delta)
