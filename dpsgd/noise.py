@@ -42,7 +42,11 @@ __all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
 
 
 class StepNoise(ABC):
-    """What the private step needs of a noise distribution: its unit draws, its mechanism, what it refuses."""
+    """What the private step needs of a noise distribution: its unit draws, its mechanism, what it refuses.
+
+    A subclass sets ``name`` (recorded in the privacy ledger) and must draw exactly what its
+    :meth:`mechanism` accounts for: the accountant trusts it.
+    """
 
     name: str
 
@@ -148,6 +152,9 @@ def as_noise(noise: StepNoise | str) -> StepNoise:
     LaplaceNoise()
     """
     if isinstance(noise, StepNoise):
+        if not isinstance(getattr(noise, "name", None), str) or not noise.name:
+            raise ValueError(f"noise {type(noise).__name__} must set a class attribute name (a non-empty str): the "
+                             f"ledger records it, so a resumed run must use the same noise")
         return noise
     if isinstance(noise, str) and noise in _NAMED:
         return _NAMED[noise]

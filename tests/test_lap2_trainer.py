@@ -62,6 +62,7 @@ def test_laplace_step_adds_noise_of_scale_b_over_the_batch():
     (dict(estimator="hutchpp", noise=LaplaceNoise(), noise_multiplier=1.0), "needs exact norms"),
     (dict(noise="uniform", noise_multiplier=1.0), "noise must be"),
     (dict(noise=torch.distributions.Laplace(0.0, 1.0), noise_multiplier=1.0), "noise must be"),
+    (dict(noise=type("Unnamed", (GaussianNoise,), {"name": ""})(), noise_multiplier=1.0), "must set a class attr"),
 ])
 def test_unsupported_noise_combinations_are_refused_with_the_reason(kw, match):
     with pytest.raises(ValueError, match=match):
