@@ -654,22 +654,35 @@ def _window(factors: list[_Factor], lam: float, tail: float, h: float, half_widt
 
 
 def _tilt_for_mean(factors: list[_Factor], target: float, lam0: float, direction: float) -> float | None:
-    """The tilt whose tilted mean is ``target`` (searching away from ``lam0``), or None if out of reach."""
-    lo, step = lam0, 1e-3 / max(math.sqrt(_tilted_stats(factors, lam0)[1]), 1e-12)
-    hi = lo + direction * step
-    for _ in range(200):
-        if (_tilted_stats(factors, hi)[0] - target) * direction >= 0:
-            break
-        lo, step = hi, 2.0 * step
-        hi = lo + direction * step
-    else:
-        return None
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if (_tilted_stats(factors, mid)[0] - target) * direction >= 0:
-            hi = mid
+    """The tilt whose tilted mean is ``target`` (searching away from ``lam0``), or None if out of reach.
+
+    Newton steps on the mean (its derivative in the tilt is the tilted variance), kept inside the bracket
+    found so far; growing steps until the target is passed, bisection where a step would leave the bracket.
+    Returns a tilt whose mean has reached the target (to rounding).  Only a choice of tilt: every pass is
+    checked by its caller.
+    """
+    lam = lo = lam0
+    mean, var = _tilted_stats(factors, lam)
+    hi = None
+    step = 1e-3 / max(math.sqrt(var), 1e-12)
+    for _ in range(300):
+        if (mean - target) * direction >= 0:
+            hi = lam
         else:
-            lo = mid
+            lo = lam
+        # a tilt is only a choice (each pass is checked), so the mean need not hit the target exactly
+        if hi is not None and (abs(hi - lo) <= 1e-9 * max(1.0, abs(hi))
+                               or abs(mean - target) <= 1e-6 * max(1.0, abs(target))):
+            return hi
+        nxt = lam + (target - mean) / var if var > 0 else math.nan
+        if hi is None:
+            if not (nxt - lo) * direction > 0:   # not a step toward the target: grow the last step
+                nxt = lo + direction * step
+            step = max(2.0 * step, abs(nxt - lo))
+        elif not min(lo, hi) < nxt < max(lo, hi):
+            nxt = 0.5 * (lo + hi)
+        lam = nxt
+        mean, var = _tilted_stats(factors, lam)
     return hi
 
 
