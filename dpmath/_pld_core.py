@@ -596,12 +596,7 @@ def _grid_tilt(parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], sd: 
     passes resolve the answer.  The pass it gives is checked, and the tilt moved if needed.
     """
     thetas = np.geomspace(1e-4, 300.0, 22) / sd
-    cum = np.zeros(thetas.size)
-    for n, logw, c, _ in parts:
-        for i, theta in enumerate(thetas):
-            x = theta * c + logw
-            top = float(x.max())
-            cum[i] += n * (math.log(float(np.exp(x - top).sum())) + top)
+    cum = np.array([_cumulant_terms(parts, float(theta))[0] for theta in thetas])
     return float(thetas[int(np.argmin((cum + level) / thetas))])
 
 
@@ -635,7 +630,7 @@ def _window(factors: list[_Factor], lam: float, tail: float, h: float, half_widt
             c = sign * (f.t - m)   # centred losses
             parts.append((f.n, f.logp + lam * f.t - log_norm, c, c * c))
         if keep is not None and sign > 0:
-            keep.update(parts=parts, var=var, sd=sd, mean=mean)
+            keep.update(parts=parts, sd=sd, mean=mean)
         theta, k0 = _chernoff(parts, var, sd, level=level)
         dist = (k0 + level) / theta
         if dist <= half_width * h:

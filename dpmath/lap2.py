@@ -79,7 +79,6 @@ __all__ = [
 ]
 
 
-
 def _order(order: object) -> int:
     return positive_int(order, "order")
 

@@ -164,7 +164,6 @@ class RandomizedClipGaussian:
         object.__setattr__(self, "scale_resolution", r)
 
 
-
 LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
 """``c = sqrt(pi/2)``: a Laplace shift of ``t`` noise scales is dominated by ``G_{c t}`` (:mod:`dpmath.lap2`)."""
 

@@ -507,19 +507,14 @@ class PrivacyEngine:
         return self._sampling
 
     @staticmethod
-    def _sampling_ranks(sampling: TwiceSampling | HybridClipping, plan: NormPlan, max_grad_norm: float) -> list[int]:
-        """Coordinates per group; every parameter in a group (else ValueError), every group non-empty."""
+    def _sampling_ranks(sampling: PoissonSampling | TwiceSampling | HybridClipping, plan: NormPlan,
+                        max_grad_norm: float) -> list[int]:
+        """Coordinates per group; every parameter in a group and the groups as the sampling requires (else
+        ValueError)."""
         ranks = [0] * len(sampling.bounds(max_grad_norm))
         for p in plan.params:
             ranks[sampling.group_of(plan.names[id(p)])] += p.numel()
-        if isinstance(sampling, HybridClipping):
-            empty = [prefix for (prefix, _), r in zip(sampling.groups, ranks, strict=True) if r == 0]
-            if empty:
-                raise ValueError(f"HybridClipping group(s) {empty} hold no trainable parameter")
-            overall = sampling.overall_norm()
-            if abs(max_grad_norm - overall) > 1e-9 * overall:
-                raise ValueError(f"with HybridClipping, max_grad_norm must be the overall bound sqrt(sum c2_j^2) = "
-                                 f"{overall!r}, got {max_grad_norm!r}")
+        sampling.check_groups(ranks, max_grad_norm)
         return ranks
 
     def _mask_rng(self, device: torch.device) -> torch.Generator:

@@ -74,8 +74,24 @@ def masked_clipped_sum(per_example: torch.Tensor, weights: torch.Tensor, coordin
     return clipped.sum(0)
 
 
+class _OneGroup:
+    """What the one-group samplings share: every parameter in group 0, one noise level ``sigma C``."""
+
+    def group_of(self, name: str) -> int:
+        """Every parameter is in the one group."""
+        return 0
+
+    def noise_stds(self, noise_multiplier: float, max_grad_norm: float, ranks: Sequence[int]) -> list[float]:
+        """Noise scale of the one group: ``noise_multiplier * C``."""
+        return [noise_multiplier * max_grad_norm]
+
+    def check_groups(self, ranks: Sequence[int], max_grad_norm: float) -> None:
+        """One group holds every parameter: nothing to check."""
+        return None
+
+
 @dataclass(frozen=True)
-class PoissonSampling:
+class PoissonSampling(_OneGroup):
     """Poisson sampling of examples only (DP-SGD's; ``make_private``'s default): every coordinate of every
     sampled example enters the clipped sum, and the noise decides the mechanism (:mod:`dpsgd.noise`),
     accounted by a :class:`dpmath.PLDAccountant`.
@@ -94,17 +110,9 @@ class PoissonSampling:
         """Every combination is covered here; the noise refuses the estimators it does not cover."""
         noise.check_estimator(estimator)
 
-    def group_of(self, name: str) -> int:
-        """Every parameter is in the one group."""
-        return 0
-
     def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
         """``[(C, C)]``: l2 clipping alone."""
         return [(max_grad_norm, max_grad_norm)]
-
-    def noise_stds(self, noise_multiplier: float, max_grad_norm: float, ranks: Sequence[int]) -> list[float]:
-        """Noise scale of the one group: ``noise_multiplier * C``."""
-        return [noise_multiplier * max_grad_norm]
 
     def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
                   ranks: Sequence[int] = (1,), *, noise: StepNoise | None = None, envelope: Envelope | None = None):
@@ -167,7 +175,7 @@ class _CoordinateSampling:
 
 
 @dataclass(frozen=True)
-class TwiceSampling(_CoordinateSampling):
+class TwiceSampling(_OneGroup, _CoordinateSampling):
     """Coordinate-wise Poisson sampling of rate ``coordinate_rate`` inside each Poisson batch, with every
     example's gradient clipped to l-infinity norm ``max_grad_coordinate`` after its l2 clipping to ``C``.
 
@@ -187,17 +195,9 @@ class TwiceSampling(_CoordinateSampling):
         object.__setattr__(self, "coordinate_rate", _rate(self.coordinate_rate))
         object.__setattr__(self, "max_grad_coordinate", _bound(self.max_grad_coordinate, "max_grad_coordinate"))
 
-    def group_of(self, name: str) -> int:
-        """Every parameter is in the one group."""
-        return 0
-
     def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
         """``[(c2, c_inf)]`` per group: ``C`` and ``min(c_inf, C)``."""
         return [(max_grad_norm, min(self.max_grad_coordinate, max_grad_norm))]
-
-    def noise_stds(self, noise_multiplier: float, max_grad_norm: float, ranks: Sequence[int]) -> list[float]:
-        """Noise standard deviation per group: ``noise_multiplier * C``."""
-        return [noise_multiplier * max_grad_norm]
 
     def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
                   ranks: Sequence[int] = (1,), *, noise: StepNoise | None = None,
@@ -271,6 +271,17 @@ class HybridClipping(_CoordinateSampling):
     def overall_norm(self) -> float:
         """``sqrt(sum_j c2_j^2)``: the l2 bound of a whole clipped contribution."""
         return math.sqrt(sum(c2 * c2 for _, (c2, _) in self.groups))
+
+    def check_groups(self, ranks: Sequence[int], max_grad_norm: float) -> None:
+        """``ValueError`` unless every group holds a parameter (``ranks``: coordinates per group) and
+        ``max_grad_norm`` is the overall bound :meth:`overall_norm`, which the accountant charges."""
+        empty = [prefix for (prefix, _), r in zip(self.groups, ranks, strict=True) if r == 0]
+        if empty:
+            raise ValueError(f"HybridClipping group(s) {empty} hold no trainable parameter")
+        overall = self.overall_norm()
+        if abs(max_grad_norm - overall) > 1e-9 * overall:
+            raise ValueError(f"with HybridClipping, max_grad_norm must be the overall bound sqrt(sum c2_j^2) = "
+                             f"{overall!r}, got {max_grad_norm!r}")
 
     def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
         """``[(c2_j, min(c_inf_j, c2_j))]`` per group."""
