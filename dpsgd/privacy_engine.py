@@ -328,6 +328,7 @@ class PrivacyEngine:
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
+        self._noise_multiplier: float | None = None   # make_private's; read-only afterwards (see noise_multiplier)
         self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
         self._sampling: PoissonSampling | TwiceSampling | HybridClipping = PoissonSampling()   # read-only too
         self._ranks: list[int] = []   # coordinates per sampling group
@@ -475,7 +476,7 @@ class PrivacyEngine:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
-        self.noise_multiplier = sigma
+        self._noise_multiplier = sigma
         self._noise = noise
         self._sampling = sampling
         self._basis = basis
@@ -493,6 +494,19 @@ class PrivacyEngine:
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
         return module, self._optimizer, crit, loader
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """``sigma``, given to or calibrated by ``make_private`` (``None`` before it).  Read-only: the step draws
+        noise at it and the accountant charges every step taken at it, so changing it mid-run would charge
+        the steps already taken at a noise they did not have.  Use a new ``PrivacyEngine`` to change it."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        raise AttributeError("noise_multiplier is fixed by make_private: the accountant charges every step at one "
+                             "noise multiplier, so changing it mid-run would mis-charge the steps already taken; "
+                             "use a new PrivacyEngine")
 
     @property
     def noise(self) -> StepNoise:

@@ -129,3 +129,15 @@ def test_without_noise_lap2_takes_dp_sgds_clipped_step():
     laplace = one_step_change(*_setup(noise_multiplier=0.0)[1:])
     gaussian = one_step_change(*private_classifier(noise_multiplier=0.0)[1:])
     assert torch.equal(laplace, gaussian) and float(laplace.abs().max()) > 0
+
+
+def test_the_noise_multiplier_cannot_be_changed_mid_run():
+    # a schedule that raised sigma mid-run would have the accountant charge the steps already taken at a sigma
+    # they did not have: refused, and the step and the accountant keep the value make_private set
+    engine, m, opt, crit, loader = private_classifier(noise_multiplier=0.5)
+    one_step_change(m, opt, crit, loader)
+    with pytest.raises(AttributeError, match="fixed by make_private"):
+        engine.noise_multiplier = 5.0
+    assert engine.noise_multiplier == 0.5
+    ((mech, steps),) = engine.accountant().events
+    assert mech == SubsampledGaussian(0.5, engine.sample_rate) and steps == 1
