@@ -51,18 +51,23 @@ class PoissonBatchSampler(Sampler[list[int]]):
         q = float(sample_rate)
         if not 0 < q <= 1:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
-        self.num_samples, self.sample_rate = num_samples, q
+        self.num_samples, self._q = num_samples, q
         self.steps = max(1, round(1 / q)) if steps is None else int(steps)
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         self.generator = generator
+
+    @property
+    def sample_rate(self) -> float:
+        """``q``, read-only: the accountant charges the rate the sampler was made with."""
+        return self._q
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            mask = torch.rand(self.num_samples, generator=self.generator) < self._q
             yield mask.nonzero().flatten().tolist()
 
 
@@ -123,10 +128,6 @@ class DPDataLoader(DataLoader):
     Poisson batch is not yielded: ``on_empty()`` takes its noise-only step, so the user's forward never sees
     an empty tensor.  ``len(loader)`` counts logical batches, empty ones included.
 
-    Attributes
-    ----------
-    sample_rate : float
-        ``q = batch_size / N``.
     """
 
     def __init__(self, dataset, logical: Sampler, collate_fn, *, sample_rate: float,
@@ -134,13 +135,18 @@ class DPDataLoader(DataLoader):
                  on_empty=None, num_workers: int = 0, pin_memory: bool = False) -> None:
         self._fifo: deque = deque()
         self.logical_sampler = logical
-        self.sample_rate = sample_rate
+        self._q = sample_rate
         self.max_physical_batch_size = max_physical_batch_size
         self.chunks = chunks
         self.on_batch, self.on_empty = on_batch, on_empty
         self._collate = collate_fn
         super().__init__(dataset, batch_sampler=_ChunkSampler(logical, max_physical_batch_size, self._fifo, chunks),
                          collate_fn=_empty_aware(collate_fn), num_workers=num_workers, pin_memory=pin_memory)
+
+    @property
+    def sample_rate(self) -> float:
+        """``q = batch_size / N``, read-only: the accountant charges the rate the loader was made with."""
+        return self._q
 
     def __iter__(self):
         self._fifo.clear()

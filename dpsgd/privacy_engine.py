@@ -249,6 +249,35 @@ class DPOptimizer(torch.optim.Optimizer):
     def defaults(self, defaults: dict) -> None:
         self.original_optimizer.defaults = defaults
 
+    # Opacus' DPOptimizer carries these, and Opacus' noise schedulers set optimizer.noise_multiplier; here they
+    # are the engine's settings, fixed by make_private, so a schedule is refused instead of silently ignored
+    @property
+    def noise_multiplier(self) -> float:
+        """The engine's ``noise_multiplier`` (read-only: setting it raises ``AttributeError``)."""
+        return self._engine.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self._engine.noise_multiplier = value
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The engine's ``max_grad_norm`` (read-only: setting it raises ``AttributeError``)."""
+        return self._engine.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self._engine.max_grad_norm = value
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The engine's ``expected_batch_size`` (read-only: setting it raises ``AttributeError``)."""
+        return self._engine.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float) -> None:
+        self._engine.expected_batch_size = value
+
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original_optimizer!r})"
 
@@ -495,18 +524,27 @@ class PrivacyEngine:
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
         return module, self._optimizer, crit, loader
 
+    # fixed by make_private: the step and the accountant both read them, and the accountant charges every step
+    # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the
+    # steps already taken (a lower sample_rate, a higher noise_multiplier, a larger k, "exact" for an estimator
+    # or a narrower envelope would under-charge them)
+    FIXED_SETTINGS = frozenset({"noise_multiplier", "sample_rate", "expected_batch_size", "estimator", "k",
+                                "max_grad_norm", "envelope"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:
+            raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
+                                 f"its current value, so changing it mid-run would mis-charge the steps already "
+                                 f"taken; use a new PrivacyEngine")
+        super().__setattr__(name, value)
+
     @property
     def noise_multiplier(self) -> float | None:
-        """``sigma``, given to or calibrated by ``make_private`` (``None`` before it).  Read-only: the step draws
-        noise at it and the accountant charges every step taken at it, so changing it mid-run would charge
-        the steps already taken at a noise they did not have.  Use a new ``PrivacyEngine`` to change it."""
+        """``sigma``, given to or calibrated by ``make_private`` (``None`` before it).  Read-only, like the other
+        :attr:`FIXED_SETTINGS`: the step draws noise at it and the accountant charges every step taken at it,
+        so changing it mid-run would charge the steps already taken at a noise they did not have.  Use a new
+        ``PrivacyEngine`` to change it."""
         return self._noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value: float) -> None:
-        raise AttributeError("noise_multiplier is fixed by make_private: the accountant charges every step at one "
-                             "noise multiplier, so changing it mid-run would mis-charge the steps already taken; "
-                             "use a new PrivacyEngine")
 
     @property
     def noise(self) -> StepNoise:

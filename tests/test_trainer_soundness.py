@@ -440,6 +440,47 @@ def test_two_logical_batches_before_one_step_are_refused():
     assert engine.steps == 2
 
 
+# each change would have the accountant charge the steps already taken (or to come) less than they spend
+_UNDER_CHARGING = [("sample_rate", 0.01), ("noise_multiplier", 100.0), ("k", 4096), ("estimator", "exact"),
+                   ("envelope", None), ("max_grad_norm", 10.0), ("expected_batch_size", 1e6)]
+
+
+@pytest.mark.parametrize(("name", "value"), _UNDER_CHARGING)
+def test_the_engine_settings_cannot_be_changed_after_make_private(name, value):
+    """The step and the accountant both read these settings; a change mid-run (a lower sample_rate, a noise
+    schedule, a different estimator or envelope) would charge the steps at values they were not taken at: it
+    raises, and the step and the accountant keep make_private's values."""
+    engine, model, opt, crit, loader = _engine(noise=1.0, estimator="hutch")
+    before = {n: getattr(engine, n) for n, _ in _UNDER_CHARGING}
+    (x,) = next(iter(loader))
+    _lm(engine, model, x).backward()
+    opt.step()
+    with pytest.raises(AttributeError, match=f"{name} is fixed by make_private"):
+        setattr(engine, name, value)
+    assert {n: getattr(engine, n) for n, _ in _UNDER_CHARGING} == before
+    ((mech, steps),) = engine.accountant().events
+    assert mech.q == before["sample_rate"] and mech.sigma == 1.0 and steps == 1
+
+
+@pytest.mark.parametrize("name", ["noise_multiplier", "max_grad_norm", "expected_batch_size"])
+def test_an_opacus_style_schedule_on_the_optimizer_is_refused_not_ignored(name):
+    """Opacus' noise schedulers set ``optimizer.noise_multiplier``; here the step would ignore it (the engine
+    holds the value), so it raises instead of silently doing nothing."""
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    assert getattr(opt, name) == getattr(engine, name)
+    with pytest.raises(AttributeError, match=f"{name} is fixed by make_private"):
+        setattr(opt, name, 2.0)
+
+
+def test_the_loaders_sampling_rate_cannot_be_raised_behind_the_accountant():
+    """The Poisson sampler draws at its own rate: raising it would sample more than the accountant charges."""
+    engine, model, opt, crit, loader = _engine(noise=1.0)
+    for obj in (loader, loader.logical_sampler):
+        with pytest.raises(AttributeError):
+            obj.sample_rate = 1.0
+        assert obj.sample_rate == engine.sample_rate
+
+
 def _row_models():
     from torch import nn
 

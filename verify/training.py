@@ -154,12 +154,13 @@ def _broken(kind: str | None, engine):
         with mock.patch.object(pe, "noisy_gradients", half):
             yield
     elif kind == "microbatch-rate":
-        rate = engine.sample_rate
-        engine.sample_rate = rate / 4     # the accountant charges a micro-batch's rate
-        try:
+        cls = type(engine.sampling)       # the engine's settings are read-only: the sampling's accounting is broken
+        original = cls.mechanism
+
+        def microbatch(self, noise_multiplier, sample_rate, *a, **kw):
+            return original(self, noise_multiplier, sample_rate / 4, *a, **kw)   # a micro-batch's rate is charged
+        with mock.patch.object(cls, "mechanism", microbatch):
             yield
-        finally:
-            engine.sample_rate = rate
     else:
         raise ValueError(f"break must be one of {BREAKS} or None, got {kind!r}")
 
