@@ -39,6 +39,11 @@ The integral is computed by the trapezoidal rule with step ``Delta`` on ``[0, V]
 The MGFs are computed as ``1 + E[expm1(z L)]`` and their logarithm by an exact complex ``log1p``, so that
 ``N log M`` keeps its absolute accuracy near ``1e-16 N`` when ``M`` is close to 1 (small sampling rates).
 
+Randomized clipping (:func:`referee_rc_delta`, :func:`referee_rc_epsilon`): the scale ``a = 1/sqrt(Y)`` is
+binned, each bin's mass at its largest scale for the upper end and its smallest for the lower end (a
+subsampled Gaussian's curve grows with its scale); one step is then a weighted sum of closed-form curves, and
+a composition the inversion above with each step's MGF the bins' weighted sum.
+
 Examples
 --------
 >>> from dpmath.referee import referee_delta
@@ -55,9 +60,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
-from .validation import non_negative, open_probability, positive_int
+from .envelope import Envelope, pessimistic_discretization
+from .validation import non_negative, open_probability, positive_int, positive_real, sample_rate
 
-__all__ = ["RefereeDelta", "referee_delta", "referee_epsilon"]
+__all__ = ["RefereeDelta", "referee_delta", "referee_epsilon", "referee_rc_delta", "referee_rc_epsilon"]
 
 _REL_TOL = 1e-10      # wanted: aliasing and truncation each below this fraction of the saddle-point scale
 _MAX_POINTS = 4_000_000  # v-grid points at most (beyond: an error, the case is too costly for the referee)
@@ -113,11 +119,12 @@ class _Step:
         return np.where(u < 30, np.log1p(self.q * np.expm1(np.minimum(u, 30))),
                         np.logaddexp(math.log(self.q) + u, math.log1p(-self.q)))
 
-    def _slope(self, x: np.ndarray) -> np.ndarray:
-        """``l'(x) = mu * logistic(mu x - mu^2/2 + log q - log(1-q))``."""
+    def _log_slope(self, x: np.ndarray) -> np.ndarray:
+        """``log l'(x)``, ``l'(x) = mu * logistic(mu x - mu^2/2 + log q - log(1-q))`` (no underflow far left)."""
         if self.q == 1.0:
-            return np.full(x.shape, self.mu)
-        return self.mu * special.expit(self.mu * x - 0.5 * self.mu ** 2 + math.log(self.q) - math.log1p(-self.q))
+            return np.full(x.shape, math.log(self.mu))
+        u = self.mu * x - 0.5 * self.mu ** 2 + math.log(self.q) - math.log1p(-self.q)
+        return math.log(self.mu) - np.logaddexp(0.0, -u)
 
     def _grid(self, re_a: float, v_max: float, refine: int) -> tuple[np.ndarray, float]:
         # the tilted density exp(-x^2/2 + Re(a) l(x)) peaks below Re(a) mu (l' <= mu); 40 units either side
@@ -143,6 +150,10 @@ class _Step:
     def log_mgf(self, z: np.ndarray, refine: int = 1) -> np.ndarray:
         """``log E_P[e^{zL}]`` for complex ``z`` of one real part and ascending imaginary parts (vectorized;
         each block of ``z`` on an ``x`` grid fine enough for its largest imaginary part)."""
+        return _log1p(self.mgf_minus_one(z, refine))
+
+    def mgf_minus_one(self, z: np.ndarray, refine: int = 1) -> np.ndarray:
+        """``E_P[e^{zL}] - 1``, accurate when it is small (see :meth:`log_mgf`)."""
         a = self._a(np.asarray(z, dtype=np.complex128))
         re_a = float(a.real[0])
         out = np.empty(a.size, dtype=np.complex128)
@@ -162,7 +173,7 @@ class _Step:
             small = phi * (np.expm1(wr_small) * np.cos(wi) - 2.0 * np.sin(0.5 * wi) ** 2)
             s_re = np.where(big, grow * np.cos(wi) - phi, small)
             s_im = np.where(big, grow * np.sin(wi), phi * np.exp(wr_small) * np.sin(wi))
-            out[i:i + per] = _log1p((s_re.sum(1) + 1j * s_im.sum(1)) * hx)   # log(1 + (M - 1))
+            out[i:i + per] = (s_re.sum(1) + 1j * s_im.sum(1)) * hx
             i += per
         return out
 
@@ -179,10 +190,87 @@ class _Step:
         """``TV`` of ``x -> phi(x) e^{Re(a) l(x)} / |l'(x)|`` on the line ``Re z = alpha``."""
         re_a = float(self._a(np.array(alpha + 0j)).real)
         x, _ = self._grid(re_a, 0.0, 8)
-        log_h = _log_phi(x) + re_a * self._ell(x) - np.log(self._slope(x))
+        log_h = _log_phi(x) + re_a * self._ell(x) - self._log_slope(x)
         c = float(np.max(log_h))
         h = np.exp(log_h - c)
         return float(np.sum(np.abs(np.diff(h))) + h[0] + h[-1]) * math.exp(c)
+
+
+class _Mixture:
+    """One randomized-clipping step with a discrete scale: ``mu = mus[j]`` (``a / sigma``) with probability
+    ``weights[j]``.  ``a`` is part of the output and has the same law under ``P`` and ``Q``, so the step's MGF
+    is the weighted sum of its subsampled Gaussians'.  The weights may sum to less than 1: the missing mass
+    ``dropped`` is left out of the measure, which can only lower ``delta`` (its terms are non-negative), so
+    such a step gives lower bounds only.
+
+    The MGFs are :class:`_Step`'s, vectorized over the scales on one ``x`` grid (the grid the largest ``mu``
+    needs; finer and wider than a smaller one's)."""
+
+    def __init__(self, mus: np.ndarray, weights: np.ndarray, dropped: float, q: float, relation: str) -> None:
+        keep = weights > 0
+        self.parts = [_Step(1.0 / float(mu), q, relation) for mu in mus[keep]]
+        self.weights = weights[keep]
+        self.log_w = np.log(self.weights)
+        self.dropped = float(dropped)
+        self.top = max(self.parts, key=lambda p: p.mu)    # its grid serves every scale
+        self._ells: dict[tuple[float, float], np.ndarray] = {}
+
+    def _ell(self, x: np.ndarray) -> np.ndarray:
+        """``(scales, x)`` matrix of the parts' losses ``l(x)`` (cached per grid)."""
+        key = (float(x[0]), float(x[-1]), x.size)
+        if key not in self._ells:
+            if len(self._ells) > 8:
+                self._ells.clear()
+            self._ells[key] = np.stack([p._ell(x) for p in self.parts])
+        return self._ells[key]
+
+    def log_mgf_real(self, z: float) -> float:
+        a = float(self.top._a(np.array(z)))
+        x, hx = self.top._grid(a, 0.0, 2)
+        al = a * self._ell(x)
+        log_phi = _log_phi(x)[None, :]
+        r = log_phi + al
+        big = np.max(r, axis=1) > 0.5
+        with np.errstate(over="ignore"):
+            direct = special.logsumexp(r, axis=1) + math.log(hx)
+            w = np.where(al > 0.5, np.exp(np.minimum(r, 700.0)) - np.exp(log_phi),
+                         np.expm1(np.minimum(al, 0.5)) * np.exp(log_phi))
+            small = np.log1p(np.sum(w, axis=1) * hx)
+        return float(special.logsumexp(self.log_w + np.where(big, direct, small)))
+
+    def log_mgf(self, z: np.ndarray, refine: int = 1) -> np.ndarray:
+        a = self.top._a(np.asarray(z, dtype=np.complex128))
+        re_a = float(a.real[0])
+        out = np.full(a.size, -self.dropped, dtype=np.complex128)
+        i = 0
+        while i < a.size:
+            x, hx = self.top._grid(re_a, float(np.max(np.abs(a.imag[i:i + 64]))), refine)
+            ell = self._ell(x)                                  # (scales, x)
+            per = max(1, min(_BLOCK // ell.size, 64))
+            log_phi = _log_phi(x)[None, None, :]
+            phi = np.exp(log_phi)
+            wr = re_a * ell[None]
+            wi = a.imag[i:i + per, None, None] * ell[None]      # (v, scales, x)
+            big = wr > 0.5
+            if float(np.max(log_phi + wr)) > 690.0:   # the integrand would be capped: the sum silently wrong
+                raise ValueError("a scale in the envelope's tail makes the MGF overflow on the line of "
+                                 "integration; charge more of the tail to delta (a larger tail)")
+            grow = np.exp(np.minimum(log_phi + wr, 700.0))
+            wr_small = np.minimum(wr, 0.5)
+            cos, sin = np.cos(wi), np.sin(wi)
+            small = phi * (np.expm1(wr_small) * cos - 2.0 * np.sin(0.5 * wi) ** 2)
+            s_re = np.where(big, grow * cos - phi, small).sum(2)
+            s_im = np.where(big, grow * sin, phi * np.exp(wr_small) * sin).sum(2)
+            out[i:i + per] += ((s_re + 1j * s_im) * hx) @ self.weights
+            i += per
+        return _log1p(out)
+
+    def lipschitz(self, alpha: float) -> float:
+        return float(sum(w * p.lipschitz(alpha) for w, p in zip(self.weights, self.parts, strict=True)))
+
+    def total_variation(self, alpha: float) -> float:
+        # |sum_j w_j M_j(alpha + iv)| <= sum_j w_j TV_j / v
+        return float(sum(w * p.total_variation(alpha) for w, p in zip(self.weights, self.parts, strict=True)))
 
 
 def _log_phi(x: np.ndarray) -> np.ndarray:
@@ -431,3 +519,216 @@ def referee_epsilon(events, delta: float, *, rtol: float = 1e-9, guess: float | 
             return float(low), float(high)
         width *= 4.0
     raise ValueError("the referee's error bounds do not separate delta from its crossing")
+
+
+_RC_ROUNDING = 1e-12   # relative allowance for the closed-form one-step curve (log_ndtr and expm1 rounding)
+
+
+def _subsampled_hockey(mu: np.ndarray, q: float, eps: float, relation: str) -> np.ndarray:
+    r"""Hockey-stick divergence ``H_{e^eps}`` of one subsampled Gaussian pair (vectorized in ``mu > 0``).
+
+    ``remove``: ``H = q Phi(mu - x) (1 - e^{eps'} Phi(-x) / Phi(mu - x))`` with ``eps' = log(1 + expm1(eps)/q)``
+    and ``x = eps'/mu + mu/2`` (the loss exceeds ``eps`` beyond ``x``).  ``add``: with ``c = 1 - (1 -
+    e^{-eps})/q`` (none of the loss exceeds ``eps`` when ``c <= 0``) and ``x = log(c)/mu + mu/2``,
+    ``H = e^eps q c Phi(x) (1 - Phi(x - mu) / (c Phi(x)))``.  Both in log form, so small values keep their
+    relative accuracy."""
+    mu = np.asarray(mu, dtype=float)
+    if relation == "remove":
+        e1 = eps + math.log1p((q - 1.0) * math.exp(-eps)) - math.log(q)     # log(1 + expm1(eps)/q), any eps
+        x = e1 / mu + 0.5 * mu
+        lead = math.log(q) + special.log_ndtr(mu - x)
+        return np.exp(lead) * -np.expm1(e1 + special.log_ndtr(-x) - special.log_ndtr(mu - x))
+    c = 1.0 + math.expm1(-eps) / q
+    if c <= 0.0:
+        return np.zeros(mu.shape)
+    x = math.log(c) / mu + 0.5 * mu
+    lead = eps + math.log(q) + math.log(c) + special.log_ndtr(x)
+    return np.exp(lead) * -np.expm1(special.log_ndtr(x - mu) - math.log(c) - special.log_ndtr(x))
+
+
+class _ScaleBins:
+    """The envelope's scale ``a = 1/sqrt(Y)`` on a geometric grid of relative step ``resolution`` (the
+    accountant's construction, :func:`~dpmath.envelope.pessimistic_discretization`): each bin's mass at its
+    largest scale for the upper bound (the mass below ``ppf(tail)``, unbounded scales, charged), at its
+    smallest for the lower bound (the mass above the grid, scales near 0, left out)."""
+
+    def __init__(self, sigma: float, q: float, envelope: Envelope, resolution: float, tail: float) -> None:
+        y_lo = float(envelope.ppf(tail))
+        y_hi = envelope.support_interval(1e-16)[1]
+        a_min, a_max = 1.0 / math.sqrt(y_hi), 1.0 / math.sqrt(y_lo)
+        a_max = max(a_max, a_min * (1.0 + resolution))
+        count = max(1, math.ceil(math.log(a_max / a_min) / math.log1p(resolution)))
+        a = a_min * (a_max / a_min) ** (np.arange(count + 1) / count)
+        y = np.sort(1.0 / a ** 2)
+        pess = pessimistic_discretization(envelope, y)
+        opt = pessimistic_discretization(envelope, y, optimistic=True)
+        self.q = q
+        self.charged = pess.below_mass          # P(Y <= y_0), at most tail (plus the CDF's tolerance)
+        self.up_mu = pess.scale / sigma
+        self.up_w = pess.weights / (1.0 - self.charged)          # the law given Y > y_0
+        finite = np.isfinite(opt.y)
+        self.low_mu, self.low_w = opt.scale[finite] / sigma, opt.weights[finite]
+        self.low_dropped = float(opt.weights[~finite].sum())
+        self.bins = int(self.up_mu.size)
+
+    def tail_charge(self, steps: int) -> float:
+        """``1 - (1 - q P(Y <= y_0))^n``: a step whose scale is in the charged tail moves ``delta`` by at most
+        its total variation ``q``, and at most that many steps are."""
+        return float(-math.expm1(steps * math.log1p(-self.q * self.charged)))
+
+
+def _rc_args(sigma, q, envelope, steps, resolution, tail):
+    s = positive_real(sigma, "sigma")
+    qq = sample_rate(q)
+    if not isinstance(envelope, Envelope):
+        raise ValueError(f"envelope must be a dpmath Envelope, got {type(envelope).__name__}")
+    n = positive_int(steps, "steps")
+    r = float(resolution)
+    if not 1e-6 <= r <= 0.1:
+        raise ValueError(f"resolution must lie in [1e-6, 0.1], got {resolution!r}")
+    t = float(tail)
+    if not 0 < t < 1e-3:
+        raise ValueError(f"tail must lie in (0, 1e-3), got {tail!r}")
+    return s, qq, n, _ScaleBins(s, qq, envelope, r, t)
+
+
+class _RcCurve:
+    """``[low, high]`` enclosing the composed randomized-clipping curve at any ``epsilon`` (both directions)."""
+
+    def __init__(self, bins: _ScaleBins, steps: int) -> None:
+        self.bins, self.steps = bins, steps
+        if steps > 1:
+            self.up = {r: [(_Mixture(bins.up_mu, bins.up_w, 0.0, bins.q, r), steps)] for r in _RELATIONS}
+            self.low = {r: [(_Mixture(bins.low_mu, bins.low_w, bins.low_dropped, bins.q, r), steps)]
+                        for r in _RELATIONS}
+
+    def __call__(self, eps: float) -> tuple[float, float]:
+        b = self.bins
+        if self.steps == 1:     # one step: the bins' closed-form curves, monotone in the scale
+            high = max(float(b.up_w @ _subsampled_hockey(b.up_mu, b.q, eps, r)) for r in _RELATIONS)
+            low = max(float(b.low_w @ _subsampled_hockey(b.low_mu, b.q, eps, r)) for r in _RELATIONS)
+            high, low = high * (1.0 + _RC_ROUNDING), low * (1.0 - _RC_ROUNDING)
+        else:
+            high, low = self._larger(self.up, eps).high, self._larger(self.low, eps).low
+        return max(low, 0.0), min(high + b.tail_charge(self.steps), 1.0)
+
+    @staticmethod
+    def _larger(built: dict, eps: float) -> RefereeDelta:
+        """The direction with the larger curve; one whose Chernoff bound lies below the other's certified
+        interval cannot be it and is skipped (as in :func:`referee_delta`)."""
+        first = _delta_one(built["remove"], eps)
+        if _chernoff(built["add"], eps) < first.low:
+            return first
+        second = _delta_one(built["add"], eps)
+        return first if first.value >= second.value else second
+
+
+def referee_rc_delta(sigma: float, q: float, envelope: Envelope, steps: int, epsilon: float, *,
+                     resolution: float = 2e-4, tail: float = 1e-16) -> tuple[float, float]:
+    r"""``(low, high)`` enclosing ``delta(epsilon)`` of ``steps`` DP-SGD-RC steps
+    (:class:`~dpmath.RandomizedClipGaussian`), without a grid of privacy losses.
+
+    The scale ``a = 1/sqrt(Y)`` is binned with relative step ``resolution``: the mechanism with each bin's mass
+    at its largest scale dominates the true one (a subsampled Gaussian's curve grows with its ``mu``), the one
+    with it at its smallest scale is dominated, so their curves enclose the truth.  ``P(Y <= ppf(tail))``
+    (scales without bound) is charged: ``1 - (1 - q tail)^steps`` is added to ``high``; the mass above the grid
+    is left out of ``low``.  One step: the bins' closed-form curves (:func:`_subsampled_hockey`).  Several: the
+    Laplace inversion of :func:`referee_delta`, with each step's MGF the bins' weighted sum and the same
+    error bounds.  The larger of the two neighbouring directions, for each end.
+
+    Parameters
+    ----------
+    sigma : float
+        Noise multiplier, ``> 0``.
+    q : float
+        Sampling rate, in ``(0, 1]``.
+    envelope : Envelope
+        The law of ``Y`` (e.g. :class:`~dpmath.HutchEnvelope`).
+    steps : int
+        Number of compositions, ``>= 1``.
+    epsilon : float
+        ``>= 0``.
+    resolution : float
+        Relative width of the scale bins, in ``[1e-6, 0.1]``; the enclosure's width is about proportional.
+    tail : float
+        Mass of ``Y`` at the small end charged to ``delta`` (per step, times ``q``), in ``(0, 1e-3)``.  A
+        heavy-tailed envelope (small ``k``) may need a larger one: the composition refuses when a charged-off
+        scale would make an MGF overflow.
+
+    Returns
+    -------
+    tuple of float
+        ``(low, high)`` with ``low <= delta(epsilon) <= high``.
+
+    Examples
+    --------
+    >>> from dpmath import HutchEnvelope
+    >>> from dpmath.referee import referee_rc_delta
+    >>> low, high = referee_rc_delta(2.0, 0.1, HutchEnvelope(k=32, d=2048), 1, 0.5)
+    >>> bool(0 < low <= high < 1.01 * low)
+    True
+    """
+    e = non_negative(epsilon, "epsilon")
+    _, _, n, bins = _rc_args(sigma, q, envelope, steps, resolution, tail)
+    return _RcCurve(bins, n)(e)
+
+
+def referee_rc_epsilon(sigma: float, q: float, envelope: Envelope, steps: int, delta: float, *,
+                       resolution: float = 2e-4, tail: float | None = None, rtol: float = 1e-6
+                       ) -> tuple[float, float]:
+    r"""``(low, high)`` enclosing the smallest ``epsilon`` with ``delta(epsilon) <= delta`` for ``steps``
+    DP-SGD-RC steps: ``low`` is an ``epsilon`` whose certified ``delta`` lies above ``delta``, ``high`` one whose
+    certified ``delta`` lies at or below it (:func:`referee_rc_delta`), each found to ``rtol`` relative.
+
+    ``tail`` defaults to ``1e-4 delta / (steps q)`` (capped at ``1e-4``), so the charged tail moves ``delta``
+    by at most ``1e-4`` of itself.  Other parameters as in :func:`referee_rc_delta`.
+
+    Examples
+    --------
+    >>> from dpmath import HutchEnvelope
+    >>> from dpmath.referee import referee_rc_epsilon
+    >>> low, high = referee_rc_epsilon(1.0, 0.05, HutchEnvelope(k=32, d=2048), 1, 1e-6)
+    >>> bool(low < high < 1.003 * low)
+    True
+    """
+    d = open_probability(delta, "delta")
+    s, qq, n, _ = _rc_args(sigma, q, envelope, steps, resolution, 1e-16)
+    t = min(1e-4, 1e-4 * d / (n * qq)) if tail is None else tail
+    _, _, _, bins = _rc_args(s, qq, envelope, n, resolution, t)
+    curve = _RcCurve(bins, n)
+    cache: dict[float, tuple[float, float]] = {}
+
+    def at(e: float) -> tuple[float, float]:
+        if e not in cache:
+            cache[e] = curve(e)
+        return cache[e]
+
+    def crossing(end: int) -> float:
+        """For the low end (``end = 0``) the largest ``epsilon`` found where it is above ``delta``; for the high
+        end the smallest where it is at or below; within ``rtol`` of the crossing (Brent's method on the
+        logarithm, then one step to the right side)."""
+        if at(0.0)[end] <= d:
+            return 0.0
+        hi = 1.0
+        while at(hi)[end] > d:
+            hi *= 2.0
+            if hi > 1e4:
+                raise ValueError("the enclosure stays above delta up to epsilon = 1e4")
+        lo = hi / 2.0 if hi > 1.0 else 0.0
+
+        def f(e: float) -> float:
+            v = at(e)[end]
+            return (math.log(v) if v > 0 else -800.0) - math.log(d)
+        if hi - lo > rtol * hi:
+            root = optimize.brentq(f, lo, hi, xtol=0.25 * rtol * hi)
+            step = 0.5 * rtol * root
+            if end == 0:
+                while root > 0 and at(root)[0] <= d:
+                    root = max(root - step, 0.0)
+                return root
+            while at(root)[1] > d:
+                root += step
+            return root
+        return lo if end == 0 else hi
+
+    return crossing(0), crossing(1)

@@ -4,10 +4,18 @@ PLD bracket against the referee."""
 import math
 
 import pytest
+from scipy import integrate
 from scipy.stats import norm
 
-from dpmath import PLDAccountant, SubsampledGaussian
-from dpmath.referee import referee_delta, referee_epsilon
+from dpmath import (
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    PointMassEnvelope,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+)
+from dpmath.referee import referee_delta, referee_epsilon, referee_rc_delta, referee_rc_epsilon
 
 
 def gaussian_delta(mu: float, eps: float) -> float:
@@ -100,3 +108,75 @@ def test_without_bracket_rtol_one_grid_is_used_and_a_refined_bracket_lies_inside
 def test_bracket_rtol_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="bracket_rtol"):
         PLDAccountant(bracket_rtol=bad)
+
+
+# --- randomized clipping ---------------------------------------------------------------------------------------
+
+def _quadrature_delta(mu: float, q: float, eps: float) -> float:
+    """The subsampled Gaussian's curve by adaptive quadrature of ``(p - e^eps q)_+``, both directions."""
+    def hockey(p, r):
+        return integrate.quad(lambda x: max(p(x) - math.exp(eps) * r(x), 0.0), -40, 40 + mu, limit=400,
+                              epsabs=1e-14, epsrel=1e-12)[0]
+
+    def mix(x):
+        return q * norm.pdf(x - mu) + (1 - q) * norm.pdf(x)
+    return max(hockey(mix, norm.pdf), hockey(norm.pdf, mix))
+
+
+@pytest.mark.parametrize("sigma, q, eps", [(1.0, 0.1, 0.5), (0.5, 0.3, 3.0), (2.0, 1.0, 0.2), (1.0, 0.01, 0.005)])
+def test_the_rc_referee_with_a_constant_scale_encloses_the_subsampled_gaussian_curve(sigma, q, eps):
+    """Y = 1: the mechanism is the subsampled Gaussian; one step's enclosure (closed forms per scale bin) must
+    hold an independent quadrature and be as narrow as the bins (resolution 2e-4)."""
+    truth = _quadrature_delta(1.0 / sigma, q, eps)
+    low, high = referee_rc_delta(sigma, q, PointMassEnvelope(1.0), 1, eps)
+    assert low <= truth <= high
+    assert high - low <= 2e-3 * truth
+
+
+def test_the_rc_referee_composition_encloses_the_subsampled_gaussian_referee():
+    """Its composition path (the bins' mixed MGF, Laplace inversion) against the Gaussian referee's: with
+    Y = 1 the truth is the composed subsampled Gaussian."""
+    truth = referee_delta([(1.0, 0.1, 20)], 1.5)
+    low, high = referee_rc_delta(1.0, 0.1, PointMassEnvelope(1.0), 20, 1.5)
+    assert low <= truth.low and truth.high <= high
+    assert high - low <= 5e-3 * truth.value
+
+
+@pytest.mark.parametrize("envelope, sigma, q, delta, truth", [
+    # the three one-step cases of issue 16, where our bracket was [92.7, 123.2], [22.68, 24.25], [2.295, 2.328]
+    (HutchEnvelope(8, 200), 0.8, 0.3, 1e-8, (105.5401, 105.5818)),
+    (HutchEnvelope(4, 8), 3.0, 0.1, 1e-6, (23.4414, 23.4515)),
+    (HutchEnvelope(32, 2048), 1.0, 0.05, 1e-6, (2.30992, 2.31113)),
+    (HutchPPEnvelope(32, 2048), 1.0, 0.05, 1e-6, (2.31004, 2.31125)),
+    pytest.param(HutchEnvelope(32, 2048), 2.0, 0.01, 1e-5, (0.0350341, 0.0350514), marks=pytest.mark.slow),
+    pytest.param(HutchEnvelope(4, 64), 1.5, 0.5, 1e-5, (70.3904, 70.4186), marks=pytest.mark.slow),
+    pytest.param(HutchEnvelope(2, 4), 4.0, 0.01, 1e-3, (0.00218553, 0.00218707), marks=pytest.mark.slow),
+])
+def test_our_rc_bracket_holds_the_refereed_one_step_epsilon(envelope, sigma, q, delta, truth):
+    r_lo, r_hi = referee_rc_epsilon(sigma, q, envelope, 1, delta)
+    assert r_hi - r_lo <= 1e-3 * r_hi                        # 0.01 to 0.05 %: 10 to 40 times narrower than ours
+    assert truth[0] - 1e-4 * truth[0] <= r_lo and r_hi <= truth[1] + 1e-4 * truth[1]   # the values quoted in docs
+    lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, envelope), 1).epsilon_bracket(delta)
+    assert lo <= r_hi and r_lo <= hi
+    assert hi - lo <= 0.02 * r_hi                            # 0.5 to 1.7 % wide on the default grid
+
+
+@pytest.mark.slow
+def test_our_rc_bracket_holds_the_refereed_composed_epsilon():
+    """100 steps: the referee's bins are coarse (resolution 0.02: [4.387, 4.584]), so this checks that the
+    composed truth lies inside both, not tightness."""
+    env = HutchEnvelope(32, 2048)
+    r_lo, r_hi = referee_rc_epsilon(1.0, 0.05, env, 100, 1e-5, resolution=0.02, rtol=1e-3)
+    lo, hi = PLDAccountant().compose(RandomizedClipGaussian(1.0, 0.05, env), 100).epsilon_bracket(1e-5)
+    assert lo <= r_hi and r_lo <= hi
+    assert r_lo <= lo and hi <= r_hi                          # ours is the narrower
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sigma": 0.0}, "sigma"), ({"q": 0.0}, "q"), ({"steps": 0}, "steps"), ({"epsilon": -1.0}, "epsilon"),
+    ({"resolution": 0.5}, "resolution"), ({"tail": 0.1}, "tail"), ({"envelope": 3.0}, "envelope"),
+])
+def test_bad_input_to_the_rc_referee_names_the_argument(kw, match):
+    args = {"sigma": 1.0, "q": 0.1, "envelope": HutchEnvelope(32, 2048), "steps": 1, "epsilon": 1.0} | kw
+    with pytest.raises(ValueError, match=match):
+        referee_rc_delta(**args)

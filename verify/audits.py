@@ -13,7 +13,7 @@ from .claims import claims_audit
 from .divergences import divergence_audit
 from .envelope import envelope_audit, envelope_claims
 from .estimators import estimator_audit
-from .peers import PEER_CONFIGS, REFEREE_CONFIGS, peer_audit, referee_audit
+from .peers import PEER_CONFIGS, REFEREE_CONFIGS, REFEREE_RC_CONFIGS, peer_audit, referee_audit
 from .privacy import QUICK_MECHANISMS, privacy_audit
 from .result import AuditResult
 from .schur_claims import schur_audit
@@ -33,7 +33,7 @@ AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
     "symbolic": (symbolic_audit, {}, {}),
     "trainer": (trainer_audit, {}, {"configs": CONFIGS, "runs": 3}),
     "peers": (peer_audit, {"configs": [PEER_CONFIGS[i] for i in (0, 7, 15)]}, {"configs": PEER_CONFIGS}),
-    "referee": (referee_audit, {}, {"configs": REFEREE_CONFIGS}),
+    "referee": (referee_audit, {}, {"configs": REFEREE_CONFIGS, "rc_configs": REFEREE_RC_CONFIGS}),
     "envelope_claims": (envelope_claims, {"ks": (32, 128), "ds": (2, 8, 64)}, {"ks": (1, 4, 32, 128, 512)}),
     "schur": (schur_audit, {"cases": ((4, 2, 1.0), (4, 3, 1.0))},
               {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0), (4, 3, 2.0),

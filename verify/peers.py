@@ -14,14 +14,15 @@ On the subsampled Gaussian, for each configuration ``(sigma, q, steps, delta)``:
 
 :func:`referee_audit` needs no peer: on each configuration our ``[lower, upper]`` must hold the true epsilon
 as :mod:`dpmath.referee` encloses it (Laplace inversion with error bounds, no loss grid); it settles the
-disagreement above (the truth is 65.2585165) and the one at ``(0.6, 0.01, 100000, 1e-8)``.
+disagreement above (the truth is 65.2585165) and the one at ``(0.6, 0.01, 100000, 1e-8)``.  It also checks one
+DP-SGD-RC step against :func:`dpmath.referee.referee_rc_epsilon` (closed-form curves on scale bins).
 """
 
 from __future__ import annotations
 
 from .result import AuditResult, progress
 
-__all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "REFEREE_CONFIGS", "peer_audit", "referee_audit",
+__all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "REFEREE_CONFIGS", "REFEREE_RC_CONFIGS", "peer_audit", "referee_audit",
            "dp_accounting_epsilon", "prv_bracket"]
 
 REFEREE_CONFIGS = [
@@ -35,6 +36,14 @@ REFEREE_CONFIGS = [
 ]
 """``(sigma, q, steps, delta)`` refereed by :func:`referee_audit` (issue 16's configurations and the prv
 disagreements); the quick run takes the first three."""
+
+REFEREE_RC_CONFIGS = [
+    (32, 2048, 1.0, 0.05, 1e-6),
+    (8, 200, 0.8, 0.3, 1e-8),
+    (4, 8, 3.0, 0.1, 1e-6),
+]
+"""``(k, d, sigma, q, delta)``: one DP-SGD-RC step with Hutch's envelope, refereed by :func:`referee_audit`
+(issue 16's one-step cases); the quick run takes the first."""
 
 PEER_CONFIGS = [
     (0.8, 0.001, 100, 1e-6),
@@ -148,13 +157,17 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
                        "(within 0.5 % of dp_accounting; never below prv's certified lower end)", rows)
 
 
-def referee_audit(configs: list[tuple[float, float, int, float]] | None = None) -> AuditResult:
+def referee_audit(configs: list[tuple[float, float, int, float]] | None = None,
+                  rc_configs: list[tuple[int, int, float, float, float]] | None = None) -> AuditResult:
     """Our PLD bracket against the referee's enclosure of the true epsilon (a check; no peer needed).
 
     Parameters
     ----------
     configs : list of tuple, optional
-        ``(sigma, q, steps, delta)``; defaults to the first three of :data:`REFEREE_CONFIGS`.
+        ``(sigma, q, steps, delta)`` of DP-SGD; defaults to the first three of :data:`REFEREE_CONFIGS`.
+    rc_configs : list of tuple, optional
+        ``(k, d, sigma, q, delta)`` of one DP-SGD-RC step with Hutch (:func:`dpmath.referee.referee_rc_epsilon`);
+        defaults to the first of :data:`REFEREE_RC_CONFIGS`.
 
     Returns
     -------
@@ -168,18 +181,24 @@ def referee_audit(configs: list[tuple[float, float, int, float]] | None = None) 
     >>> referee_audit([(4.073, 64 / 1150, 180, 1e-5)]).holds
     True
     """
-    from dpmath import PLDAccountant, SubsampledGaussian
-    from dpmath.referee import referee_epsilon
+    from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+    from dpmath.referee import referee_epsilon, referee_rc_epsilon
+
+    def row(name: str, lo: float, hi: float, r_lo: float, r_hi: float) -> dict:
+        return {"mechanism; sigma, q, steps, delta": name, "referee [low, high]": f"[{r_lo:.8f}, {r_hi:.8f}]",
+                "ours [lower, upper]": f"[{lo:.5f}, {hi:.5f}]",
+                "upper above the truth": f"{(hi - r_lo) / r_lo:.1e}", "holds": bool(lo <= r_hi and r_lo <= hi)}
 
     rows = []
     for sigma, q, steps, delta in progress(configs or REFEREE_CONFIGS[:3], "referee"):
         lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
         r_lo, r_hi = referee_epsilon([(sigma, q, steps)], delta, guess=hi)
-        rows.append({"sigma, q, steps, delta": f"{sigma:g}, {q:.4g}, {steps}, {delta:g}",
-                     "referee [low, high]": f"[{r_lo:.8f}, {r_hi:.8f}]",
-                     "ours [lower, upper]": f"[{lo:.5f}, {hi:.5f}]",
-                     "upper above the truth": f"{(hi - r_lo) / r_lo:.1e}",
-                     "holds": bool(lo <= r_hi and r_lo <= hi)})
+        rows.append(row(f"DP-SGD; {sigma:g}, {q:.4g}, {steps}, {delta:g}", lo, hi, r_lo, r_hi))
+    for k, d, sigma, q, delta in progress(rc_configs or REFEREE_RC_CONFIGS[:1], "referee, randomized clipping"):
+        env = HutchEnvelope(k, d)
+        lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, env)).epsilon_bracket(delta)
+        r_lo, r_hi = referee_rc_epsilon(sigma, q, env, 1, delta)
+        rows.append(row(f"RC Hutch k={k}, d={d}; {sigma:g}, {q:g}, 1, {delta:g}", lo, hi, r_lo, r_hi))
     holds = all(r["holds"] for r in rows)
     return AuditResult("referee", "check", holds,
                        f"{sum(r['holds'] for r in rows)} of {len(rows)} PLD brackets hold the true epsilon as the "
