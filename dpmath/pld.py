@@ -206,7 +206,7 @@ class PLDAccountant:
         shrinks by the factor the bracket's width asks for (errors fall about like ``h^2``; each grid is
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
         grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
-        grid is refined with it, its step by ``sqrt`` of the loss grid's factor.  ``None``
+        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for.  ``None``
         (default): one grid.  ``1e-3`` makes the published upper end at most 0.1 % above the truth
         wherever the refinement reaches its target; it costs the finer grids' time (about 1 to 8 times,
         measured on the benchmarks page).
@@ -295,48 +295,85 @@ class PLDAccountant:
         return self
 
     def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
-        """``query(h, upper)`` on finer grids until the bracket is ``bracket_rtol`` tight.
+        """``query(h, upper, s)`` on finer grids until the bracket is ``bracket_rtol`` tight (``h`` the loss
+        grid's step, ``s`` the factor on randomized clipping's scale step).
 
-        The brackets' errors shrink about like ``h^2``, so the next step is ``h sqrt(rtol / width)`` (with a
-        safety factor 0.8, between ``h/8`` and ``h/2``), down to ``discretization / 64``.  Without
-        ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of 0 under a positive upper
-        end (one step's losses span only a few grid points, e.g. ``q mu < h``) is refined the same way, to
-        ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0, finer ones rarely help)."""
-        best, h = None, self.discretization
+        Every grid's bracket holds the truth, so the tightest is their intersection.  Its width has two parts:
+        the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
+        like ``s``.  Which one dominates depends on the case (one RC step: the scale grid; ``10^6`` steps at
+        sigma = 2: the loss grid), so the first refinement of an RC accountant halves each separately and
+        splits the width between them; each next grid shrinks only the parts above their share of the
+        target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and
+        ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of
+        0 under a positive upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is
+        refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0,
+        finer ones rarely help)."""
+        h0 = self.discretization
         rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
-        while True:
-            try:
-                hi = query(h, True)
-                lo = query(h, False) if (lower or self.bracket_rtol is not None) else 0.0
-            except GridTooLargeError:   # the finer grid would exceed the size limit: keep the tightest so far
-                if best is None:
-                    raise
-                break
+        scaled = any(isinstance(m, RandomizedClipGaussian) for m, _ in self._events)
+        best: tuple[float, float] | None = None
+        parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
+
+        def run(h: float, s: float) -> float:
+            """Query one grid, intersect its bracket into ``best``; its own width."""
+            nonlocal best
+            hi = query(h, True, s)
+            lo = query(h, False, s) if (lower or self.bracket_rtol is not None) else 0.0
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
-            width = best[1] - best[0]
-            collapsed = zero_refines and lower and best[0] <= 0.0 < best[1] and h == self.discretization
-            if ((self.bracket_rtol is None and not collapsed) or width <= rtol * best[1]
-                    or h <= self.discretization / 64):
-                break
-            shrink = 0.8 * math.sqrt(rtol * best[1] / width)
-            h = max(h * min(max(shrink, 0.125), 0.5), self.discretization / 64)
+            return max(hi - lo, 0.0)
+
+        def done(h: float, s: float) -> bool:
+            collapsed = zero_refines and lower and best[0] <= 0.0 < best[1] and h == h0
+            return ((self.bracket_rtol is None and not collapsed) or best[1] - best[0] <= rtol * best[1]
+                    or (h <= h0 / 64 and (not scaled or s <= 1 / 16)))
+
+        h, s = h0, 1.0
+        try:
+            width = run(h, s)
+            while not done(h, s):
+                target = 0.8 * rtol * best[1]
+                if not scaled or self.bracket_rtol is None:
+                    h = max(h * min(max(math.sqrt(target / width), 0.125), 0.5), h0 / 64)
+                    width = run(h, s)
+                    continue
+                if parts is None:
+                    # split the width: w = A h^2 + B s, from one grid with h halved and one with s halved
+                    w_h = run(h / 2, s) if h > h0 / 64 else width
+                    w_s = run(h, s / 2) if s > 1 / 16 else width
+                    if done(h, s):
+                        break
+                    loss, scale = max(width - w_h, 0.0) * 4 / 3, max(width - w_s, 0.0) * 2
+                    parts = (loss, scale) if loss + scale > 0 else (0.5 * width, 0.5 * width)
+                loss, scale = parts
+                # shrink only the parts above their share of the target
+                f_h = 1.0 if loss <= 0.5 * target or h <= h0 / 64 else \
+                    min(max(math.sqrt(0.5 * target / loss), 0.125), 0.5)
+                f_s = 1.0 if scale <= 0.5 * target or s <= 1 / 16 else min(max(0.5 * target / scale, 0.125), 0.5)
+                if f_h == 1.0 and f_s == 1.0:     # the split was off: shrink both
+                    f_h, f_s = (0.5 if h > h0 / 64 else 1.0), (0.5 if s > 1 / 16 else 1.0)
+                h, s = max(h * f_h, h0 / 64), max(s * f_s, 1 / 16)
+                width = run(h, s)
+                parts = (loss * f_h ** 2, scale * f_s)
+        except GridTooLargeError:   # a finer grid would exceed the size limit: keep the tightest so far
+            if best is None:
+                raise
         return best if lower else (0.0, best[1])
 
-    def _composed(self, upper: bool, h: float | None = None) -> list[Composition]:
+    def _composed(self, upper: bool, h: float | None = None, s: float = 1.0) -> list[Composition]:
         h = self.discretization if h is None else h
-        key = (h, upper)
+        key = (h, upper, s)
         if key not in self._plds:
             built: dict[tuple, Composition] = {}
             out = []
             for relation in _NEIGHBORING[self.neighboring]:
                 rels = tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
                 if rels not in built:  # with q = 1 adding and removing an example are the same pair
-                    built[rels] = Composition(self._steps(rels, upper, h), self.tail_mass)
+                    built[rels] = Composition(self._steps(rels, upper, h, s), self.tail_mass)
                 out.append(built[rels])
             self._plds[key] = out
         return self._plds[key]
 
-    def _steps(self, relations: tuple[str, ...], upper: bool, h: float) -> list[tuple[Pld, int]]:
+    def _steps(self, relations: tuple[str, ...], upper: bool, h: float, s: float) -> list[tuple[Pld, int]]:
         events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
         fixed = [m for m, _ in events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
         if len(fixed) == len(events):
@@ -344,10 +381,7 @@ class PLDAccountant:
             # discretized once (tighter and faster than composing discretized steps)
             sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in events))
             return [(_step_pld(Gaussian(sigma), relations[0], h, upper), 1)]
-        # a refined grid also refines the scale grid: its error is first order in the scale step, the loss
-        # grid's about second order in h, so the scale step shrinks like sqrt(h)
-        refinement = math.sqrt(h / self.discretization)
-        return [(_step_pld(m, rel, h, upper, n, refinement), n)
+        return [(_step_pld(m, rel, h, upper, n, s), n)
                 for (m, n), rel in zip(events, relations, strict=True)]
 
     def epsilon(self, delta: float) -> float:
@@ -376,7 +410,8 @@ class PLDAccountant:
         (2.1245, 2.12452)
         """
         d = open_probability(delta, "delta")
-        return self._refined(lambda h, upper: max(p.epsilon(d) for p in self._composed(upper, h)), lower, True)
+        return self._refined(lambda h, upper, s: max(p.epsilon(d) for p in self._composed(upper, h, s)), lower,
+                             True)
 
     def delta(self, epsilon: float) -> float:
         """Upper bound on ``delta(epsilon)``, the worse of the two directions.
@@ -400,7 +435,7 @@ class PLDAccountant:
         '0.126937 0.126937'
         """
         e = non_negative(epsilon, "epsilon")
-        return self._refined(lambda h, upper: max(p.delta(e) for p in self._composed(upper, h)), lower)
+        return self._refined(lambda h, upper, s: max(p.delta(e) for p in self._composed(upper, h, s)), lower)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the f-DP trade-off curve: the smallest false-negative rate ``beta`` of any test

@@ -161,6 +161,20 @@ def test_our_rc_bracket_holds_the_refereed_one_step_epsilon(envelope, sigma, q, 
     assert hi - lo <= 0.02 * r_hi                            # 0.5 to 1.7 % wide on the default grid
 
 
+@pytest.mark.parametrize("envelope, sigma, q, delta, truth", [
+    (HutchEnvelope(32, 2048), 1.0, 0.05, 1e-6, (2.30992, 2.31113)),
+    pytest.param(HutchEnvelope(8, 200), 0.8, 0.3, 1e-8, (105.5401, 105.5818), marks=pytest.mark.slow),
+    pytest.param(HutchEnvelope(4, 8), 3.0, 0.1, 1e-6, (23.4414, 23.4515), marks=pytest.mark.slow),
+])
+def test_a_refined_rc_bracket_is_within_half_a_percent_and_holds_the_refereed_truth(envelope, sigma, q, delta,
+                                                                                    truth):
+    """Issue 16 item 1 for randomized clipping (0.5 %): one step's width is the scale grid's, which the
+    refinement finds and shrinks (the truth is the referee's, from the test above)."""
+    lo, hi = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(sigma, q, envelope)).epsilon_bracket(delta)
+    assert hi - lo <= 5e-3 * hi
+    assert lo <= truth[1] and truth[0] <= hi
+
+
 @pytest.mark.slow
 def test_our_rc_bracket_holds_the_refereed_composed_epsilon():
     """100 steps: the referee's bins are coarse (resolution 0.02: [4.387, 4.584]), so this checks that the
