@@ -153,7 +153,8 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, search on a
     # coarse grid (4x the scale bins, 10x the loss step: ~5x cheaper, an upper bound all the same), then
     # finish on the requested grid from there, which takes two to four evaluations
-    plain = calibrate_sigma(eps_t, d, qq, n, discretization=discretization, rtol=1e-3, accountant="pld")
+    plain = calibrate_sigma(eps_t, d, qq, n, discretization=min(10 * discretization, 1e-2), rtol=1e-2,
+                            accountant="pld")   # only where the coarse search starts
     coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
     coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3)
     return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
@@ -213,7 +214,26 @@ def _search(f, guess: float, factors: list[float], eps_t: float, context: str, r
     lo = hi = guess
     f_lo = f_hi = f(guess)
     if slope is not None and slope < 0 and math.isfinite(f_hi):
-        factors = [math.exp(abs(f_hi / slope) + 2.0 * rt)] + factors
+        # the Newton root from the coarse slope is usually within rt / 2 of the true one: two points 0.8 rt
+        # apart around it then bracket the root to rt (three evaluations in all), else they start the search
+        x = math.log(guess) - f_hi / slope
+        m = 0.4 * math.log1p(rt)
+        a, b = math.exp(x - m), math.exp(x + m)
+        f_a, f_b = f(a), f(b)
+        if f_a > 0 >= f_b:
+            return b, (f_b - f_a) / (2 * m) if math.isfinite(f_a) and math.isfinite(f_b) else -1.0
+        # the smallest evaluated sigma that meets the target, and the largest that misses it, go on
+        known = sorted([(guess, f_hi), (a, f_a), (b, f_b)])
+        meets = [(s, v) for s, v in known if v <= 0]
+        misses = [(s, v) for s, v in known if v > 0]
+        if meets and misses:
+            (lo, f_lo), (hi, f_hi) = misses[-1], meets[0]
+        elif meets:
+            lo = hi = meets[0][0]
+            f_lo = f_hi = meets[0][1]
+        else:
+            lo = hi = misses[-1][0]
+            f_lo = f_hi = misses[-1][1]
     steps = iter(factors + [2.0] * 40)
     if f_hi > 0:
         while f_hi > 0:

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpmath import PLDAccountant, SubsampledGaussian, calibrate_sigma, dpsgd_epsilon, estimator_envelope
+from dpmath import (
+    PLDAccountant,
+    RandomizedClipGaussian,
+    SubsampledGaussian,
+    calibrate_sigma,
+    dpsgd_epsilon,
+    estimator_envelope,
+)
 from dpmath.__main__ import main
 
 TABLE4_N = 1139   # the training-set size at which DP-SGD needs sigma = 4.073 (docs/accountants.md)
@@ -25,6 +32,21 @@ def test_calibrated_sigma_meets_the_target_and_is_the_smallest(eps, q, steps):
 
     assert f(sigma) <= eps
     assert f(sigma / (1 + 2 * rtol)) > eps
+
+
+@pytest.mark.parametrize("eps, q, steps", [(0.7, 64 / 1139, 180), (8.0, 0.01, 3000),
+                                           pytest.param(2.0, 0.05, 50, marks=pytest.mark.slow)])
+def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps):
+    """The randomized-clipping search (coarse grid, then the requested one, finishing on two points around
+    the Newton root) returns an evaluated sigma that meets the target, within rtol of the smallest."""
+    env = estimator_envelope("hutch", 32, 2048)
+    sigma = calibrate_sigma(eps, 1e-5, q, steps, envelope=env)
+
+    def f(s):
+        return PLDAccountant().compose(RandomizedClipGaussian(s, q, env), steps).epsilon(1e-5)
+
+    assert f(sigma) <= eps
+    assert f(sigma / (1 + 1e-4)) > eps
 
 
 def test_calibration_is_monotone_in_the_target():
