@@ -139,10 +139,10 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     if not 1e-8 <= rt <= 0.1:
         raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
 
-    def objective(scale_resolution: float, h: float):
+    def objective(scale_resolution: float, h: float, env: Envelope | None = envelope):
         def f(s: float) -> float:
             # log epsilon is close to linear in log sigma, so secant steps on it converge in a few calls
-            e = _epsilon(s, qq, n, d, envelope, accountant, h, scale_resolution)
+            e = _epsilon(s, qq, n, d, env, accountant, h, scale_resolution)
             return math.log(e / eps_t) if 0 < e < math.inf else (math.inf if e == math.inf else -math.inf)
         return f
 
@@ -153,10 +153,11 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, search on a
     # coarse grid (4x the scale bins, 10x the loss step: ~5x cheaper, an upper bound all the same), then
     # finish on the requested grid from there, which takes two to four evaluations
-    plain = calibrate_sigma(eps_t, d, qq, n, discretization=min(10 * discretization, 1e-2), rtol=1e-2,
-                            accountant="pld")   # only where the coarse search starts
+    # (the plain answer and its slope, on the coarse loss grid, only start the coarse search)
+    plain, plain_slope = _search(objective(_SCALE_RESOLUTION, min(10 * discretization, 1e-2), None), 1.0, [2.0],
+                                 eps_t, context, 1e-2)
     coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
-    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3)
+    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
     return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
 
 
