@@ -862,6 +862,22 @@ class Composition:
         j = max(0, math.floor(eps / self.h) - pld.start)
         return float(pld.err[j:].sum()) <= _TILT_RTOL * max(delta, _TILT_FLOOR)
 
+    def delta_bound(self, eps: float) -> float:
+        r"""An upper bound on ``delta(eps)`` of the exact composition of these steps, without an FFT: the mass
+        at ``+inf`` plus the Chernoff bound ``min_theta c(theta) E[e^{theta (L - eps)}]``, with
+        ``c(theta) = theta^theta / (theta + 1)^(theta + 1)`` (``(1 - e^{eps - L})_+ <= c e^{theta (L - eps)}``)
+        and the finite part's MGF at most its normalized one.  Lets a query skip a direction that cannot
+        be the larger."""
+        if self.single is not None:
+            return self.single.delta(eps)
+        c = self._cumulants
+        dist = eps - c["mean"]
+        if not (dist > 0 and math.isfinite(dist)):
+            return 1.0
+        theta, k0 = _chernoff(c["parts"], c["sd"] ** 2, c["sd"], dist=dist)
+        log_c = theta * math.log(theta) - (theta + 1.0) * math.log1p(theta)
+        return min(1.0, self.inf + math.exp(min(0.0, k0 - theta * dist + log_c)))
+
     def epsilon(self, delta: float) -> float:
         if self.single is not None:
             return self.single.epsilon(delta)

@@ -410,8 +410,21 @@ class PLDAccountant:
         (2.1245, 2.12452)
         """
         d = open_probability(delta, "delta")
-        return self._refined(lambda h, upper, s: max(p.epsilon(d) for p in self._composed(upper, h, s)), lower,
-                             True)
+
+        def query(h: float, upper: bool, s: float) -> float:
+            # the first direction's epsilon, then only the directions whose delta there could exceed delta:
+            # a Chernoff bound on another direction's exact (upper) composition at most delta there means its
+            # true epsilon is at most this one, so the maximum is unchanged (both ends: a lower end needs no
+            # direction whose truth lies below it)
+            comps = self._composed(upper, h, s)
+            first = comps[0].epsilon(d)
+            if first == math.inf or len(comps) == 1:
+                return first
+            uppers = self._composed(True, h, s)
+            rest = [c.epsilon(d) for c, u in zip(comps[1:], uppers[1:], strict=True)
+                    if u is uppers[0] or u.delta_bound(first) > d * (1.0 - 1e-6)]
+            return max([first, *rest])
+        return self._refined(query, lower, True)
 
     def delta(self, epsilon: float) -> float:
         """Upper bound on ``delta(epsilon)``, the worse of the two directions.

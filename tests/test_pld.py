@@ -485,3 +485,27 @@ def test_the_composition_windows_chernoff_search_finds_the_best_exponent_and_a_t
     assert k2 - theta2 * far <= dense2 + 1e-6 * abs(dense2)
     if n <= 30:
         assert float(law[lattice >= far].sum()) <= math.exp(k2 - theta2 * far)
+
+
+@pytest.mark.parametrize("mechanism, steps, delta, skipped", [
+    (SubsampledGaussian(0.6, 0.01), 100000, 1e-8, True),      # add's epsilon 96.2 against remove's 126.0
+    (SubsampledGaussian(0.9, 0.1), 3000, 1e-5, True),         # 50.3 against 65.3
+    (SubsampledGaussian(1.1, 256 / 60000), 14063, 1e-5, False),  # 2.24 against 2.38: too close to certify
+    (RandomizedClipGaussian(2.0, 0.01, HutchEnvelope(32, 2048)), 300, 1e-6, None),
+])
+def test_a_direction_is_skipped_only_where_its_chernoff_bound_shows_it_cannot_be_the_larger(mechanism, steps,
+                                                                                           delta, skipped):
+    """epsilon_bracket reads the first direction and only those others whose exact composition could still
+    have delta above the target there; the bracket equals the maximum over every direction, and the bound
+    is a true upper bound on each direction's curve."""
+    acc = PLDAccountant().compose(mechanism, steps)
+    lo, hi = acc.epsilon_bracket(delta)
+    assert hi == max(c.epsilon(delta) for c in acc._composed(True))
+    assert lo == max(c.epsilon(delta) for c in acc._composed(False))
+    if skipped is not None:
+        assert (acc._composed(True)[1].delta_bound(hi) <= delta) == skipped
+    for comp in acc._composed(True):
+        for eps in (0.5 * hi, 0.8 * hi, hi):
+            d = comp.delta(eps)
+            if d > 1e-12:   # below, the window's charged tail (1e-18 per side) is most of the numerical curve
+                assert comp.delta_bound(eps) >= d * (1 - 1e-9)
