@@ -874,7 +874,10 @@ class Composition:
         dist = eps - c["mean"]
         if not (dist > 0 and math.isfinite(dist)):
             return 1.0
-        theta, k0 = _chernoff(c["parts"], c["sd"] ** 2, c["sd"], dist=dist)
+        theta = _chernoff(c["parts"], c["sd"] ** 2, c["sd"], dist=dist)[0]
+        k0 = _cumulant_terms(c["parts"], theta)[0]     # K at the returned theta, whatever the search did
+        if not math.isfinite(k0):
+            return 1.0
         log_c = theta * math.log(theta) - (theta + 1.0) * math.log1p(theta)
         return min(1.0, self.inf + math.exp(min(0.0, k0 - theta * dist + log_c)))
 
