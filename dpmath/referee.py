@@ -577,7 +577,8 @@ class _ScaleBins:
         return float(-math.expm1(steps * math.log1p(-self.q * self.charged)))
 
 
-def _rc_args(sigma, q, envelope, steps, resolution, tail):
+def _rc_args(sigma, q, envelope, steps, resolution, tail) -> tuple[float, float, int, float, float]:
+    """The validated ``(sigma, q, steps, resolution, tail)``."""
     s = positive_real(sigma, "sigma")
     qq = sample_rate(q)
     if not isinstance(envelope, Envelope):
@@ -589,7 +590,7 @@ def _rc_args(sigma, q, envelope, steps, resolution, tail):
     t = float(tail)
     if not 0 < t < 1e-3:
         raise ValueError(f"tail must lie in (0, 1e-3), got {tail!r}")
-    return s, qq, n, _ScaleBins(s, qq, envelope, r, t)
+    return s, qq, n, r, t
 
 
 class _RcCurve:
@@ -669,8 +670,8 @@ def referee_rc_delta(sigma: float, q: float, envelope: Envelope, steps: int, eps
     True
     """
     e = non_negative(epsilon, "epsilon")
-    _, _, n, bins = _rc_args(sigma, q, envelope, steps, resolution, tail)
-    return _RcCurve(bins, n)(e)
+    s, qq, n, r, t = _rc_args(sigma, q, envelope, steps, resolution, tail)
+    return _RcCurve(_ScaleBins(s, qq, envelope, r, t), n)(e)
 
 
 def referee_rc_epsilon(sigma: float, q: float, envelope: Envelope, steps: int, delta: float, *,
@@ -692,10 +693,9 @@ def referee_rc_epsilon(sigma: float, q: float, envelope: Envelope, steps: int, d
     True
     """
     d = open_probability(delta, "delta")
-    s, qq, n, _ = _rc_args(sigma, q, envelope, steps, resolution, 1e-16)
-    t = min(1e-4, 1e-4 * d / (n * qq)) if tail is None else tail
-    _, _, _, bins = _rc_args(s, qq, envelope, n, resolution, t)
-    curve = _RcCurve(bins, n)
+    s, qq, n, r, _ = _rc_args(sigma, q, envelope, steps, resolution, 1e-16)
+    t = min(1e-4, 1e-4 * d / (n * qq)) if tail is None else _rc_args(s, qq, envelope, n, r, tail)[4]
+    curve = _RcCurve(_ScaleBins(s, qq, envelope, r, t), n)
     cache: dict[float, tuple[float, float]] = {}
 
     def at(e: float) -> tuple[float, float]:
