@@ -196,11 +196,14 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
 _MIX_BLOCK = 1 << 21   # scales times grid points evaluated per block of :func:`mixture_masses`
 
 
-def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str, h: float, upper: bool,
-                   k_lo: int, k_hi: int, idx: np.ndarray | None) -> StepMasses:
-    """Interval masses of the ``weights``-mixture of subsampled-Gaussian steps with shifts ``mus`` (all
-    ``> 0``) on the grid of :func:`step_grid`: the weighted sums of each step's masses, computed as one
-    array per block of shifts (``relation`` "replace" takes a single shift).
+def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str, h: float,
+                   uppers: tuple[bool, ...], k_lo: int, k_hi: int, idx: np.ndarray | None) -> list[StepMasses]:
+    """Interval masses of ``weights``-mixtures of subsampled-Gaussian steps with shifts ``mus`` (all ``> 0``)
+    on the grid of :func:`step_grid`, one per row of ``weights`` (shape ``(len(uppers), mus.size)``), for the
+    bound ``uppers[r]``: the weighted sums of each step's masses, computed as one array per block of shifts
+    (``relation`` "replace" takes a single shift).  The rows share the CDF evaluations, which dominate the
+    cost: a randomized-clipping step's upper and lower bounds put their bins' masses on nearly the same
+    scales, so both cost about what one did.
 
     Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
     bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
@@ -210,32 +213,41 @@ def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str
     single = mus.size == 1   # the replace relation's bisection, and DP-SGD's grids of up to MAX_GRID points
     shift = None if single else (_shift(t, q) if relation == "remove" else _shift(-t, q))
     n = t.size
+    weights = np.atleast_2d(weights)
     p_int = q_int = None
-    first, top, inf = 0.0, 0.0, 0.0
+    rows = len(uppers)
+    first, kept_top, above, inf = (np.zeros(rows) for _ in range(4))
     block = max(1, _MIX_BLOCK // n)
     for b in range(0, mus.size, block):
         mu = float(mus[0]) if single else mus[b:b + block, None]
-        w = weights[b:b + block]
+        w = weights[:, b:b + block]
         p_cdf, p_sf, q_cdf, q_sf = (np.atleast_2d(c) for c in pair_cdfs(t, mu, q, relation, shift))
-        # interval masses from whichever side of the distribution is small, so tails keep relative accuracy
-        p_part = w @ np.maximum(np.where(p_cdf[:, 1:] <= 0.5, p_cdf[:, 1:] - p_cdf[:, :-1],
-                                         p_sf[:, :-1] - p_sf[:, 1:]), 0.0)
-        q_part = w @ np.maximum(np.where(q_cdf[:, 1:] <= 0.5, q_cdf[:, 1:] - q_cdf[:, :-1],
-                                         q_sf[:, :-1] - q_sf[:, 1:]), 0.0)
+        # interval masses from whichever side of the distribution is small, so tails keep relative accuracy;
+        # each row summed in a fixed order (a BLAS product's order depends on memory alignment), so that a
+        # bound's masses are the same whichever other bounds are computed with it
+        p_m = np.maximum(np.where(p_cdf[:, 1:] <= 0.5, p_cdf[:, 1:] - p_cdf[:, :-1], p_sf[:, :-1] - p_sf[:, 1:]), 0.0)
+        q_m = np.maximum(np.where(q_cdf[:, 1:] <= 0.5, q_cdf[:, 1:] - q_cdf[:, :-1], q_sf[:, :-1] - q_sf[:, 1:]), 0.0)
+        p_part = np.stack([(row[:, None] * p_m).sum(axis=0) for row in w])
+        q_part = np.stack([(row[:, None] * q_m).sum(axis=0) for row in w])
         p_int = p_part if p_int is None else p_int + p_part
         q_int = q_part if q_int is None else q_int + q_part
         p_above = p_sf[:, -1]
         with np.errstate(divide="ignore"):
             eq_top = np.where(q_sf[:, -1] > 0, np.exp(t[-1] + np.log(q_sf[:, -1])), 0.0)
-        first += float(w @ p_cdf[:, 0])
         kept = np.minimum(p_above, eq_top)
-        top += float(w @ (kept if upper else p_above))
-        inf += float(w @ (p_above - kept))
-    atoms = np.zeros(n)
-    atoms[-1] = top
-    if upper:
-        atoms[0] = first
-    return StepMasses(k_lo, p_int, q_int, atoms, inf if upper else 0.0, idx)
+        for r, row in enumerate(w):
+            first[r] += float((row * p_cdf[:, 0]).sum())
+            kept_top[r] += float((row * kept).sum())
+            above[r] += float((row * p_above).sum())
+            inf[r] += float((row * (p_above - kept)).sum())
+    out = []
+    for r, upper in enumerate(uppers):
+        atoms = np.zeros(n)
+        atoms[-1] = kept_top[r] if upper else above[r]
+        if upper:
+            atoms[0] = first[r]
+        out.append(StepMasses(k_lo, p_int[r], q_int[r], atoms, float(inf[r]) if upper else 0.0, idx))
+    return out
 
 
 def _bucket(k: int) -> int:

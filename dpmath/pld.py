@@ -49,11 +49,12 @@ Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
-_TAIL_POINTS = 5000     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
+_TAIL_POINTS = 2000     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
 _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
 _FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass ...
 _FINE_DECADES = 1 / 64 / 2e-3   # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
+_RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a grid halved in both steps
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
 
@@ -112,11 +113,15 @@ def _loss_cap(scales: np.ndarray, weights: np.ndarray, sigma: float, q: float, r
     return float(t_grid[ok[0]]) if ok.size else _LOSS_CAP * h
 
 
-def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count: int = 1,
-              scale_refinement: float = 1.0) -> Pld:
-    """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD.
+def _step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
+               scale_refinement: float = 1.0) -> list[Pld]:
+    """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD for each bound in
+    ``bounds`` (``True``: upper, ``False``: lower).
 
-    A random scale is discretized with ``scale_resolution * scale_refinement``.
+    A random scale is discretized with ``scale_resolution * scale_refinement``.  Both bounds' bins sit on
+    one grid of scales (the upper bound's mass at each bin's top, the lower's at its bottom), so the
+    bounds are computed together on each scale's loss grid, which is chosen for the larger of its two
+    weights: the CDF evaluations are shared.
 
     For a random scale the envelope's tail reaches losses no grid can hold: losses beyond
     :func:`_loss_cap` are charged to ``+inf`` (upper) or held at the cap (lower), and a scale of weight
@@ -124,51 +129,73 @@ def _step_pld(mechanism: Mechanism, relation: str, h: float, upper: bool, count:
     """
     q = mechanism.q
     if isinstance(mechanism, RandomizedClipGaussian):
-        scales, weights, unbounded = scale_atoms(mechanism.envelope, mechanism.scale_resolution * scale_refinement,
-                                                 upper)
+        # the scales, grids and blocks come from both bounds' bins whichever bounds are asked for, so a bound
+        # is the same number computed alone or with the other
+        atoms = {b: scale_atoms(mechanism.envelope, mechanism.scale_resolution * scale_refinement, b)
+                 for b in (True, False)}
+        scales = np.unique(np.concatenate([sc for sc, _, _ in atoms.values()]))
+        both = np.zeros((2, scales.size))
+        for r, (sc, w, _) in enumerate(atoms.values()):
+            both[r, np.searchsorted(scales, sc)] = w
+        largest = both.max(axis=0)
+        weights = both[[0 if b else 1 for b in bounds]]
+        unbounded = [atoms[b][2] for b in bounds]
     else:
-        scales, weights, unbounded = np.ones(1), np.ones(1), 0.0
+        scales, weights, unbounded = np.ones(1), np.ones((len(bounds), 1)), [0.0] * len(bounds)
+        largest = np.ones(1)
     if relation == "replace" and q == 1.0:
         relation, scales = "remove", 2.0 * scales  # N(-mu) against N(mu): a Gaussian with shift 2 mu
     t_cap, t_floor = math.inf, -math.inf
     if scales.size > 1:
-        t_cap = _loss_cap(scales, weights, mechanism.sigma, q, relation, h, count)
+        # the cap for the larger weights is at least each bound's own
+        t_cap = _loss_cap(scales, largest, mechanism.sigma, q, relation, h, count)
         t_floor = -_LOSS_CAP * h  # below: placed at the floor (upper) or dropped (lower); never matters for delta
-    fine: list[StepMasses] = []
-    groups: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}   # scales sharing a sparse grid
-    for a, w in zip(scales, weights, strict=True):
+    fine: list[list[StepMasses]] = [[] for _ in bounds]
+    groups: dict[tuple[int, int, int], tuple[list[float], list[int]]] = {}   # scales sharing a sparse grid
+    for i, (a, w) in enumerate(zip(scales, largest, strict=True)):
         if a == 0.0:   # the lower bound's atom at Y = inf: loss 0
-            fine.append(StepMasses(0, np.zeros(0), np.zeros(0), np.array([w]), 0.0))
+            for r in range(len(bounds)):
+                fine[r].append(StepMasses(0, np.zeros(0), np.zeros(0), weights[r, i:i + 1].copy(), 0.0))
             continue
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = MAX_GRID if scales.size == 1 else max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
         mu = float(a) / mechanism.sigma
         grid = step_grid(mu, q, relation, h, z, t_cap, points, t_floor)
         if grid[2] is None:
-            fine.append(mixture_masses(np.array([mu]), np.array([w]), q, relation, h, upper, *grid[:2], None))
+            for r, m in enumerate(mixture_masses(np.array([mu]), weights[:, i:i + 1], q, relation, h, bounds,
+                                                 *grid[:2], None)):
+                fine[r].append(m)
             continue
-        mus, ws = groups.setdefault(grid, ([], []))
+        mus, cols = groups.setdefault(grid, ([], []))
         mus.append(mu)
-        ws.append(float(w))
+        cols.append(i)
     # the scales on one sparse grid are one mixture, computed as one array and split once: its interval
     # masses are the weighted sums (the PLD of a mixture whose label is revealed is the mixture of the
     # PLDs), and both splits are computed from the summed masses
-    pieces = [split(mixture_masses(np.array(mus), np.array(ws), q, relation, h, upper, k_lo, k_hi,
-                                   sparse_points(k_lo, k_hi, n)), h, upper)
-              for (k_lo, k_hi, n), (mus, ws) in groups.items()]
-    if unbounded > 0:
-        # the unbounded scale: atoms whose loss is the supremum over scales (upper bound only)
-        if relation == "remove" and q < 1:
-            k = math.ceil(math.log1p(-q) / h)
-            fine.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded * (1 - q)]), unbounded * q))
-        elif relation == "add" and q < 1:
-            k = math.ceil(-math.log1p(-q) / h)
-            fine.append(StepMasses(k, np.zeros(0), np.zeros(0), np.array([unbounded]), 0.0))
-        else:
-            fine.append(StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), unbounded))
-    if fine:
-        pieces.append(split(mix(fine), h, upper))
-    return assemble(pieces, h, upper)
+    pieces: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in bounds]
+    for (k_lo, k_hi, n), (mus, cols) in groups.items():
+        masses = mixture_masses(np.array(mus), weights[:, cols], q, relation, h, bounds, k_lo, k_hi,
+                                sparse_points(k_lo, k_hi, n))
+        for r, (m, upper) in enumerate(zip(masses, bounds, strict=True)):
+            pieces[r].append(split(m, h, upper))
+    out = []
+    for r, upper in enumerate(bounds):
+        if unbounded[r] > 0:
+            fine[r].append(_unbounded_atom(unbounded[r], q, relation, h))
+        if fine[r]:
+            pieces[r].append(split(mix(fine[r]), h, upper))
+        out.append(assemble(pieces[r], h, upper))
+    return out
+
+
+def _unbounded_atom(mass: float, q: float, relation: str, h: float) -> StepMasses:
+    """The unbounded scale's ``mass``: atoms whose loss is the supremum over scales (upper bound only)."""
+    if relation == "remove" and q < 1:
+        return StepMasses(math.ceil(math.log1p(-q) / h), np.zeros(0), np.zeros(0), np.array([mass * (1 - q)]),
+                          mass * q)
+    if relation == "add" and q < 1:
+        return StepMasses(math.ceil(-math.log1p(-q) / h), np.zeros(0), np.zeros(0), np.array([mass]), 0.0)
+    return StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), mass)
 
 
 class PLDAccountant:
@@ -206,7 +233,8 @@ class PLDAccountant:
         shrinks by the factor the bracket's width asks for (errors fall about like ``h^2``; each grid is
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
         grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
-        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for.  ``None``
+        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a target
+        below 1 % starts with both steps halved.  ``None``
         (default): one grid.  ``1e-3`` makes the published upper end at most 0.1 % above the truth
         wherever the refinement reaches its target; it costs the finer grids' time (about 1 to 8 times,
         measured on the benchmarks page).
@@ -302,8 +330,10 @@ class PLDAccountant:
         the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
         like ``s``.  Which one dominates depends on the case (one RC step: the scale grid; ``10^6`` steps at
         sigma = 2: the loss grid), so the first refinement of an RC accountant halves each separately and
-        splits the width between them; each next grid shrinks only the parts above their share of the
-        target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and
+        splits the width between them (a target below 1 % starts from a grid with both steps halved, where
+        the default grid is 0.5 to 1.7 % wide on issue 16's cases); each next grid shrinks only the parts
+        above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to
+        ``discretization / 64`` and
         ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of
         0 under a positive upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is
         refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0,
@@ -314,11 +344,15 @@ class PLDAccountant:
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
 
+        both = lower or self.bracket_rtol is not None
+
         def run(h: float, s: float) -> float:
             """Query one grid, intersect its bracket into ``best``; its own width."""
             nonlocal best
+            if both:
+                self._build(h, s, (True, False))
             hi = query(h, True, s)
-            lo = query(h, False, s) if (lower or self.bracket_rtol is not None) else 0.0
+            lo = query(h, False, s) if both else 0.0
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
             return max(hi - lo, 0.0)
 
@@ -328,6 +362,10 @@ class PLDAccountant:
                     or (h <= h0 / 64 and (not scaled or s <= 1 / 16)))
 
         h, s = h0, 1.0
+        if scaled and self.bracket_rtol is not None and self.bracket_rtol < _RC_WIDE:
+            # randomized clipping's default grid leaves 0.5 to 1.7 % (issue 16's cases), part from each step:
+            # a tighter target starts where the default grid would only be a first, wasted try
+            h, s = h0 / 2, 0.5
         try:
             width = run(h, s)
             while not done(h, s):
@@ -361,28 +399,38 @@ class PLDAccountant:
 
     def _composed(self, upper: bool, h: float | None = None, s: float = 1.0) -> list[Composition]:
         h = self.discretization if h is None else h
-        key = (h, upper, s)
-        if key not in self._plds:
-            built: dict[tuple, Composition] = {}
-            out = []
-            for relation in _NEIGHBORING[self.neighboring]:
-                rels = tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
-                if rels not in built:  # with q = 1 adding and removing an example are the same pair
-                    built[rels] = Composition(self._steps(rels, upper, h, s), self.tail_mass)
-                out.append(built[rels])
-            self._plds[key] = out
-        return self._plds[key]
+        self._build(h, s, (upper,))
+        return self._plds[(h, upper, s)]
 
-    def _steps(self, relations: tuple[str, ...], upper: bool, h: float, s: float) -> list[tuple[Pld, int]]:
+    def _build(self, h: float, s: float, bounds: tuple[bool, ...]) -> None:
+        """Compose each direction's steps on the grid ``(h, s)`` for each bound in ``bounds`` not yet cached;
+        bounds built in one call share their steps' CDF evaluations (:func:`_step_plds`)."""
+        todo = tuple(b for b in bounds if (h, b, s) not in self._plds)
+        if not todo:
+            return
+        built: dict[tuple, list[Composition]] = {}
+        out: list[list[Composition]] = [[] for _ in todo]
+        for relation in _NEIGHBORING[self.neighboring]:
+            rels = tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
+            if rels not in built:  # with q = 1 adding and removing an example are the same pair
+                built[rels] = [Composition(steps, self.tail_mass) for steps in self._steps(rels, todo, h, s)]
+            for j in range(len(todo)):
+                out[j].append(built[rels][j])
+        for j, b in enumerate(todo):
+            self._plds[(h, b, s)] = out[j]
+
+    def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
+               ) -> list[list[tuple[Pld, int]]]:
+        """The step PLDs and their counts, one list per bound in ``bounds``."""
         events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
         fixed = [m for m, _ in events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
         if len(fixed) == len(events):
             # Gaussian steps compose in closed form: one Gaussian with 1/sigma^2 = sum_i n_i / sigma_i^2,
             # discretized once (tighter and faster than composing discretized steps)
             sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in events))
-            return [(_step_pld(Gaussian(sigma), relations[0], h, upper), 1)]
-        return [(_step_pld(m, rel, h, upper, n, s), n)
-                for (m, n), rel in zip(events, relations, strict=True)]
+            return [[(p, 1)] for p in _step_plds(Gaussian(sigma), relations[0], h, bounds)]
+        per_event = [_step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
+        return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
 
     def epsilon(self, delta: float) -> float:
         r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``.

@@ -346,8 +346,9 @@ def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation
     assert n is not None and n >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
     idx = sparse_points(k_lo, k_hi, n)
     assert idx[0] == k_lo and idx[-1] == k_hi and np.all(np.diff(idx) > 0)
-    whole = mixture_masses(mus, weights, q, relation, h, upper, k_lo, k_hi, idx)
-    parts = [mixture_masses(mus[i:i + 1], weights[i:i + 1], q, relation, h, upper, k_lo, k_hi, idx) for i in range(4)]
+    whole = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
+    parts = [mixture_masses(mus[i:i + 1], weights[None, i:i + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
+             for i in range(4)]
     for field in ("p_int", "q_int", "atoms"):
         summed = sum(getattr(p, field) for p in parts)
         np.testing.assert_allclose(getattr(whole, field), summed, rtol=1e-13, atol=1e-300)
@@ -356,6 +357,37 @@ def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation
     # the lower bound drops what lies below the grid
     total = whole.p_int.sum() + whole.atoms.sum() + whole.inf
     assert total == pytest.approx(1.0, abs=1e-12) if upper else total <= 1.0 + 1e-12
+
+
+@pytest.mark.parametrize("relation", ["remove", "add"])
+def test_bounds_computed_together_from_shared_cdfs_equal_each_computed_alone(relation):
+    # a randomized-clipping step builds its upper and lower bounds in one pass over the scales (each row of
+    # weights is one bound's bins); nothing may leak between the rows
+    from dpmath._pld_core import mixture_masses, sparse_points, step_grid
+
+    q, h = 0.02, 1e-3
+    mus = np.array([0.8, 1.1, 1.7, 2.6])
+    weights = np.array([[0.0, 0.6, 0.3, 0.1], [0.55, 0.3, 0.15, 0.0]])   # upper: bin tops; lower: bin bottoms
+    k_lo, k_hi, n = step_grid(2.6, q, relation, h, 9.0, max_points=600)
+    idx = sparse_points(k_lo, k_hi, n)
+    both = mixture_masses(mus, weights, q, relation, h, (True, False), k_lo, k_hi, idx)
+    for row, upper in enumerate((True, False)):
+        alone = mixture_masses(mus, weights[row:row + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
+        for field in ("p_int", "q_int", "atoms"):
+            np.testing.assert_allclose(getattr(both[row], field), getattr(alone, field), rtol=1e-14, atol=1e-300)
+        assert both[row].inf == pytest.approx(alone.inf, rel=1e-14, abs=1e-300)
+    assert both[1].inf == 0.0 and both[1].atoms[0] == 0.0   # the lower bound drops what lies below the grid
+
+
+def test_an_rc_upper_end_is_the_same_number_with_or_without_its_lower_end():
+    # the bracket's upper end is built together with the lower end (shared CDFs); the published epsilon is
+    # built alone: they must agree to the last bit, or a user sees two different epsilons for one run
+    from dpmath import HutchEnvelope, RandomizedClipGaussian
+
+    m = RandomizedClipGaussian(1.0, 0.05, HutchEnvelope(16, 512))
+    alone = PLDAccountant(1e-3).compose(m, 40).epsilon(1e-5)
+    lo, hi = PLDAccountant(1e-3).compose(m, 40).epsilon_bracket(1e-5)
+    assert lo < hi == alone
 
 
 def _exact_delta(mus, weights, q, relation, eps):
@@ -392,7 +424,7 @@ def test_the_lower_split_lies_below_the_exact_curve_everywhere_and_the_upper_abo
     exact = _exact_delta(mus, weights, q, relation, eps)
     curves = {}
     for upper in (True, False):
-        masses = mixture_masses(mus, weights, q, relation, h, upper, k_lo, k_hi, idx)
+        masses = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
         pld = assemble([split(masses, h, upper)], h, upper)
         assert np.all(pld.pmf >= 0) and pld.pmf.sum() <= 1 + 1e-12
         curves[upper] = np.array([pld.delta(e) for e in eps])
@@ -435,7 +467,7 @@ def test_both_splits_bracket_the_exact_curve_of_any_scale_mixture(log_mus, log_q
     eps = np.concatenate([np.linspace(-3, 30, 301), mids[near][::max(1, near.sum() // 300)]])
     exact = _exact_delta(mus, weights, q, relation, eps)
     for upper in (True, False):
-        masses = mixture_masses(mus, weights, q, relation, h, upper, k_lo, k_hi, idx)
+        masses = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
         pld = assemble([split(masses, h, upper)], h, upper)
         assert np.all(pld.pmf >= 0) and pld.pmf.sum() + pld.inf <= 1 + 1e-12
         curve = np.array([pld.delta(e) for e in eps])
