@@ -61,7 +61,10 @@ class GridTooLargeError(ValueError):
 
 
 MAX_GRID = 1 << 25  # ~34M points: 270 MB per float64 array, the most one composition may use
-_FFT_ERR = 5.0 * np.finfo(np.float64).eps  # |error| of an FFT coefficient per unit mass, per log2 N
+_F64_EPS = float(np.finfo(np.float64).eps)
+_FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per log2 N (scaled by eps in extended)
+# extended precision helps only where long double is wider than double (x86: 80 bits; not on every platform)
+_EXTENDED = float(np.finfo(np.longdouble).eps) < _F64_EPS
 _TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias anywhere)
 _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
@@ -169,13 +172,15 @@ class StepMasses:
 
 
 def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: float = math.inf,
-              max_points: int = MAX_GRID, t_floor: float = -math.inf) -> tuple[int, int, int | None]:
+              max_points: int = MAX_GRID, t_floor: float = -math.inf, shared: bool = False
+              ) -> tuple[int, int, int | None]:
     """``(k_lo, k_hi, sparse)``: the grid indices on which a subsampled-Gaussian step with shift ``mu > 0`` is
     resolved: ``z`` standard deviations of the output under ``P``, losses in ``[t_floor, t_cap]``, at most
     about ``max_points`` points.  ``sparse`` is ``None`` for every index in ``[k_lo, k_hi]``; a longer range
     uses ``sparse_points(k_lo, k_hi, sparse)``: every grid point near zero loss and geometrically spaced
     ones beyond (connect-the-dots on a coarser partition is still an upper bound, and the greedy split on it
-    still a lower bound, only less tight)."""
+    still a lower bound, only less tight).  ``shared``: a dense range's ends are rounded outward too, so
+    that the scales of a mixture whose ranges are close share one dense grid as well."""
     t_lo, t_hi = loss_range(mu, q, relation, z)
     t_lo = max(t_lo, t_floor)
     t_hi = min(t_hi, max(t_cap, t_lo + h))
@@ -186,7 +191,7 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
             f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
             f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
     if k_hi - k_lo + 1 <= max_points:
-        return k_lo, k_hi, None
+        return (-_bucket(-k_lo), _bucket(k_hi), None) if shared else (k_lo, k_hi, None)
     # round the sparse grid's ends outward and its size up to one of a few buckets: the scales of a
     # randomized-clipping step that land in one bucket share the grid, so they are computed as one array,
     # mixed and split once (a wider range and more points only make the bounds tighter)
@@ -693,20 +698,33 @@ def _tilt_for_mean(factors: list[_Factor], target: float, lam0: float, direction
     return hi
 
 
-def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a: int, b: int, h: float
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a: int, b: int, h: float,
+                    extended: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Values and log error bounds at grid indices ``a..b`` of the composition, computed on the FFT
-    window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted."""
+    window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted.
+
+    ``extended``: the FFTs and the power in ``np.longdouble`` (x86's 80-bit format: rounding error about
+    2000 times smaller, at about 7 times the cost).  The FFT's error is absolute, a multiple of the whole
+    tilted mass at every point, so where most of a step's mass sits on a few grid points (``q mu`` far below
+    the grid step: the spectrum stays near modulus 1 and its power amplifies rounding by the step count)
+    it swamps a small delta; extended precision shrinks it in proportion.  The inputs are still float64,
+    so each value also carries a relative error, at most ``n (4 + max |log w|) eps`` for ``n`` steps of
+    tilted weights ``w`` (a composition is a sum of products of ``n`` inputs, all ``>= 0``), charged too."""
     nfft = sfft.next_fast_len(w_hi - w_lo + 1, real=True)
+    dtype = np.longdouble if extended else np.float64
+    eps = float(np.finfo(dtype).eps)
     xs, log_abs = [], []
     log_spec = np.zeros(nfft // 2 + 1)
     log_scale = 0.0
     offset = 0
+    rel = 0.0   # relative error of each value from the inputs' rounding (extended precision only)
     for f in factors:
         w, log_norm, _, _ = f.tilted(lam)
-        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft))
+        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft).astype(dtype))
+        if extended:
+            rel += f.n * (4.0 + float(np.max(np.abs(f.logp + lam * f.t - log_norm)))) * _F64_EPS
         with np.errstate(divide="ignore"):
-            la = np.log(np.abs(x))
+            la = np.log(np.abs(x)).astype(np.float64)
         xs.append(x)
         log_abs.append(la)
         log_spec += f.n * la
@@ -715,8 +733,9 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
     # the power is taken only where the product's modulus is representable (after many steps, few
     # frequencies); the others are left at 0 and their moduli are charged to the error below
     keep = log_spec > _LOG_TINY
-    spec = np.zeros(nfft // 2 + 1, dtype=np.complex128)
-    part = np.ones(int(keep.sum()), dtype=np.complex128)
+    cdtype = np.clongdouble if extended else np.complex128
+    spec = np.zeros(nfft // 2 + 1, dtype=cdtype)
+    part = np.ones(int(keep.sum()), dtype=cdtype)
     for x, f in zip(xs, factors, strict=True):
         part *= x[keep] ** f.n
     spec[keep] = part
@@ -731,7 +750,7 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
         # exp underflows to exactly 0 below -746: only the other terms are summed (the same sum, faster)
         sens += f.n * float(np.exp(log_term[log_term > -746.0]).sum())
     circ = sfft.irfft(spec, nfft)
-    scale = _FFT_ERR * math.log2(nfft)
+    scale = _FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
     peak = max(float(circ.max()), -float(circ.min()))
     err_t = scale * ((2.0 / nfft) * (sens + float(np.sum(np.abs(part)))) + peak)
     err_t += (2.0 / nfft) * dropped   # each output moves by at most 2/N times the dropped moduli
@@ -741,9 +760,12 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
     run = circ[first:first + b - a + 1]
     if run.size < b - a + 1:
         run = np.concatenate([run, circ[:b - a + 1 - run.size]])
+    run = run.astype(np.float64)
     log_fac = log_scale - lam * np.arange(a, b + 1) * h
-    with np.errstate(over="ignore"):
-        return run * np.exp(log_fac), math.log(err_t) + log_fac
+    # the float64 values: rounded once more, and (extended) the inputs' relative error
+    err_run = err_t + (rel + _F64_EPS) * (np.abs(run) + err_t) if extended else np.full(run.shape, err_t)
+    with np.errstate(over="ignore", divide="ignore"):
+        return run * np.exp(log_fac), np.log(err_run) + log_fac
 
 
 class Composition:
@@ -768,7 +790,7 @@ class Composition:
         self.h, self.upper = first.h, first.upper
         self.single = first if (len(events) == 1 and events[0][1] == 1) else None
         self._full: Pld | None = None
-        self._local: dict[float, Pld] = {}
+        self._local: dict[tuple[float, bool], Pld] = {}
         if self.single is not None:
             return
         self.factors = [_Factor(p, n) for p, n in events]
@@ -783,13 +805,13 @@ class Composition:
                 f"{max(self.over, self.under):.1e} outside); use a coarser discretization (now {self.h:g}), "
                 f"e.g. discretization={10 * self.h:g}")
 
-    def _pass(self, lam: float) -> tuple[int, np.ndarray, np.ndarray] | None:
+    def _pass(self, lam: float, extended: bool = False) -> tuple[int, np.ndarray, np.ndarray] | None:
         """``(first index, values, log error bounds)`` of one tilted pass, inside the untilted window."""
         w_lo, w_hi = (self.lo, self.hi) if lam == 0.0 else _window(self.factors, lam, _TILT_TAIL, self.h)[:2]
         a, b = max(self.lo, w_lo), min(self.hi, w_hi)
         if a > b or w_hi - w_lo + 1 > MAX_GRID:
             return None
-        val, log_err = _tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h)
+        val, log_err = _tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended)
         return a, val, log_err
 
     def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
@@ -803,12 +825,13 @@ class Composition:
         pmf = np.maximum(value - err, 0.0)
         return Pld(self.h, start, pmf, self.inf, False, slack, err=err)
 
-    def local(self, lam: float) -> Pld:
-        """One pass under the tilt ``lam`` (cached)."""
-        if lam not in self._local:
-            res = self._pass(lam)
+    def local(self, lam: float, extended: bool = False) -> Pld:
+        """One pass under the tilt ``lam``, in extended precision if asked (cached)."""
+        key = (lam, extended)
+        if key not in self._local:
+            res = self._pass(lam, extended)
             if res is None:
-                self._local[lam] = self.full()
+                self._local[key] = self.full()
             else:
                 start, val, log_err = res
                 with np.errstate(over="ignore", invalid="ignore"):
@@ -816,8 +839,8 @@ class Composition:
                     # far below the tilt's centre the untilted values are noise: lump them instead
                     ok = np.nonzero(np.isfinite(val) & (err <= 0.5 * np.abs(val)))[0]
                 first = int(ok[0]) if ok.size else val.size - 1
-                self._local[lam] = self._finish(start + first, val[first:], err[first:], lam)
-        return self._local[lam]
+                self._local[key] = self._finish(start + first, val[first:], err[first:], lam)
+        return self._local[key]
 
     def full(self) -> Pld:
         """Every point of the window, each from the tilt with the smallest error bound (cached)."""
@@ -900,27 +923,42 @@ class Composition:
         mean = c["mean"]
         # the tilt that minimises the Chernoff bound exp(K(theta) - theta u) at its delta quantile
         lam = _grid_tilt(c["parts"], c["sd"], -math.log(delta))
-        for _ in range(4):
-            pld = self.local(lam)
+        extended = False
+        tried = []   # every pass's answer is a valid bound, only not always a tight one
+        for _ in range(5):
+            pld = self.local(lam, extended)
             eps = pld.epsilon(delta)
             if eps == math.inf or self._good(pld, eps, delta):
                 return eps
+            tried.append(eps)
+            if eps >= pld.start * self.h and _EXTENDED and not extended:
+                extended = True   # resolved, but rounding moves delta too much: the same pass, extended
+                continue
             nxt = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
             if nxt is None or nxt == lam:
                 break
             lam = nxt
-        return self.full().epsilon(delta)
+        return self._tightest([self.full().epsilon(delta), *tried])
 
     def delta(self, eps: float) -> float:
         if self.single is not None:
             return self.single.delta(eps)
         lam = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > self._cumulants["mean"] else 0.0
+        tried = []
         if lam is not None:
-            pld = self.local(lam)
-            d = pld.delta(eps)
-            if self._good(pld, eps, d):
-                return d
-        return self.full().delta(eps)
+            for extended in (False, True) if _EXTENDED else (False,):
+                pld = self.local(lam, extended)
+                d = pld.delta(eps)
+                if self._good(pld, eps, d):
+                    return d
+                tried.append(d)
+                if eps < pld.start * self.h:   # not resolved by this pass: not a matter of rounding
+                    break
+        return self._tightest([self.full().delta(eps), *tried])
+
+    def _tightest(self, values: list[float]) -> float:
+        """The tightest of several valid bounds (the smallest upper, the largest lower)."""
+        return min(values) if self.upper else max(values)
 
     def tradeoff(self, alpha: np.ndarray) -> np.ndarray:
         return (self.single if self.single is not None else self.full()).tradeoff(alpha)

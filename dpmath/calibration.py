@@ -150,15 +150,34 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     context = f"delta={d:g}, q={qq:g}, steps={n}"
     if envelope is None:
         return _search(f, 1.0, [2.0], eps_t, context, rt)[0]
-    # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, search on a
-    # coarse grid (4x the scale bins, 10x the loss step: ~5x cheaper, an upper bound all the same), then
-    # finish on the requested grid from there, which takes two to four evaluations
+    # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, take two Newton
+    # steps on a coarse grid (4x the scale bins, 10x the loss step: cheaper, an upper bound all the same),
+    # then search on the requested grid from there, which takes three evaluations where the start is good
     # (the plain answer and its slope, on the coarse loss grid, only start the coarse search)
     plain, plain_slope = _search(objective(_SCALE_RESOLUTION, min(10 * discretization, 1e-2), None), 1.0, [2.0],
                                  eps_t, context, 1e-2)
     coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
-    coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
+    coarse, slope = _newton_start(coarse_f, plain, plain_slope)
+    if coarse is None:   # the Newton steps did not work out: a bracketing search on the coarse grid
+        coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
     return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+
+
+def _newton_start(f, guess: float, slope: float) -> tuple[float | None, float]:
+    """Two Newton steps on ``f(log sigma)`` from ``guess`` with ``slope``, the second with the secant slope of
+    the two evaluations: a start (and slope) for the search on the requested grid, which brackets the root
+    itself, so no bracket is needed here (two evaluations where a bracketing search took four).  ``None``
+    where a value or a slope is not finite and negative."""
+    f0 = f(guess)
+    if not (math.isfinite(f0) and slope < 0):
+        return None, slope
+    x0 = math.log(guess)
+    x1 = x0 - f0 / slope
+    f1 = f(math.exp(x1))
+    secant = (f1 - f0) / (x1 - x0) if math.isfinite(f1) and x1 != x0 else math.nan
+    if not secant < 0:
+        return None, slope
+    return math.exp(x1 - f1 / secant), secant
 
 
 def calibrate_noise(epsilon: Callable[[float], float], target_epsilon: float, *, guess: float = 1.0,

@@ -151,7 +151,7 @@ def _step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool
         t_cap = _loss_cap(scales, largest, mechanism.sigma, q, relation, h, count)
         t_floor = -_LOSS_CAP * h  # below: placed at the floor (upper) or dropped (lower); never matters for delta
     fine: list[list[StepMasses]] = [[] for _ in bounds]
-    groups: dict[tuple[int, int, int], tuple[list[float], list[int]]] = {}   # scales sharing a sparse grid
+    groups: dict[tuple[int, int, int | None], tuple[list[float], list[int]]] = {}   # scales sharing a grid
     for i, (a, w) in enumerate(zip(scales, largest, strict=True)):
         if a == 0.0:   # the lower bound's atom at Y = inf: loss 0
             for r in range(len(bounds)):
@@ -160,24 +160,22 @@ def _step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = MAX_GRID if scales.size == 1 else max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
         mu = float(a) / mechanism.sigma
-        grid = step_grid(mu, q, relation, h, z, t_cap, points, t_floor)
-        if grid[2] is None:
-            for r, m in enumerate(mixture_masses(np.array([mu]), weights[:, i:i + 1], q, relation, h, bounds,
-                                                 *grid[:2], None)):
-                fine[r].append(m)
-            continue
+        grid = step_grid(mu, q, relation, h, z, t_cap, points, t_floor, shared=scales.size > 1)
         mus, cols = groups.setdefault(grid, ([], []))
         mus.append(mu)
         cols.append(i)
-    # the scales on one sparse grid are one mixture, computed as one array and split once: its interval
-    # masses are the weighted sums (the PLD of a mixture whose label is revealed is the mixture of the
-    # PLDs), and both splits are computed from the summed masses
+    # the scales on one grid are one mixture, computed as one array: its interval masses are the weighted sums
+    # (the PLD of a mixture whose label is revealed is the mixture of the PLDs); a sparse grid's are split
+    # at once, the dense grids' are added up on the full grid and split together
     pieces: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in bounds]
     for (k_lo, k_hi, n), (mus, cols) in groups.items():
         masses = mixture_masses(np.array(mus), weights[:, cols], q, relation, h, bounds, k_lo, k_hi,
-                                sparse_points(k_lo, k_hi, n))
+                                None if n is None else sparse_points(k_lo, k_hi, n))
         for r, (m, upper) in enumerate(zip(masses, bounds, strict=True)):
-            pieces[r].append(split(m, h, upper))
+            if n is None:
+                fine[r].append(m)
+            else:
+                pieces[r].append(split(m, h, upper))
     out = []
     for r, upper in enumerate(bounds):
         if unbounded[r] > 0:
