@@ -65,6 +65,7 @@ _F64_EPS = float(np.finfo(np.float64).eps)
 _FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per log2 N (scaled by eps in extended)
 # extended precision helps only where long double is wider than double (x86: 80 bits; not on every platform)
 _EXTENDED = float(np.finfo(np.longdouble).eps) < _F64_EPS
+_EXTEND_AT = 1e-2      # ... and is used where a float64 pass's rounding moves delta by more than this of it
 _TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias anywhere)
 _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
@@ -897,6 +898,15 @@ class Composition:
         j = max(0, math.floor(eps / self.h) - pld.start)
         return float(pld.err[j:].sum()) <= _TILT_RTOL * max(delta, _TILT_FLOOR)
 
+    def _rounding_bound(self, pld: Pld, eps: float, delta: float) -> bool:
+        """The pass resolves ``eps`` but its rounding error moves ``delta`` by over ``_EXTEND_AT`` of it, and
+        extended precision is available: worth the same pass in extended precision (about 7 times its
+        cost).  Below that the float64 pass's answer is kept or the tilt moved, as before."""
+        if not _EXTENDED or pld.err is None or eps < pld.start * self.h:
+            return False
+        j = max(0, math.floor(eps / self.h) - pld.start)
+        return float(pld.err[j:].sum()) > _EXTEND_AT * max(delta, _TILT_FLOOR)
+
     def delta_bound(self, eps: float) -> float:
         r"""An upper bound on ``delta(eps)`` of the exact composition of these steps, without an FFT: the mass
         at ``+inf`` plus the Chernoff bound ``min_theta c(theta) E[e^{theta (L - eps)}]``, with
@@ -931,8 +941,8 @@ class Composition:
             if eps == math.inf or self._good(pld, eps, delta):
                 return eps
             tried.append(eps)
-            if eps >= pld.start * self.h and _EXTENDED and not extended:
-                extended = True   # resolved, but rounding moves delta too much: the same pass, extended
+            if not extended and self._rounding_bound(pld, eps, delta):
+                extended = True   # resolved, but rounding moves delta by over 1 %: the same pass, extended
                 continue
             nxt = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
             if nxt is None or nxt == lam:
@@ -952,7 +962,7 @@ class Composition:
                 if self._good(pld, eps, d):
                     return d
                 tried.append(d)
-                if eps < pld.start * self.h:   # not resolved by this pass: not a matter of rounding
+                if not self._rounding_bound(pld, eps, d):
                     break
         return self._tightest([self.full().delta(eps), *tried])
 

@@ -16,8 +16,10 @@ MIXTURES = [
     ([0.2, 0.16], [2, 10]),
     ([0.71, 0.145, 0.145], 1),
     ([0.9 / 32, 0.1 / (2047 * 32)], [32, 2047 * 32]),
-    ([0.5 / 32, 0.5 / (1000 * 32)], [32, 32000]),
-    ([0.5, 0.3, 0.2], 1),
+    # about 8 s of mpmath each: the kinds above cover them in the default run (two blocks with a huge dof
+    # ratio; three distinct weights), all three run with -m slow
+    pytest.param([0.5 / 32, 0.5 / (1000 * 32)], [32, 32000], marks=pytest.mark.slow),
+    pytest.param([0.5, 0.3, 0.2], 1, marks=pytest.mark.slow),
     pytest.param([0.05, 0.25, 0.7], [3, 1, 2], marks=pytest.mark.slow),   # about 16 s of mpmath
     ([1.0 / 64], [64]),
 ]
