@@ -895,8 +895,12 @@ class Composition:
             return True
         if eps < pld.start * self.h:
             return False
+        return self._error_above(pld, eps) <= _TILT_RTOL * max(delta, _TILT_FLOOR)
+
+    def _error_above(self, pld: Pld, eps: float) -> float:
+        """The pass's error bounds summed from ``eps`` up: how far they can move ``delta(eps)``."""
         j = max(0, math.floor(eps / self.h) - pld.start)
-        return float(pld.err[j:].sum()) <= _TILT_RTOL * max(delta, _TILT_FLOOR)
+        return float(pld.err[j:].sum())
 
     def _rounding_bound(self, pld: Pld, eps: float, delta: float) -> bool:
         """The pass resolves ``eps`` but its rounding error moves ``delta`` by over ``_EXTEND_AT`` of it, and
@@ -904,8 +908,7 @@ class Composition:
         cost).  Below that the float64 pass's answer is kept or the tilt moved, as before."""
         if not _EXTENDED or pld.err is None or eps < pld.start * self.h:
             return False
-        j = max(0, math.floor(eps / self.h) - pld.start)
-        return float(pld.err[j:].sum()) > _EXTEND_AT * max(delta, _TILT_FLOOR)
+        return self._error_above(pld, eps) > _EXTEND_AT * max(delta, _TILT_FLOOR)
 
     def delta_bound(self, eps: float) -> float:
         r"""An upper bound on ``delta(eps)`` of the exact composition of these steps, without an FFT: the mass

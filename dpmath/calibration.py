@@ -156,7 +156,8 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     # (the plain answer and its slope, on the coarse loss grid, only start the coarse search)
     plain, plain_slope = _search(objective(_SCALE_RESOLUTION, min(10 * discretization, 1e-2), None), 1.0, [2.0],
                                  eps_t, context, 1e-2)
-    coarse_f = objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2))
+    # memoized: where the Newton steps fail, the bracketing search starts from the sigma they evaluated first
+    coarse_f = functools.lru_cache(maxsize=None)(objective(4 * _SCALE_RESOLUTION, min(10 * discretization, 1e-2)))
     coarse, slope = _newton_start(coarse_f, plain, plain_slope)
     if coarse is None:   # the Newton steps did not work out: a bracketing search on the coarse grid
         coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)

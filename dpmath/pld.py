@@ -231,11 +231,10 @@ class PLDAccountant:
         shrinks by the factor the bracket's width asks for (errors fall about like ``h^2``; each grid is
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
         grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
-        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a target
-        below 1 % starts with both steps halved.  ``None``
-        (default): one grid.  ``1e-3`` makes the published upper end at most 0.1 % above the truth
-        wherever the refinement reaches its target; it costs the finer grids' time (about 1 to 8 times,
-        measured on the benchmarks page).
+        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a
+        target below 1 % starts with both steps halved.  ``None`` (default): one grid.  ``1e-3`` makes the
+        published upper end at most 0.1 % above the truth wherever the refinement reaches its target; it
+        costs the finer grids' time (about 1 to 8 times, measured on the benchmarks page).
 
     Examples
     --------
@@ -331,10 +330,9 @@ class PLDAccountant:
         splits the width between them (a target below 1 % starts from a grid with both steps halved, where
         the default grid is 0.5 to 1.7 % wide on issue 16's cases); each next grid shrinks only the parts
         above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to
-        ``discretization / 64`` and
-        ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of
-        0 under a positive upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is
-        refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0,
+        ``discretization / 64`` and ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon
+        queries), a lower end of 0 under a positive upper end (one step's losses span only a few grid points,
+        e.g. ``q mu < h``) is refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0,
         finer ones rarely help)."""
         h0 = self.discretization
         rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
