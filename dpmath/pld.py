@@ -332,8 +332,8 @@ class PLDAccountant:
         above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to
         ``discretization / 64`` and ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon
         queries), a lower end of 0 under a positive upper end (one step's losses span only a few grid points,
-        e.g. ``q mu < h``) is refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0,
-        finer ones rarely help)."""
+        e.g. ``q mu < h``) is refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that
+        leaves it at 0, finer ones rarely help)."""
         h0 = self.discretization
         rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
         scaled = any(isinstance(m, RandomizedClipGaussian) for m, _ in self._events)
