@@ -700,17 +700,21 @@ def _tilt_for_mean(factors: list[_Factor], target: float, lam0: float, direction
 
 
 def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a: int, b: int, h: float,
-                    extended: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Values and log error bounds at grid indices ``a..b`` of the composition, computed on the FFT
-    window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted.
+                    extended: bool = False, trim: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(first index, values, error bounds)`` at grid indices ``first..b`` of the composition, computed on
+    the FFT window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted; ``first = a``, or with ``trim``
+    the first index whose value is not noise (error bound at most half the value; the error and the value
+    scale alike when untilted, so this is read before untilting the rest).
 
     ``extended``: the FFTs and the power in ``np.longdouble`` (x86's 80-bit format: rounding error about
     2000 times smaller, at about 7 times the cost).  The FFT's error is absolute, a multiple of the whole
     tilted mass at every point, so where most of a step's mass sits on a few grid points (``q mu`` far below
     the grid step: the spectrum stays near modulus 1 and its power amplifies rounding by the step count)
-    it swamps a small delta; extended precision shrinks it in proportion.  The inputs are still float64,
-    so each value also carries a relative error, at most ``n (4 + max |log w|) eps`` for ``n`` steps of
-    tilted weights ``w`` (a composition is a sum of products of ``n`` inputs, all ``>= 0``), charged too."""
+    it swamps a small delta; extended precision shrinks it in proportion.  Each value also carries a
+    relative error from rounding, charged too: at most ``n (4 + max |log w|) eps`` from ``n`` steps of
+    float64 tilted weights ``w`` (a composition is a sum of products of ``n`` inputs, all ``>= 0``), and
+    ``(4 + 2 (|log c| + |lam| max |t|)) eps`` from untilting by ``c e^{-lam t}`` (the rounding of the exponent's
+    two terms, then of ``exp``).  Overflowing values and bounds are ``inf`` (or NaN where ``0 * inf``)."""
     nfft = sfft.next_fast_len(w_hi - w_lo + 1, real=True)
     dtype = np.longdouble if extended else np.float64
     eps = float(np.finfo(dtype).eps)
@@ -718,12 +722,11 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
     log_spec = np.zeros(nfft // 2 + 1)
     log_scale = 0.0
     offset = 0
-    rel = 0.0   # relative error of each value from the inputs' rounding (extended precision only)
+    rel = 0.0   # relative error of each value from the inputs' rounding
     for f in factors:
         w, log_norm, _, _ = f.tilted(lam)
-        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft).astype(dtype))
-        if extended:
-            rel += f.n * (4.0 + float(np.max(np.abs(f.logp + lam * f.t - log_norm)))) * _F64_EPS
+        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft).astype(dtype, copy=False))
+        rel += f.n * (4.0 + float(np.max(np.abs(f.logp + lam * f.t - log_norm)))) * _F64_EPS
         with np.errstate(divide="ignore"):
             la = np.log(np.abs(x)).astype(np.float64)
         xs.append(x)
@@ -757,16 +760,32 @@ def _tilted_product(factors: list[_Factor], lam: float, w_lo: int, w_hi: int, a:
     err_t += (2.0 / nfft) * dropped   # each output moves by at most 2/N times the dropped moduli
     if lam != 0.0:
         err_t += 2.0 * _TILT_TAIL  # tilted mass outside the window may alias onto any point
-    first = (a - offset) % nfft   # indices a..b of the composition, a contiguous run of the circle
-    run = circ[first:first + b - a + 1]
+    start = (a - offset) % nfft   # indices a..b of the composition, a contiguous run of the circle
+    run = circ[start:start + b - a + 1]
     if run.size < b - a + 1:
         run = np.concatenate([run, circ[:b - a + 1 - run.size]])
-    run = run.astype(np.float64)
-    log_fac = log_scale - lam * np.arange(a, b + 1) * h
-    # the float64 values: rounded once more, and (extended) the inputs' relative error
-    err_run = err_t + (rel + _F64_EPS) * (np.abs(run) + err_t) if extended else np.full(run.shape, err_t)
-    with np.errstate(over="ignore", divide="ignore"):
-        return run * np.exp(log_fac), np.log(err_run) + log_fac
+    rel += (4.0 + 2.0 * (abs(log_scale) + abs(lam) * max(abs(a), abs(b)) * h)) * _F64_EPS
+    if trim:
+        # far below a tilt's centre the values are noise, which the caller lumps: only the rest is untilted
+        floor = err_t * (1.0 + rel) / (0.5 - rel)
+        good = (run >= floor) | (run <= -floor)
+        a += int(np.argmax(good)) if good.any() else run.size - 1
+        run = run[a - b - 1:]
+    run = run.astype(np.float64, copy=False)   # changed in place below: ``circ`` is not read again
+    # the untilting factor, values and bounds computed in place: these runs hold millions of points, and a
+    # fresh array costs about as much as the arithmetic on it
+    fac = np.arange(a, b + 1, dtype=np.float64)
+    fac *= -lam * h
+    fac += log_scale
+    err = np.abs(run)
+    err += err_t
+    err *= rel
+    err += err_t
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.exp(fac, out=fac)
+        err *= fac
+        run *= fac
+    return a, run, err
 
 
 class Composition:
@@ -806,18 +825,20 @@ class Composition:
                 f"{max(self.over, self.under):.1e} outside); use a coarser discretization (now {self.h:g}), "
                 f"e.g. discretization={10 * self.h:g}")
 
-    def _pass(self, lam: float, extended: bool = False) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """``(first index, values, log error bounds)`` of one tilted pass, inside the untilted window."""
+    def _pass(self, lam: float, extended: bool = False, trim: bool = False
+              ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """``(first index, values, error bounds)`` of one tilted pass, inside the untilted window (``trim``: from
+        the first value that is not noise)."""
         w_lo, w_hi = (self.lo, self.hi) if lam == 0.0 else _window(self.factors, lam, _TILT_TAIL, self.h)[:2]
         a, b = max(self.lo, w_lo), min(self.hi, w_hi)
         if a > b or w_hi - w_lo + 1 > MAX_GRID:
             return None
-        val, log_err = _tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended)
-        return a, val, log_err
+        return _tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended, trim)
 
     def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
         if self.upper:
-            pmf = np.maximum(value, 0.0) + err
+            pmf = np.maximum(value, 0.0)
+            pmf += err
             # mass below the pass moves up to its first point: at most what the pass does not hold
             pmf[0] += max(0.0, 1.0 - self.inf - float(np.maximum(value - err, 0.0).sum()))
             return Pld(self.h, start, pmf, min(1.0, self.inf + self.over), True, err=err)
@@ -830,13 +851,12 @@ class Composition:
         """One pass under the tilt ``lam``, in extended precision if asked (cached)."""
         key = (lam, extended)
         if key not in self._local:
-            res = self._pass(lam, extended)
+            res = self._pass(lam, extended, trim=True)
             if res is None:
                 self._local[key] = self.full()
             else:
-                start, val, log_err = res
-                with np.errstate(over="ignore", invalid="ignore"):
-                    err = np.exp(log_err)
+                start, val, err = res
+                with np.errstate(invalid="ignore"):
                     # far below the tilt's centre the untilted values are noise: lump them instead
                     ok = np.nonzero(np.isfinite(val) & (err <= 0.5 * np.abs(val)))[0]
                 first = int(ok[0]) if ok.size else val.size - 1
@@ -849,7 +869,7 @@ class Composition:
             return self._full
         size = self.hi - self.lo + 1
         value = np.zeros(size)
-        log_err = np.full(size, np.inf)
+        error = np.full(size, np.inf)
         t_out = np.arange(self.lo, self.hi + 1) * self.h
 
         def run(lam: float) -> None:
@@ -858,9 +878,9 @@ class Composition:
                 return
             a, val, err = res
             sl = slice(a - self.lo, a - self.lo + val.size)
-            better = err < log_err[sl]
+            better = err < error[sl]
             value[sl] = np.where(better, val, value[sl])
-            log_err[sl] = np.where(better, err, log_err[sl])
+            error[sl] = np.where(better, err, error[sl])
 
         run(0.0)
         # more tilts while the error bound of an upper tail sum P(L >= t) above _TILT_FLOOR exceeds
@@ -869,7 +889,7 @@ class Composition:
         centre, var = _tilted_stats(self.factors, 0.0)
         for _ in range(_MAX_TILTS):
             with np.errstate(over="ignore"):
-                err_tail = np.cumsum(np.exp(log_err)[::-1])[::-1]
+                err_tail = np.cumsum(error[::-1])[::-1]
             tail_mass = np.cumsum(np.abs(value)[::-1])[::-1]
             bad = (err_tail > _TILT_RTOL * tail_mass) & (tail_mass > _TILT_FLOOR) & (t_out > centre)
             if not bad.any():
@@ -885,8 +905,7 @@ class Composition:
             if new_centre <= centre:
                 break
             centre = new_centre
-        with np.errstate(over="ignore"):
-            self._full = self._finish(self.lo, value, np.exp(log_err), 0.0)
+        self._full = self._finish(self.lo, value, error, 0.0)
         return self._full
 
     def _good(self, pld: Pld, eps: float, delta: float) -> bool:

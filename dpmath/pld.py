@@ -267,7 +267,7 @@ class PLDAccountant:
         self.tail_mass = tm
         self.bracket_rtol = bracket_rtol
         self._events: tuple[tuple[Mechanism, int], ...] = ()
-        self._plds: dict[tuple[float, bool], list[Composition]] = {}
+        self._plds: dict[tuple[float, bool, float, tuple[str, ...]], Composition] = {}
 
     def __repr__(self) -> str:
         return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring!r}, "
@@ -320,8 +320,9 @@ class PLDAccountant:
         return self
 
     def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
-        """``query(h, upper, s)`` on finer grids until the bracket is ``bracket_rtol`` tight (``h`` the loss
-        grid's step, ``s`` the factor on randomized clipping's scale step).
+        """``query(h, upper, s, together)`` on finer grids until the bracket is ``bracket_rtol`` tight (``h`` the
+        loss grid's step, ``s`` the factor on randomized clipping's scale step, ``together`` the bounds whose steps
+        are built together).
 
         Every grid's bracket holds the truth, so the tightest is their intersection.  Its width has two parts:
         the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
@@ -345,10 +346,9 @@ class PLDAccountant:
         def run(h: float, s: float) -> float:
             """Query one grid, intersect its bracket into ``best``; its own width."""
             nonlocal best
-            if both:
-                self._build(h, s, (True, False))
-            hi = query(h, True, s)
-            lo = query(h, False, s) if both else 0.0
+            together = (True, False) if both else ()   # both ends' steps share their CDF evaluations
+            hi = query(h, True, s, together)
+            lo = query(h, False, s, together) if both else 0.0
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
             return max(hi - lo, 0.0)
 
@@ -393,27 +393,26 @@ class PLDAccountant:
                 raise
         return best if lower else (0.0, best[1])
 
-    def _composed(self, upper: bool, h: float | None = None, s: float = 1.0) -> list[Composition]:
+    def _composed(self, upper: bool, h: float | None = None, s: float = 1.0, directions: tuple[int, ...] | None = None,
+                  together: tuple[bool, ...] = ()) -> list[Composition]:
+        """The composed PLD of each neighbouring direction in ``directions`` (default: all) for the bound
+        ``upper`` on the grid ``(h, s)``; the bounds in ``together`` are built with it where it is not cached
+        (they share their steps' CDF evaluations)."""
         h = self.discretization if h is None else h
-        self._build(h, s, (upper,))
-        return self._plds[(h, upper, s)]
+        dirs = range(len(_NEIGHBORING[self.neighboring])) if directions is None else directions
+        rels = [self._relations(j) for j in dirs]
+        todo = tuple(dict.fromkeys(r for r in rels if (h, upper, s, r) not in self._plds))
+        bounds = tuple(dict.fromkeys((upper, *together)))
+        for r in todo:
+            # with q = 1 adding and removing an example are the same pair: one composition serves both
+            missing = tuple(b for b in bounds if (h, b, s, r) not in self._plds)
+            for b, steps in zip(missing, self._steps(r, missing, h, s), strict=True):
+                self._plds[(h, b, s, r)] = Composition(steps, self.tail_mass)
+        return [self._plds[(h, upper, s, r)] for r in rels]
 
-    def _build(self, h: float, s: float, bounds: tuple[bool, ...]) -> None:
-        """Compose each direction's steps on the grid ``(h, s)`` for each bound in ``bounds`` not yet cached;
-        bounds built in one call share their steps' CDF evaluations (:func:`_step_plds`)."""
-        todo = tuple(b for b in bounds if (h, b, s) not in self._plds)
-        if not todo:
-            return
-        built: dict[tuple, list[Composition]] = {}
-        out: list[list[Composition]] = [[] for _ in todo]
-        for relation in _NEIGHBORING[self.neighboring]:
-            rels = tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
-            if rels not in built:  # with q = 1 adding and removing an example are the same pair
-                built[rels] = [Composition(steps, self.tail_mass) for steps in self._steps(rels, todo, h, s)]
-            for j in range(len(todo)):
-                out[j].append(built[rels][j])
-        for j, b in enumerate(todo):
-            self._plds[(h, b, s)] = out[j]
+    def _relations(self, direction: int) -> tuple[str, ...]:
+        relation = _NEIGHBORING[self.neighboring][direction]
+        return tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
 
     def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
                ) -> list[list[tuple[Pld, int]]]:
@@ -427,6 +426,19 @@ class PLDAccountant:
             return [[(p, 1)] for p in _step_plds(Gaussian(sigma), relations[0], h, bounds)]
         per_event = [_step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
         return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
+
+    def _coarsely_below(self, direction: int, eps: float, delta: float) -> bool:
+        """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps``, shown
+        by its upper bound on a coarse grid (10 times the loss step, up to ``1e-2``, and 4 times the scale
+        step), which costs a fraction of a step built on the query's grid.  Always ``False`` without
+        randomized clipping, whose steps are cheap enough to build and bound on the query's grid."""
+        if not any(isinstance(m, RandomizedClipGaussian) for m, _ in self._events):
+            return False
+        try:
+            coarse = self._composed(True, min(10.0 * self.discretization, 1e-2), 4.0, (direction,))[0]
+        except GridTooLargeError:
+            return False
+        return coarse.epsilon(delta) <= eps
 
     def epsilon(self, delta: float) -> float:
         r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``.
@@ -455,19 +467,24 @@ class PLDAccountant:
         """
         d = open_probability(delta, "delta")
 
-        def query(h: float, upper: bool, s: float) -> float:
+        def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
-            # a Chernoff bound on another direction's exact (upper) composition at most delta there means its
-            # true epsilon is at most this one, so the maximum is unchanged (both ends: a lower end needs no
-            # direction whose truth lies below it)
-            comps = self._composed(upper, h, s)
-            first = comps[0].epsilon(d)
-            if first == math.inf or len(comps) == 1:
-                return first
-            uppers = self._composed(True, h, s)
-            rest = [c.epsilon(d) for c, u in zip(comps[1:], uppers[1:], strict=True)
-                    if u is uppers[0] or u.delta_bound(first) > d * (1.0 - 1e-6)]
-            return max([first, *rest])
+            # a bound on another direction's exact curve at most delta there means its true epsilon is at most
+            # this one, so the maximum is unchanged (both ends: a lower end needs no direction whose truth lies
+            # below it).  The bound is the direction's upper epsilon on a coarse grid (randomized clipping,
+            # whose steps are costly: the direction is then never built on this grid) or a Chernoff bound on
+            # its upper composition on this grid
+            def comp(j: int, upper: bool) -> Composition:
+                return self._composed(upper, h, s, (j,), together)[0]
+
+            first = comp(0, upper).epsilon(d)
+            out = [first]
+            for j in range(1, len(_NEIGHBORING[self.neighboring]) if first < math.inf else 1):
+                if self._relations(j) == self._relations(0) or self._coarsely_below(j, first, d):
+                    continue
+                if comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
+                    out.append(comp(j, upper).epsilon(d))
+            return max(out)
         return self._refined(query, lower, True)
 
     def delta(self, epsilon: float) -> float:
@@ -492,7 +509,10 @@ class PLDAccountant:
         '0.126937 0.126937'
         """
         e = non_negative(epsilon, "epsilon")
-        return self._refined(lambda h, upper, s: max(p.delta(e) for p in self._composed(upper, h, s)), lower)
+
+        def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
+            return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
+        return self._refined(query, lower)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the f-DP trade-off curve: the smallest false-negative rate ``beta`` of any test

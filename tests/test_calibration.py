@@ -34,7 +34,7 @@ def test_calibrated_sigma_meets_the_target_and_is_the_smallest(eps, q, steps):
     assert f(sigma / (1 + 2 * rtol)) > eps
 
 
-@pytest.mark.parametrize("eps, q, steps", [(0.7, 64 / 1139, 180), (8.0, 0.01, 3000),
+@pytest.mark.parametrize("eps, q, steps", [(0.7, 64 / 1139, 180), pytest.param(8.0, 0.01, 3000, marks=pytest.mark.slow),
                                            pytest.param(2.0, 0.05, 50, marks=pytest.mark.slow)])
 def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps):
     """The randomized-clipping search (coarse grid, then the requested one, finishing on two points around
