@@ -85,28 +85,34 @@ def _stirling_tail(a: np.ndarray) -> np.ndarray:
     return np.where(big, series, direct)
 
 
-def _gamma_logpdf(w: np.ndarray, shape: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def _gamma_log_norm(shape: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The part of :func:`_gamma_logpdf` that does not depend on ``w`` (computed once per quadrature)."""
+    return 0.5 * np.log(shape) - 0.5 * np.log(2.0 * np.pi) - _stirling_tail(shape) - np.log(scale)
+
+
+def _gamma_logpdf(w: np.ndarray, shape: np.ndarray, scale: np.ndarray, norm: np.ndarray | None = None
+                  ) -> np.ndarray:
     # log of z^(a-1) e^-z / Gamma(a) / scale written as -a (u - log1p(u)) + ... with z = a (1 + u):
     # the naive form subtracts terms of size a log a and loses ~a * 1e-16 (1e-11 at a = 3e4)
-    w, shape, scale = np.broadcast_arrays(w, shape, scale)
     with np.errstate(divide="ignore", invalid="ignore"):
         z = w / scale
         t = z / shape
         u = t - 1.0
         # u - log1p(u) near t = 1; t - 1 - log(t) elsewhere (1 + u rounds to 0 when t < 1e-16)
         dev = np.where(np.abs(u) < 0.5, u - np.log1p(u), u - np.log(t))
-        out = (-shape * dev + 0.5 * np.log(shape) - 0.5 * np.log(2.0 * np.pi)
-               - _stirling_tail(shape) - np.log(z) - np.log(scale))
+        out = -shape * dev + (_gamma_log_norm(shape, scale) if norm is None else norm) - np.log(z)
     return np.where(w > 0, out, -np.inf)
 
 
 def _gamma_logcdf(w: np.ndarray, shape: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    w, shape, scale = np.broadcast_arrays(w, shape, scale)
     z = np.where(w > 0, w / scale, 0.0)
     p = special.gammainc(shape, z)
     with np.errstate(divide="ignore"):
         out = np.log(p)
     tiny = (p < 1e-280) & (z > 0)
+    if not tiny.any():   # the usual case, in the quadrature's inner loop: no broadcast copies
+        return np.where(w > 0, out, -np.inf)
+    shape, z = np.broadcast_to(shape, out.shape), np.broadcast_to(z, out.shape)
     # below 1e-280 gammainc loses digits. P(a, z) = z^a e^-z / Gamma(a+1) * M(1, a+1, z), but
     # hyp1f1 sums ~sqrt(a) terms there (0.03 s per 5000 values at a = 1.6e10): large shapes take
     # Temme's uniform expansion instead
@@ -139,13 +145,13 @@ def _log_p_temme(a: np.ndarray, z: np.ndarray) -> np.ndarray:
 
 
 def _gamma_logsf(w: np.ndarray, shape: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    w, shape, scale = np.broadcast_arrays(w, shape, scale)
     z = np.where(w > 0, w / scale, 0.0)
     q = special.gammaincc(shape, z)
     with np.errstate(divide="ignore"):
         out = np.log(q)
     tiny = q < 1e-280
     if tiny.any():
+        shape, z = np.broadcast_to(shape, out.shape), np.broadcast_to(z, out.shape)
         # Q(a, z) = z^a e^-z U(1, 1+a, z) / Gamma(a)
         a, zt = shape[tiny], z[tiny]
         out[tiny] = a * np.log(zt) - zt - special.gammaln(a) + np.log(special.hyperu(1.0, 1.0 + a, zt))
@@ -223,8 +229,10 @@ def _convolve(x: np.ndarray, log_f: Callable[[np.ndarray, bool], np.ndarray],
         peak = log_h(mode)
         peak = np.where(np.isfinite(peak), peak, 0.0)
         level = peak - _LEVEL_DROP
-        left = _level_point(log_h, mode, np.zeros_like(x), level)
-        right = _level_point(log_h, mode, x.copy(), level)
+        # both level points in one bisection, stacked on a trailing axis (as quadrature nodes are): half the
+        # calls, whose fixed cost dominates for the few points an envelope search evaluates at a time
+        left, right = np.moveaxis(_level_point(log_h, np.stack([mode, mode], axis=-1),
+                                               np.stack([np.zeros_like(x), x], axis=-1), level[..., None]), -1, 0)
         zero = np.zeros_like(x)
         total = (_panel_sum(log_h, zero, left, peak)
                  + _panel_sum(log_h, left, mode, peak)
@@ -571,10 +579,12 @@ def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: Arr
     scale_w = 2.0 * np.where(swap, b, a)
     fn = {"cdf": _gamma_logcdf, "sf": _gamma_logsf, "pdf": _gamma_logpdf}[kind]
 
+    norm_v = _gamma_log_norm(shape_v, scale_v)   # the same at every node: computed once
+
     def log_f(v: np.ndarray, nodes: bool) -> np.ndarray:
         if nodes:
-            return _gamma_logpdf(v, shape_v[..., None], scale_v[..., None])
-        return _gamma_logpdf(v, shape_v, scale_v)
+            return _gamma_logpdf(v, shape_v[..., None], scale_v[..., None], norm_v[..., None])
+        return _gamma_logpdf(v, shape_v, scale_v, norm_v)
 
     def log_g(u: np.ndarray, nodes: bool) -> np.ndarray:
         if nodes:
