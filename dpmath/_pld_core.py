@@ -66,7 +66,7 @@ _FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per lo
 # extended precision helps only where long double is wider than double (x86: 80 bits; not on every platform)
 _EXTENDED = float(np.finfo(np.longdouble).eps) < _F64_EPS
 _EXTEND_AT = 1e-2      # ... and is used where a float64 pass's rounding moves delta by more than this of it
-_TILT_TAIL = 1e-30     # tilted mass left outside a tilted window (it may alias anywhere)
+_TILT_TAIL = 1e-20     # tilted mass left outside a tilted window (it may alias anywhere; far below the FFT rounding)
 _TILT_RTOL = 1e-3      # relative accuracy wanted for every upper tail sum ...
 _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 1e-12)
 _MAX_TILTS = 64
