@@ -54,7 +54,7 @@ _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparse
 _FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass ...
 _FINE_DECADES = 1 / 64 / 2e-3   # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
-_RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a grid halved in both steps
+_RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a finer grid (_refined)
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
 
@@ -232,7 +232,8 @@ class PLDAccountant:
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
         grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
         grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a
-        target below 1 % starts with both steps halved.  ``None`` (default): one grid.  ``1e-3`` makes the
+        target below 1 % starts with the scale step halved, and the loss step too where a plain step's upper
+        and lower PLDs differ in mean by more than half the target.  ``None`` (default): one grid.  ``1e-3`` makes the
         published upper end at most 0.1 % above the truth wherever the refinement reaches its target; it
         costs the finer grids' time (about 1 to 8 times, measured on the benchmarks page).
 
@@ -328,8 +329,9 @@ class PLDAccountant:
         the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
         like ``s``.  Which one dominates depends on the case (one RC step: the scale grid; ``10^6`` steps at
         sigma = 2: the loss grid), so the first refinement of an RC accountant halves each separately and
-        splits the width between them (a target below 1 % starts from a grid with both steps halved, where
-        the default grid is 0.5 to 1.7 % wide on issue 16's cases); each next grid shrinks only the parts
+        splits the width between them (a target below 1 % starts from a grid with the scale step halved, and
+        the loss step too where :meth:`_mean_gap` says its share is large, where the default grid is 0.5 to
+        1.7 % wide on issue 16's cases); each next grid shrinks only the parts
         above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to
         ``discretization / 64`` and ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon
         queries), a lower end of 0 under a positive upper end (one step's losses span only a few grid points,
@@ -359,9 +361,11 @@ class PLDAccountant:
 
         h, s = h0, 1.0
         if scaled and self.bracket_rtol is not None and self.bracket_rtol < _RC_WIDE:
-            # randomized clipping's default grid leaves 0.5 to 1.7 % (issue 16's cases), part from each step:
-            # a tighter target starts where the default grid would only be a first, wasted try
-            h, s = h0 / 2, 0.5
+            # randomized clipping's default grid leaves 0.5 to 1.7 % (issue 16's cases), so a tighter target
+            # starts where the default grid would only be a first, wasted try: the scale step halved, and the loss
+            # step too where a plain step's mean gap says the loss grid's share is large (a guess of where to
+            # start; the refinement below decides)
+            h, s = (h0 / 2 if self._mean_gap(h0) > 0.5 * self.bracket_rtol else h0), 0.5
         try:
             width = run(h, s)
             while not done(h, s):
@@ -392,6 +396,24 @@ class PLDAccountant:
             if best is None:
                 raise
         return best if lower else (0.0, best[1])
+
+    def _mean_gap(self, h: float) -> float:
+        """The largest relative gap ``(m_upper - m_lower) / m_upper`` between the means of a plain subsampled-
+        Gaussian step's upper and lower PLDs on the grid ``h`` (removal), over the randomized-clipping events'
+        ``(sigma, q)``.
+
+        The means are ``n`` times the composition's, so this is the loss grid's relative shift of the composed
+        losses; on issue 16's cases the loss grid's share of a randomized-clipping bracket is about half of it
+        (1.9 % at sigma = 2, q = 1e-3; 0.14 % at sigma = 0.8, q = 1e-3; 4e-6 at sigma = 0.6, q = 0.01, where
+        the bracket is all scale grid).  A plain step costs a fraction of a randomized-clipping one.
+        """
+        gaps = [0.0]
+        for m, _ in self._events:
+            if isinstance(m, RandomizedClipGaussian):
+                up, lo = _step_plds(SubsampledGaussian(m.sigma, m.q), "remove", h, (True, False))
+                means = [float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * h)) for p in (up, lo)]
+                gaps.append((means[0] - means[1]) / means[0] if means[0] > 0 else 0.0)
+        return max(gaps)
 
     def _composed(self, upper: bool, h: float | None = None, s: float = 1.0, directions: tuple[int, ...] | None = None,
                   together: tuple[bool, ...] = ()) -> list[Composition]:
