@@ -565,6 +565,19 @@ def test_an_rc_direction_whose_coarse_upper_end_is_below_is_never_built_on_the_q
     assert acc._composed(True)[1].epsilon(1e-6) < 0.3 * hi
 
 
+def test_a_refined_rc_bracket_starts_on_the_loss_grid_only_where_its_share_is_large():
+    """The plain step's mean gap is 1.9 % at sigma = 2, q = 1e-3 (the bracket is mostly loss grid) and 4e-6 at
+    sigma = 0.8, q = 0.02; there a 0.5 % target starts with only the scale step halved, and reaches it there."""
+    env = HutchEnvelope(32, 2048)
+    loss_bound = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(2.0, 1e-3, env), 10**6)
+    assert loss_bound._mean_gap(1e-4) > 0.01
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(0.8, 0.02, env), 200)
+    assert acc._mean_gap(1e-4) < 1e-4
+    lo, hi = acc.epsilon_bracket(1e-6)
+    assert hi - lo <= 5e-3 * hi
+    assert {(h, s) for h, _, s, _ in acc._plds} == {(1e-4, 0.5), (1e-3, 4.0)}
+
+
 @pytest.mark.parametrize("mechanism, steps, delta, skipped", [
     pytest.param(SubsampledGaussian(0.6, 0.01), 100000, 1e-8, True,   # add's epsilon 96.2 against remove's 126.0
                  marks=pytest.mark.slow),   # 5 s; the next case is skipped as well
