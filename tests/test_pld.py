@@ -498,6 +498,26 @@ def test_at_a_tiny_sampling_rate_the_published_epsilon_is_not_swamped_by_fft_rou
     assert 0.1383 <= eps <= 0.1386
 
 
+def test_every_pass_charges_its_inputs_and_untilting_rounding_relative_to_each_value():
+    # 500 steps of float64 tilted weights: each value's bound holds at least n * 4 * eps of it (the inputs'
+    # rounding) on top of the FFT's absolute error, in the float64 pass too, and a trimmed pass starts at the
+    # first value whose bound is at most half of it
+    from dpmath._pld_core import Pld, _Factor, _tilted_product
+
+    rng = np.random.default_rng(3)
+    pmf = rng.random(60) ** 4
+    pmf /= pmf.sum()
+    factor = _Factor(Pld(1e-2, -10, pmf, 0.0, True), 500)
+    lo, hi = 500 * -10, 500 * 49
+    a, val, err = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2)
+    assert a == lo and np.all(err >= 500 * 4 * np.finfo(np.float64).eps * np.abs(val))
+    first, tval, terr = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2, trim=True)
+    assert first > lo and terr[0] <= 0.5 * abs(tval[0])
+    j = first - lo
+    assert np.all(err[:j] > 0.5 * np.abs(val[:j]))
+    np.testing.assert_allclose(tval, val[j:], rtol=1e-15, atol=0)
+
+
 def test_an_extended_precision_pass_agrees_with_float64_and_has_a_far_smaller_error_bound():
     from dpmath._pld_core import _EXTENDED, Pld, _Factor, _tilted_product
 
