@@ -202,58 +202,140 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
 _MIX_BLOCK = 1 << 21   # scales times grid points evaluated per block of :func:`mixture_masses`
 
 
+def _components(t: np.ndarray, mu, q: float, relation: str, shift: np.ndarray | None
+                ) -> list[tuple[np.ndarray, float, float]]:
+    """The normal laws whose mixtures are the pair's ``P`` and ``Q``, seen through the loss: ``(u, a, b)`` with
+    ``P(L <= t) = sum a Phi(u)`` and ``Q(L <= t) = sum b Phi(u)``, each ``u`` non-decreasing in ``t`` along its
+    last axis ("remove" and "replace": the pairs and arguments of :func:`pair_cdfs`)."""
+    if relation == "remove":
+        x = (_shift(t, q) if shift is None else shift) / mu + 0.5 * mu
+        return [(x - mu, q, 0.0), (x, 1.0 - q, 1.0)]
+    span = mu + 60.0 + abs(float(np.max(np.abs(t)))) / max(mu, 1e-300)
+    x = _replace_threshold(t, mu, q, -span, span)  # L <= t  iff  X >= x
+    return [(-x - mu, q, 0.0), (-x, 1.0 - q, 1.0 - q), (mu - x, 0.0, q)]
+
+
+def _interval_masses(u: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``Phi(u_{j+1}) - Phi(u_j)`` along the last axis of a non-decreasing ``u``, each from the tail it lies
+    in (relative accuracy in both tails), with ``Phi`` at the first and ``1 - Phi`` at the last point.
+
+    One ``ndtr`` per point: ``s = Phi(-|u|)`` is the smaller tail, so an interval on one side of 0 is
+    ``|s_{j+1} - s_j|`` and the one that straddles 0 (at most one per row, since ``u`` is monotone; any
+    sign change is handled) is ``1 - s_j - s_{j+1}``."""
+    neg = u < 0
+    s = special.ndtr(-np.abs(u))
+    m = np.abs(s[..., 1:] - s[..., :-1])
+    cross = np.nonzero(neg[..., 1:] != neg[..., :-1])
+    if cross[0].size:
+        left = s[..., :-1][cross]
+        m[cross] = np.maximum(1.0 - left - s[..., 1:][cross], 0.0)
+    first = np.where(neg[..., 0], s[..., 0], 1.0 - s[..., 0])
+    last_sf = np.where(neg[..., -1], 1.0 - s[..., -1], s[..., -1])
+    return m, first, last_sf
+
+
+@dataclass(frozen=True)
+class MixtureSums:
+    """Weighted mixtures over scales of one pair ``(P, Q)`` on one loss grid, reduced to what their masses need.
+
+    ``P`` and ``Q`` are mixtures, with coefficients ``p_coef`` and ``q_coef``, of normal laws seen through
+    the loss (:func:`_components`).  ``sums[r, c, j]`` is law ``c``'s mass in ``(t_j, t_{j+1}]`` summed over
+    the scales with the weights ``weights[r]``; ``first[c, i]`` and ``last_sf[c, i]`` are law ``c``'s mass at or
+    below the first grid point and above the last at scale ``i``.  The grid is ``k_lo .. k_hi`` (``idx`` None)
+    or ``idx``, times ``h``.
+    """
+
+    k_lo: int
+    k_hi: int
+    idx: np.ndarray | None
+    h: float
+    sums: np.ndarray
+    first: np.ndarray
+    last_sf: np.ndarray
+    weights: np.ndarray
+    p_coef: tuple[float, ...]
+    q_coef: tuple[float, ...]
+
+    def swapped(self) -> MixtureSums:
+        """The pair ``(Q, P)``, whose loss is ``-L``: the same laws on the negated grid, read in reverse.
+
+        Adding an example is removing it with the pair swapped, so the "add" direction's masses on the
+        mirror of a "remove" grid are this, from the same normal CDFs."""
+        return MixtureSums(-self.k_hi, -self.k_lo, None if self.idx is None else -self.idx[::-1], self.h,
+                           self.sums[..., ::-1], self.last_sf, self.first, self.weights, self.q_coef, self.p_coef)
+
+    def masses(self, uppers: tuple[bool, ...]) -> list[StepMasses]:
+        """Interval masses for each row of the weights, for the bound ``uppers[r]``.
+
+        Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
+        bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
+        masses preserved (upper) or rounded down to the last grid point (lower)."""
+        t_top = (self.k_hi if self.idx is None else int(self.idx[-1])) * self.h
+        p_first = sum(a * f for a, f in zip(self.p_coef, self.first, strict=True))
+        p_above = sum(a * f for a, f in zip(self.p_coef, self.last_sf, strict=True))
+        q_above = sum(b * f for b, f in zip(self.q_coef, self.last_sf, strict=True))
+        with np.errstate(divide="ignore"):
+            eq_top = np.where(q_above > 0, np.exp(t_top + np.log(q_above)), 0.0)
+        kept = np.minimum(p_above, eq_top)
+        n = self.sums.shape[-1] + 1
+        out = []
+        for r, upper in enumerate(uppers):
+            row = self.weights[r]
+            p_int = sum(a * self.sums[r, c] for c, a in enumerate(self.p_coef) if a)
+            q_int = sum(b * self.sums[r, c] for c, b in enumerate(self.q_coef) if b)
+            atoms = np.zeros(n)
+            atoms[-1] = float((row * kept).sum()) if upper else float((row * p_above).sum())
+            if upper:
+                atoms[0] = float((row * p_first).sum())
+            inf = float((row * (p_above - kept)).sum()) if upper else 0.0
+            out.append(StepMasses(self.k_lo, p_int, q_int, atoms, inf, self.idx))
+        return out
+
+
+def mixture_sums(mus: np.ndarray, weights: np.ndarray, q: float, relation: str, h: float, k_lo: int, k_hi: int,
+                 idx: np.ndarray | None) -> MixtureSums:
+    """:class:`MixtureSums` of ``weights``-mixtures (one per row, shape ``(rows, mus.size)``) of subsampled-
+    Gaussian steps with shifts ``mus`` (all ``> 0``) on the grid of :func:`step_grid`, for ``relation``
+    "remove" or "replace" (a single shift); "add" is the swapped "remove" pair (:meth:`MixtureSums.swapped`).
+
+    The normal CDFs dominate the cost: one per point, scale and law, each interval mass taken from the tail
+    it lies in (:func:`_interval_masses`), so every mass keeps relative accuracy.  Every row and both
+    directions share them: a randomized-clipping step's upper and lower bounds put their bins' masses on
+    nearly the same scales, so both cost about what one did.
+    """
+    t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
+    single = mus.size == 1   # the replace relation's bisection, and DP-SGD's grids of up to MAX_GRID points
+    shift = None if single else _shift(t, q)
+    weights = np.atleast_2d(weights)
+    sums, first, last_sf, laws = None, [], [], []
+    block = max(1, _MIX_BLOCK // t.size)
+    for b in range(0, mus.size, block):
+        mu = float(mus[0]) if single else mus[b:b + block, None]
+        laws = _components(t, mu, q, relation, shift)
+        parts = [_interval_masses(np.atleast_2d(u)) for u, _, _ in laws]
+        # each row summed over the scales in a fixed order (a BLAS product's order depends on memory
+        # alignment), so that a bound's masses are the same whichever other bounds are computed with it
+        part = np.stack([np.stack([(row[:, None] * m).sum(axis=0) for m, _, _ in parts])
+                         for row in weights[:, b:b + block]])
+        sums = part if sums is None else sums + part
+        first.append(np.stack([f for _, f, _ in parts]))
+        last_sf.append(np.stack([g for _, _, g in parts]))
+    arrays = (idx, sums, np.concatenate(first, axis=1), np.concatenate(last_sf, axis=1), weights.copy())
+    for a in arrays[1:] if idx is None else arrays:
+        a.setflags(write=False)   # the sums are cached and shared by both directions
+    return MixtureSums(k_lo, k_hi, *arrays[:1], h, *arrays[1:], tuple(a for _, a, _ in laws),
+                       tuple(c for _, _, c in laws))
+
+
 def mixture_masses(mus: np.ndarray, weights: np.ndarray, q: float, relation: str, h: float,
                    uppers: tuple[bool, ...], k_lo: int, k_hi: int, idx: np.ndarray | None) -> list[StepMasses]:
     """Interval masses of ``weights``-mixtures of subsampled-Gaussian steps with shifts ``mus`` (all ``> 0``)
     on the grid of :func:`step_grid`, one per row of ``weights`` (shape ``(len(uppers), mus.size)``), for the
-    bound ``uppers[r]``: the weighted sums of each step's masses, computed as one array per block of shifts
-    (``relation`` "replace" takes a single shift).  The rows share the CDF evaluations, which dominate the
-    cost: a randomized-clipping step's upper and lower bounds put their bins' masses on nearly the same
-    scales, so both cost about what one did.
-
-    Mass beyond the resolved range is still accounted for: below it, at the first grid point (upper
-    bound) or dropped (lower bound); above it, split between the last grid point and ``+inf`` with both
-    masses preserved (upper) or rounded down to the last grid point (lower).
-    """
-    t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
-    single = mus.size == 1   # the replace relation's bisection, and DP-SGD's grids of up to MAX_GRID points
-    shift = None if single else (_shift(t, q) if relation == "remove" else _shift(-t, q))
-    n = t.size
-    weights = np.atleast_2d(weights)
-    p_int = q_int = None
-    rows = len(uppers)
-    first, kept_top, above, inf = (np.zeros(rows) for _ in range(4))
-    block = max(1, _MIX_BLOCK // n)
-    for b in range(0, mus.size, block):
-        mu = float(mus[0]) if single else mus[b:b + block, None]
-        w = weights[:, b:b + block]
-        p_cdf, p_sf, q_cdf, q_sf = (np.atleast_2d(c) for c in pair_cdfs(t, mu, q, relation, shift))
-        # interval masses from whichever side of the distribution is small, so tails keep relative accuracy;
-        # each row summed in a fixed order (a BLAS product's order depends on memory alignment), so that a
-        # bound's masses are the same whichever other bounds are computed with it
-        p_m = np.maximum(np.where(p_cdf[:, 1:] <= 0.5, p_cdf[:, 1:] - p_cdf[:, :-1], p_sf[:, :-1] - p_sf[:, 1:]), 0.0)
-        q_m = np.maximum(np.where(q_cdf[:, 1:] <= 0.5, q_cdf[:, 1:] - q_cdf[:, :-1], q_sf[:, :-1] - q_sf[:, 1:]), 0.0)
-        p_part = np.stack([(row[:, None] * p_m).sum(axis=0) for row in w])
-        q_part = np.stack([(row[:, None] * q_m).sum(axis=0) for row in w])
-        p_int = p_part if p_int is None else p_int + p_part
-        q_int = q_part if q_int is None else q_int + q_part
-        p_above = p_sf[:, -1]
-        with np.errstate(divide="ignore"):
-            eq_top = np.where(q_sf[:, -1] > 0, np.exp(t[-1] + np.log(q_sf[:, -1])), 0.0)
-        kept = np.minimum(p_above, eq_top)
-        for r, row in enumerate(w):
-            first[r] += float((row * p_cdf[:, 0]).sum())
-            kept_top[r] += float((row * kept).sum())
-            above[r] += float((row * p_above).sum())
-            inf[r] += float((row * (p_above - kept)).sum())
-    out = []
-    for r, upper in enumerate(uppers):
-        atoms = np.zeros(n)
-        atoms[-1] = kept_top[r] if upper else above[r]
-        if upper:
-            atoms[0] = first[r]
-        out.append(StepMasses(k_lo, p_int[r], q_int[r], atoms, float(inf[r]) if upper else 0.0, idx))
-    return out
+    bound ``uppers[r]`` (:func:`mixture_sums`, :meth:`MixtureSums.masses`)."""
+    if relation != "add":
+        return mixture_sums(mus, weights, q, relation, h, k_lo, k_hi, idx).masses(uppers)
+    mirror = None if idx is None else -idx[::-1]
+    return mixture_sums(mus, weights, q, "remove", h, -k_hi, -k_lo, mirror).swapped().masses(uppers)
 
 
 def _bucket(k: int) -> int:

@@ -585,17 +585,30 @@ def test_an_rc_direction_whose_coarse_upper_end_is_below_is_never_built_on_the_q
     assert acc._composed(True)[1].epsilon(1e-6) < 0.3 * hi
 
 
-def test_a_refined_rc_bracket_starts_on_the_loss_grid_only_where_its_share_is_large():
-    """The plain step's mean gap is 1.9 % at sigma = 2, q = 1e-3 (the bracket is mostly loss grid) and 4e-6 at
-    sigma = 0.8, q = 0.02; there a 0.5 % target starts with only the scale step halved, and reaches it there."""
+@pytest.mark.parametrize("sigma, q, steps, first", [
+    (2.0, 1e-3, 10**6, 5e-5),      # plain step's mean gap 1.9 % at h0: the bracket is mostly loss grid
+    (0.8, 1e-3, 50000, 1e-4),      # 0.14 %: neither
+    (0.6, 0.01, 100000, 4e-4),     # 7.9e-5 even at 4 h0: the bracket is all scale grid
+])
+def test_a_refined_rc_bracket_starts_on_the_loss_grid_its_share_calls_for(sigma, q, steps, first):
+    """A 0.5 % target starts with the scale step halved and the loss step at h0 / 2, h0 or 4 h0, as a plain
+    step's mean gap puts the loss grid's share of the width above half the target, between, or below 1/64
+    of it."""
     env = HutchEnvelope(32, 2048)
-    loss_bound = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(2.0, 1e-3, env), 10**6)
-    assert loss_bound._mean_gap(1e-4) > 0.01
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(sigma, q, env), steps)
+    assert acc._first_loss_step(5e-3) == first
+
+
+def test_a_refined_rc_bracket_from_a_coarse_loss_grid_still_reaches_its_target():
+    env = HutchEnvelope(32, 2048)
     acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(0.8, 0.02, env), 200)
-    assert acc._mean_gap(1e-4) < 1e-4
+    assert acc._mean_gap(4e-4) <= 5e-3 / 32
     lo, hi = acc.epsilon_bracket(1e-6)
     assert hi - lo <= 5e-3 * hi
-    assert {(h, s) for h, _, s, _ in acc._plds} == {(1e-4, 0.5), (1e-3, 4.0)}
+    assert {(h, s) for h, _, s, _ in acc._plds} == {(4e-4, 0.5), (1e-3, 4.0)}
+    ref_lo, ref_hi = PLDAccountant(bracket_rtol=5e-3, discretization=2.5e-5).compose(
+        RandomizedClipGaussian(0.8, 0.02, env), 200).epsilon_bracket(1e-6)
+    assert max(lo, ref_lo) <= min(hi, ref_hi)     # both hold the truth
 
 
 @pytest.mark.parametrize("mechanism, steps, delta, skipped", [
