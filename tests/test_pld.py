@@ -381,6 +381,56 @@ def test_bounds_computed_together_from_shared_cdfs_equal_each_computed_alone(rel
     assert both[1].inf == 0.0 and both[1].atoms[0] == 0.0   # the lower bound drops what lies below the grid
 
 
+def test_normal_interval_masses_keep_relative_accuracy_in_both_tails_and_across_the_median():
+    # each mass from the tail it lies in: against mpmath at 50 digits, on rows that cross 0 (once, between two
+    # points, or exactly at one) and rows wholly in either tail, down to masses of 1e-300
+    import mpmath
+
+    from dpmath._pld_core import _interval_masses
+
+    rows = np.array([np.linspace(-37.0, 37.0, 41), np.linspace(-38.5, -8.0, 41), np.linspace(8.0, 38.0, 41),
+                     np.r_[np.linspace(-2.0, 0.0, 21), np.linspace(0.05, 2.0, 20)],
+                     np.r_[-np.inf, np.linspace(-1e-3, 1e-3, 39), np.inf]])
+    masses, first, last_sf = _interval_masses(rows)
+    mpmath.mp.dps = 50
+
+    def tail(v: float) -> mpmath.mpf:   # the smaller tail, so that no difference of the reference cancels
+        return mpmath.ncdf(-abs(mpmath.mpf(v)))
+
+    for r, row in enumerate(rows):
+        for j, got in enumerate(masses[r]):
+            a, b = float(row[j]), float(row[j + 1])
+            want = tail(b) - tail(a) if b <= 0 else tail(a) - tail(b) if a >= 0 else 1 - tail(a) - tail(b)
+            # ndtr's own relative error (1e-13 near 1e-300), plus the rounding of two tail values differenced
+            bound = 1e-12 * want + 4 * np.finfo(float).eps * max(tail(a), tail(b))
+            assert abs(got - want) <= bound + 1e-305, (r, j, got, want)
+        assert first[r] == pytest.approx(float(mpmath.ncdf(float(row[0]))), rel=1e-12, abs=1e-305)
+        assert last_sf[r] == pytest.approx(float(mpmath.ncdf(-float(row[-1]))), rel=1e-12, abs=1e-305)
+
+
+def test_the_add_direction_of_a_randomized_clipping_step_costs_no_normal_cdf_after_remove(monkeypatch):
+    # adding an example is removing it with the pair swapped: on the mirrored grids its masses are the removal's
+    # cached sums, read in reverse, and the step equals the one built from its own (mirrored) grid's CDFs
+    import dpmath._pld_core as core
+    from dpmath import HutchEnvelope, RandomizedClipGaussian
+    from dpmath.pld import _scale_sums, _step_plds
+
+    m = RandomizedClipGaussian(1.0, 0.02, HutchEnvelope(16, 512))
+    _scale_sums.cache_clear()
+    _step_plds(m, "remove", 1e-3, (True, False), 40)
+    calls = []
+    original = core._interval_masses
+    monkeypatch.setattr(core, "_interval_masses", lambda u: calls.append(u.size) or original(u))
+    add = _step_plds(m, "add", 1e-3, (True, False), 40)
+    assert calls == []
+    _scale_sums.cache_clear()
+    fresh = _step_plds(m, "add", 1e-3, (True, False), 40)
+    assert sum(calls) > 10**5
+    for a, b in zip(add, fresh, strict=True):
+        assert a.start == b.start and a.inf == b.inf
+        np.testing.assert_array_equal(a.pmf, b.pmf)
+
+
 def test_an_rc_upper_end_is_the_same_number_with_or_without_its_lower_end():
     # the bracket's upper end is built together with the lower end (shared CDFs); the published epsilon is
     # built alone: they must agree to the last bit, or a user sees two different epsilons for one run
