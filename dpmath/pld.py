@@ -39,6 +39,7 @@ from ._pld_core import (
     split,
     step_grid,
 )
+from ._two_scale import TwoScaleLower
 from .envelope import Envelope, pessimistic_discretization
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
@@ -290,6 +291,7 @@ class PLDAccountant:
         self.bracket_rtol = bracket_rtol
         self._events: tuple[tuple[Mechanism, int], ...] = ()
         self._plds: dict[tuple[float, bool, float, tuple[str, ...]], Composition] = {}
+        self._two_scale: list[TwoScaleLower | None] = []   # built at most once per composition
 
     def __repr__(self) -> str:
         return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring!r}, "
@@ -339,6 +341,7 @@ class PLDAccountant:
                 "discretize; use neighboring='add_or_remove'")
         self._events = self._events + ((mechanism, n),)
         self._plds = {}
+        self._two_scale = []
         return self
 
     def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
@@ -544,7 +547,24 @@ class PLDAccountant:
                 if comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
                     out.append(comp(j, upper).epsilon(d))
             return max(out)
-        return self._refined(query, lower, True)
+        lo, hi = self._refined(query, lower, True)
+        curve = self._two_scale_lower(lower, lo, hi)
+        return (curve.epsilon(d, hi, lo), hi) if curve is not None else (lo, hi)
+
+    def _two_scale_lower(self, lower: bool, lo: float, hi: float) -> TwoScaleLower | None:
+        """The two-scale lower curve (:mod:`dpmath._two_scale`) where a bracket's lower end is far from its upper
+        end (below half of it, or short of ``bracket_rtol``) and the accountant holds a single
+        :class:`SubsampledGaussian` event with ``q < 1``, adding or removing an example: one step's losses then
+        sit far below the grid's step.  Its curve is the removal's, below the larger direction's."""
+        rtol = self.bracket_rtol
+        loose = hi > 0 and (lo < 0.5 * hi or (rtol is not None and hi - lo > rtol * hi))
+        if not (lower and loose and self.neighboring == "add_or_remove" and len(self._events) == 1
+                and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].q < 1.0):
+            return None
+        if not self._two_scale:
+            (m, n), = self._events
+            self._two_scale.append(TwoScaleLower.build(1.0 / m.sigma, m.q, n, self.discretization, self.tail_mass))
+        return self._two_scale[0]
 
     def delta(self, epsilon: float) -> float:
         """Upper bound on ``delta(epsilon)``, the worse of the two directions.
@@ -571,7 +591,9 @@ class PLDAccountant:
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
-        return self._refined(query, lower)
+        lo, hi = self._refined(query, lower)
+        curve = self._two_scale_lower(lower, lo, hi)
+        return (max(lo, curve.delta(e)), hi) if curve is not None else (lo, hi)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the f-DP trade-off curve: the smallest false-negative rate ``beta`` of any test
