@@ -548,7 +548,18 @@ class Pld:
 
     def delta(self, eps: float) -> float:
         """``delta(eps)`` of this PLD (exact for the discrete distribution)."""
-        return float(self.deltas(np.array([eps], dtype=np.float64))[0])
+        # the scalar form of :meth:`deltas` (equal to it; a tenth of its cost in the searches that call it)
+        t, dj, r = self._curves()
+        # an eps given as j * h must land on segment j, not j - 1, despite rounding in the division
+        j = math.floor(round(eps / self.h, 9)) - self.start
+        if j >= self.pmf.size - 1:
+            return float(max(self.inf - self.slack, 0.0))
+        if j < 0:
+            total = float(self.pmf.sum())
+            val = self.inf + total - math.exp(eps - t[0]) * (self.pmf[0] + r[0]) - self.slack
+        else:
+            val = dj[j] - r[j] * math.expm1(eps - t[j])
+        return float(min(max(val, 0.0), 1.0))
 
     def deltas(self, eps: np.ndarray) -> np.ndarray:
         """:meth:`delta` at every point of ``eps`` (any real values, ``-inf`` included)."""
@@ -559,10 +570,12 @@ class Pld:
         j = np.clip(np.nan_to_num(j, nan=-1.0, neginf=-1.0), -1, self.pmf.size - 1).astype(np.int64)
         at = np.maximum(j, 0)
         with np.errstate(over="ignore", invalid="ignore"):
-            inner = dj[at] - r[at] * np.expm1(eps - t[at])
-            below = self.inf + float(self.pmf.sum()) - np.exp(eps - t[0]) * (self.pmf[0] + r[0]) - self.slack
-        val = np.where(j < 0, below, inner)
-        val = np.where(j >= self.pmf.size - 1, self.inf - self.slack, val)
+            val = dj[at] - r[at] * np.expm1(eps - t[at])
+            under = j < 0
+            if under.any():   # below the grid every mass counts
+                head = self.pmf[0] + r[0]
+                val[under] = self.inf + float(self.pmf.sum()) - np.exp(eps[under] - t[0]) * head - self.slack
+        val[j >= self.pmf.size - 1] = self.inf - self.slack
         return np.clip(val, 0.0, 1.0)
 
     def epsilon(self, delta: float) -> float:

@@ -563,7 +563,11 @@ class PLDAccountant:
             return None
         if not self._two_scale:
             (m, n), = self._events
-            self._two_scale.append(TwoScaleLower.build(1.0 / m.sigma, m.q, n, self.discretization, self.tail_mass))
+            try:
+                curve = TwoScaleLower.build(1.0 / m.sigma, m.q, n, self.discretization, self.tail_mass)
+            except GridTooLargeError:   # the bulk's composition needs too many points: keep the grid's lower end
+                curve = None
+            self._two_scale.append(curve)
         return self._two_scale[0]
 
     def delta(self, epsilon: float) -> float:
