@@ -518,7 +518,10 @@ class PLDAccountant:
 
     def epsilon_bracket(self, delta: float, *, lower: bool = True) -> tuple[float, float]:
         """``(lower, upper)`` bounds on ``epsilon(delta)``; ``lower=False`` skips the lower bound (NaN-free:
-        it is then reported as 0).  A lower end of 0 under a positive upper end tries one grid 8 times finer.
+        it is then reported as 0).  A lower end of 0 under a positive upper end tries one grid 8 times finer;
+        for a single :class:`SubsampledGaussian`, a lower end still below half the upper end (or short of
+        ``bracket_rtol``) is recomputed on two scales, which resolves steps whose losses sit far below the grid
+        (``q = 1e-6``; :mod:`dpmath._two_scale`).
 
         Examples
         --------
