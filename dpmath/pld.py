@@ -254,10 +254,12 @@ class PLDAccountant:
         composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
         grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
         grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a
-        target below 1 % starts with the scale step halved, and the loss step too where a plain step's upper
-        and lower PLDs differ in mean by more than half the target.  ``None`` (default): one grid.  ``1e-3`` makes the
-        published upper end at most 0.1 % above the truth wherever the refinement reaches its target; it
-        costs the finer grids' time (about 1 to 8 times, measured on the benchmarks page).
+        target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
+        quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
+        :class:`SubsampledGaussian`, a lower end short of the target is recomputed on two scales (see
+        :meth:`epsilon_bracket`).  ``None`` (default): one grid.  ``1e-3`` makes the published upper end at most
+        0.1 % above the truth wherever the refinement reaches its target; it costs the finer grids' time (about
+        1 to 8 times, measured on the benchmarks page).
 
     Examples
     --------

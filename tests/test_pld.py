@@ -548,17 +548,23 @@ def test_at_a_tiny_sampling_rate_the_published_epsilon_is_not_swamped_by_fft_rou
     assert 0.1383 <= eps <= 0.1386
 
 
+def _lopsided_factor():
+    """A lopsided step law on 60 points (grid 1e-2 from -0.1) composed 500 times, with its composition's full
+    index range."""
+    from dpmath._pld_core import Pld, _Factor
+
+    pmf = np.random.default_rng(3).random(60) ** 4
+    pmf /= pmf.sum()
+    return _Factor(Pld(1e-2, -10, pmf, 0.0, True), 500), 500 * -10, 500 * 49
+
+
 def test_every_pass_charges_its_inputs_and_untilting_rounding_relative_to_each_value():
     # 500 steps of float64 tilted weights: each value's bound holds at least n * 4 * eps of it (the inputs'
     # rounding) on top of the FFT's absolute error, in the float64 pass too, and a trimmed pass starts at the
     # first value whose bound is at most half of it
-    from dpmath._pld_core import Pld, _Factor, _tilted_product
+    from dpmath._pld_core import _tilted_product
 
-    rng = np.random.default_rng(3)
-    pmf = rng.random(60) ** 4
-    pmf /= pmf.sum()
-    factor = _Factor(Pld(1e-2, -10, pmf, 0.0, True), 500)
-    lo, hi = 500 * -10, 500 * 49
+    factor, lo, hi = _lopsided_factor()
     a, val, err = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2)
     assert a == lo and np.all(err >= 500 * 4 * np.finfo(np.float64).eps * np.abs(val))
     first, tval, terr = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2, trim=True)
@@ -569,15 +575,11 @@ def test_every_pass_charges_its_inputs_and_untilting_rounding_relative_to_each_v
 
 
 def test_an_extended_precision_pass_agrees_with_float64_and_has_a_far_smaller_error_bound():
-    from dpmath._pld_core import _EXTENDED, Pld, _Factor, _tilted_product
+    from dpmath._pld_core import _EXTENDED, _tilted_product
 
     if not _EXTENDED:
         pytest.skip("long double is no wider than double on this platform")
-    rng = np.random.default_rng(3)
-    pmf = rng.random(60) ** 4
-    pmf /= pmf.sum()
-    factor = _Factor(Pld(1e-2, -10, pmf, 0.0, True), 500)
-    lo, hi = 500 * -10, 500 * 49
+    factor, lo, hi = _lopsided_factor()
     _, val, err = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2)
     _, val_x, err_x = _tilted_product([factor], 0.7, lo, hi, lo, hi, 1e-2, extended=True)
     assert np.all(np.abs(val - val_x) <= err + err_x)        # both enclose the same exact composition
