@@ -12,10 +12,11 @@ Importing this package does not need torch until one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
-           "IncompleteGradientError", "NormPlan", "PoissonSampling", "TwiceSampling", "HybridClipping", "GaussianNoise",
+           "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling", "TwiceSampling", "HybridClipping", "GaussianNoise",
            "LaplaceNoise"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
+          "ExampleMixingError": "engine", "StateChangedError": "engine",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
           "HybridClipping": "sampling",

@@ -45,13 +45,29 @@ from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .validator import ModuleValidator
 
-__all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ClippedGradients", "clipped_backward",
+__all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ExampleMixingError", "StateChangedError",
+           "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
            "CLIPPING_PASSES", "check_clipping_pass",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
 
 
 class IncompleteGradientError(RuntimeError):
     """A parameter received gradient that the per-example norms did not count; the step was not taken."""
+
+
+class ExampleMixingError(IncompleteGradientError):
+    """One example's loss depends on another example's input or activations (a batch statistic, softmax or
+    attention over the batch, a loss that reads other rows): adding one example would move the others'
+    clipped contributions, so no bound by ``C`` holds.  The step was not taken."""
+
+
+class StateChangedError(RuntimeError):
+    """A parameter or buffer changed during a training forward (running statistics, ``Embedding(max_norm)``'s
+    renormalization): the model would carry un-noised information about the batch."""
+
+
+#: probability that a step's forward is probed and its rows checked (the default schedule; docs/trainer.md)
+DEFAULT_CHECK_RATE = 0.25
 
 
 def _check_estimator_name(estimator: object) -> None:
@@ -163,6 +179,13 @@ class Capture:
     capture is active (the engine deactivates it while it computes norms and during its backward, where
     gradient checkpointing re-runs forwards).  ``calls`` keeps every recorded call until a backward
     consumes it or :meth:`clear` drops it.
+
+    Around every recorded forward of the root model, the versions and identities of the model's parameters
+    and buffers are compared: a change raises :class:`StateChangedError`.  A forward is *probed* on every
+    step (``check_every_step``), on the first forward, or else with probability ``check_rate`` drawn from
+    ``os.urandom``: its floating-point inputs that carry the batch are replaced by leaves that require
+    gradient, so the row check (:func:`clipped_backward`) can see whether one example's loss depends on
+    another example's input.
     """
 
     def __init__(self, plan: NormPlan) -> None:
@@ -176,6 +199,11 @@ class Capture:
         # layouts of calls whose row-to-example attribution was verified, shared by every capture of the model
         self.checked_layouts: set = _VERIFIED_LAYOUTS.setdefault(plan.model, set())
         self.check_every_step = False
+        self.check_rate = DEFAULT_CHECK_RATE
+        self._forwards = 0            # recorded root forwards so far (the first is always probed)
+        self._forward_probed = False  # whether the forward in progress is probed
+        self.probes: list[tuple[str, torch.Tensor]] = []   # probed forwards' inputs, until a backward takes them
+        self._state: list | None = None
         self._swapped: dict[int, dict] = {}
         root = plan.model
         self._handles = [root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
@@ -190,17 +218,53 @@ class Capture:
 
     def _root_pre(self, module, args, kwargs):
         self._depth += 1
-        if self._depth == 1:  # the batch size of this forward: the main input's leading dimension
-            self._root_grad = torch.is_grad_enabled()
-            main = [kwargs[n] for n in _MAIN_INPUTS if n in kwargs]
-            first = next((x for x in (*main, *args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0),
-                         None)
-            self._batch = None if first is None else int(first.shape[0])
+        if self._depth != 1:
+            return None
+        # the batch size of this forward: the main input's leading dimension
+        self._root_grad = torch.is_grad_enabled()
+        main = [kwargs[n] for n in _MAIN_INPUTS if n in kwargs]
+        first = next((x for x in (*main, *args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0),
+                     None)
+        self._batch = None if first is None else int(first.shape[0])
+        self._forward_probed = False
+        if not self._recording():
+            self._state = None
+            return None
+        self._state = _state_of(self.plan.model)
+        self._forward_probed = (self.check_every_step or self._forwards == 0
+                                or _secret_uniform() < self.check_rate)
+        self._forwards += 1
+        if not self._forward_probed or self._batch is None:
+            return None
+        return (tuple(self._probe(f"argument {i}", x) for i, x in enumerate(args)),
+                {n: self._probe(n, x) for n, x in kwargs.items()})
+
+    def _probe(self, name: str, x: object) -> object:
+        """A batched floating-point input as a leaf that requires gradient (its clone enters the forward, so an
+        in-place operation on the input inside the model stays legal)."""
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 0 and x.shape[0] == self._batch):
+            return x
+        if x.requires_grad:   # computed from something that trains: checked where it is
+            self.probes.append((name, x))
+            return x
+        leaf = x.detach().requires_grad_(True)
+        self.probes.append((name, leaf))
+        return leaf.clone()
 
     def _root_post(self, module, args, output):
         self._depth -= 1
         if self._depth == 0:
             self._batch = None
+            state, self._state = self._state, None
+            if state is not None and output is not None:
+                changed = _changed_state(self.plan.model, state)
+                if changed:
+                    raise StateChangedError(
+                        f"{changed} changed during a training forward, so the model would carry un-noised information "
+                        f"about the batch (running statistics of private data, Embedding(max_norm=...)'s in-place "
+                        f"renormalization of the looked-up rows). Private training here offers no privatized running "
+                        f"statistics: remove the update (or construct the module without it, e.g. max_norm=None, "
+                        f"track_running_stats=False), or freeze the statistics before training")
 
     def _pre_hook(self, unit: Unit):
         def hook(module, args, kwargs):
@@ -257,6 +321,9 @@ class Capture:
                         outs, aliases, b)
             call.cache["versions"] = _versions(call)
             call.cache["unit"] = unit
+            call.cache["probed"] = self._forward_probed
+            # the backward runs in half precision somewhere below this call (the row check's tolerance)
+            call.cache["autocast"] = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
             self.calls.append(call)
             return output if len(outs) == 1 and isinstance(output, torch.Tensor) else None
         return hook
@@ -264,6 +331,7 @@ class Capture:
     def clear(self) -> None:
         """Drop every recorded call (their activations are freed)."""
         self.calls.clear()
+        self.probes.clear()
         self.no_grad_units.clear()
 
     def remove(self) -> None:
@@ -272,6 +340,33 @@ class Capture:
             h.remove()
         self._handles = []
         self.calls.clear()
+        self.probes.clear()
+
+
+def _secret_uniform() -> float:
+    """A uniform draw from ``os.urandom``: no seed or generator of the user's can predict or replay it."""
+    return int.from_bytes(os.urandom(7), "little") / 2.0 ** 56
+
+
+def _state_of(model: nn.Module) -> tuple:
+    """What a training forward must leave as it was: every parameter's and buffer's identity and version."""
+    params = [(n, p, p._version) for n, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [(n, b, None if b is None else b._version) for n, b in model.named_buffers(remove_duplicate=False)]
+    return params, buffers
+
+
+def _changed_state(model: nn.Module, state: tuple) -> str | None:
+    params, buffers = state
+    for name, p, version in params:
+        if p._version != version:
+            return f"parameter {name}"
+    now = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+    for name, b, version in buffers:
+        if now.get(name) is not b or (b is not None and b._version != version):
+            return f"buffer {name}"
+    if len(now) != len(buffers):
+        return f"buffer {next(n for n in now if n not in {m for m, _, _ in buffers})}"
+    return None
 
 
 _VERIFIED_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -395,9 +490,12 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         raise ValueError("clipping_pass='two-pass' sums clipped gradients in the parameters' dtype, which is half "
                          "precision here; rounding could let a clipped contribution exceed C. Use "
                          "clipping_pass='bookkeeping' (sums in float32)")
-    # the row-to-example check (below) runs on the first step with a new layout of calls, or on every step
+    # the row check (_check_rows) runs on the first step with a new layout of calls, on probed forwards (every
+    # step, or the secret schedule), and sees the probed forwards' inputs
     layout = _layout(calls, losses)
-    check = b > 1 and (capture.check_every_step or layout not in capture.checked_layouts)
+    new_layout = layout not in capture.checked_layouts
+    probes, capture.probes = capture.probes, []
+    check = b > 1 and (capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls))
     if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
         check = any_rank(check)
     grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass or check) if b
@@ -427,7 +525,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     capture.active = False
     try:
         if check:
-            _check_attribution(losses, reached, retain_graph=two_pass)
+            _check_rows(losses, reached, probes, retain_graph=two_pass, passes=2 if new_layout else 1)
             capture.checked_layouts.add(layout)
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
@@ -498,24 +596,91 @@ def _layout(calls: list[Call], losses: torch.Tensor) -> tuple:
                   shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls) + (ops,)
 
 
-def _check_attribution(losses: torch.Tensor, calls: list[Call], retain_graph: bool) -> None:
-    r"""``IncompleteGradientError`` unless row ``i`` of every recorded call carries example ``i``'s gradient.
+def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_graph: bool, passes: int = 1) -> None:
+    r"""Raise unless example ``i``'s loss depends on example ``i``'s rows alone, and row ``i`` of every recorded call
+    is example ``i``.
 
-    The handlers take row ``i`` of a call's input and output as example ``i`` (the batch-size check sees only
-    shapes: a module run once per example inside the forward, on a slice with as many rows as the batch, or
-    on permuted rows, passes it).  For random weights ``v`` the handlers' ``sum_i v_i g_i`` (their clipped
-    sum with weights ``v``) must equal the autograd gradient of ``sum_i v_i L_i`` with respect to the call's
-    parameters; if any per-example gradient ``g_i`` were wrong, equality would hold only for ``v`` in a set of
-    measure zero.  One extra backward.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32, ``5e-2``
-    in half precision, of the layer's gradient or (if larger) of the largest layer's divided by the batch size.
+    Each pass draws a random half ``S`` of the batch (from ``os.urandom``) and weights ``v_i`` uniform in
+    ``[1, 2]`` for ``i`` in ``S``, ``0`` elsewhere, and runs one backward of ``sum_i v_i L_i``:
+
+    * **isolation** (:class:`ExampleMixingError`): its gradient with respect to every recorded call's output
+      and every probed input must be *exactly zero* in the rows outside ``S``.  Operations that treat rows
+      separately never create a non-zero there (a zero row times anything finite is zero), so no tolerance
+      is needed, and a mixing term of any size (a batch mean, batch statistics, softmax or attention over the
+      batch, a loss that reads other rows) is caught once ``S`` separates two examples it mixes: with
+      probability at least 1/4 per pass for any one pair, 1/2 over the two complementary passes made on a new
+      layout, and almost surely for a batch-wide statistic.  The gradients are inspected as they pass
+      (tensor hooks), never stored.
+    * **attribution** (:class:`IncompleteGradientError`): the handlers' ``sum_i v_i g_i`` must equal
+      autograd's gradient with respect to each call's parameters; a wrong per-example gradient agrees only
+      for ``v`` in a set of measure zero.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32,
+      ``5e-2`` when the call's output or gradient is half precision (autocast), of the layer's gradient or
+      (if larger) of the largest layer's divided by the batch size.  Over the two passes of a new layout
+      every row has a non-zero weight once.
     """
     b = losses.shape[0]
-    seed = int.from_bytes(os.urandom(7), "little")   # not the user's generators: their streams stay as they were
-    v = 1 + torch.rand(b, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    v = v.to(losses.device, losses.dtype)
     pairs = [(c, local) for c in calls for local in c.aliases]
-    true = torch.autograd.grad((losses * v).sum(), [c.aliases[local] for c, local in pairs], allow_unused=True,
-                               retain_graph=retain_graph)
+    rows = _secret_halves(b)
+    for j in range(passes):
+        inside = rows if j == 0 else ~rows
+        v = torch.where(inside, 1 + torch.rand(b, generator=torch.Generator().manual_seed(_secret_seed()),
+                                               dtype=torch.float64), 0.0)
+        v = v.to(losses.device, losses.dtype)
+        outside = (~inside).to(losses.device)
+        mixed: list[tuple[int, str]] = []   # (forward order, what): the last one is where the mixing follows
+        handles = []
+        for i, c in enumerate(calls):
+            for t in c.outputs:
+                if t.requires_grad and t.dim() > 0 and t.shape[0] == b:
+                    what = f"an output of {c.cache['unit'].path or type(c.module).__name__}"
+                    handles.append(t.register_hook(_zero_rows_hook(outside, mixed, (i, what))))
+        probed = [(name, x) for name, x in probes if x.requires_grad]
+        try:
+            grads = torch.autograd.grad((losses * v).sum(), [c.aliases[local] for c, local in pairs] +
+                                        [x for _, x in probed], allow_unused=True,
+                                        retain_graph=retain_graph or j + 1 < passes)
+        finally:
+            for h in handles:
+                h.remove()
+        for (name, x), g in zip(probed, grads[len(pairs):], strict=True):
+            if g is not None and _nonzero_rows(g, outside.to(g.device)):
+                mixed.append((-1, f"the input {name}"))
+        if mixed:
+            raise ExampleMixingError(
+                f"the loss of one example depends on {max(mixed)[1]} for another example (the gradient of a weighted "
+                f"sum of some examples' losses is not zero in the other examples' rows), so adding one example would "
+                f"move the others' clipped contributions and no bound by max_grad_norm holds; the step was not "
+                f"taken. Something after it and before the loss mixes examples: a batch statistic (F.batch_norm, "
+                f"x - x.mean(0)), softmax or attention over the batch dimension, or a loss that reads other rows "
+                f"(in-batch negatives). Compute everything per example.")
+        _compare_attribution(pairs, v, grads[:len(pairs)], b)
+
+
+def _zero_rows_hook(outside: torch.Tensor, found: list, what: str):
+    def hook(grad):
+        if _nonzero_rows(grad, outside.to(grad.device)):
+            found.append(what)
+    return hook
+
+
+def _nonzero_rows(grad: torch.Tensor, outside: torch.Tensor) -> bool:
+    return bool(grad[outside].ne(0).any())
+
+
+def _secret_seed() -> int:
+    return int.from_bytes(os.urandom(7), "little")   # not the user's generators: their streams stay as they were
+
+
+def _secret_halves(b: int) -> torch.Tensor:
+    """A random split of ``b >= 2`` rows into two non-empty parts (a boolean mask), from ``os.urandom``."""
+    g = torch.Generator().manual_seed(_secret_seed())
+    while True:
+        rows = torch.rand(b, generator=g) < 0.5
+        if 0 < int(rows.sum()) < b:
+            return rows
+
+
+def _compare_attribution(pairs: list, v: torch.Tensor, true: tuple, b: int) -> None:
     got = [c.cache["unit"].handler.clipped_sum(c, local, v.to(torch.float64)).to(torch.float64).reshape(-1)
            for c, local in pairs]
     true = [torch.zeros_like(g) if t is None else t.to(torch.float64).reshape(-1)
@@ -523,10 +688,14 @@ def _check_attribution(losses: torch.Tensor, calls: list[Call], retain_graph: bo
     # a layer whose every per-example gradient is rounding noise (a bias before a normalization) is compared
     # with the model's largest gradient per example, not with its own
     floor = max(float(t.norm()) for t in true) / b
+    # the precision the backward ran in: any half-precision output or autocast in the forward rounds the
+    # gradients of every layer below it
+    half = (torch.float16, torch.bfloat16)
+    dtypes = {v.dtype} | {o.dtype for c, _ in pairs for o in c.outputs if o.is_floating_point()}
+    dtypes |= {c.aliases[local].dtype for c, local in pairs}
+    low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, _ in pairs)
+    tol = 5e-2 if low else (1e-6 if dtypes == {torch.float64} else 1e-4)
     for (c, local), g, t in zip(pairs, got, true, strict=True):
-        dtypes = (c.aliases[local].dtype, losses.dtype)
-        tol = 5e-2 if any(d in (torch.float16, torch.bfloat16) for d in dtypes) else (
-            1e-6 if all(d == torch.float64 for d in dtypes) else 1e-4)
         err = float((g - t).norm())
         if not err <= tol * max(float(t.norm()), floor):
             unit = c.cache["unit"]

@@ -12,8 +12,12 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
   (``args.max_grad_norm = 0``) and its gradient-norm log is suppressed (it would be a non-private statistic
   of the clipped sum);
 * ``epsilon`` (the accountant's upper bound at ``target_delta``) is added to every log line;
-* ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` over the run's steps
-  (``args.num_train_epochs``, or ``args.max_steps`` rounded up to whole epochs).
+* ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` for exactly the optimizer steps the
+  Trainer will take (``args.max_steps``, or ``num_train_epochs`` times the Poisson batches of an epoch,
+  rounded up as the Trainer rounds); the engine refuses a step beyond them;
+* every checkpoint the Trainer saves holds the engine's state (:data:`PRIVACY_STATE_NAME`: the steps
+  taken, the settings, the sampling, projection and noise generators), and ``train(resume_from_checkpoint=...)``
+  restores it, so a resumed run continues the ledger and the batch sequence of the interrupted one.
 
 Per-example losses: for a causal LM (labels shaped like ``input_ids``) the next-token cross-entropy, shifted,
 averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entropy of ``logits`` against
@@ -23,6 +27,7 @@ averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entro
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +35,23 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from .data import EmptyBatch
+from .data import EmptyBatch, private_data_loader
 from .privacy_engine import PrivacyEngine
 
-__all__ = ["DPTrainer", "PrivacyArguments"]
+__all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
+
+#: The file, next to ``optimizer.pt`` in each checkpoint folder, that holds ``PrivacyEngine.state_dict()``.
+PRIVACY_STATE_NAME = "privacy_engine.pt"
 
 
 @dataclass(frozen=True)
 class PrivacyArguments:
     """The privacy settings of a :class:`DPTrainer` (see :meth:`dpsgd.PrivacyEngine.make_private`).
 
-    ``target_delta`` is also the delta at which ``epsilon`` is logged.
+    ``target_delta`` is also the delta at which ``epsilon`` is logged.  ``ledger_path`` is passed to
+    ``PrivacyEngine(ledger_path=...)``: an append-only file with one line per noisy step, flushed to disk
+    before the step returns.  A later trainer (or engine) on the same file counts the steps recorded there,
+    even those a crash took after the last checkpoint, and refuses a file written with other settings.
     """
 
     max_grad_norm: float = 1.0
@@ -52,17 +63,45 @@ class PrivacyArguments:
     clipping_pass: str = "bookkeeping"
     seed: int | None = None
     secure_mode: bool = False
+    ledger_path: str | os.PathLike | None = None
 
 
 class DPTrainer(Trainer):
     r"""``transformers.Trainer`` with DP-SGD-RC; everything else (arguments, callbacks, saving) as usual.
+
+    Checkpoints carry the privacy state: each one the Trainer saves holds :data:`PRIVACY_STATE_NAME`, the
+    engine's ``state_dict()`` (steps taken, settings, the sampling, projection and noise generators).
+    ``train(resume_from_checkpoint=...)`` restores it, so ``epsilon`` counts the steps taken before the
+    interruption, and refuses a checkpoint without it (one a plain ``Trainer`` saved, or one saved with
+    ``save_only_model=True``): resuming from it would restart the ledger at zero steps.
+
+    ``args.ignore_data_skip`` is set to ``True``.  On resume the Trainer would otherwise replay the first
+    batches of the interrupted epoch to skip them; with Poisson sampling a batch is a fresh draw from the
+    sampling generator, not a position in a fixed order, so replaying would draw batches the interrupted
+    run never used (a different continuation), and they would bypass the engine's batch book-keeping.
+    Restoring the sampling generator is what continues the run: the resumed trainer draws exactly the
+    batches the uninterrupted run would have drawn, takes as many noisy steps and reports the same
+    ``epsilon``.  (The Trainer's epoch counter after a mid-epoch resume then starts the interrupted epoch
+    over; the run still stops at the same ``max_steps``.)
 
     Parameters
     ----------
     *args, **kwargs
         As for ``transformers.Trainer`` (``train_dataset`` and ``args`` are required).
     privacy : PrivacyArguments
-        Clipping, noise (or target epsilon), estimator.
+        Clipping, noise (or target epsilon), estimator, ledger file.
+
+    Raises
+    ------
+    ValueError
+        Without a ``train_dataset``, or with neither ``noise_multiplier`` nor ``target_epsilon``.
+
+    Notes
+    -----
+    With ``target_epsilon`` the noise is calibrated, in the constructor, for the optimizer steps that
+    ``train()`` will take as ``args`` stand then (:meth:`planned_steps`); changing ``args.max_steps`` or
+    ``args.num_train_epochs`` afterwards makes the engine refuse the first step beyond that count rather
+    than exceed the target.
 
     Examples
     --------
@@ -75,25 +114,51 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer needs a train_dataset")
         self.privacy = privacy or PrivacyArguments()
         self.args.max_grad_norm = 0.0  # every example is clipped by the engine; the Trainer must not re-clip
-        self.privacy_engine = PrivacyEngine(secure_mode=self.privacy.secure_mode)
+        # a resumed run continues from the restored sampling generator, never by replaying batches (class doc)
+        self.args.ignore_data_skip = True
+        self.privacy_engine = PrivacyEngine(secure_mode=self.privacy.secure_mode,
+                                            ledger_path=self.privacy.ledger_path)
         accumulation = self.args.gradient_accumulation_steps
         logical = DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size * accumulation,
                              collate_fn=self.data_collator)
-        epochs = None
+        steps = None
         if self.privacy.noise_multiplier is None:
             if self.privacy.target_epsilon is None:
                 raise ValueError("PrivacyArguments needs noise_multiplier or target_epsilon")
-            steps_per_epoch = math.ceil(len(self.train_dataset) / logical.batch_size)
-            epochs = (math.ceil(self.args.max_steps / steps_per_epoch) if self.args.max_steps > 0
-                      else math.ceil(self.args.num_train_epochs))
+            steps = self.planned_steps(len(private_data_loader(logical)))
         self.create_optimizer()
         p = self.privacy
         self.model, self.optimizer, _, loader = self.privacy_engine.make_private(
             module=self.model, optimizer=self.optimizer, data_loader=logical, max_grad_norm=p.max_grad_norm,
-            noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if epochs else None,
-            target_delta=p.target_delta if epochs else None, epochs=epochs, estimator=p.estimator, k=p.k,
+            noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if steps else None,
+            target_delta=p.target_delta if steps else None, steps=steps, estimator=p.estimator, k=p.k,
             seed=p.seed, clipping_pass=p.clipping_pass)
         self._dp_loader = loader.in_chunks(accumulation)
+
+    def planned_steps(self, logical_batches: int) -> int:
+        """The optimizer steps ``train()`` takes with ``logical_batches`` Poisson batches an epoch.
+
+        ``args.max_steps`` if positive, else ``ceil(num_train_epochs * update_steps_per_epoch)``, as the
+        Trainer computes it from its loader: ``len(loader) // gradient_accumulation_steps`` (at least 1), where
+        the private loader's ``len`` is ``logical_batches * gradient_accumulation_steps`` pieces.  The Poisson
+        sampler draws ``round(N / B)`` batches an epoch, not ``ceil(N / B)``, and a fractional
+        ``num_train_epochs`` or a ``max_steps`` that is not whole epochs is run as given, not rounded to
+        epochs: the noise is calibrated for exactly these steps.
+
+        Parameters
+        ----------
+        logical_batches : int
+            Poisson batches in one epoch of the private loader.
+
+        Returns
+        -------
+        int
+        """
+        if self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        pieces = logical_batches * self.args.gradient_accumulation_steps
+        per_epoch = max(pieces // self.args.gradient_accumulation_steps, 1)
+        return math.ceil(self.args.num_train_epochs * per_epoch)
 
     def get_train_dataloader(self) -> DataLoader:
         """The private loader: Poisson logical batches, each as ``gradient_accumulation_steps`` pieces."""
@@ -125,6 +190,27 @@ class DPTrainer(Trainer):
         return None  # the clipped sum's norm before noise is not private: never logged
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.privacy_engine.steps:
+        if self.privacy_engine.spent_steps:   # spent: a ledger file's earlier steps count too
             logs = {**logs, "epsilon": self.privacy_engine.get_epsilon(self.privacy.target_delta)}
         super().log(logs, *args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # the Trainer calls this for every resumable checkpoint (not with save_only_model, which cannot be
+        # resumed): the privacy state travels with the optimizer state it belongs to
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            torch.save(self.privacy_engine.state_dict(), os.path.join(output_dir, PRIVACY_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # called once on train(resume_from_checkpoint=...), before the first step; the engine state goes
+        # first so that a checkpoint without it fails before anything else is loaded
+        if checkpoint is not None:
+            path = os.path.join(checkpoint, PRIVACY_STATE_NAME)
+            if not os.path.isfile(path):
+                raise ValueError(f"checkpoint {checkpoint} holds no privacy state ({PRIVACY_STATE_NAME}): it was "
+                                 f"not saved by a DPTrainer, or was saved with save_only_model=True. Resuming from "
+                                 f"it would restart the privacy ledger at zero steps and under-report epsilon; "
+                                 f"resume from a checkpoint a DPTrainer saved, or start a new run")
+            # generator states and plain settings only: no pickled code is needed
+            self.privacy_engine.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        super()._load_optimizer_and_scheduler(checkpoint)

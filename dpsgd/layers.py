@@ -603,11 +603,20 @@ def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
     for full, per, d in zip(call.outputs, outs, out_dims, strict=True):
         if not full.is_floating_point():
             continue
-        per = per.squeeze(d + 1)                     # (B, rest): the example's own batch dimension of size 1
-        full = full.movedim(d, 0)
-        scale = float(full.abs().max()) if full.numel() else 0.0
-        tol = _MIXING_TOLERANCE.get(full.dtype, 5e-2) * max(scale, 1e-30)
-        if per.shape != full.shape or float((per.to(full.dtype) - full).abs().max()) > tol:
+        per = per.squeeze(d + 1).detach()            # (B, rest): the example's own batch dimension of size 1
+        full = full.movedim(d, 0).detach()
+        if per.shape != full.shape:
+            bad = True
+        elif full.numel():
+            # per row, relative to that row's own scale, so a small-scale row is not hidden by the batch's
+            # largest (floored at 1e-6 of it, for rows that are rounding noise)
+            scale = full.reshape(full.shape[0], -1).abs().amax(1)
+            scale = scale.clamp_min(max(1e-6 * float(scale.max()), 1e-30))
+            err = (per.to(full.dtype) - full).reshape(full.shape[0], -1).abs().amax(1)
+            bad = bool((err > _MIXING_TOLERANCE.get(full.dtype, 5e-2) * scale).any())
+        else:
+            bad = False
+        if bad:
             unit = call.cache.get("unit")
             raise UnsupportedModuleError(
                 getattr(unit, "path", type(call.module).__name__),

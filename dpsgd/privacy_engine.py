@@ -46,6 +46,7 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -61,6 +62,7 @@ from dpmath import (
 from .data import DPDataLoader, private_data_loader
 from .distributed import all_sum, as_grad, broadcast_int, is_sharded, rank_world, reduce_sums
 from .engine import (
+    DEFAULT_CHECK_RATE,
     Capture,
     NormPlan,
     check_clipping_pass,
@@ -350,8 +352,8 @@ class PrivacyEngine:
     def __init__(self, secure_mode: bool = False, ledger_path: str | os.PathLike | None = None) -> None:
         self.secure_mode = bool(secure_mode)
         self.ledger_path = ledger_path
-        # the row check (docs/trainer.md): on each new layout of module calls, or on every step when True
-        self.check_rows_every_step = False
+        self._check_every_step = False
+        self._check_rate = DEFAULT_CHECK_RATE
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
@@ -364,7 +366,9 @@ class PrivacyEngine:
         self._mask_rngs: dict[torch.device, torch.Generator] = {}
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self._current_logical: int | None = None  # the logical batch the loader handed out last
+        self._pending: int | None = None   # a logical batch handed out and not yet stepped
         self.plan: NormPlan | None = None
+        self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
         self._reset_step_state()
 
     def _reset_step_state(self) -> None:
@@ -380,12 +384,14 @@ class PrivacyEngine:
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
-                     epochs: int | None = None, estimator: str = "hutch", k: int = 32, poisson_sampling: bool = True,
+                     epochs: float | None = None, steps: int | None = None, estimator: str = "hutch", k: int = 32,
+                     poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
-        r"""Make training private; give ``noise_multiplier`` or ``(target_epsilon, target_delta, epochs)``.
+        r"""Make training private; give ``noise_multiplier`` or ``target_epsilon``, ``target_delta`` and one of
+        ``epochs`` or ``steps``.
 
         Parameters
         ----------
@@ -398,9 +404,12 @@ class PrivacyEngine:
             Clipping threshold ``C > 0``.
         noise_multiplier : float, optional
             ``sigma >= 0``; or calibrate it from the three targets.
-        target_epsilon, target_delta, epochs
-            Calibrate ``sigma`` with the PLD accountant for this estimator so that after ``epochs`` passes
-            the upper bound on epsilon is at most ``target_epsilon``.
+        target_epsilon, target_delta, epochs, steps
+            Calibrate ``sigma`` with the PLD accountant for this estimator so that after ``steps`` noisy steps
+            (or ``ceil(epochs * len(data_loader))``, ``len`` counting the loader's Poisson batches, empty
+            ones included) the upper bound on epsilon is at most ``target_epsilon``.  The engine then refuses a
+            step beyond that count (:attr:`planned_steps`): the calibration holds for the steps that run, never
+            fewer.  Without a target, ``steps`` is ignored.
         estimator : {"hutch", "hutchpp", "ghost", "exact"}
             Per-sample norm estimator.
         k : int
@@ -471,8 +480,9 @@ class PrivacyEngine:
             sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
             if target_epsilon is not None:
                 raise ValueError("give either noise_multiplier or target_epsilon, not both")
-        elif target_epsilon is None or target_delta is None or epochs is None:
-            raise ValueError("without noise_multiplier, target_epsilon, target_delta and epochs are required")
+        elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
+            raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
+                             "required")
         plan = NormPlan.build(module, estimator)
         self.plan = plan
         self._ranks = self._sampling_ranks(sampling, plan, c)
@@ -496,16 +506,23 @@ class PrivacyEngine:
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
         self.clipping_pass = clipping_pass
         self.envelope = self._envelope(plan)
+        planned = None
         if noise_multiplier is None:
-            steps = check_positive(epochs, "epochs") * len(loader)
+            if steps is None:
+                planned = math.ceil(check_positive(epochs, "epochs") * len(loader))
+            elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"steps must be a positive integer, got {steps!r}")
+            else:
+                planned = steps
             try:
-                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, max(1, int(steps)),
+                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
                                            c, self._ranks, self.envelope)
             except ValueError as err:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
-                                 f"target_delta={target_delta!r} over {int(steps)} steps at q={self.sample_rate:g}: "
+                                 f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
         self._noise_multiplier = sigma
+        self.planned_steps = planned
         self._noise = noise
         self._sampling = sampling
         self._basis = basis
@@ -519,6 +536,7 @@ class PrivacyEngine:
             self._mask_seed = (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1
         self._read_ledger()
         self._capture = Capture(plan)
+        self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
@@ -537,6 +555,37 @@ class PrivacyEngine:
                                  f"its current value, so changing it mid-run would mis-charge the steps already "
                                  f"taken; use a new PrivacyEngine")
         super().__setattr__(name, value)
+
+    @property
+    def check_every_step(self) -> bool:
+        """Run the row check (example isolation and row attribution, docs/trainer.md) on every step with more than
+        one example; ``False`` (default): on a new layout of module calls, and on each step with probability
+        :attr:`check_rate`."""
+        return self._check_every_step
+
+    @check_every_step.setter
+    def check_every_step(self, value: bool) -> None:
+        self._check_every_step = bool(value)
+        if self._capture is not None:
+            self._capture.check_every_step = self._check_every_step
+
+    @property
+    def check_rate(self) -> float:
+        """Probability in ``(0, 1]`` that a step is checked (drawn from ``os.urandom`` at its forward); default
+        0.25.  A check costs one extra backward.  A checked step catches a dependence of one example's loss on
+        another given example's input or activations with probability at least 1/4 (a batch-wide statistic
+        almost surely), so a violation present on ``m`` steps is missed with probability at most
+        ``(1 - check_rate / 4)^m`` (0.0016 for 100 steps at the default rate)."""
+        return self._check_rate
+
+    @check_rate.setter
+    def check_rate(self, value: float) -> None:
+        rate = float(value)
+        if not 0 < rate <= 1:
+            raise ValueError(f"check_rate must lie in (0, 1] (use check_every_step=True for 1), got {value!r}")
+        self._check_rate = rate
+        if self._capture is not None:
+            self._capture.check_rate = rate
 
     @property
     def noise_multiplier(self) -> float | None:
@@ -635,7 +684,6 @@ class PrivacyEngine:
                                "at the wrong sampling rate and could clip an example twice). Call step() after "
                                "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
-        self._capture.check_every_step = bool(self.check_rows_every_step)
         twice = self._sampling if self._sampling.per_coordinate else None
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
@@ -652,6 +700,9 @@ class PrivacyEngine:
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
 
     def _on_batch(self, size: int, last: bool, logical: int) -> None:
+        if self._pending is not None and logical != self._pending:
+            raise RuntimeError(self._drawn_twice)
+        self._pending = logical
         self._current_logical = logical
         self._drawn += size
         self._skip_next = not last
@@ -666,7 +717,15 @@ class PrivacyEngine:
         for p in self.plan.params:
             p.grad = None
 
+    _drawn_twice = ("a batch was drawn from the private data loader before optimizer.step() of the batch drawn "
+                    "before it: one noisy step per Poisson batch, or the accountant charges rate q for a step that "
+                    "used more (two batches concatenated, a buffer of batches). Call optimizer.step() after every "
+                    "batch (after optimizer.zero_grad() it takes a noise-only step for a batch you skip); split a "
+                    "large batch with BatchMemoryManager; to stop early, stop before drawing the next batch.")
+
     def _empty_step(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(self._drawn_twice)
         if self._backpropagated or self._sums:
             raise RuntimeError("an empty Poisson batch was drawn while a backward's clipped sums wait for step(); "
                                "call optimizer.step() after every batch")
@@ -677,6 +736,10 @@ class PrivacyEngine:
         if self._skip_next:
             self._skip_next, self._last_skipped = False, True
             return
+        if self.planned_steps is not None and self.spent_steps >= self.planned_steps:
+            raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
+                               f"target_delta) and they have all been taken; another step would spend more than "
+                               f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
         if self._backpropagated > self._drawn:
@@ -684,6 +747,13 @@ class PrivacyEngine:
                                f"examples were drawn from the private data loader since the last step: an example "
                                f"may contribute one clipped gradient per step (a second backward of the same batch, "
                                f"or batches from another loader, would break the privacy guarantee)")
+        if self._backpropagated < self._drawn and not self._discarded:
+            raise RuntimeError(f"{self._backpropagated} per-example losses (rows) were backpropagated for {self._drawn} "
+                               f"examples drawn from the private data loader: each example must be one row of the "
+                               f"batch with a loss of its own. A collate_fn that packs several examples into one "
+                               f"row gives each row up to k examples' influence while the accountant charges per "
+                               f"example; pack within an example, or use one row per example. (Call "
+                               f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
         written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
         if written:
             raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
@@ -712,6 +782,7 @@ class PrivacyEngine:
         self._record_step()  # the ledger: only after the step has happened
         self._capture.clear()
         self._reset_step_state()
+        self._pending = None
         for p in self.plan.params:
             p.grad = None
 

@@ -8,7 +8,8 @@ the fix (in the spirit of Opacus' ``ModuleValidator``):
   training it normalizes with batch statistics, and in evaluation its running statistics were learned from
   private data without noise; :meth:`ModuleValidator.fix` replaces it with ``GroupNorm``;
 * ``InstanceNorm*`` with ``track_running_stats=True`` (the running statistics; ``fix`` turns them off);
-* ``nn.Embedding`` with ``scale_grad_by_freq`` (scales by token frequency *in the batch*) or ``sparse``;
+* ``nn.Embedding`` with ``scale_grad_by_freq`` (scales by token frequency *in the batch*), ``sparse``, or
+  ``max_norm`` (renormalizes the looked-up rows of the weight in place during forward);
 * ``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` with ``batch_first=False`` (the trainer
   needs the batch as the leading dimension of every recorded input and output).
 
@@ -53,6 +54,10 @@ def _problems(model: nn.Module) -> list[_Problem]:
             out.append(_Problem(path, f"{type(m).__name__} with track_running_stats=True learns running statistics "
                                       "from the whole batch; construct it with track_running_stats=False "
                                       "(ModuleValidator.fix(model) does)"))
+        elif isinstance(m, nn.Embedding) and m.max_norm is not None:
+            out.append(_Problem(path, f"Embedding with max_norm={m.max_norm} renormalizes the looked-up rows of its "
+                                      "weight in place during forward, so the weight would record which tokens the "
+                                      "batch used, without noise; construct it with max_norm=None"))
         elif isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.sparse):
             what = "scale_grad_by_freq=True scales gradients by token frequency in the batch (mixes examples)" \
                 if m.scale_grad_by_freq else "sparse=True gradients are not supported"

@@ -64,3 +64,79 @@ def test_trainer_calibrates_noise_from_a_target_epsilon(tmp_path):
     trainer.train()
     assert trainer.privacy_engine.steps == 10
     assert 3.5 < trainer.privacy_engine.get_epsilon(1e-5) <= 4.0
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=1e-2, report_to=[],
+                use_cpu=True, disable_tqdm=True, save_strategy="no")
+    return TrainingArguments(**{**base, **kw})
+
+
+@pytest.mark.parametrize("n, batch, accumulation, schedule", [
+    (42, 8, 1, {"max_steps": 6}),             # 5 Poisson batches an epoch: 6 steps are not whole epochs
+    (42, 4, 2, {"num_train_epochs": 1.5}),    # N / B = 5.25, a fractional number of epochs, accumulation
+])
+def test_trainer_calibrates_for_exactly_the_steps_it_takes(tmp_path, n, batch, accumulation, schedule):
+    torch.manual_seed(0)
+    args = _args(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, **schedule)
+    trainer = DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(n),
+                        privacy=PrivacyArguments(target_epsilon=2.0, target_delta=1e-5, estimator="exact", seed=0))
+    trainer.train()
+    engine = trainer.privacy_engine
+    assert engine.steps == trainer.state.global_step == trainer.state.max_steps == engine.planned_steps
+    assert 1.8 < engine.get_epsilon(1e-5) <= 2.0
+
+
+def _resumable(tmp_path, max_steps, **privacy):
+    # hutch by default: its projection generator must be restored too for the steps to repeat bit for bit
+    torch.manual_seed(0)
+    args = _args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=max_steps,
+                 save_strategy="steps", save_steps=4)
+    settings = {"max_grad_norm": 0.5, "noise_multiplier": 1.0, "estimator": "hutch", "k": 8, "seed": 0}
+    return DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48),
+                     privacy=PrivacyArguments(**(settings | privacy)))
+
+
+def _trained(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_resumed_run_continues_the_ledger_and_the_generators_mid_epoch(tmp_path):
+    # 6 logical batches an epoch: the checkpoint at step 4 is mid-epoch, and the run ends in the second epoch
+    full = _resumable(tmp_path / "full", max_steps=9)
+    full.train()
+    resumed = _resumable(tmp_path / "resumed", max_steps=9)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+    a, b = full.privacy_engine, resumed.privacy_engine
+    assert resumed.state.global_step == full.state.global_step == 9
+    assert b.steps == b.spent_steps == a.steps == 9
+    assert b.get_epsilon(1e-5) == a.get_epsilon(1e-5)
+    after_full, after_resumed = _trained(full.model), _trained(resumed.model)
+    assert after_full.keys() == after_resumed.keys()
+    assert all(torch.equal(after_full[n], after_resumed[n]) for n in after_full)
+
+
+def test_resuming_from_a_checkpoint_without_privacy_state_is_refused(tmp_path):
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    plain = Trainer(model=lora_gpt2(), args=_args(tmp_path / "plain", max_steps=1, save_strategy="steps",
+                                                   save_steps=1), train_dataset=_Ids(48))
+    plain.train()
+    trainer = _resumable(tmp_path / "dp", max_steps=3, estimator="exact")
+    with pytest.raises(ValueError, match="privacy"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
+    assert trainer.privacy_engine.steps == 0
+
+
+def test_a_second_trainer_on_the_same_ledger_counts_the_earlier_steps(tmp_path):
+    ledger = tmp_path / "ledger.jsonl"
+    first = _resumable(tmp_path / "first", max_steps=3, ledger_path=str(ledger), estimator="exact")
+    first.train()
+    assert len(ledger.read_text().splitlines()) == 3
+    second = _resumable(tmp_path / "second", max_steps=2, ledger_path=str(ledger), estimator="exact")
+    second.train()
+    engine = second.privacy_engine
+    assert engine.steps == 2 and engine.spent_steps == 5
+    assert len(ledger.read_text().splitlines()) == 5
+    assert engine.get_epsilon(1e-5) > first.privacy_engine.get_epsilon(1e-5)
