@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["PoissonBatchSampler", "DPDataLoader", "BatchMemoryManager", "EmptyBatch", "private_data_loader"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "BatchMemoryManager", "EmptyBatch", "private_data_loader",
+           "loader_size"]
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -178,8 +179,23 @@ class DPDataLoader(DataLoader):
                             on_empty=self.on_empty, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
 
+def loader_size(data_loader: DataLoader) -> tuple[int, int]:
+    """``(N, batch_size)`` of a loader the private loader can be built from, or ``ValueError`` saying why not."""
+    if not isinstance(data_loader, DataLoader):
+        raise ValueError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    if data_loader.batch_size is None:
+        raise ValueError("data_loader must have a fixed batch_size (its expected batch size under Poisson sampling)")
+    try:
+        n = len(data_loader.dataset)
+    except TypeError as err:
+        raise ValueError("data_loader's dataset must have a length (Poisson sampling draws from N examples)") from err
+    if n == 0:
+        raise ValueError("data_loader's dataset is empty: there is nothing to train on")
+    return n, data_loader.batch_size
+
+
 def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, generator: torch.Generator | None = None,
-                        on_batch=None, on_empty=None) -> DPDataLoader:
+                        on_batch=None, on_empty=None, sample_rate: float | None = None) -> DPDataLoader:
     r"""The same dataset and collate function, batched by Poisson sampling at ``q = batch_size / N``.
 
     Parameters
@@ -193,6 +209,9 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
         Source of the sampling.
     on_batch, on_empty : callable, optional
         See :class:`DPDataLoader` (the privacy engine passes its own).
+    sample_rate : float, optional
+        ``q`` in ``(0, 1]`` instead of ``batch_size / N``: under torch.distributed, the global rate
+        (expected batch over all ranks / examples over all ranks) at which every rank samples its shard.
 
     Returns
     -------
@@ -208,20 +227,13 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
     >>> len(pl), pl.sample_rate
     (10, 0.1)
     """
-    if not isinstance(data_loader, DataLoader):
-        raise ValueError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-    if data_loader.batch_size is None:
-        raise ValueError("data_loader must have a fixed batch_size (its expected batch size under Poisson sampling)")
-    try:
-        n = len(data_loader.dataset)
-    except TypeError as err:
-        raise ValueError("data_loader's dataset must have a length (Poisson sampling draws from N examples)") from err
-    if n == 0:
-        raise ValueError("data_loader's dataset is empty: there is nothing to train on")
-    if data_loader.batch_size > n:
-        raise ValueError(f"data_loader's batch_size ({data_loader.batch_size}) exceeds the dataset size ({n}): the "
+    n, batch = loader_size(data_loader)
+    if sample_rate is None and batch > n:
+        raise ValueError(f"data_loader's batch_size ({batch}) exceeds the dataset size ({n}): the "
                          f"sampling rate q = batch_size / N must be at most 1")
-    q = data_loader.batch_size / n
+    q = batch / n if sample_rate is None else float(sample_rate)
+    if not 0 < q <= 1:
+        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
     if poisson:
         sampler = PoissonBatchSampler(n, q, generator=generator)
     else:

@@ -17,7 +17,7 @@ try:
 except ImportError:   # a torch build without torch.distributed
     DTensor = ()
 
-__all__ = ["rank_world", "broadcast_int", "all_sum", "any_rank", "is_sharded", "check_sharding", "reduce_sums",
+__all__ = ["rank_world", "broadcast_int", "all_sum", "check_same_on_ranks", "any_rank", "is_sharded", "check_sharding", "reduce_sums",
            "local_part", "as_grad"]
 
 
@@ -44,6 +44,17 @@ def all_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     torch.distributed.all_reduce(t)
     return float(t.item())
+
+
+def check_same_on_ranks(value: float, name: str) -> None:
+    """``ValueError`` on every rank unless ``value`` is the same on all of them (no-op in one process)."""
+    if rank_world()[1] == 1:
+        return
+    t = torch.tensor([float(value), -float(value)], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    if t[0].item() != -t[1].item():
+        raise ValueError(f"{name} differs between ranks (from {-t[1].item():g} to {t[0].item():g}); every rank must "
+                         f"take the same steps with the same privacy settings")
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -202,7 +202,8 @@ class Capture:
         self.check_rate = DEFAULT_CHECK_RATE
         self._forwards = 0            # recorded root forwards so far (the first is always probed)
         self._forward_probed = False  # whether the forward in progress is probed
-        self.probes: list[tuple[str, torch.Tensor]] = []   # probed forwards' inputs, until a backward takes them
+        # probed forwards' inputs (name, leaf, the clone's node), until a backward takes them
+        self.probes: list[tuple[str, torch.Tensor, object]] = []
         self._state: list | None = None
         self._swapped: dict[int, dict] = {}
         root = plan.model
@@ -245,11 +246,12 @@ class Capture:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 0 and x.shape[0] == self._batch):
             return x
         if x.requires_grad:   # computed from something that trains: checked where it is
-            self.probes.append((name, x))
+            self.probes.append((name, x, None))
             return x
         leaf = x.detach().requires_grad_(True)
-        self.probes.append((name, leaf))
-        return leaf.clone()
+        clone = leaf.clone()
+        self.probes.append((name, leaf, clone.grad_fn))
+        return clone
 
     def _root_post(self, module, args, output):
         self._depth -= 1
@@ -492,9 +494,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                          "clipping_pass='bookkeeping' (sums in float32)")
     # the row check (_check_rows) runs on the first step with a new layout of calls, on probed forwards (every
     # step, or the secret schedule), and sees the probed forwards' inputs
-    layout = _layout(calls, losses)
-    new_layout = layout not in capture.checked_layouts
     probes, capture.probes = capture.probes, []
+    layout = _layout(calls, losses, probes)
+    new_layout = layout not in capture.checked_layouts
     check = b > 1 and (capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls))
     if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
         check = any_rank(check)
@@ -583,15 +585,17 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     return ClippedGradients(sums, n.detach(), weights)
 
 
-def _layout(calls: list[Call], losses: torch.Tensor) -> tuple:
+def _layout(calls: list[Call], losses: torch.Tensor, probes: list) -> tuple:
     """The calls' modules and tensor shapes, with the batch size written ``-1``, and the operations of the
-    autograd graph from the calls to the losses: equal for steps whose forwards and losses ran the same way on
-    batches of any size (a loss that starts reading another example's output changes it)."""
+    autograd graph from the calls to the losses (without the probes' own nodes): equal for steps whose forwards
+    and losses ran the same way on batches of any size (a loss that starts reading another example's output
+    changes it)."""
     b = losses.shape[0]
 
     def shapes(ts):
         return tuple(tuple(-1 if d == b else d for d in t.shape) for t in ts if isinstance(t, torch.Tensor))
-    ops = tuple(type(node).__name__ for node in _graph_nodes(losses)) if losses.requires_grad else ()
+    skip = {id(node) for _, _, node in probes if node is not None}
+    ops = tuple(type(node).__name__ for node in _graph_nodes(losses, skip)) if losses.requires_grad else ()
     return tuple((c.cache["unit"].path, type(c.cache["unit"].handler).__name__, shapes(c.args),
                   shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls) + (ops,)
 
@@ -632,9 +636,9 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_gr
         for i, c in enumerate(calls):
             for t in c.outputs:
                 if t.requires_grad and t.dim() > 0 and t.shape[0] == b:
-                    what = f"an output of {c.cache['unit'].path or type(c.module).__name__}"
+                    what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
                     handles.append(t.register_hook(_zero_rows_hook(outside, mixed, (i, what))))
-        probed = [(name, x) for name, x in probes if x.requires_grad]
+        probed = [(name, x) for name, x, _ in probes if x.requires_grad]
         try:
             grads = torch.autograd.grad((losses * v).sum(), [c.aliases[local] for c, local in pairs] +
                                         [x for _, x in probed], allow_unused=True,
@@ -646,17 +650,28 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_gr
             if g is not None and _nonzero_rows(g, outside.to(g.device)):
                 mixed.append((-1, f"the input {name}"))
         if mixed:
-            raise ExampleMixingError(
-                f"the loss of one example depends on {max(mixed)[1]} for another example (the gradient of a weighted "
-                f"sum of some examples' losses is not zero in the other examples' rows), so adding one example would "
-                f"move the others' clipped contributions and no bound by max_grad_norm holds; the step was not "
-                f"taken. Something after it and before the loss mixes examples: a batch statistic (F.batch_norm, "
-                f"x - x.mean(0)), softmax or attention over the batch dimension, or a loss that reads other rows "
-                f"(in-batch negatives). Compute everything per example.")
+            raise ExampleMixingError(_mixing_message(mixed, calls))
         _compare_attribution(pairs, v, grads[:len(pairs)], b)
 
 
-def _zero_rows_hook(outside: torch.Tensor, found: list, what: str):
+def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
+    """Where the mixing is: after the last recorded output (or input) whose other rows the losses depend on, and
+    before the next recorded output that is clean."""
+    last, what = max(mixed)
+    flagged = {i for i, _ in mixed}
+    after = next((c for i, c in enumerate(calls) if i > last and i not in flagged), None)
+    where = f"after {what}" + ("" if after is None else
+                               f" and before the output of {after.cache['unit'].path or type(after.module).__name__}")
+    return (f"the losses of some examples depend on rows of {what} that are not their own (the gradient of a "
+            f"weighted sum of some examples' losses is not zero in the other examples' rows), so one example could "
+            f"move the others' clipped contributions and no bound by max_grad_norm holds; the step was not taken. "
+            f"Look {where}: either the rows are not the examples (a loop over examples inside the forward, permuted "
+            f"or gathered rows), or something mixes examples (a batch statistic such as F.batch_norm or "
+            f"x - x.mean(0), softmax or attention over the batch dimension, a loss that reads other rows such as "
+            f"in-batch negatives). Compute everything per example, row i for example i.")
+
+
+def _zero_rows_hook(outside: torch.Tensor, found: list, what: tuple):
     def hook(grad):
         if _nonzero_rows(grad, outside.to(grad.device)):
             found.append(what)
@@ -753,12 +768,13 @@ def _first_backward(capture: Capture, losses, outputs, model_params, retain_grap
         capture.active = True
 
 
-def _graph_nodes(losses: torch.Tensor) -> list:
-    """Every node of the autograd graph below ``losses``, once each, in a deterministic depth-first order."""
+def _graph_nodes(losses: torch.Tensor, skip: set = frozenset()) -> list:
+    """Every node of the autograd graph below ``losses`` (not below the nodes in ``skip``, by id), once each, in a
+    deterministic depth-first order."""
     seen, stack, nodes = set(), [losses.grad_fn], []
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in seen or id(node) in skip:
             continue
         seen.add(id(node))
         nodes.append(node)

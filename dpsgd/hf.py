@@ -15,7 +15,7 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
 * ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` for exactly the optimizer steps the
   Trainer will take (``args.max_steps``, or ``num_train_epochs`` times the Poisson batches of an epoch,
   rounded up as the Trainer rounds); the engine refuses a step beyond them;
-* every checkpoint the Trainer saves holds the engine's state (:data:`PRIVACY_STATE_NAME`: the steps
+* every checkpoint the Trainer saves holds the engine's state (``privacy_engine.pt``: the steps
   taken, the settings, the sampling, projection and noise generators), and ``train(resume_from_checkpoint=...)``
   restores it, so a resumed run continues the ledger and the batch sequence of the interrupted one.
 
@@ -69,11 +69,12 @@ class PrivacyArguments:
 class DPTrainer(Trainer):
     r"""``transformers.Trainer`` with DP-SGD-RC; everything else (arguments, callbacks, saving) as usual.
 
-    Checkpoints carry the privacy state: each one the Trainer saves holds :data:`PRIVACY_STATE_NAME`, the
-    engine's ``state_dict()`` (steps taken, settings, the sampling, projection and noise generators).
-    ``train(resume_from_checkpoint=...)`` restores it, so ``epsilon`` counts the steps taken before the
-    interruption, and refuses a checkpoint without it (one a plain ``Trainer`` saved, or one saved with
-    ``save_only_model=True``): resuming from it would restart the ledger at zero steps.
+    Checkpoints carry the privacy state: each one the Trainer saves holds ``privacy_engine.pt``
+    (``PRIVACY_STATE_NAME``), the engine's ``state_dict()`` (steps taken, settings, the sampling, projection
+    and noise generators).  ``train(resume_from_checkpoint=...)`` restores it, so ``epsilon`` counts the
+    steps taken before the interruption, and refuses a checkpoint without it (one a plain ``Trainer``
+    saved, or one saved with ``save_only_model=True``): resuming from it would restart the ledger at zero
+    steps.
 
     ``args.ignore_data_skip`` is set to ``True``.  On resume the Trainer would otherwise replay the first
     batches of the interrupted epoch to skip them; with Poisson sampling a batch is a fresh draw from the
@@ -99,9 +100,9 @@ class DPTrainer(Trainer):
     Notes
     -----
     With ``target_epsilon`` the noise is calibrated, in the constructor, for the optimizer steps that
-    ``train()`` will take as ``args`` stand then (:meth:`planned_steps`); changing ``args.max_steps`` or
-    ``args.num_train_epochs`` afterwards makes the engine refuse the first step beyond that count rather
-    than exceed the target.
+    ``train()`` will take as ``args`` stand then (:meth:`optimizer_steps`, kept as the engine's
+    ``planned_steps``); raising ``args.max_steps`` or ``args.num_train_epochs`` afterwards makes the engine
+    refuse the first step beyond that count rather than exceed the target.
 
     Examples
     --------
@@ -125,17 +126,17 @@ class DPTrainer(Trainer):
         if self.privacy.noise_multiplier is None:
             if self.privacy.target_epsilon is None:
                 raise ValueError("PrivacyArguments needs noise_multiplier or target_epsilon")
-            steps = self.planned_steps(len(private_data_loader(logical)))
+            steps = self.optimizer_steps(len(private_data_loader(logical)))
         self.create_optimizer()
         p = self.privacy
         self.model, self.optimizer, _, loader = self.privacy_engine.make_private(
             module=self.model, optimizer=self.optimizer, data_loader=logical, max_grad_norm=p.max_grad_norm,
-            noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if steps else None,
-            target_delta=p.target_delta if steps else None, steps=steps, estimator=p.estimator, k=p.k,
+            noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if steps is not None else None,
+            target_delta=p.target_delta if steps is not None else None, steps=steps, estimator=p.estimator, k=p.k,
             seed=p.seed, clipping_pass=p.clipping_pass)
         self._dp_loader = loader.in_chunks(accumulation)
 
-    def planned_steps(self, logical_batches: int) -> int:
+    def optimizer_steps(self, logical_batches: int) -> int:
         """The optimizer steps ``train()`` takes with ``logical_batches`` Poisson batches an epoch.
 
         ``args.max_steps`` if positive, else ``ceil(num_train_epochs * update_steps_per_epoch)``, as the
@@ -203,7 +204,7 @@ class DPTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # called once on train(resume_from_checkpoint=...), before the first step; the engine state goes
-        # first so that a checkpoint without it fails before anything else is loaded
+        # before the optimizer's so that a checkpoint without it fails before training state is restored
         if checkpoint is not None:
             path = os.path.join(checkpoint, PRIVACY_STATE_NAME)
             if not os.path.isfile(path):

@@ -59,8 +59,8 @@ from dpmath import (
     estimator_envelope,
 )
 
-from .data import DPDataLoader, private_data_loader
-from .distributed import all_sum, as_grad, broadcast_int, is_sharded, rank_world, reduce_sums
+from .data import DPDataLoader, loader_size, private_data_loader
+from .distributed import all_sum, as_grad, broadcast_int, check_same_on_ranks, is_sharded, rank_world, reduce_sums
 from .engine import (
     DEFAULT_CHECK_RATE,
     Capture,
@@ -498,11 +498,20 @@ class PrivacyEngine:
         self._projection_rngs: dict[torch.device, torch.Generator] = {}
         noise_seed = broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
         self._noise_rng = torch.Generator().manual_seed(noise_seed)              # the same noise on every rank
+        # one sampling rate for the whole data set, q = (expected batch over ranks) / (examples over ranks), on every
+        # rank: each rank drawing its own shard's examples independently at q is a Poisson sample of the union
+        n, batch = loader_size(data_loader)
+        total = all_sum(float(n))
+        q = all_sum(float(batch)) / total if world > 1 else None
+        if q is not None and q > 1:
+            raise ValueError(f"the batch sizes over all ranks add up to more than the {int(total)} examples over all "
+                             f"ranks: the sampling rate must be at most 1")
         loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng,
-                                     on_batch=self._on_batch, on_empty=self._empty_step)
-        n = len(data_loader.dataset)
+                                     on_batch=self._on_batch, on_empty=self._empty_step, sample_rate=q)
         self.sample_rate = loader.sample_rate
-        self.expected_batch_size = all_sum(self.sample_rate * n)
+        self.expected_batch_size = self.sample_rate * total
+        check_same_on_ranks(self.sample_rate, "the sampling rate")
+        check_same_on_ranks(len(loader), "the number of batches per epoch")
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
         self.clipping_pass = clipping_pass
         self.envelope = self._envelope(plan)
@@ -521,6 +530,7 @@ class PrivacyEngine:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
+        check_same_on_ranks(sigma, "noise_multiplier")
         self._noise_multiplier = sigma
         self.planned_steps = planned
         self._noise = noise
@@ -697,6 +707,7 @@ class PrivacyEngine:
         b = int(losses.shape[0])
         self._used_logical = used
         self._backpropagated += b
+        self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
 
     def _on_batch(self, size: int, last: bool, logical: int) -> None:
@@ -711,7 +722,7 @@ class PrivacyEngine:
         self._require_private()
         if self._last_skipped:
             return  # the memory manager's logical batch is not complete: keep the clipped sums
-        if self._backpropagated:
+        if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
             self._discarded = True
         self._sums.clear()
         for p in self.plan.params:

@@ -64,6 +64,24 @@ def _worker(rank: int, world: int, store: str) -> None:
         std = torch.cat([p.detach().flatten() for p in big.parameters()]).std().item()
         if rank == 0:
             assert std == pytest.approx(1.5 * 2.0 / 20.0, rel=0.05)  # once, not sqrt(2) times
+        # 3. unequal shards (100 and 50 examples, batch 10 each): one global rate q = 20 / 150 on both ranks, the
+        # same number of steps per epoch (each rank's own q = 10/100 and 10/50 charged the wrong rate and gave
+        # gloo unequal step counts), and one ledger
+        shard = TensorDataset(torch.randn(100 if rank == 0 else 50, 6), torch.randn(100 if rank == 0 else 50, 1))
+        model = nn.Linear(6, 1)
+        engine = PrivacyEngine()
+        m, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(shard, batch_size=10), criterion=nn.MSELoss(), max_grad_norm=1.0,
+            target_epsilon=4.0, target_delta=1e-5, epochs=1, estimator="ghost", seed=5)
+        assert engine.sample_rate == pytest.approx(20 / 150) and engine.expected_batch_size == pytest.approx(20.0)
+        assert loader.logical_sampler.sample_rate == engine.sample_rate
+        for xb, yb in loader:
+            crit(m(xb), yb).backward()
+            opt.step()
+        out = [None] * world
+        dist.all_gather_object(out, (engine.steps, engine.noise_multiplier, engine.get_epsilon(1e-5)))
+        assert out[0] == out[1] and out[0][0] == len(loader) and out[0][2] <= 4.0
     finally:
         dist.destroy_process_group()
     # Every check above has passed here.  About one run in five, the worker then aborts during interpreter

@@ -99,7 +99,7 @@ def test_a_forward_that_mixes_examples_is_refused_before_anything_is_written(mod
     engine, m, opt, crit, loader = _private(model())
     before = [p.detach().clone() for p in m.parameters()]
     x, y = next(iter(loader))
-    with pytest.raises(ExampleMixingError, match="depends on (the input|an output)"):
+    with pytest.raises(ExampleMixingError, match="depend on rows of"):
         crit(m(x), y).backward()
     assert all(p.grad is None for p in m.parameters())
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))
@@ -112,7 +112,7 @@ def test_a_loss_that_reads_other_examples_is_refused():
     x, _ = next(iter(loader))
     z = m(x)
     losses = z.square().sum(1) - torch.logsumexp(z @ z.T, dim=1)
-    with pytest.raises(ExampleMixingError, match="output of 2"):
+    with pytest.raises(ExampleMixingError, match="rows of 2's output"):
         engine.private_loss(losses).backward()
 
 

@@ -99,7 +99,7 @@ def test_non_finite_loss_does_not_step_or_count():
 
 def test_sampling_modes_and_bad_arguments():
     engine, model, opt, crit, loader = _setup()
-    sizes = [len(b[0]) for b in loader]
+    sizes = [len(b) for b in loader.logical_sampler]   # (the loader itself refuses a draw before each step)
     assert len(set(sizes)) > 1  # Poisson: variable batch sizes
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -107,7 +107,7 @@ def test_sampling_modes_and_bad_arguments():
     assert any("Poisson" in str(x.message) for x in w)
     for bad, match in [(dict(noise_multiplier=-1.0), "noise_multiplier"), (dict(max_grad_norm=0.0), "max_grad_norm"),
                        (dict(k=0, noise_multiplier=1.0), "k must be"),
-                       (dict(target_epsilon=1.0), "target_delta and epochs are required")]:
+                       (dict(target_epsilon=1.0), "one of epochs or steps are required")]:
         with pytest.raises(ValueError, match=match):
             _setup(**bad)
     frozen = nn.Linear(3, 2).requires_grad_(False)

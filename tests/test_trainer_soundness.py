@@ -423,21 +423,24 @@ def test_batch_size_comes_from_the_main_input_even_after_a_broadcast_keyword():
 
 def test_two_logical_batches_before_one_step_are_refused():
     """Accumulating two Poisson batches into one step would be accounted at rate q while an example may be
-    sampled (and clipped) twice: the second batch's backward raises, with nothing accumulated from it."""
+    sampled (and clipped) twice: drawing the second batch raises, with nothing accumulated from it; a batch
+    that is skipped takes a noise-only step (zero_grad, step)."""
     engine, model, opt, crit, loader = _engine(noise=1.0)
     batches = iter(loader)
     (x1,) = next(batches)
     _lm(engine, model, x1).backward()
-    (x2,) = next(batches)
-    with pytest.raises(RuntimeError, match="second logical batch"):
-        _lm(engine, model, x2).backward()
+    with pytest.raises(RuntimeError, match="before optimizer.step"):
+        next(batches)
     opt.step()                               # the first batch's step is still fine
     assert engine.steps == 1
-    (x3,) = next(batches)                    # a batch drawn but skipped, then the next one used: allowed
+    batches = iter(loader)
+    next(batches)                            # a batch drawn and skipped: a noise-only step
+    opt.zero_grad()
+    opt.step()
     (x4,) = next(batches)
     _lm(engine, model, x4).backward()
     opt.step()
-    assert engine.steps == 2
+    assert engine.steps == 3
 
 
 # each change would have the accountant charge the steps already taken (or to come) less than they spend
@@ -552,10 +555,11 @@ def test_the_row_check_runs_once_per_layout_unless_asked_every_step(monkeypatch)
     from dpsgd import engine as eng
 
     ran = []
-    real = eng._check_attribution
-    monkeypatch.setattr(eng, "_check_attribution", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
+    real = eng._check_rows
+    monkeypatch.setattr(eng, "_check_rows", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double().train()
     capture = eng.Capture(eng.NormPlan.build(model, "exact"))
+    capture.check_rate = 0.0   # no scheduled checks: the first forward (always probed) and new layouts only
     try:
         for b in (5, 7, 5, 6):   # Poisson batches: the size changes, the layout does not
             x = torch.randn(b, 3, dtype=torch.float64)
