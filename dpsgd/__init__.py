@@ -12,8 +12,8 @@ Importing this package does not need torch until one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
-           "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling", "TwiceSampling", "HybridClipping", "GaussianNoise",
-           "LaplaceNoise"]
+           "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
+           "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
           "ExampleMixingError": "engine", "StateChangedError": "engine",

@@ -17,8 +17,8 @@ try:
 except ImportError:   # a torch build without torch.distributed
     DTensor = ()
 
-__all__ = ["rank_world", "broadcast_int", "all_sum", "check_same_on_ranks", "any_rank", "is_sharded", "check_sharding", "reduce_sums",
-           "local_part", "as_grad"]
+__all__ = ["rank_world", "broadcast_int", "all_sum", "check_same_on_ranks", "any_rank", "is_sharded",
+           "check_sharding", "reduce_sums", "local_part", "as_grad"]
 
 
 def rank_world() -> tuple[int, int]:

@@ -646,7 +646,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_gr
         finally:
             for h in handles:
                 h.remove()
-        for (name, x), g in zip(probed, grads[len(pairs):], strict=True):
+        for (name, _), g in zip(probed, grads[len(pairs):], strict=True):
             if g is not None and _nonzero_rows(g, outside.to(g.device)):
                 mixed.append((-1, f"the input {name}"))
         if mixed:
@@ -710,7 +710,7 @@ def _compare_attribution(pairs: list, v: torch.Tensor, true: tuple, b: int) -> N
     dtypes |= {c.aliases[local].dtype for c, local in pairs}
     low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, _ in pairs)
     tol = 5e-2 if low else (1e-6 if dtypes == {torch.float64} else 1e-4)
-    for (c, local), g, t in zip(pairs, got, true, strict=True):
+    for (c, _), g, t in zip(pairs, got, true, strict=True):
         err = float((g - t).norm())
         if not err <= tol * max(float(t.norm()), floor):
             unit = c.cache["unit"]

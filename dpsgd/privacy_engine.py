@@ -759,11 +759,11 @@ class PrivacyEngine:
                                f"may contribute one clipped gradient per step (a second backward of the same batch, "
                                f"or batches from another loader, would break the privacy guarantee)")
         if self._backpropagated < self._drawn and not self._discarded:
-            raise RuntimeError(f"{self._backpropagated} per-example losses (rows) were backpropagated for {self._drawn} "
-                               f"examples drawn from the private data loader: each example must be one row of the "
-                               f"batch with a loss of its own. A collate_fn that packs several examples into one "
-                               f"row gives each row up to k examples' influence while the accountant charges per "
-                               f"example; pack within an example, or use one row per example. (Call "
+            raise RuntimeError(f"{self._backpropagated} per-example losses (rows) were backpropagated for "
+                               f"{self._drawn} examples drawn from the private data loader: each example must be one "
+                               f"row of the batch with a loss of its own. A collate_fn that packs several examples "
+                               f"into one row gives each row up to k examples' influence while the accountant charges "
+                               f"per example; pack within an example, or use one row per example. (Call "
                                f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
         written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
         if written:

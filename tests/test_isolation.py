@@ -265,7 +265,7 @@ def test_a_parameter_changed_during_a_training_forward_is_refused():
 
 def test_bf16_autocast_on_a_float32_model_trains_at_batch_above_one():
     """The row check compares in the dtype the backward ran in (bf16 under autocast), not the parameters'."""
-    from .workloads import VOCAB, WORKLOADS, lm_losses, make
+    from .workloads import VOCAB, lm_losses, make
 
     model = make("llama_tied", dtype=torch.float32).train()
     engine = PrivacyEngine()
