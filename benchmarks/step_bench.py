@@ -5,12 +5,20 @@ Models (random weights, built from configs): the tiny Llama-style decoder of ``d
 GPT-2 (tied embeddings) and Llama; a Llama-shaped decoder for long contexts (``llama-long``, hidden 256, T up
 to 8192); a CNN with Conv2d + GroupNorm on 32x32 images (``cnn``).
 
-Each (model, T, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm-up steps, then the median
-of ``--steps`` timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds
-and the median over rounds is reported, so that load on the shared machine hits every method alike.
-"peak MB" is the growth of the process's peak resident memory from just before the first step
-(ru_maxrss): what the steps add on top of the model, optimizer and data.  Ratios are against the
-non-private step of the same model and T, measured in the same run.  Batches come from each method's own
+Each (model, T, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm-up steps, then ``--steps``
+timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds, so that load on
+the shared machine hits every method alike.  Two times are reported: the **mean** seconds per step over every
+timed step of every round (pooled), and the median over rounds of each process's **median** step.  The mean
+is the one to read for the private methods: the trainer's row check (one extra backward, and the first
+backward keeps its graph) runs on a random quarter of the steps by default (``engine.check_rate``), which the
+median hides.  ``hutch-every-step`` is hutch with ``engine.check_every_step = True`` (every step checked).
+The "checked" column counts the timed steps that ran the row check (over all rounds), and "check s" is the
+mean time spent in the check's backward(s) on those steps.
+"peak MB" is the growth of the process's peak resident memory (``ru_maxrss``, a high-water mark) from just
+before the first warm-up step to the end of the last timed step, median over rounds: what the steps add on
+top of the model, optimizer and data.  It includes the first step, which the private trainer always checks
+(a new layout of calls: two check passes).  Ratios are against the non-private step of the same model and T,
+measured in the same run.  Batches come from each method's own
 data loader (the private ones: fixed-size batches, ``poisson_sampling=False``, so that every step has the
 same size).
 
@@ -28,7 +36,8 @@ import sys
 import time
 import warnings
 
-METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "hutch-two-pass", "opacus-ghost"]
+METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "hutch-two-pass", "hutch-every-step",
+           "opacus-ghost"]
 MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd.demo's classification task)",
           "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
           "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)",
@@ -88,9 +97,21 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    import dpsgd.engine
     from dpsgd import PrivacyEngine
 
     warnings.filterwarnings("ignore")
+    # count the row checks and time them: the trainer looks _check_rows up in its module on every step
+    checks = []
+    check_rows = dpsgd.engine._check_rows
+
+    def counted_check_rows(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return check_rows(*args, **kwargs)
+        finally:
+            checks.append(time.perf_counter() - t0)
+    dpsgd.engine._check_rows = counted_check_rows
     model, vocab = build(model_name, t)
     model.train()
     if model_name == "tiny":   # the demo's classification task: logits (B, classes), targets (B,)
@@ -113,11 +134,15 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
             module=model, optimizer=opt, data_loader=loader, criterion=crit, noise_multiplier=1.0,
             max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False)
     elif method != "non-private":
-        estimator, two_pass = method.removesuffix("-two-pass"), method.endswith("-two-pass")
-        model, opt, crit, loader = PrivacyEngine().make_private(
+        estimator = method.removesuffix("-two-pass").removesuffix("-every-step")
+        two_pass = method.endswith("-two-pass")
+        engine = PrivacyEngine()
+        model, opt, crit, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
             noise_multiplier=1.0, estimator=estimator, k=32, poisson_sampling=False, seed=0,
             clipping_pass="two-pass" if two_pass else "bookkeeping")
+        if method.endswith("-every-step"):
+            engine.check_every_step = True
     lm = LM(model)
     batches = iter(loader)
 
@@ -143,15 +168,19 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
         loss.backward()
         opt.step()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()   # warm-up: a private trainer's first step is always checked (two passes), and counts in the peak
     step()
-    step()
-    extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-    times = []
+    times, checked, check_s = [], [], []
     for _ in range(steps):
+        n = len(checks)
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "extra_mb": extra / 1024}
+        checked.append(len(checks) > n)
+        check_s.append(sum(checks[n:]))
+    extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base   # the high-water mark over every step
+    return {"seconds": statistics.median(times), "times": times, "checked": checked, "check_s": check_s,
+            "extra_mb": extra / 1024}
 
 
 def run(model: str, method: str, t: int, batch: int, steps: int) -> dict:
@@ -186,9 +215,13 @@ def main() -> None:
         import opacus  # noqa: F401
     except ImportError:
         methods = [m for m in methods if m != "opacus-ghost"]
-    print(f"batch {args.batch}, OMP_NUM_THREADS=1, median of {args.steps} steps per process, median of "
-          f"{args.rounds} round-robin rounds; seconds per step, its ratio to non-private, the growth of peak "
-          f"memory during the steps (MB) and its ratio to non-private's")
+    print(f"batch {args.batch}, OMP_NUM_THREADS=1, {args.steps} timed steps per process after 2 warm-up steps, "
+          f"{args.rounds} round-robin rounds.\n'mean s': the mean seconds per step over all timed steps of all "
+          f"rounds; 'median s': the median over rounds of each process's median step; each with its ratio to "
+          f"non-private.\n'checked': timed steps that ran the row check / timed steps; 'check s': the mean seconds "
+          f"in the check's backward on those steps.\n'peak MB': growth of peak resident memory (ru_maxrss) from "
+          f"before the first warm-up step to the end of the timed steps, median over rounds, and its ratio to "
+          f"non-private's")
     for model in args.models:
         for t in args.seq_len or [DEFAULT_T.get(model, 64)]:
             rounds = {m: [] for m in methods}
@@ -196,20 +229,33 @@ def main() -> None:
                 for m in methods:
                     if not any("error" in r for r in rounds[m]):
                         rounds[m].append(run(model, m, t, args.batch, args.steps))
-            res = {m: next((r for r in rounds[m] if "error" in r), None) or
-                   {k: statistics.median(r[k] for r in rounds[m]) for k in ("seconds", "extra_mb")} for m in methods}
-            base, base_mb = res["non-private"]["seconds"], res["non-private"]["extra_mb"]
+            res = {}
+            for m in methods:
+                err = next((r for r in rounds[m] if "error" in r), None)
+                if err:
+                    res[m] = err
+                    continue
+                times = [x for r in rounds[m] for x in r["times"]]
+                checked = [c for r in rounds[m] for c in r["checked"]]
+                check_s = [x for r in rounds[m] for x, c in zip(r["check_s"], r["checked"], strict=True) if c]
+                res[m] = {"mean": statistics.mean(times), "median": statistics.median(r["seconds"] for r in rounds[m]),
+                          "extra_mb": statistics.median(r["extra_mb"] for r in rounds[m]),
+                          "checked": f"{sum(checked)}/{len(checked)}",
+                          "check_s": statistics.mean(check_s) if check_s else None}
+            base = res["non-private"]
             print(f"\n{MODELS[model]}, {'image side' if model == 'cnn' else 'T'} = {t}")
-            print(f"| {'method':<14} | {'s / step':>9} | {'ratio':>6} | {'peak MB':>8} | {'ratio':>6} |")
-            print(f"|{'-' * 16}|{'-' * 11}|{'-' * 8}|{'-' * 10}|{'-' * 8}|")
+            print(f"| {'method':<16} | {'mean s':>8} | {'ratio':>6} | {'median s':>8} | {'ratio':>6} | "
+                  f"{'checked':>7} | {'check s':>7} | {'peak MB':>8} | {'ratio':>6} |")
+            print("|" + "|".join("-" * (w + 2) for w in (16, 8, 6, 8, 6, 7, 7, 8, 6)) + "|")
             for m in methods:
                 r = res[m]
                 if "error" in r:
-                    print(f"| {m:<14} | refused: {r['error'][:90]} |")
+                    print(f"| {m:<16} | refused: {r['error'][:90]} |")
                     continue
-                print(f"| {m:<14} | {r['seconds']:>9.4f} | {r['seconds'] / base:>6.2f} | {r['extra_mb']:>8.0f} | "
-                      f"{r['extra_mb'] / base_mb:>6.2f} |", flush=True)
-
+                check_s = "-" if r["check_s"] is None else f"{r['check_s']:.4f}"
+                print(f"| {m:<16} | {r['mean']:>8.4f} | {r['mean'] / base['mean']:>6.2f} | {r['median']:>8.4f} | "
+                      f"{r['median'] / base['median']:>6.2f} | {r['checked']:>7} | {check_s:>7} | "
+                      f"{r['extra_mb']:>8.0f} | {r['extra_mb'] / base['extra_mb']:>6.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

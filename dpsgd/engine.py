@@ -324,8 +324,10 @@ class Capture:
             call.cache["versions"] = _versions(call)
             call.cache["unit"] = unit
             call.cache["probed"] = self._forward_probed
-            # the backward runs in half precision somewhere below this call (the row check's tolerance)
-            call.cache["autocast"] = any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+            # the autocast the call ran under: the exact fallback re-runs it so, and the row check's tolerance
+            # follows the precision the backward ran in
+            call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                                           if torch.is_autocast_enabled(d)), None)
             self.calls.append(call)
             return output if len(outs) == 1 and isinstance(output, torch.Tensor) else None
         return hook

@@ -37,6 +37,7 @@ examples).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -343,8 +344,9 @@ class FunctionalHandler(Handler):
             return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0], out
 
         try:
-            per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
-                params, tuple(grads), call.args, kw_vals)
+            with _replayed_autocast(call):
+                per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
+                    params, tuple(grads), call.args, kw_vals)
             _check_per_example(call, outs, out_dims)
             return per
         except RuntimeError as err:
@@ -356,9 +358,10 @@ class FunctionalHandler(Handler):
 
         def pick(x, d, i):
             return x if d is None else x.select(d, i)
-        rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
-                    tuple(pick(x, d, i) for x, d in zip(call.args, arg_dims, strict=True)),
-                    tuple(pick(x, d, i) for x, d in zip(kw_vals, kw_dims, strict=True))) for i in range(b)]
+        with _replayed_autocast(call):
+            rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
+                        tuple(pick(x, d, i) for x, d in zip(call.args, arg_dims, strict=True)),
+                        tuple(pick(x, d, i) for x, d in zip(kw_vals, kw_dims, strict=True))) for i in range(b)]
         _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_dims))), out_dims)
         return {n: torch.stack([r[0][n] for r in rows]) for n in params}
 
@@ -369,7 +372,7 @@ class FunctionalHandler(Handler):
             return [0]
         args = tuple(x[:1] if _batched(x, b) else x for x in call.args)
         kwargs = {n: (x[:1] if _batched(x, b) else x) for n, x in call.kwargs.items()}
-        with torch.no_grad():
+        with torch.no_grad(), _replayed_autocast(call):
             one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs, tie_weights=False))
         dims = []
         for full, single in zip(call.outputs, one, strict=True):
@@ -576,7 +579,7 @@ class ScaledRMSNormHandler(FunctionalHandler):
                 xf = x.to(inner)
                 xhat = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
                 expect = w * xhat
-                if expect.shape == out.shape and torch.allclose(expect, out, rtol=tol, atol=tol):
+                if expect.shape == out.shape and torch.allclose(expect.to(out.dtype), out, rtol=tol, atol=tol):
                     break
             else:
                 return super()._grads(call)
@@ -596,6 +599,13 @@ def is_scaled_rmsnorm(module: nn.Module) -> bool:
 _MIXING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 
 
+def _replayed_autocast(call: Call):
+    """The autocast the call's forward ran under (``call.cache["autocast"]``: device type and dtype), for its
+    exact re-run; a no-op context when it ran without."""
+    state = call.cache.get("autocast")
+    return torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()
+
+
 def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
     """``UnsupportedModuleError`` unless the module's per-example re-run reproduces its batched outputs: a
     module whose output for one example depends on the others (a batch statistic, attention across the
@@ -613,7 +623,8 @@ def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
             scale = full.reshape(full.shape[0], -1).abs().amax(1)
             scale = scale.clamp_min(max(1e-6 * float(scale.max()), 1e-30))
             err = (per.to(full.dtype) - full).reshape(full.shape[0], -1).abs().amax(1)
-            bad = bool((err > _MIXING_TOLERANCE.get(full.dtype, 5e-2) * scale).any())
+            tol = 5e-2 if call.cache.get("autocast") else _MIXING_TOLERANCE.get(full.dtype, 5e-2)
+            bad = bool((err > tol * scale).any())
         else:
             bad = False
         if bad:

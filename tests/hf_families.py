@@ -1,0 +1,129 @@
+"""Stock Hugging Face families, built tiny from their configs with random weights (no download), each with the
+per-example loss of its task: ``FAMILIES[name]() -> (model, batch_of(ids) -> inputs, losses(model, inputs))``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .workloads import VOCAB
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy per example, in float32 (also under autocast)."""
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def _lm(model):
+    return model, lambda ids: {"input_ids": ids}, lambda m, inp: _token_losses(m(**inp).logits, inp["input_ids"])
+
+
+def _causal(config_cls: str, model_cls: str, **extra):
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, config_cls)(**{**_DECODER, **extra})
+        return _lm(getattr(transformers, model_cls)(cfg))
+    return build
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return _lm(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                          bos_token_id=0, eos_token_id=0)))
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return _lm(GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2,
+                                                max_position_embeddings=32, bos_token_id=0, eos_token_id=0)))
+
+
+def _masked(config_cls: str, model_cls: str, **cfg):
+    def build():
+        import transformers
+
+        base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=40, pad_token_id=0)
+        return _lm(getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**base, **cfg})))
+    return build
+
+
+def _distilbert():
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    return _lm(DistilBertForMaskedLM(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                                      max_position_embeddings=32, pad_token_id=0)))
+
+
+def _vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                intermediate_size=64, image_size=16, patch_size=8, num_channels=3,
+                                                num_labels=5))
+
+    def inputs(ids):
+        g = torch.Generator().manual_seed(int(ids.sum()))
+        return {"pixel_values": torch.randn(ids.shape[0], 3, 16, 16, generator=g), "labels": ids[:, 0] % 5}
+
+    def losses(m, inp):
+        return F.cross_entropy(m(pixel_values=inp["pixel_values"]).logits.float(), inp["labels"], reduction="none")
+    return model, inputs, losses
+
+
+def _whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        max_source_positions=8, max_target_positions=16, pad_token_id=0, bos_token_id=0,
+                        eos_token_id=0, decoder_start_token_id=0)
+    model = WhisperForConditionalGeneration(cfg)
+
+    def inputs(ids):
+        g = torch.Generator().manual_seed(int(ids.sum()))
+        return {"input_features": torch.randn(ids.shape[0], 8, 16, generator=g), "decoder_input_ids": ids}
+
+    def losses(m, inp):
+        return _token_losses(m(**inp).logits, inp["decoder_input_ids"])
+    return model, inputs, losses
+
+
+def _lora(build):
+    def wrapped():
+        from peft import LoraConfig, get_peft_model
+
+        model, inputs, losses = build()
+        targets = ["c_attn"] if "GPT2" in type(model).__name__ else ["q_proj", "v_proj"]
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                                fan_in_fan_out="GPT2" in type(model).__name__)), inputs, losses
+    return wrapped
+
+
+FAMILIES = {
+    "gpt2": _gpt2,
+    "llama": _causal("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": _causal("MistralConfig", "MistralForCausalLM"),
+    "qwen2": _causal("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": _causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
+    "phi3": _causal("Phi3Config", "Phi3ForCausalLM"),
+    "gpt_neox": _neox,
+    "gemma2": _causal("Gemma2Config", "Gemma2ForCausalLM", head_dim=16),
+    "gemma3": _causal("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16),
+    "bert": _masked("BertConfig", "BertForMaskedLM"),
+    "roberta": _masked("RobertaConfig", "RobertaForMaskedLM"),
+    "distilbert": _distilbert,
+    "vit": _vit,
+    "whisper": _whisper,
+    "lora_gpt2": _lora(_gpt2),
+    "lora_llama": _lora(_causal("LlamaConfig", "LlamaForCausalLM")),
+    "lora_mistral": _lora(_causal("MistralConfig", "MistralForCausalLM")),
+    "lora_qwen2": _lora(_causal("Qwen2Config", "Qwen2ForCausalLM")),
+}
