@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from .data import EmptyBatch, private_data_loader
+from .engine import DEFAULT_CHECK_RATE
 from .privacy_engine import PrivacyEngine
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
@@ -52,6 +53,8 @@ class PrivacyArguments:
     ``PrivacyEngine(ledger_path=...)``: an append-only file with one line per noisy step, flushed to disk
     before the step returns.  A later trainer (or engine) on the same file counts the steps recorded there,
     even those a crash took after the last checkpoint, and refuses a file written with other settings.
+    ``check_every_step`` and ``check_rate`` set the engine's row check (example isolation; see
+    :attr:`dpsgd.PrivacyEngine.check_rate`).
     """
 
     max_grad_norm: float = 1.0
@@ -64,6 +67,8 @@ class PrivacyArguments:
     seed: int | None = None
     secure_mode: bool = False
     ledger_path: str | os.PathLike | None = None
+    check_every_step: bool = False
+    check_rate: float = DEFAULT_CHECK_RATE
 
 
 class DPTrainer(Trainer):
@@ -119,6 +124,8 @@ class DPTrainer(Trainer):
         self.args.ignore_data_skip = True
         self.privacy_engine = PrivacyEngine(secure_mode=self.privacy.secure_mode,
                                             ledger_path=self.privacy.ledger_path)
+        self.privacy_engine.check_every_step = self.privacy.check_every_step
+        self.privacy_engine.check_rate = self.privacy.check_rate
         accumulation = self.args.gradient_accumulation_steps
         logical = DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size * accumulation,
                              collate_fn=self.data_collator)

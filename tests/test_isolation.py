@@ -19,10 +19,11 @@ def _private(model, n=40, batch=8, d=4, every_step=True, seed=0, **kw):
     y = torch.randn(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     engine = PrivacyEngine()
     engine.check_every_step = every_step
+    noise = dict(target_epsilon=2.0, target_delta=1e-5) if "steps" in kw else dict(noise_multiplier=0.0)
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=batch), criterion=nn.MSELoss(),
-        max_grad_norm=1.0, noise_multiplier=0.0, estimator="exact", seed=seed, **kw)
+        max_grad_norm=1.0, estimator="exact", seed=seed, **noise, **kw)
     return engine, model, opt, crit, loader
 
 
@@ -83,6 +84,19 @@ class _WeakMix(nn.Module):
         return y + 1e-5 * y.mean(0)
 
 
+class _MixUpInside(nn.Module):
+    """MixUp done inside the forward (manifold mixup): each example mixed with a permuted partner."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        perm = torch.arange(h.shape[0]).roll(1)
+        return self.b(0.7 * h + 0.3 * h[perm])
+
+
 class _Outer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -92,7 +106,7 @@ class _Outer(nn.Module):
         return self.mix(x)
 
 
-@pytest.mark.parametrize("model", [_Centred, _BatchNormed, _BatchSoftmax, _Outer])
+@pytest.mark.parametrize("model", [_Centred, _BatchNormed, _BatchSoftmax, _MixUpInside, _Outer])
 def test_a_forward_that_mixes_examples_is_refused_before_anything_is_written(model):
     """Issue cases 1 and 10: each per-example gradient matches brute force (the row check passes), but adding one
     example moves every other's: refused at the backward, parameters and ``.grad`` untouched."""
@@ -163,6 +177,30 @@ def test_ordinary_models_pass_the_isolation_check_on_every_step():
             engine.private_loss(lm_losses(model, x)).backward()
             opt.step()
         assert engine.steps == len(loader)
+
+
+def test_the_mixing_check_of_the_exact_fallback_is_relative_to_each_row():
+    """A re-run that differs by 1e-5 of a row's own scale is refused even when another row is 1e6 times larger
+    (a tolerance relative to the batch's largest output let it pass)."""
+    from dpsgd.layers import Call, _check_per_example
+
+    full = torch.tensor([[1e6, 1e6], [1.0, -1.0], [2.0, 0.5]])
+    per = full.clone()
+    per[1] += 1e-3                                   # float32 tolerance 1e-3 of the row's scale 1.0: refused
+    call = Call(nn.Linear(2, 2), (), {}, [full], {}, 3)
+    with pytest.raises(UnsupportedModuleError, match="depends on other examples"):
+        _check_per_example(call, (per.unsqueeze(1),), [0])
+    _check_per_example(call, (full.unsqueeze(1),), [0])
+
+
+def test_a_target_epsilon_is_calibrated_for_the_steps_given_and_never_exceeded():
+    """make_private(steps=...) calibrates for exactly that many steps; the step after them is refused."""
+    engine, m, opt, crit, loader = _private(nn.Linear(4, 1), n=40, batch=8, every_step=False, steps=7)
+    assert engine.planned_steps == 7
+    with pytest.raises(RuntimeError, match="calibrated for 7 steps"):
+        for _ in range(3):
+            _train(engine, m, opt, crit, loader, steps=5)
+    assert engine.steps == 7 and engine.get_epsilon(1e-5) <= 2.0
 
 
 # --- honest sampling ----------------------------------------------------------------------------------------------
