@@ -43,7 +43,7 @@ from .estimators import ESTIMATORS, check_k, gaussian_projection
 from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
-from .validator import ModuleValidator
+from .validator import ModuleValidator, UnsupportedModuleError
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ExampleMixingError", "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
@@ -91,6 +91,22 @@ class Unit:
     params: dict
 
 
+def _refuse_dropout(path: str, module: nn.Module) -> None:
+    """``UnsupportedModuleError`` if a module whose per-example gradients are recomputed by re-running it has
+    dropout: the re-run would draw another mask than the forward did."""
+    rates = [(f"{path}.{n}" if n else path, float(s.p)) for n, s in module.named_modules()
+             if isinstance(s, nn.modules.dropout._DropoutNd) and s.p > 0]
+    if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+        rates.insert(0, (path, float(module.dropout)))
+    if rates:
+        where, p = rates[0]
+        raise UnsupportedModuleError(
+            path, f"{type(module).__name__} has dropout (p={p:g} at {where or '<root>'}) inside a module whose per-"
+                  f"example gradients are recomputed exactly by re-running it (no handler of its own), and the "
+                  f"re-run would draw another dropout mask than the forward; set that dropout to 0 (e.g. "
+                  f"nn.TransformerEncoderLayer(..., dropout=0.0)), or register a handler for the module")
+
+
 @dataclass
 class NormPlan:
     r"""Which modules are hooked, with which handler, and how many ``chi2(k)/k`` terms each parameter adds.
@@ -134,6 +150,8 @@ class NormPlan:
             own = h.parameters(m)
             if own:
                 plan.units.append(Unit(path, m, h, own))
+                if h.reruns(m):
+                    _refuse_dropout(path, m)
         for unit in plan.units:
             for local, p in unit.params.items():
                 if id(p) not in plan.owners:
@@ -161,6 +179,16 @@ class NormPlan:
         """``(D, has_exact_parts)``: chi-square terms of the model's estimate and whether a part is exact."""
         counted = [t for t in self.terms.values() if t is not None]
         return max(sum(counted), 1), len(counted) < len(self.terms)
+
+    def __str__(self) -> str:
+        """The :meth:`table` as aligned text (``print(engine.plan)``), with the envelope dimension."""
+        rows = [("module", "type", "handler", "norm")] + [(p or "<root>", t, h, n) for p, t, h, n in self.table()]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        d, exact = self.envelope_dimension()
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"estimator {self.estimator}: {d} chi-square terms" + (", some parts exact" if exact else ""))
+        return "\n".join(lines)
 
     def table(self) -> list[tuple[str, str, str, str]]:
         """One row per hooked module: path, type, handler, and ``exact`` or its chi-square terms."""
@@ -521,11 +549,18 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     done = {id(c) for c in reached}
     capture.calls = [c for c in calls if id(c) not in done]
     for c in reached:
-        if c.batch_size != b or any(g is not None and (g.dim() == 0 or g.shape[0] != b) for g in c.grads[:1]):
-            unit = c.cache["unit"]
-            raise ValueError(f"{unit.path or type(c.module).__name__} ran on {c.batch_size} examples but the loss has "
-                             f"{b}: every handled module's input and output must start with the batch dimension of "
-                             f"the loss (one row per example)")
+        name = c.cache["unit"].path or type(c.module).__name__
+        if c.batch_size != b:
+            raise ValueError(f"{name} ran in a forward of {c.batch_size} examples but the loss has {b}: every "
+                             f"handled module's input and output must start with the batch dimension of the loss "
+                             f"(one row per example)")
+        lead = [tuple(g.shape) for g in c.grads[:1] if g is not None and (g.dim() == 0 or g.shape[0] != b)]
+        if lead:
+            raise ValueError(f"{name}'s output has shape {lead[0]}, which does not start with the batch dimension "
+                             f"({b} examples): per-example gradients need one row per example. An output shared by "
+                             f"the batch (positions from torch.arange(T), a bias table) should have a leading "
+                             f"dimension of 1 that broadcasts, e.g. self.wpe(torch.arange(T)[None]); rows that "
+                             f"flatten the batch ((B*T, d)) are not supported")
     capture.active = False
     try:
         if check:

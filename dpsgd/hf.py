@@ -115,6 +115,10 @@ class DPTrainer(Trainer):
     """
 
     def __init__(self, *args, privacy: PrivacyArguments | None = None, **kwargs) -> None:
+        if type(self).compute_loss is not Trainer.compute_loss:
+            raise TypeError(f"{type(self).__name__} overrides compute_loss, which DPTrainer never calls: a private "
+                            f"step needs one loss per example, not their reduction. Override "
+                            f"per_example_losses(model, inputs) -> (B,) instead")
         super().__init__(*args, **kwargs)
         if self.train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset")

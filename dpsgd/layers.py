@@ -118,6 +118,11 @@ class Handler:
     def clipped_sum(self, call: Call, name: str, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def reruns(self, module: nn.Module) -> bool:
+        """Whether per-example gradients come from re-running the module (``torch.func``): randomness inside
+        it would then not be reproduced (the validator refuses dropout there)."""
+        return False
+
 
 HANDLERS: dict[type, Handler] = {}
 
@@ -314,6 +319,9 @@ class FunctionalHandler(Handler):
     def needs_weights(self, module):
         return True
 
+    def reruns(self, module):
+        return True
+
     def terms(self, module, name, estimator):
         return None
 
@@ -351,9 +359,11 @@ class FunctionalHandler(Handler):
             return per
         except RuntimeError as err:
             if "random" in str(err):
-                raise RuntimeError(f"{type(module).__name__} uses randomness (dropout) in training mode inside a "
-                                   f"module whose per-example gradients are recomputed exactly; its re-run would "
-                                   f"not reproduce the forward. Set its dropout to 0.") from err
+                unit = call.cache.get("unit")
+                raise RuntimeError(f"{getattr(unit, 'path', '') or type(module).__name__} ({type(module).__name__}) "
+                                   f"uses randomness (dropout) in training mode inside a module whose per-example "
+                                   f"gradients are recomputed exactly; its re-run would not reproduce the forward. "
+                                   f"Set its dropout to 0.") from err
         # some kernels have no batching rule (e.g. the float64 LSTM): the same computation, one example at a time
 
         def pick(x, d, i):
@@ -422,6 +432,9 @@ class ConvHandler(LinearHandler):
         return module.groups != 1
 
     def needs_weights(self, module):
+        return self._grouped(module)
+
+    def reruns(self, module):
         return self._grouped(module)
 
     def _xg(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -524,6 +537,9 @@ class NormalizationHandler(FunctionalHandler):
     """
 
     def needs_weights(self, module):
+        return False
+
+    def reruns(self, module):
         return False
 
     def _normalized(self, call: Call, x: torch.Tensor) -> torch.Tensor:

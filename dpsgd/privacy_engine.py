@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -77,6 +78,10 @@ from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
 
+# the engine whose hooks each model carries (one at a time)
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class DPLoss:
     r"""Per-example losses of one batch; ``backward()`` is the private backward.
 
@@ -96,10 +101,27 @@ class DPLoss:
     def __init__(self, losses: torch.Tensor, engine: PrivacyEngine) -> None:
         self.losses = losses
         self._engine = engine
+        self._done = False
 
-    def backward(self) -> None:
-        """Per-example norms, clip weights and clipped sums into ``.grad`` (accumulating), in one backward."""
+    def backward(self, gradient: object = None, retain_graph: bool | None = None, create_graph: bool = False,
+                 inputs: object = None) -> None:
+        """Per-example norms, clip weights and clipped sums (held until ``step()``), in one backward.
+
+        Each private loss is backpropagated once: the backward consumes the module calls its forward
+        recorded.  ``torch.Tensor.backward``'s arguments are accepted only at their defaults (a weighted or
+        partial backward would not be the clipped per-example sum), and each refusal says so.
+        """
+        if gradient is not None or retain_graph or create_graph or inputs is not None:
+            raise TypeError("DPLoss.backward() takes no gradient, retain_graph, create_graph or inputs: the private "
+                            "backward clips each example's whole gradient once and consumes the recorded forward. "
+                            "Combine per-example terms into one loss per example first (PrivacyEngine."
+                            "private_loss), then call backward() once.")
+        if self._done:
+            raise RuntimeError("this private loss was already backpropagated: each example contributes one clipped "
+                               "gradient per step, and the recorded forward was consumed. Run a new forward for "
+                               "a new backward.")
         self._engine._backward(self.losses)
+        self._done = True
 
     def detach(self) -> torch.Tensor:
         """The mean per-example loss as a detached 0-d tensor (NaN for an empty batch)."""
@@ -171,6 +193,10 @@ class DPCriterion:
                              f"{tuple(logits.shape)} and {tuple(target.shape)}")
         class_last = (ignore is not None and logits.dim() >= 3 and not target.is_floating_point()
                       and tuple(target.shape) == tuple(logits.shape[:-1]))
+        if class_last and tuple(target.shape) == (logits.shape[0], *logits.shape[2:]):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} with targets {tuple(target.shape)} fit both "
+                             f"(B, T, classes) and (B, classes, T): the classes are ambiguous. Make the per-example "
+                             f"losses yourself and pass them to PrivacyEngine.private_loss(losses)")
         old = self._criterion.reduction
         self._criterion.reduction = "none"
         try:
@@ -483,6 +509,12 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
+        holder = _ENGINES.get(module)
+        if holder is not None and holder() is not None and holder()._capture is not None \
+                and holder()._capture._handles:
+            raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
+                               "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
+                               "or build the model again")
         plan = NormPlan.build(module, estimator)
         self.plan = plan
         self._ranks = self._sampling_ranks(sampling, plan, c)
@@ -547,6 +579,7 @@ class PrivacyEngine:
         self._read_ledger()
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
+        _ENGINES[module] = weakref.ref(self)
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)

@@ -140,3 +140,14 @@ def test_a_second_trainer_on_the_same_ledger_counts_the_earlier_steps(tmp_path):
     assert engine.steps == 2 and engine.spent_steps == 5
     assert len(ledger.read_text().splitlines()) == 5
     assert engine.get_epsilon(1e-5) > first.privacy_engine.get_epsilon(1e-5)
+
+
+def test_a_compute_loss_override_is_refused_rather_than_ignored(tmp_path):
+    class Custom(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True)
+    with pytest.raises(TypeError, match="per_example_losses"):
+        Custom(model=lora_gpt2(), args=args, train_dataset=_Ids(16),
+               privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact"))

@@ -1,0 +1,113 @@
+"""Common PyTorch idioms that the trainer cannot take are refused with one sentence naming the module or call, the
+reason and the fix, before any error from inside torch; and a user run emits no warning of ours."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpsgd import PrivacyEngine
+from dpsgd.validator import UnsupportedModuleError
+
+
+def _private(model, x, batch=4, **kw):
+    engine = PrivacyEngine()
+    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              data_loader=DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)),
+                                                     batch_size=batch),
+                              max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0, **kw)
+    return engine, *out
+
+
+def test_a_private_loss_is_backpropagated_once_and_takes_no_backward_arguments():
+    model = nn.Linear(3, 2)
+    engine, model, opt, crit, loader = _private(model, torch.randn(16, 3))
+    x, y = next(iter(loader))
+    loss = crit(model(x), y)
+    with pytest.raises(TypeError, match="retain_graph"):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        loss.backward()
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_make_private_twice_on_one_model_names_the_fix_and_works_after_detach():
+    """A re-run notebook cell: a second engine on a model that still carries the first one's hooks."""
+    model = nn.Linear(3, 2)
+    first, *_ = _private(model, torch.randn(16, 3))
+    with pytest.raises(RuntimeError, match=r"another PrivacyEngine.*detach\(\)"):
+        _private(model, torch.randn(16, 3))
+    first.detach()
+    second, model, opt, crit, loader = _private(model, torch.randn(16, 3))
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    opt.step()
+    assert second.steps == 1
+
+
+def test_logits_whose_class_dimension_is_ambiguous_are_refused():
+    """(B, n, n) logits with (B, n) token targets fit both layouts: no silent guess."""
+    model = nn.Linear(5, 5)
+    engine, model, opt, crit, loader = _private(model, torch.randn(16, 5, 5))
+    x, _ = next(iter(loader))
+    with pytest.raises(ValueError, match="ambiguous"):
+        crit(model(x), torch.zeros(x.shape[0], 5, dtype=torch.long))
+
+
+def test_dropout_in_a_module_on_the_exact_fallback_is_refused_at_make_private_with_its_path():
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2))
+    with pytest.raises(UnsupportedModuleError, match=r"0.self_attn: .*dropout.*dropout=0.0"):
+        _private(model, torch.randn(16, 5, 8))
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Linear(8, 2))
+    _private(model, torch.randn(16, 5, 8))
+
+
+class _NanoPositions(nn.Module):
+    """nanoGPT's ``self.wpe(torch.arange(T))``: a ``(T, d)`` output shared by the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 10)
+
+    def forward(self, ids):
+        return self.head(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))
+
+
+def test_an_output_without_the_batch_dimension_names_the_broadcasting_fix():
+    model = _NanoPositions()
+    ids = torch.randint(0, 10, (4, 6))
+    engine, model, opt, crit, loader = _private(model, torch.randint(0, 10, (16, 6)))
+    out = model(ids)
+    with pytest.raises(ValueError, match=r"wpe's output has shape \(6, 4\).*\[None\]"):
+        engine.private_loss(out.square().mean((1, 2))).backward()
+
+
+def test_the_norm_plan_prints_as_a_table():
+    engine, *_ = _private(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), torch.randn(16, 3))
+    text = str(engine.plan)
+    assert text.splitlines()[0].split() == ["module", "type", "handler", "norm"]
+    assert "NormalizationHandler  exact" in text and "chi-square terms" in text
+
+
+def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
+    """dpsgd/layers.py converted a tensor that requires grad to a float on every call (torch's UserWarning)."""
+    from .workloads import VOCAB, RecurrentLM, lm_losses
+
+    torch.manual_seed(0)
+    model = RecurrentLM().train()
+    engine = PrivacyEngine()
+    ids = torch.randint(1, VOCAB, (16, 8))
+    model, opt, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
+        estimator="exact", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for (x,) in loader:
+            engine.private_loss(lm_losses(model, x)).backward()
+            opt.step()
+    assert not [w for w in caught if "dpsgd" in w.filename]
