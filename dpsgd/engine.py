@@ -416,11 +416,13 @@ def _locate(module: nn.Module, local: str) -> tuple[nn.Module, str]:
 
 
 def _detach(x: object) -> object:
+    if isinstance(x, (tuple, list)):   # e.g. an LSTM's (h_0, c_0)
+        return type(x)(_detach(v) for v in x)
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _versions(call: Call) -> list[int]:
-    ts = [x for x in (*call.args, *call.kwargs.values()) if isinstance(x, torch.Tensor)] + call.outputs
+    ts = flat_tensors(list(call.args)) + flat_tensors(call.kwargs) + call.outputs
     return [t._version for t in ts]
 
 

@@ -307,13 +307,46 @@ def _batched(x: object, b: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b
 
 
+def _leading(x: object, b: int) -> object:
+    """Batch dimensions of a recorded input (nested tuples and lists too): 0 for a tensor whose leading
+    dimension is the batch, ``None`` for anything passed whole."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_leading(v, b) for v in x)
+    return 0 if _batched(x, b) else None
+
+
+def _tree(fn, x: object, d: object) -> object:
+    """``fn(leaf, dim)`` over an input and its batch dimensions (same nesting); leaves without one unchanged."""
+    if isinstance(x, (tuple, list)):
+        if not isinstance(d, (tuple, list)):
+            d = (d,) * len(x)
+        return type(x)(_tree(fn, v, e) for v, e in zip(x, d, strict=True))
+    return x if d is None or not isinstance(x, torch.Tensor) else fn(x, d)
+
+
+@dataclass
+class ExampleInputs:
+    """A recorded call's inputs as the exact fallback re-runs them per example.
+
+    ``args`` and ``kwargs`` (a dict) with their batch dimensions ``arg_dims`` / ``kw_dims`` (same nesting; ``None``
+    where an input is shared by the batch), and ``fix(args, kwargs) -> (args, kwargs)``, applied to one
+    example's inputs (batch dimension of size 1) before the re-run.
+    """
+
+    args: tuple
+    kwargs: dict
+    arg_dims: tuple
+    kw_dims: dict
+    fix: object = None
+
+
 class FunctionalHandler(Handler):
     """Exact per-example gradients of any module by ``torch.func`` (vmap of a vector-Jacobian product).
 
-    Each example's call is re-run on its slice of the recorded inputs (tensor arguments whose leading
-    dimension is the batch; other arguments are passed whole).  Valid for modules that treat examples
-    independently and deterministically; the validator refuses those that mix examples (batch norm), and
-    randomness inside the re-run raises.
+    Each example's call is re-run on its slice of the recorded inputs (:meth:`inputs`: by default tensor
+    arguments whose leading dimension is the batch, in nested tuples too; other arguments are passed whole).
+    Valid for modules that treat examples independently and deterministically; the validator refuses those
+    that mix examples (batch norm), and randomness inside the re-run raises.
     """
 
     def needs_weights(self, module):
@@ -325,6 +358,12 @@ class FunctionalHandler(Handler):
     def terms(self, module, name, estimator):
         return None
 
+    def inputs(self, call: Call) -> ExampleInputs:
+        """The call's inputs and each one's batch dimension (override for inputs batched elsewhere)."""
+        b = call.batch_size
+        return ExampleInputs(call.args, dict(call.kwargs), tuple(_leading(x, b) for x in call.args),
+                             {n: _leading(x, b) for n, x in call.kwargs.items()})
+
     def _grads(self, call: Call) -> dict[str, torch.Tensor]:
         if "per_example" not in call.cache:
             call.cache["per_example"] = self._vmap(call)
@@ -333,28 +372,30 @@ class FunctionalHandler(Handler):
     def _vmap(self, call: Call) -> dict[str, torch.Tensor]:
         module, b = call.module, call.batch_size
         params = {n: a.detach() for n, a in call.aliases.items()}
-        arg_dims = tuple(0 if _batched(x, b) else None for x in call.args)
-        kw_names = list(call.kwargs)
-        kw_vals = tuple(call.kwargs[n] for n in kw_names)
-        kw_dims = tuple(0 if _batched(x, b) else None for x in kw_vals)
+        inp = self.inputs(call)
+        kw_names = list(inp.kwargs)
+        kw_vals = tuple(inp.kwargs[n] for n in kw_names)
+        arg_dims, kw_dims = inp.arg_dims, tuple(inp.kw_dims[n] for n in kw_names)
         grads = [torch.zeros_like(o) if g is None else g for o, g in zip(call.outputs, call.grads, strict=True)]
-        out_dims = self._out_dims(call, params)
+        out_dims = self._out_dims(call, params, inp)
 
         def run(prm, args, kws):
-            out = torch.func.functional_call(module, prm, args, dict(zip(kw_names, kws, strict=True)),
-                                             tie_weights=False)
+            kws = dict(zip(kw_names, kws, strict=True))
+            if inp.fix is not None:
+                args, kws = inp.fix(args, kws)
+            out = torch.func.functional_call(module, prm, args, kws, tie_weights=False)
             return tuple(t for t in flat_tensors(out))
 
         def one(prm, gs, args, kws):
-            args = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(args, arg_dims, strict=True))
-            kws = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(kws, kw_dims, strict=True))
+            args = _tree(lambda x, d: x.unsqueeze(d), args, arg_dims)
+            kws = _tree(lambda x, d: x.unsqueeze(d), kws, kw_dims)
             out, vjp = torch.func.vjp(lambda pp: run(pp, args, kws), prm)
             return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0], out
 
         try:
             with _replayed_autocast(call):
                 per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
-                    params, tuple(grads), call.args, kw_vals)
+                    params, tuple(grads), inp.args, kw_vals)
             _check_per_example(call, outs, out_dims)
             return per
         except RuntimeError as err:
@@ -365,23 +406,22 @@ class FunctionalHandler(Handler):
                                    f"gradients are recomputed exactly; its re-run would not reproduce the forward. "
                                    f"Set its dropout to 0.") from err
         # some kernels have no batching rule (e.g. the float64 LSTM): the same computation, one example at a time
-
-        def pick(x, d, i):
-            return x if d is None else x.select(d, i)
         with _replayed_autocast(call):
             rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
-                        tuple(pick(x, d, i) for x, d in zip(call.args, arg_dims, strict=True)),
-                        tuple(pick(x, d, i) for x, d in zip(kw_vals, kw_dims, strict=True))) for i in range(b)]
+                        _tree(lambda x, d, i=i: x.select(d, i), inp.args, arg_dims),
+                        _tree(lambda x, d, i=i: x.select(d, i), kw_vals, kw_dims)) for i in range(b)]
         _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_dims))), out_dims)
         return {n: torch.stack([r[0][n] for r in rows]) for n in params}
 
-    def _out_dims(self, call: Call, params: dict) -> list[int]:
+    def _out_dims(self, call: Call, params: dict, inp: ExampleInputs) -> list[int]:
         """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
         b = call.batch_size
         if len(call.outputs) == 1:
             return [0]
-        args = tuple(x[:1] if _batched(x, b) else x for x in call.args)
-        kwargs = {n: (x[:1] if _batched(x, b) else x) for n, x in call.kwargs.items()}
+        args = _tree(lambda x, d: x.narrow(d, 0, 1), inp.args, inp.arg_dims)
+        kwargs = {n: _tree(lambda x, d: x.narrow(d, 0, 1), x, inp.kw_dims[n]) for n, x in inp.kwargs.items()}
+        if inp.fix is not None:
+            args, kwargs = inp.fix(args, kwargs)
         with torch.no_grad(), _replayed_autocast(call):
             one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs, tie_weights=False))
         dims = []
@@ -654,9 +694,57 @@ def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
 
 
 class MultiheadAttentionHandler(FunctionalHandler):
-    """``nn.MultiheadAttention``: exact, with ``out_proj``'s parameters (used outside ``out_proj.forward``)."""
+    """``nn.MultiheadAttention``: exact, with ``out_proj``'s parameters (used outside ``out_proj.forward``).
+
+    Its inputs are read by name: ``query``, ``key``, ``value`` and ``key_padding_mask`` carry the batch first;
+    a 2-D ``attn_mask`` ``(L, S)`` is shared by the batch (also when ``L`` equals the batch size), and a 3-D one
+    ``(B * heads, L, S)`` gives each example its ``heads`` rows.
+    """
 
     recursive = True
+
+    def inputs(self, call: Call) -> ExampleInputs:
+        import inspect
+
+        m, b = call.module, call.batch_size
+        bound = inspect.signature(m.forward).bind(*call.args, **call.kwargs)
+        kwargs = dict(bound.arguments)
+        dims = {n: (0 if n in ("query", "key", "value", "key_padding_mask") and _batched(x, b) else None)
+                for n, x in kwargs.items()}
+        mask = kwargs.get("attn_mask")
+        fix = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+            heads = m.num_heads
+            if mask.shape[0] != b * heads:
+                raise ValueError(f"a 3-D attn_mask must have batch * num_heads = {b * heads} rows, got "
+                                 f"{tuple(mask.shape)}")
+            kwargs["attn_mask"] = mask.reshape(b, heads, *mask.shape[1:])
+            dims["attn_mask"] = 0
+
+            def fix(args, kws):
+                kws = dict(kws)
+                kws["attn_mask"] = kws["attn_mask"].reshape(-1, *kws["attn_mask"].shape[2:])
+                return args, kws
+        return ExampleInputs((), kwargs, (), dims, fix)
+
+
+class RecurrentHandler(FunctionalHandler):
+    """``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` (``batch_first=True``, which the validator requires): exact.  The
+    input carries the batch first; an initial state ``h_0`` (and ``c_0``), ``(layers, B, H)``, in its second
+    dimension."""
+
+    def inputs(self, call: Call) -> ExampleInputs:
+        b = call.batch_size
+        dims = [_leading(x, b) if i == 0 else _state_dims(x, b) if i == 1 else None for i, x in enumerate(call.args)]
+        kw_dims = {n: _state_dims(x, b) if n == "hx" else _leading(x, b) for n, x in call.kwargs.items()}
+        return ExampleInputs(call.args, dict(call.kwargs), tuple(dims), kw_dims)
+
+
+def _state_dims(x: object, b: int) -> object:
+    """Batch dimensions of a recurrent state: 1 for a ``(layers, B, H)`` tensor, in nested tuples too."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_state_dims(v, b) for v in x)
+    return 1 if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == b else None
 
 
 def flat_tensors(out: object) -> list[torch.Tensor]:
@@ -672,6 +760,7 @@ def flat_tensors(out: object) -> list[torch.Tensor]:
 HANDLERS[nn.Linear] = LinearHandler()
 HANDLERS[nn.Embedding] = EmbeddingHandler()
 HANDLERS[nn.MultiheadAttention] = MultiheadAttentionHandler()
+HANDLERS[nn.LSTM] = HANDLERS[nn.GRU] = HANDLERS[nn.RNN] = RecurrentHandler()
 HANDLERS[nn.Conv1d] = HANDLERS[nn.Conv2d] = ConvHandler()
 HANDLERS[nn.LayerNorm] = HANDLERS[nn.RMSNorm] = HANDLERS[nn.GroupNorm] = NormalizationHandler()
 # the out_proj of nn.MultiheadAttention: a Linear subclass with the same forward

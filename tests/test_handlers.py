@@ -156,3 +156,58 @@ def test_a_module_that_mixes_examples_is_refused_at_the_backward():
     x = torch.randn(5, 4, dtype=torch.float64)
     with pytest.raises(ExampleMixingError, match="after 0's output and before the output of 1"):
         per_sample_sq_norms(model, lambda m: m(x).square().sum(1), "exact")
+
+
+def _brute(model, loss_of, b):
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(b):
+        gs = torch.autograd.grad(loss_of(model, i), params, allow_unused=True)
+        out.append(sum(g.double().square().sum() for g in gs if g is not None))
+    return torch.stack(out)
+
+
+class _Seeded(nn.Module):
+    """An LSTM or GRU given an initial state computed from the input (``(layers, B, H)``: batch in dim 1)."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.cls = cls
+        self.rnn = cls(3, 4, num_layers=2, batch_first=True)
+        self.init = nn.Linear(3, 16 if cls is nn.LSTM else 8)
+
+    def forward(self, x):
+        h = self.init(x[:, 0]).reshape(x.shape[0], 2, -1, 4).permute(1, 2, 0, 3)   # (layers, k, B, H)
+        hx = (h[:, 0].contiguous(), h[:, 1].contiguous()) if self.cls is nn.LSTM else h[:, 0].contiguous()
+        y, _ = self.rnn(x, hx)
+        return y.square().sum((1, 2))
+
+
+class _Masked(nn.Module):
+    """nn.MultiheadAttention with a causal (T, T) mask, or the same mask per head as (B * heads, T, T)."""
+
+    def __init__(self, per_head):
+        super().__init__()
+        self.attn, self.per_head = nn.MultiheadAttention(8, 2, batch_first=True), per_head
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        if self.per_head:
+            mask = mask.expand(x.shape[0] * 2, t, t)
+        y, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
+        return y.square().sum((1, 2))
+
+
+@pytest.mark.parametrize("make", [lambda: _Seeded(nn.LSTM), lambda: _Seeded(nn.GRU), lambda: _Masked(False),
+                                  lambda: _Masked(True)], ids=["lstm-h0-c0", "gru-h0", "mha-2d-mask", "mha-3d-mask"])
+def test_initial_states_and_attention_masks_give_exact_per_example_norms(make):
+    """States batched in their second dimension and masks shared by the batch (even when T equals B) or given
+    per head are sliced per example as the module reads them: brute force to 1e-12, at B = 1, B = T and B = 3."""
+    torch.manual_seed(0)
+    model = make().double().train()
+    for b in (1, 4, 3):
+        x = torch.randn(b, 4, 3 if isinstance(model, _Seeded) else 8, dtype=torch.float64)
+        got = per_sample_sq_norms(model, lambda m, x=x: m(x), "exact")
+        ref = _brute(model, lambda m, i, x=x: m(x)[i], b)
+        assert torch.allclose(got, ref, rtol=1e-12, atol=0)
