@@ -218,13 +218,26 @@ def test_in_place_change_of_a_recorded_output_is_refused():
 
 
 def test_dropout_inside_an_exactly_recomputed_module_is_refused():
+    """A dropout module is refused when the plan is built, with its path; a functional dropout (invisible until
+    it runs) when the re-run meets it, with the module's path."""
     model = nn.Sequential(nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)).train()
     x = torch.randn(3, 4, 8)
 
     def loss(m):
         return m[0](x, x, x)[0].sum((1, 2))
-    with pytest.raises(RuntimeError, match="dropout"):
+    with pytest.raises(UnsupportedModuleError, match="0: MultiheadAttention has dropout"):
         per_sample_sq_norms(model, loss, "exact")
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return F.dropout(x * self.w, 0.5, training=True)
+    model = nn.Sequential(Scaled()).train()
+    with pytest.raises(RuntimeError, match=r"^0 \(Scaled\) uses randomness"):
+        per_sample_sq_norms(model, lambda m: m(x).sum((1, 2)), "exact")
 
 
 def test_reentrant_checkpointing_gives_a_clear_error():
