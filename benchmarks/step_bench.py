@@ -13,7 +13,9 @@ is the one to read for the private methods: the trainer's row check (one extra b
 backward keeps its graph) runs on a random quarter of the steps by default (``engine.check_rate``), which the
 median hides.  ``hutch-every-step`` is hutch with ``engine.check_every_step = True`` (every step checked).
 The "checked" column counts the timed steps that ran the row check (over all rounds), and "check s" is the
-mean time spent in the check's backward(s) on those steps.
+mean time spent in the check's backward(s) on those steps.  Since the number of checked steps is itself random,
+"at rate" gives the expected seconds per step at the default ``check_rate`` r: (1 - r) times the mean of the
+unchecked timed steps plus r times the mean of the checked ones (with its ratio to non-private's mean).
 "peak MB" is the growth of the process's peak resident memory (``ru_maxrss``, a high-water mark) from just
 before the first warm-up step to the end of the last timed step, median over rounds: what the steps add on
 top of the model, optimizer and data.  It includes the first step, which the private trainer always checks
@@ -196,6 +198,8 @@ DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048}
 
 
 def main() -> None:
+    from dpsgd.engine import DEFAULT_CHECK_RATE as rate
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["tiny", "gpt2", "llama", "cnn"], choices=list(MODELS))
     ap.add_argument("--seq-len", type=int, nargs="+", default=None,
@@ -219,7 +223,9 @@ def main() -> None:
           f"{args.rounds} round-robin rounds.\n'mean s': the mean seconds per step over all timed steps of all "
           f"rounds; 'median s': the median over rounds of each process's median step; each with its ratio to "
           f"non-private.\n'checked': timed steps that ran the row check / timed steps; 'check s': the mean seconds "
-          f"in the check's backward on those steps.\n'peak MB': growth of peak resident memory (ru_maxrss) from "
+          f"in the check's backward on those steps; 'at rate': the expected seconds per step when a fraction "
+          f"{rate} of the steps is checked ((1 - r) x mean unchecked + r x mean checked), and its ratio to "
+          f"non-private's mean.\n'peak MB': growth of peak resident memory (ru_maxrss) from "
           f"before the first warm-up step to the end of the timed steps, median over rounds, and its ratio to "
           f"non-private's")
     for model in args.models:
@@ -238,23 +244,31 @@ def main() -> None:
                 times = [x for r in rounds[m] for x in r["times"]]
                 checked = [c for r in rounds[m] for c in r["checked"]]
                 check_s = [x for r in rounds[m] for x, c in zip(r["check_s"], r["checked"], strict=True) if c]
-                res[m] = {"mean": statistics.mean(times), "median": statistics.median(r["seconds"] for r in rounds[m]),
+                on = [x for x, c in zip(times, checked, strict=True) if c]
+                off = [x for x, c in zip(times, checked, strict=True) if not c]
+                expected = None   # needs both kinds of step (not defined for every-step or non-private)
+                if on and off:
+                    expected = (1 - rate) * statistics.mean(off) + rate * statistics.mean(on)
+                res[m] = {"mean": statistics.mean(times), "expected": expected,
+                          "median": statistics.median(r["seconds"] for r in rounds[m]),
                           "extra_mb": statistics.median(r["extra_mb"] for r in rounds[m]),
                           "checked": f"{sum(checked)}/{len(checked)}",
                           "check_s": statistics.mean(check_s) if check_s else None}
             base = res["non-private"]
             print(f"\n{MODELS[model]}, {'image side' if model == 'cnn' else 'T'} = {t}")
             print(f"| {'method':<16} | {'mean s':>8} | {'ratio':>6} | {'median s':>8} | {'ratio':>6} | "
-                  f"{'checked':>7} | {'check s':>7} | {'peak MB':>8} | {'ratio':>6} |")
-            print("|" + "|".join("-" * (w + 2) for w in (16, 8, 6, 8, 6, 7, 7, 8, 6)) + "|")
+                  f"{'checked':>7} | {'check s':>7} | {'at rate':>7} | {'ratio':>6} | {'peak MB':>8} | {'ratio':>6} |")
+            print("|" + "|".join("-" * (w + 2) for w in (16, 8, 6, 8, 6, 7, 7, 7, 6, 8, 6)) + "|")
             for m in methods:
                 r = res[m]
                 if "error" in r:
                     print(f"| {m:<16} | refused: {r['error'][:90]} |")
                     continue
                 check_s = "-" if r["check_s"] is None else f"{r['check_s']:.4f}"
+                e = r["expected"]
+                at_rate = f"{'-':>7} | {'-':>6}" if e is None else f"{e:>7.4f} | {e / base['mean']:>6.2f}"
                 print(f"| {m:<16} | {r['mean']:>8.4f} | {r['mean'] / base['mean']:>6.2f} | {r['median']:>8.4f} | "
-                      f"{r['median'] / base['median']:>6.2f} | {r['checked']:>7} | {check_s:>7} | "
+                      f"{r['median'] / base['median']:>6.2f} | {r['checked']:>7} | {check_s:>7} | {at_rate} | "
                       f"{r['extra_mb']:>8.0f} | {r['extra_mb'] / base['extra_mb']:>6.2f} |", flush=True)
 
 if __name__ == "__main__":

@@ -6,16 +6,18 @@ One step, for per-example losses ``L_i`` of a forward that :class:`Capture` reco
    fresh leaf *aliases*, and its inputs and outputs are recorded (:class:`~dpsgd.layers.Call`).  A
    parameter used outside a recorded call (by a parent's forward, after a hook did not fire, ...) is then
    the only way gradient can reach the real parameter, so it is detected rather than missed;
-2. **one backward**, ``autograd.grad(sum_i L_i, outputs + real parameters)``: the output gradients ``G``
+2. **the row check** on checked steps (a new layout of calls, a probed forward, or every step with
+   ``Capture.check_every_step``): one backward of a randomly weighted half of the losses, before the step's
+   own, whose gradients must be exactly zero in the other examples' rows (:class:`ExampleMixingError`); on a
+   new layout, two complementary ones that also check that row ``i`` of every call is example ``i``
+   (``_check_rows``);
+3. **one backward**, ``autograd.grad(sum_i L_i, outputs + real parameters)``: the output gradients ``G``
    of every call.  Any real parameter that receives gradient raises :class:`IncompleteGradientError`;
-   on the first step with a new layout of calls (or on every step, ``Capture.check_every_step``), a second
-   backward with random per-example weights checks that row ``i`` of every call is example ``i``
-   (``_check_attribution``);
-3. **norms**: per parameter, the handler's per-example squared norm; a parameter with several calls
+4. **norms**: per parameter, the handler's per-example squared norm; a parameter with several calls
    (tied embeddings, a module called twice, two forwards before one backward) gets the norm of its
    *summed* per-example gradient (``exact``/``ghost``/``hutchpp``: materialized; ``hutch``: every use
    projected with one ``P``, so the estimate stays a chi-square mixture of the summed gradient);
-4. **weights** ``c_i = min(1, C' / sqrt(n_i))`` with ``C' = C (1 - margin)`` (a rounding margin of
+5. **weights** ``c_i = min(1, C' / sqrt(n_i))`` with ``C' = C (1 - margin)`` (a rounding margin of
    ``2^-17`` in float32, ``2^-46`` in float64), and **clipped sums** ``sum_i c_i g_i`` formed from the
    same ``(A, G)`` by each handler, in float32 or float64, never in half precision.
 
@@ -347,8 +349,11 @@ class Capture:
                 outs = [output]
                 args = tuple(x.expand(b, *x.shape[1:]) if isinstance(x, torch.Tensor) and x.dim() > 0
                              and x.shape[0] == 1 else x for x in args)
+            # a call whose inputs need no gradient (a first layer): the row check asks the backward for its outputs
+            root = not any(t.requires_grad for t in flat_tensors(list(args)) + flat_tensors(kwargs))
             call = Call(module, tuple(_detach(x) for x in args), {n: _detach(x) for n, x in kwargs.items()},
                         outs, aliases, b)
+            call.cache["root"] = root
             call.cache["versions"] = _versions(call)
             call.cache["unit"] = unit
             call.cache["probed"] = self._forward_probed
@@ -532,7 +537,14 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     check = b > 1 and (capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls))
     if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
         check = any_rank(check)
-    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass or check) if b
+    if check:   # before the step's own backward, which then keeps no graph for it
+        capture.active = False
+        try:
+            _check_rows(losses, calls, probes, attribution=new_layout)
+        finally:
+            capture.active = True
+        capture.checked_layouts.add(layout)
+    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
              else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
@@ -565,9 +577,6 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                              f"flatten the batch ((B*T, d)) are not supported")
     capture.active = False
     try:
-        if check:
-            _check_rows(losses, reached, probes, retain_graph=two_pass, passes=2 if new_layout else 1)
-            capture.checked_layouts.add(layout)
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
         bounds = None if twice is None else twice.bounds(max_grad_norm)
@@ -639,9 +648,10 @@ def _layout(calls: list[Call], losses: torch.Tensor, probes: list) -> tuple:
                   shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls) + (ops,)
 
 
-def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_graph: bool, passes: int = 1) -> None:
-    r"""Raise unless example ``i``'s loss depends on example ``i``'s rows alone, and row ``i`` of every recorded call
-    is example ``i``.
+def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attribution: bool) -> None:
+    r"""Raise unless example ``i``'s loss depends on example ``i``'s rows alone (and, with ``attribution``, row ``i``
+    of every recorded call is example ``i`` as its handler reads it).  Runs before the step's own backward and
+    keeps the autograd graph for it.
 
     Each pass draws a random half ``S`` of the batch (from ``os.urandom``) and weights ``v_i`` uniform in
     ``[1, 2]`` for ``i`` in ``S``, ``0`` elsewhere, and runs one backward of ``sum_i v_i L_i``:
@@ -651,46 +661,64 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, retain_gr
       separately never create a non-zero there (a zero row times anything finite is zero), so no tolerance
       is needed, and a mixing term of any size (a batch mean, batch statistics, softmax or attention over the
       batch, a loss that reads other rows) is caught once ``S`` separates two examples it mixes: with
-      probability at least 1/4 per pass for any one pair, 1/2 over the two complementary passes made on a new
-      layout, and almost surely for a batch-wide statistic.  The gradients are inspected as they pass
-      (tensor hooks), never stored.
-    * **attribution** (:class:`IncompleteGradientError`): the handlers' ``sum_i v_i g_i`` must equal
-      autograd's gradient with respect to each call's parameters; a wrong per-example gradient agrees only
-      for ``v`` in a set of measure zero.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32,
-      ``5e-2`` when the call's output or gradient is half precision (autocast), of the layer's gradient or
-      (if larger) of the largest layer's divided by the batch size.  Over the two passes of a new layout
-      every row has a non-zero weight once.
+      probability at least 1/4 per pass for any one pair, 1/2 over the two complementary passes made with
+      ``attribution``, and almost surely for a batch-wide statistic.  The gradients are inspected as they pass
+      (tensor hooks) and, without ``attribution``, never stored: the backward is asked only for the probed
+      inputs and the outputs of calls whose inputs need no gradient, so no weight gradient is formed.
+    * **attribution** (:class:`IncompleteGradientError`, two complementary passes, so every row has a non-zero
+      weight once): with the output gradients ``G^v`` of the pass (``v_j G_j`` row by row, once isolation
+      holds), each handler's sum of per-example gradients must equal autograd's gradient of ``sum_i v_i L_i``
+      with respect to the call's parameters; a wrong per-example gradient agrees only for ``v`` in a set of
+      measure zero.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32, ``5e-2`` when the forward
+      ran under autocast or an output is half precision, of the layer's gradient or (if larger) of the
+      largest layer's divided by the batch size.
     """
     b = losses.shape[0]
-    pairs = [(c, local) for c in calls for local in c.aliases]
     rows = _secret_halves(b)
-    for j in range(passes):
+    for j in range(2 if attribution else 1):
         inside = rows if j == 0 else ~rows
         v = torch.where(inside, 1 + torch.rand(b, generator=torch.Generator().manual_seed(_secret_seed()),
                                                dtype=torch.float64), 0.0)
         v = v.to(losses.device, losses.dtype)
         outside = (~inside).to(losses.device)
         mixed: list[tuple[int, str]] = []   # (forward order, what): the last one is where the mixing follows
+        seen: dict = {}                      # with attribution: (call index, output index) -> G^v
         handles = []
         for i, c in enumerate(calls):
-            for t in c.outputs:
-                if t.requires_grad and t.dim() > 0 and t.shape[0] == b:
+            for k, t in enumerate(c.outputs):
+                # the first output starts with the batch (the engine refuses a call whose first output does not);
+                # another (an LSTM's (layers, B, H) state) may have it elsewhere: kept, not inspected
+                first = k == 0 and t.dim() > 0 and t.shape[0] == b
+                if t.requires_grad and (first or attribution):
                     what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
-                    handles.append(t.register_hook(_zero_rows_hook(outside, mixed, (i, what))))
+                    handles.append(t.register_hook(_rows_hook(outside if first else None, mixed, (i, what),
+                                                              seen if attribution else None, (i, k))))
         probed = [(name, x) for name, x, _ in probes if x.requires_grad]
+        if attribution:
+            pairs = [(c, local) for c in calls for local in c.aliases]
+            targets = [c.aliases[local] for c, local in pairs]
+        else:
+            pairs = []
+            targets = [t for c in calls if c.cache.get("root") for t in c.outputs if t.requires_grad]
+            if not targets and not probed:
+                targets = [a for c in calls for a in c.aliases.values()]
+        if not targets and not probed:   # nothing recorded (an eval-mode forward): the backward below says so
+            for h in handles:
+                h.remove()
+            return
         try:
-            grads = torch.autograd.grad((losses * v).sum(), [c.aliases[local] for c, local in pairs] +
-                                        [x for _, x in probed], allow_unused=True,
-                                        retain_graph=retain_graph or j + 1 < passes)
+            grads = torch.autograd.grad((losses * v).sum(), targets + [x for _, x in probed], allow_unused=True,
+                                        retain_graph=True)
         finally:
             for h in handles:
                 h.remove()
-        for (name, _), g in zip(probed, grads[len(pairs):], strict=True):
+        for (name, _), g in zip(probed, grads[len(targets):], strict=True):
             if g is not None and _nonzero_rows(g, outside.to(g.device)):
                 mixed.append((-1, f"the input {name}"))
         if mixed:
             raise ExampleMixingError(_mixing_message(mixed, calls))
-        _compare_attribution(pairs, v, grads[:len(pairs)], b)
+        if attribution:
+            _compare_attribution(calls, pairs, seen, grads[:len(pairs)], b)
 
 
 def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
@@ -710,10 +738,14 @@ def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
             f"in-batch negatives). Compute everything per example, row i for example i.")
 
 
-def _zero_rows_hook(outside: torch.Tensor, found: list, what: tuple):
+def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, keep: dict | None, key: tuple):
+    """A tensor hook that records ``what`` if the gradient passing is non-zero in a row ``outside`` (and keeps the
+    gradient in ``keep[key]`` when given)."""
     def hook(grad):
-        if _nonzero_rows(grad, outside.to(grad.device)):
+        if outside is not None and _nonzero_rows(grad, outside.to(grad.device)):
             found.append(what)
+        if keep is not None:
+            keep[key] = grad if key not in keep else keep[key] + grad
     return hook
 
 
@@ -734,22 +766,40 @@ def _secret_halves(b: int) -> torch.Tensor:
             return rows
 
 
-def _compare_attribution(pairs: list, v: torch.Tensor, true: tuple, b: int) -> None:
-    got = [c.cache["unit"].handler.clipped_sum(c, local, v.to(torch.float64)).to(torch.float64).reshape(-1)
-           for c, local in pairs]
-    true = [torch.zeros_like(g) if t is None else t.to(torch.float64).reshape(-1)
-            for g, t in zip(got, true, strict=True)]
+def _compare_attribution(calls: list[Call], pairs: list, seen: dict, true: tuple, b: int) -> None:
+    """Each handler's sum of per-example gradients from the pass's output gradients ``G^v`` (``seen``) against
+    autograd's ``true`` gradient of the same weighted sum, per (call, parameter) of the calls the pass reached."""
+    index = {id(c): i for i, c in enumerate(calls)}
+    reached = {i for i, _ in seen}
+    ones = torch.ones(b, dtype=torch.float64)
+    got, kept = [], []
+    for (c, local), t in zip(pairs, true, strict=True):
+        i = index[id(c)]
+        lead = c.outputs[0] if c.outputs else None
+        if i not in reached or c.batch_size != b or lead is None or lead.dim() == 0 or lead.shape[0] != b:
+            continue   # not this loss's, or not batch-first: the step's own backward refuses it by name
+        c.grads = [seen.get((i, k)) for k in range(len(c.outputs))]
+        try:
+            g = c.cache["unit"].handler.clipped_sum(c, local, ones.to(c.outputs[0].device))
+        finally:
+            c.grads = []
+            _clear_derived(c)
+        got.append(g.detach().to(torch.float64).reshape(-1))
+        kept.append((c, local, torch.zeros_like(got[-1]) if t is None else t.detach().to(torch.float64).reshape(-1)))
+    if not got:
+        return
+    true = [t for _, _, t in kept]
     # a layer whose every per-example gradient is rounding noise (a bias before a normalization) is compared
     # with the model's largest gradient per example, not with its own
     floor = max(float(t.norm()) for t in true) / b
     # the precision the backward ran in: any half-precision output or autocast in the forward rounds the
     # gradients of every layer below it
     half = (torch.float16, torch.bfloat16)
-    dtypes = {v.dtype} | {o.dtype for c, _ in pairs for o in c.outputs if o.is_floating_point()}
-    dtypes |= {c.aliases[local].dtype for c, local in pairs}
-    low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, _ in pairs)
+    dtypes = {o.dtype for c, _, _ in kept for o in c.outputs if o.is_floating_point()}
+    dtypes |= {c.aliases[local].dtype for c, local, _ in kept}
+    low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, _, _ in kept)
     tol = 5e-2 if low else (1e-6 if dtypes == {torch.float64} else 1e-4)
-    for (c, _), g, t in zip(pairs, got, true, strict=True):
+    for (c, _, t), g in zip(kept, got, strict=True):
         err = float((g - t).norm())
         if not err <= tol * max(float(t.norm()), floor):
             unit = c.cache["unit"]
@@ -760,6 +810,15 @@ def _compare_attribution(pairs: list, v: torch.Tensor, true: tuple, b: int) -> N
                 f"something other than the batch (a loop over examples inside the forward, a slice, permuted or "
                 f"gathered rows), or its output mixes examples afterwards. Run it on the whole batch, one row per "
                 f"example.")
+
+
+# what a call's cache holds beyond the recording itself: derived from its output gradients by the handlers
+_RECORDED = ("versions", "unit", "probed", "autocast", "root")
+
+
+def _clear_derived(call: Call) -> None:
+    for key in [k for k in call.cache if k not in _RECORDED]:
+        del call.cache[key]
 
 
 def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tensor, uses: list) -> dict:
