@@ -9,9 +9,10 @@ Each (model, T, method) runs in a fresh process with OMP_NUM_THREADS=1: two warm
 timed steps; the methods are run round-robin (A B C ... A B C ...) for ``--rounds`` rounds, so that load on
 the shared machine hits every method alike.  Two times are reported: the **mean** seconds per step over every
 timed step of every round (pooled), and the median over rounds of each process's **median** step.  The mean
-is the one to read for the private methods: the trainer's row check (one extra backward, and the first
-backward keeps its graph) runs on a random quarter of the steps by default (``engine.check_rate``), which the
-median hides.  ``hutch-every-step`` is hutch with ``engine.check_every_step = True`` (every step checked).
+is the one to read for the private methods: the trainer's row check (one extra backward of a weighted half of
+the losses, two on a new layout of calls) runs on a random eighth of the steps by default
+(``engine.check_rate``), which the median hides.  ``hutch-every-step`` is hutch with
+``engine.check_every_step = True`` (every step checked).
 The "checked" column counts the timed steps that ran the row check (over all rounds), and "check s" is the
 mean time spent in the check's backward(s) on those steps.  Since the number of checked steps is itself random,
 "at rate" gives the expected seconds per step at the default ``check_rate`` r: (1 - r) times the mean of the

@@ -69,7 +69,7 @@ class StateChangedError(RuntimeError):
 
 
 #: probability that a step's forward is probed and its rows checked (the default schedule; docs/trainer.md)
-DEFAULT_CHECK_RATE = 0.25
+DEFAULT_CHECK_RATE = 0.125
 
 
 def _check_estimator_name(estimator: object) -> None:
@@ -682,7 +682,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
         v = v.to(losses.device, losses.dtype)
         outside = (~inside).to(losses.device)
         mixed: list[tuple[int, str]] = []   # (forward order, what): the last one is where the mixing follows
-        seen: dict = {}                      # with attribution: (call index, output index) -> G^v
+        sums = _HandlerSums(calls, b) if attribution else None
         handles = []
         for i, c in enumerate(calls):
             for k, t in enumerate(c.outputs):
@@ -692,7 +692,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
                 if t.requires_grad and (first or attribution):
                     what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
                     handles.append(t.register_hook(_rows_hook(outside if first else None, mixed, (i, what),
-                                                              seen if attribution else None, (i, k))))
+                                                              sums, (i, k))))
         probed = [(name, x) for name, x, _ in probes if x.requires_grad]
         if attribution:
             pairs = [(c, local) for c in calls for local in c.aliases]
@@ -718,7 +718,10 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
         if mixed:
             raise ExampleMixingError(_mixing_message(mixed, calls))
         if attribution:
-            _compare_attribution(calls, pairs, seen, grads[:len(pairs)], b)
+            sums.finish()
+            if sums.error is not None:
+                raise sums.error
+            _compare_attribution(pairs, sums, grads[:len(pairs)], b)
 
 
 def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
@@ -738,15 +741,58 @@ def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
             f"in-batch negatives). Compute everything per example, row i for example i.")
 
 
-def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, keep: dict | None, key: tuple):
-    """A tensor hook that records ``what`` if the gradient passing is non-zero in a row ``outside`` (and keeps the
-    gradient in ``keep[key]`` when given)."""
+def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, sums: _HandlerSums | None, key: tuple):
+    """A tensor hook that records ``what`` if the gradient passing is non-zero in a row ``outside`` (and hands it
+    to ``sums`` when given)."""
     def hook(grad):
         if outside is not None and _nonzero_rows(grad, outside.to(grad.device)):
             found.append(what)
-        if keep is not None:
-            keep[key] = grad if key not in keep else keep[key] + grad
+        if sums is not None:
+            sums.add(key, grad)
     return hook
+
+
+class _HandlerSums:
+    """Each call's handler sums of per-example gradients for the output gradients of one check pass, formed as
+    soon as all of the call's output gradients have arrived (inside the backward), so that only parameter-sized
+    sums are held, not every layer's output gradient."""
+
+    def __init__(self, calls: list[Call], b: int) -> None:
+        self.calls, self.b = calls, b
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}
+        self.expect = {i: sum(t.requires_grad for t in c.outputs) for i, c in enumerate(calls)}
+        self.sums: dict[tuple[int, str], torch.Tensor] = {}
+        self.error: Exception | None = None   # a handler's refusal, raised after the isolation verdict
+
+    def add(self, key: tuple[int, int], grad: torch.Tensor) -> None:
+        i, k = key
+        got = self.pending.setdefault(i, {})
+        got[k] = grad if k not in got else got[k] + grad
+        if len(got) == self.expect[i]:
+            self._form(i)
+
+    def finish(self) -> None:
+        """Form the sums of calls some of whose outputs received no gradient."""
+        for i in list(self.pending):
+            self._form(i)
+
+    def _form(self, i: int) -> None:
+        got = self.pending.pop(i)
+        c, b = self.calls[i], self.b
+        lead = c.outputs[0] if c.outputs else None
+        if c.batch_size != b or lead is None or lead.dim() == 0 or lead.shape[0] != b:
+            return   # not batch-first: the step's own backward refuses it by name
+        c.grads = [got.get(k) for k in range(len(c.outputs))]
+        ones = torch.ones(b, dtype=torch.float64, device=lead.device)
+        try:
+            for local in c.aliases:
+                s = c.cache["unit"].handler.clipped_sum(c, local, ones)
+                self.sums[(i, local)] = s.detach().to(torch.float64).reshape(-1)
+        except Exception as err:   # noqa: BLE001 -- kept for after the isolation verdict, which names the cause
+            self.error = self.error or err
+        finally:
+            c.grads = []
+            _clear_derived(c)
 
 
 def _nonzero_rows(grad: torch.Tensor, outside: torch.Tensor) -> bool:
@@ -766,26 +812,17 @@ def _secret_halves(b: int) -> torch.Tensor:
             return rows
 
 
-def _compare_attribution(calls: list[Call], pairs: list, seen: dict, true: tuple, b: int) -> None:
-    """Each handler's sum of per-example gradients from the pass's output gradients ``G^v`` (``seen``) against
-    autograd's ``true`` gradient of the same weighted sum, per (call, parameter) of the calls the pass reached."""
-    index = {id(c): i for i, c in enumerate(calls)}
-    reached = {i for i, _ in seen}
-    ones = torch.ones(b, dtype=torch.float64)
+def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -> None:
+    """Each handler's sum of per-example gradients from a check pass's output gradients (``sums``) against
+    autograd's ``true`` gradient of the same weighted sum, per (call, parameter) the pass reached."""
+    index = {id(c): i for i, c in enumerate(sums.calls)}
     got, kept = [], []
     for (c, local), t in zip(pairs, true, strict=True):
-        i = index[id(c)]
-        lead = c.outputs[0] if c.outputs else None
-        if i not in reached or c.batch_size != b or lead is None or lead.dim() == 0 or lead.shape[0] != b:
-            continue   # not this loss's, or not batch-first: the step's own backward refuses it by name
-        c.grads = [seen.get((i, k)) for k in range(len(c.outputs))]
-        try:
-            g = c.cache["unit"].handler.clipped_sum(c, local, ones.to(c.outputs[0].device))
-        finally:
-            c.grads = []
-            _clear_derived(c)
-        got.append(g.detach().to(torch.float64).reshape(-1))
-        kept.append((c, local, torch.zeros_like(got[-1]) if t is None else t.detach().to(torch.float64).reshape(-1)))
+        g = sums.sums.get((index[id(c)], local))
+        if g is None:
+            continue
+        got.append(g)
+        kept.append((c, local, torch.zeros_like(g) if t is None else t.detach().to(torch.float64).reshape(-1)))
     if not got:
         return
     true = [t for _, _, t in kept]

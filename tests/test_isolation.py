@@ -151,7 +151,7 @@ def test_the_default_schedule_catches_a_late_violation_within_its_stated_miss_pr
     checked step catches a violation between two given examples with probability at least 1/4: the miss
     probability over m violating steps is at most ``(1 - rate/4)^m``; at rate 1/2, 60 steps: 5e-4."""
     engine, m, opt, crit, loader = _private(_Centred(), n=400, batch=40, every_step=False)
-    assert engine.check_rate == 0.25
+    assert engine.check_rate == 0.125
     engine.check_rate = 0.5
     with pytest.raises(ExampleMixingError):
         for _ in range(60):
