@@ -568,13 +568,14 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
             raise ValueError(f"{name} ran in a forward of {c.batch_size} examples but the loss has {b}: every "
                              f"handled module's input and output must start with the batch dimension of the loss "
                              f"(one row per example)")
-        lead = [tuple(g.shape) for g in c.grads[:1] if g is not None and (g.dim() == 0 or g.shape[0] != b)]
+        lead = [tuple(g.shape) for g in c.grads[:1] if g is not None and not _rows_ok(c, g, b)]
         if lead:
             raise ValueError(f"{name}'s output has shape {lead[0]}, which does not start with the batch dimension "
                              f"({b} examples): per-example gradients need one row per example. An output shared by "
                              f"the batch (positions from torch.arange(T), a bias table) should have a leading "
                              f"dimension of 1 that broadcasts, e.g. self.wpe(torch.arange(T)[None]); rows that "
-                             f"flatten the batch ((B*T, d)) are not supported")
+                             f"flatten the batch ((B*T, d), example-major) are supported by linear, embedding and "
+                             f"layer/RMS-norm handlers only")
     capture.active = False
     try:
         uses = _uses(plan, reached)
@@ -688,7 +689,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
             for k, t in enumerate(c.outputs):
                 # the first output starts with the batch (the engine refuses a call whose first output does not);
                 # another (an LSTM's (layers, B, H) state) may have it elsewhere: kept, not inspected
-                first = k == 0 and t.dim() > 0 and t.shape[0] == b
+                first = k == 0 and _rows_ok(c, t, b)
                 if t.requires_grad and (first or attribution):
                     what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
                     handles.append(t.register_hook(_rows_hook(outside if first else None, mixed, (i, what),
@@ -780,7 +781,7 @@ class _HandlerSums:
         got = self.pending.pop(i)
         c, b = self.calls[i], self.b
         lead = c.outputs[0] if c.outputs else None
-        if c.batch_size != b or lead is None or lead.dim() == 0 or lead.shape[0] != b:
+        if c.batch_size != b or lead is None or not _rows_ok(c, lead, b):
             return   # not batch-first: the step's own backward refuses it by name
         c.grads = [got.get(k) for k in range(len(c.outputs))]
         ones = torch.ones(b, dtype=torch.float64, device=lead.device)
@@ -796,7 +797,23 @@ class _HandlerSums:
 
 
 def _nonzero_rows(grad: torch.Tensor, outside: torch.Tensor) -> bool:
+    """Whether ``grad`` is non-zero in a row of an example marked ``outside`` (``(B * k, ...)`` rows that flatten
+    the batch example-major: ``k`` rows an example)."""
+    if grad.shape[0] != outside.shape[0]:
+        outside = outside.repeat_interleave(grad.shape[0] // outside.shape[0])
     return bool(grad[outside].ne(0).any())
+
+
+def _rows_ok(call: Call, t: torch.Tensor, b: int) -> bool:
+    """Whether ``t`` (a call's first output or its gradient) has the call's examples as rows: ``b`` of them, or
+    ``b * k`` rows that flatten the batch example-major (OPT's ``(B * T, d)``) for a handler that reads them so
+    (the row check verifies the order on the first step of the layout)."""
+    if t.dim() == 0 or t.shape[0] == 0:
+        return False
+    if t.shape[0] == b:
+        return True
+    unit = call.cache.get("unit")
+    return (t.shape[0] % b == 0 and unit is not None and unit.handler.flattened_rows(call.module))
 
 
 def _secret_seed() -> int:
@@ -880,9 +897,14 @@ def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tens
 def _first_backward(capture: Capture, losses, outputs, model_params, retain_graph: bool = False) -> list:
     capture.active = False  # gradient checkpointing re-runs forwards inside this backward: record nothing
     before = [(p.grad, None if p.grad is None else p.grad._version) for p in model_params]
+    # outputs that carry no gradient (a router's integer choices) get None
+    wanted = [i for i, t in enumerate(outputs + model_params) if t.requires_grad]
     try:
-        grads = list(torch.autograd.grad(losses.sum(), outputs + model_params, allow_unused=True,
-                                         materialize_grads=False, retain_graph=retain_graph))
+        found = torch.autograd.grad(losses.sum(), [(outputs + model_params)[i] for i in wanted], allow_unused=True,
+                                    materialize_grads=False, retain_graph=retain_graph)
+        grads = [None] * (len(outputs) + len(model_params))
+        for i, g in zip(wanted, found, strict=True):
+            grads[i] = g
         touched = [_qualified(capture.plan.model, p) for p, (g, v) in zip(model_params, before, strict=True)
                    if p.grad is not g or (g is not None and g._version != v)]
         if touched:  # a backward inside our backward wrote .grad behind the per-example norms

@@ -123,6 +123,11 @@ class Handler:
         it would then not be reproduced (the validator refuses dropout there)."""
         return False
 
+    def flattened_rows(self, module: nn.Module) -> bool:
+        """Whether the handler reads a call whose rows flatten the batch example-major (``(B * T, d)``, as OPT
+        and many mixture-of-experts layers run) as ``B`` examples of ``T`` rows each."""
+        return False
+
 
 HANDLERS: dict[type, Handler] = {}
 
@@ -212,6 +217,9 @@ class LinearHandler(Handler):
             call.cache["ag"] = (_as_btd(a, b).to(dtype), _as_btd(g, b).to(dtype))
         return call.cache["ag"]
 
+    def flattened_rows(self, module):
+        return True
+
     def terms(self, module, name, estimator):
         if estimator not in ("hutch", "hutchpp"):
             return None
@@ -264,6 +272,9 @@ class EmbeddingHandler(Handler):
                 g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
             call.cache["ig"] = (idx, g)
         return call.cache["ig"]
+
+    def flattened_rows(self, module):
+        return True
 
     def terms(self, module, name, estimator):
         return min(module.weight.shape) if estimator == "hutch" else None
@@ -477,6 +488,9 @@ class ConvHandler(LinearHandler):
     def reruns(self, module):
         return self._grouped(module)
 
+    def flattened_rows(self, module):
+        return False
+
     def _xg(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """The (explicitly padded) input as a 2-D convolution's ``(B, C_in, H, W)``, ``G`` as ``(B, C_out, L)``,
         and the convolution's ``(kernel, stride, padding, dilation)`` in 2-D."""
@@ -581,6 +595,9 @@ class NormalizationHandler(FunctionalHandler):
 
     def reruns(self, module):
         return False
+
+    def flattened_rows(self, module):
+        return not isinstance(module, nn.GroupNorm)
 
     def _normalized(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         m = call.module

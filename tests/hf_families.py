@@ -45,6 +45,15 @@ def _neox():
                                                 max_position_embeddings=32, bos_token_id=0, eos_token_id=0)))
 
 
+def opt(dropout: float = 0.1):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _lm(OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+                                        pad_token_id=0, bos_token_id=0, eos_token_id=0, dropout=dropout,
+                                        attention_dropout=dropout)))
+
+
 def _masked(config_cls: str, model_cls: str, **cfg):
     def build():
         import transformers
@@ -115,6 +124,7 @@ FAMILIES = {
     "qwen3": _causal("Qwen3Config", "Qwen3ForCausalLM", head_dim=16),
     "phi3": _causal("Phi3Config", "Phi3ForCausalLM"),
     "gpt_neox": _neox,
+    "opt": opt,
     "gemma2": _causal("Gemma2Config", "Gemma2ForCausalLM", head_dim=16),
     "gemma3": _causal("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=16),
     "bert": _masked("BertConfig", "BertForMaskedLM"),

@@ -39,3 +39,24 @@ def test_a_stock_family_trains_with_the_row_check_on_every_step(name, autocast):
         opt.step()
         sizes.append(x.shape[0])
     assert engine.steps == len(loader) and max(sizes) > 1
+
+
+@pytest.mark.parametrize("b", [1, 3, 6])
+def test_rows_that_flatten_the_batch_give_exact_per_example_norms(b):
+    """OPT runs its MLP and final layer norms on ``(B * T, d)`` rows: read as B examples of T rows each,
+    brute force to 1e-10 in float64 at B = 1, B = T (6) and B = 3."""
+    from dpsgd import per_sample_sq_norms
+
+    from .hf_families import opt
+
+    torch.manual_seed(0)
+    model, inputs, losses = opt(dropout=0.0)   # no dropout: brute force and the private pass see one function
+    model = model.double().train()
+    ids = torch.randint(1, VOCAB, (b, 6), generator=torch.Generator().manual_seed(b))
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = []
+    for i in range(b):
+        g = torch.autograd.grad(losses(model, inputs(ids))[i], params, allow_unused=True)
+        ref.append(sum(x.square().sum() for x in g if x is not None))
+    got = per_sample_sq_norms(model, lambda m: losses(m, inputs(ids)), "exact")
+    assert torch.allclose(got, torch.stack(ref), rtol=1e-10, atol=0)
