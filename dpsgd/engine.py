@@ -248,6 +248,11 @@ class Capture:
         return self.active and torch.is_grad_enabled() and self.plan.model.training
 
     def _root_pre(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            raise UnsupportedModuleError(
+                "", "the private model is being compiled (torch.compile after make_private): the per-call parameter "
+                "aliases, the recorded calls and the checks around each forward are not traceable yet; train the "
+                "private model uncompiled")
         self._depth += 1
         if self._depth != 1:
             return None
@@ -509,9 +514,12 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     if not torch.isfinite(losses.detach()).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
     plan, b = capture.plan, losses.shape[0]
-    if capture.no_grad_units:
-        names = sorted(set(capture.no_grad_units))
-        capture.no_grad_units.clear()
+    # a unit run under no_grad that also ran with gradient (a teacher / pseudo-label pass) trains: only a unit
+    # that never ran with gradient would silently not train
+    recorded = {c.cache["unit"].path or type(c.module).__name__ for c in capture.calls}
+    names = sorted(set(capture.no_grad_units) - recorded)
+    capture.no_grad_units.clear()
+    if names:
         raise IncompleteGradientError(
             f"{', '.join(names[:3])} ran under torch.no_grad() inside a training forward, so its trainable "
             f"parameters would silently not train (reentrant gradient checkpointing does this: use "
@@ -955,8 +963,9 @@ def _leak_message(names: list[str], plan: NormPlan) -> str:
     return (f"gradient reached {shown} outside every recorded module call, so its per-example contribution would "
             f"not be clipped; the step was not taken. Causes: the forward ran in eval mode or without the "
             f"private engine's hooks (call model.train()); the parameter is used by another module's forward "
-            f"(e.g. F.linear(x, self.other.weight)) -- register a handler for that module "
-            f"(dpsgd.layers.register_handler(..., FunctionalHandler() with recursive=True)); or it became trainable "
+            f"(e.g. F.linear(x, self.other.weight)) -- let that module's handler cover its submodules' parameters: "
+            f"class Whole(dpsgd.layers.FunctionalHandler): recursive = True, then "
+            f"dpsgd.layers.register_handler(TheModuleClass, Whole()) before make_private; or it became trainable "
             f"after make_private. {len(plan.units)} modules are hooked.")
 
 

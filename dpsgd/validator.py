@@ -11,7 +11,9 @@ the fix (in the spirit of Opacus' ``ModuleValidator``):
 * ``nn.Embedding`` with ``scale_grad_by_freq`` (scales by token frequency *in the batch*), ``sparse``, or
   ``max_norm`` (renormalizes the looked-up rows of the weight in place during forward);
 * ``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` with ``batch_first=False`` (the trainer
-  needs the batch as the leading dimension of every recorded input and output).
+  needs the batch as the leading dimension of every recorded input and output);
+* parametrized weights (``torch.nn.utils.parametrizations``) and ``torch.compile``'d models, not supported
+  yet (the message says what to do instead).
 
 :func:`validate` is called by :meth:`dpsgd.PrivacyEngine.make_private` and by the engine's norm plan.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["ModuleValidator", "UnsupportedModuleError"]
 
@@ -45,8 +48,19 @@ class _Problem:
 
 def _problems(model: nn.Module) -> list[_Problem]:
     out = []
+    if _compiled(model):
+        out.append(_Problem("", "a torch.compile'd model (its OptimizedModule wrapper) is not supported yet: the "
+                                "private trainer swaps parameters for per-call aliases and records each call, which "
+                                "compiled code does not replay; pass the uncompiled model (and do not compile it "
+                                "after make_private)"))
     for path, m in model.named_modules():
-        if isinstance(m, _BATCH_NORMS):
+        if isinstance(m, parametrize.ParametrizationList):
+            out.append(_Problem(path, "a parametrized weight (torch.nn.utils.parametrizations: weight_norm, "
+                                      "spectral_norm, orthogonal) is computed once for the whole batch from its "
+                                      "original parameters, and their per-example gradients are not supported yet; "
+                                      "remove the parametrization before make_private "
+                                      "(torch.nn.utils.parametrize.remove_parametrizations)"))
+        elif isinstance(m, _BATCH_NORMS):
             out.append(_Problem(path, f"{type(m).__name__} mixes examples (batch statistics in training, running "
                                       "statistics learned from private data in evaluation); replace it with "
                                       "GroupNorm (ModuleValidator.fix(model) does)"))
@@ -66,6 +80,11 @@ def _problems(model: nn.Module) -> list[_Problem]:
             out.append(_Problem(path, f"{type(m).__name__} with batch_first=False: per-example gradients need the "
                                       "batch as the leading dimension; construct it with batch_first=True"))
     return out
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (recognised by name: no dynamo import needed)."""
+    return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
 class ModuleValidator:

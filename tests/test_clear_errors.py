@@ -135,3 +135,59 @@ def test_a_mixture_of_experts_router_is_refused_by_name_not_by_a_torch_error():
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate's output has shape .*flatten the batch"):
         engine.private_loss(losses).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_compile_before_or_after_make_private_is_refused_by_name():
+    compiled = torch.compile(nn.Sequential(nn.Linear(3, 2)))
+    with pytest.raises(UnsupportedModuleError, match="torch.compile'd model"):
+        _private(compiled, torch.randn(16, 3))
+    engine, model, opt, crit, loader = _private(nn.Sequential(nn.Linear(3, 2)), torch.randn(16, 3))
+    x, y = next(iter(loader))
+    with pytest.raises(UnsupportedModuleError, match="being compiled"):
+        torch.compile(model)(x)
+
+
+def test_a_parametrized_weight_is_refused_with_the_fix():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)))
+    with pytest.raises(UnsupportedModuleError, match=r"0.parametrizations.weight: .*remove_parametrizations"):
+        _private(model, torch.randn(16, 3))
+
+
+class _Teacher(nn.Module):
+    """The encoder runs once under no_grad (a pseudo-label) and once with gradient: it trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.enc(x)
+        return self.head(self.enc(x) + target)
+
+
+def test_a_module_run_under_no_grad_and_again_with_gradient_trains():
+    engine, model, opt, crit, loader = _private(_Teacher(), torch.randn(16, 3))
+    before = model.enc.weight.detach().clone()
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    opt.step()
+    assert engine.steps == 1 and not torch.equal(before, model.enc.weight)
+
+
+def test_the_leak_message_suggests_a_handler_that_exists():
+    from dpsgd import IncompleteGradientError
+
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.lin.weight)
+
+    engine, model, opt, crit, loader = _private(Outside(), torch.randn(16, 3))
+    x, y = next(iter(loader))
+    with pytest.raises(IncompleteGradientError, match=r"recursive = True.*register_handler") as err:
+        crit(model(x), y).backward()
+    assert "FunctionalHandler() with recursive" not in str(err.value)

@@ -151,3 +151,11 @@ def test_a_compute_loss_override_is_refused_rather_than_ignored(tmp_path):
     with pytest.raises(TypeError, match="per_example_losses"):
         Custom(model=lora_gpt2(), args=args, train_dataset=_Ids(16),
                privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact"))
+
+
+def test_torch_compile_in_the_trainer_is_refused_with_the_fix(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             torch_compile=True)
+    with pytest.raises(ValueError, match="torch_compile=False"):
+        DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(16),
+                  privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact"))
