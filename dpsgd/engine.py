@@ -42,7 +42,7 @@ from torch import nn
 
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
-from .layers import Call, Handler, flat_tensors, handler_for, matrix_view, module_type
+from .layers import Call, Handler, flat_tensors, handler_for, is_parameter_container, matrix_view, module_type
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .validator import ModuleValidator, UnsupportedModuleError
@@ -144,7 +144,7 @@ class NormPlan:
         plan = cls(model, estimator)
         inside: set[int] = set()
         for path, m in model.named_modules():
-            if id(m) in inside:
+            if id(m) in inside or is_parameter_container(m):   # a container's parameters: its parent's
                 continue
             h = handler_for(m)
             if h.recursive:

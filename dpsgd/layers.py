@@ -48,8 +48,8 @@ from torch import nn
 from .estimators import ESTIMATORS, gaussian_projection
 from .validator import UnsupportedModuleError
 
-__all__ = ["Call", "Handler", "LinearHandler", "EmbeddingHandler", "FunctionalHandler", "HANDLERS",
-           "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
+__all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
+           "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -102,8 +102,15 @@ class Handler:
         return False
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """The trainable parameters this handler covers, by name relative to ``module``."""
-        return {n: p for n, p in module.named_parameters(recurse=self.recursive) if p.requires_grad}
+        """The trainable parameters this handler covers, by name relative to ``module``: its own, and those of
+        its ``nn.ParameterDict`` / ``nn.ParameterList`` children, which are never called themselves (PEFT keeps
+        IA3's scales and LoRA's embedding factors in them and uses them in the parent's forward)."""
+        own = {n: p for n, p in module.named_parameters(recurse=self.recursive) if p.requires_grad}
+        if not self.recursive:
+            for name, child in module.named_children():
+                if isinstance(child, _PARAMETER_CONTAINERS):
+                    own.update({f"{name}.{n}": p for n, p in child.named_parameters() if p.requires_grad})
+        return own
 
     def terms(self, module: nn.Module, name: str, estimator: str) -> int | None:
         """Chi-square terms of the parameter's estimate under ``estimator``, or ``None`` when exact."""
@@ -130,6 +137,14 @@ class Handler:
 
 
 HANDLERS: dict[type, Handler] = {}
+
+#: parameter containers: never called, so their parameters belong to the parent module's handler
+_PARAMETER_CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
+def is_parameter_container(module: nn.Module) -> bool:
+    """Whether ``module`` only holds parameters for its parent (``nn.ParameterDict``, ``nn.ParameterList``)."""
+    return isinstance(module, _PARAMETER_CONTAINERS)
 
 
 def register_handler(module_type: type, handler: Handler | None = None):

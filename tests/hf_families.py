@@ -116,6 +116,15 @@ def _lora(build):
     return wrapped
 
 
+def _peft(build, config: str, **kw):
+    def wrapped():
+        import peft
+
+        model, inputs, losses = build()
+        return peft.get_peft_model(model, getattr(peft, config)(**kw)), inputs, losses
+    return wrapped
+
+
 FAMILIES = {
     "gpt2": _gpt2,
     "llama": _causal("LlamaConfig", "LlamaForCausalLM"),
@@ -136,4 +145,9 @@ FAMILIES = {
     "lora_llama": _lora(_causal("LlamaConfig", "LlamaForCausalLM")),
     "lora_mistral": _lora(_causal("MistralConfig", "MistralForCausalLM")),
     "lora_qwen2": _lora(_causal("Qwen2Config", "Qwen2ForCausalLM")),
+    # adapters whose parameters sit in nn.ParameterDict children used by the parent's forward
+    "ia3_llama": _peft(_causal("LlamaConfig", "LlamaForCausalLM"), "IA3Config",
+                       target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "lora_embedding_llama": _peft(_causal("LlamaConfig", "LlamaForCausalLM"), "LoraConfig", r=4,
+                                  target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0),
 }
