@@ -9,7 +9,7 @@ from torch import nn
 from dpsgd import NormPlan, per_sample_sq_norms
 from dpsgd.layers import ConvHandler, FunctionalHandler, NormalizationHandler, ScaledRMSNormHandler, handler_for
 
-from .workloads import sem
+from .workloads import brute_force_sq_norms, sem
 
 
 def brute(model, x, b):
@@ -158,15 +158,6 @@ def test_a_module_that_mixes_examples_is_refused_at_the_backward():
         per_sample_sq_norms(model, lambda m: m(x).square().sum(1), "exact")
 
 
-def _brute(model, loss_of, b):
-    params = [p for p in model.parameters() if p.requires_grad]
-    out = []
-    for i in range(b):
-        gs = torch.autograd.grad(loss_of(model, i), params, allow_unused=True)
-        out.append(sum(g.double().square().sum() for g in gs if g is not None))
-    return torch.stack(out)
-
-
 class _Seeded(nn.Module):
     """An LSTM or GRU given an initial state computed from the input (``(layers, B, H)``: batch in dim 1)."""
 
@@ -209,5 +200,5 @@ def test_initial_states_and_attention_masks_give_exact_per_example_norms(make):
     for b in (1, 4, 3):
         x = torch.randn(b, 4, 3 if isinstance(model, _Seeded) else 8, dtype=torch.float64)
         got = per_sample_sq_norms(model, lambda m, x=x: m(x), "exact")
-        ref = _brute(model, lambda m, i, x=x: m(x)[i], b)
+        ref = brute_force_sq_norms(model, lambda m, i, x=x: m(x)[i], b)
         assert torch.allclose(got, ref, rtol=1e-12, atol=0)
