@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -154,6 +155,13 @@ class NormPlan:
                 plan.units.append(Unit(path, m, h, own))
                 if h.reruns(m):
                     _refuse_dropout(path, m)
+                    if not path and any(True for _ in m.children()):
+                        warnings.warn(
+                            f"the model itself has trainable parameters of its own ({', '.join(sorted(own)[:3])}), "
+                            f"so its whole forward is re-run once per example by the exact torch.func fallback to "
+                            f"find their per-example gradients: correct, but slow. Move them into a submodule "
+                            f"that uses them (e.g. an nn.Module holding a position table), or freeze them",
+                            UserWarning, stacklevel=3)
         for unit in plan.units:
             for local, p in unit.params.items():
                 if id(p) not in plan.owners:

@@ -191,3 +191,24 @@ def test_the_leak_message_suggests_a_handler_that_exists():
     with pytest.raises(IncompleteGradientError, match=r"recursive = True.*register_handler") as err:
         crit(model(x), y).backward()
     assert "FunctionalHandler() with recursive" not in str(err.value)
+
+
+class _RootPositions(nn.Module):
+    """A learned position table as a parameter of the model itself (nanoGPT-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(1, 6, 4))
+        self.wte, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
+
+    def forward(self, ids):
+        return self.head(self.wte(ids) + self.pos[:, :ids.shape[1]])
+
+
+def test_a_parameter_of_the_model_itself_warns_that_the_whole_forward_is_re_run():
+    with pytest.warns(UserWarning, match=r"trainable parameters of its own \(pos\).*slow"):
+        engine, model, opt, crit, loader = _private(_RootPositions(), torch.randint(0, 10, (16, 6)))
+    x, _ = next(iter(loader))
+    engine.private_loss(model(x).square().mean((1, 2))).backward()
+    opt.step()
+    assert engine.steps == 1
