@@ -395,13 +395,13 @@ class Capture:
 
 def _secret_uniform() -> float:
     """A uniform draw from ``os.urandom``: no seed or generator of the user's can predict or replay it."""
-    return int.from_bytes(os.urandom(7), "little") / 2.0 ** 56
+    return _secret_seed() / 2.0 ** 56
 
 
 def _state_of(model: nn.Module) -> tuple:
     """What a training forward must leave as it was: every parameter's and buffer's identity and version."""
     params = [(n, p, p._version) for n, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [(n, b, None if b is None else b._version) for n, b in model.named_buffers(remove_duplicate=False)]
+    buffers = [(n, b, b._version) for n, b in model.named_buffers(remove_duplicate=False)]
     return params, buffers
 
 
@@ -412,7 +412,7 @@ def _changed_state(model: nn.Module, state: tuple) -> str | None:
             return f"parameter {name}"
     now = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
     for name, b, version in buffers:
-        if now.get(name) is not b or (b is not None and b._version != version):
+        if now.get(name) is not b or b._version != version:
             return f"buffer {name}"
     if len(now) != len(buffers):
         return f"buffer {next(n for n in now if n not in {m for m, _, _ in buffers})}"

@@ -171,9 +171,8 @@ class DPTrainer(Trainer):
         """
         if self.args.max_steps > 0:
             return int(self.args.max_steps)
-        pieces = logical_batches * self.args.gradient_accumulation_steps
-        per_epoch = max(pieces // self.args.gradient_accumulation_steps, 1)
-        return math.ceil(self.args.num_train_epochs * per_epoch)
+        # the Trainer's len(loader) // gradient_accumulation_steps of the in_chunks loader: the logical batches
+        return math.ceil(self.args.num_train_epochs * max(logical_batches, 1))
 
     def get_train_dataloader(self) -> DataLoader:
         """The private loader: Poisson logical batches, each as ``gradient_accumulation_steps`` pieces."""

@@ -38,6 +38,7 @@ examples).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -333,12 +334,17 @@ def _batched(x: object, b: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b
 
 
+def _per_leaf(x: object, fn) -> object:
+    """``fn(leaf)`` for every leaf of a recorded input, in its nesting of tuples and lists."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_per_leaf(v, fn) for v in x)
+    return fn(x)
+
+
 def _leading(x: object, b: int) -> object:
     """Batch dimensions of a recorded input (nested tuples and lists too): 0 for a tensor whose leading
     dimension is the batch, ``None`` for anything passed whole."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(_leading(v, b) for v in x)
-    return 0 if _batched(x, b) else None
+    return _per_leaf(x, lambda t: 0 if _batched(t, b) else None)
 
 
 def _tree(fn, x: object, d: object) -> object:
@@ -736,8 +742,6 @@ class MultiheadAttentionHandler(FunctionalHandler):
     recursive = True
 
     def inputs(self, call: Call) -> ExampleInputs:
-        import inspect
-
         m, b = call.module, call.batch_size
         bound = inspect.signature(m.forward).bind(*call.args, **call.kwargs)
         kwargs = dict(bound.arguments)
@@ -774,9 +778,7 @@ class RecurrentHandler(FunctionalHandler):
 
 def _state_dims(x: object, b: int) -> object:
     """Batch dimensions of a recurrent state: 1 for a ``(layers, B, H)`` tensor, in nested tuples too."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(_state_dims(v, b) for v in x)
-    return 1 if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == b else None
+    return _per_leaf(x, lambda t: 1 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == b else None)
 
 
 def flat_tensors(out: object) -> list[torch.Tensor]:

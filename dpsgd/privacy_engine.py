@@ -391,17 +391,15 @@ class PrivacyEngine:
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs: dict[torch.device, torch.Generator] = {}
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
-        self._current_logical: int | None = None  # the logical batch the loader handed out last
-        self._pending: int | None = None   # a logical batch handed out and not yet stepped
         self.plan: NormPlan | None = None
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
         self._reset_step_state()
 
     def _reset_step_state(self) -> None:
+        self._pending: int | None = None   # the logical batch handed out and not yet stepped
         self._sums: dict[int, torch.Tensor] = {}   # the clipped sums, held here: not private before noise
         self._backpropagated = 0   # per-example losses backpropagated since the last step
         self._drawn = 0            # examples drawn from the private loader since the last step
-        self._used_logical: set = set()  # logical batches whose examples were backpropagated since the last step
         self._discarded = False    # zero_grad() dropped a backward's sums since the last step
         self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
@@ -722,12 +720,6 @@ class PrivacyEngine:
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
-        used = self._used_logical | ({self._current_logical} if self._current_logical is not None else set())
-        if len(used) > 1:  # checked before anything accumulates: the state stays as it was
-            raise RuntimeError("backward() on examples of a second logical batch before optimizer.step(): one noisy "
-                               "step may use one Poisson batch only (a step over two batches would be accounted "
-                               "at the wrong sampling rate and could clip an example twice). Call step() after "
-                               "each batch; split a batch with BatchMemoryManager, not by skipping step()")
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
@@ -740,7 +732,6 @@ class PrivacyEngine:
             total = self._sums.get(id(p))
             self._sums[id(p)] = s if total is None else total + s
         b = int(losses.shape[0])
-        self._used_logical = used
         self._backpropagated += b
         self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
@@ -749,7 +740,6 @@ class PrivacyEngine:
         if self._pending is not None and logical != self._pending:
             raise RuntimeError(self._drawn_twice)
         self._pending = logical
-        self._current_logical = logical
         self._drawn += size
         self._skip_next = not last
 
@@ -828,7 +818,6 @@ class PrivacyEngine:
         self._record_step()  # the ledger: only after the step has happened
         self._capture.clear()
         self._reset_step_state()
-        self._pending = None
         for p in self.plan.params:
             p.grad = None
 
