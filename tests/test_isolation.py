@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpsgd import ExampleMixingError, ModuleValidator, PrivacyEngine, StateChangedError
+from dpsgd import ExampleMixingError, IncompleteGradientError, ModuleValidator, PrivacyEngine, StateChangedError
 from dpsgd.validator import UnsupportedModuleError
 
 
@@ -49,27 +49,36 @@ class _Centred(nn.Module):
         return self.lin(x - x.mean(0))
 
 
-class _BatchNormed(nn.Module):
+class _MixedBetween(nn.Module):
+    """Two linear layers with a parameter-free operation ``mix`` between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.b(self.mix(self.a(x)))
+
+
+class _BatchNormed(_MixedBetween):
     """``F.batch_norm`` with batch statistics between two layers: no module, no parameter of its own."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
-
-    def forward(self, x):
-        return self.b(F.batch_norm(self.a(x), None, None, training=True))
+    def mix(self, h):
+        return F.batch_norm(h, None, None, training=True)
 
 
-class _BatchSoftmax(nn.Module):
+class _BatchSoftmax(_MixedBetween):
     """Softmax over the batch dimension (attention across examples)."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
+    def mix(self, h):
+        return h * torch.softmax(h, dim=0)
 
-    def forward(self, x):
-        h = self.a(x)
-        return self.b(h * torch.softmax(h, dim=0))
+
+class _MixUpInside(_MixedBetween):
+    """MixUp done inside the forward (manifold mixup): each example mixed with a permuted partner."""
+
+    def mix(self, h):
+        return 0.7 * h + 0.3 * h[torch.arange(h.shape[0]).roll(1)]
 
 
 class _WeakMix(nn.Module):
@@ -82,19 +91,6 @@ class _WeakMix(nn.Module):
     def forward(self, x):
         y = x @ self.w
         return y + 1e-5 * y.mean(0)
-
-
-class _MixUpInside(nn.Module):
-    """MixUp done inside the forward (manifold mixup): each example mixed with a permuted partner."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 1)
-
-    def forward(self, x):
-        h = self.a(x)
-        perm = torch.arange(h.shape[0]).roll(1)
-        return self.b(0.7 * h + 0.3 * h[perm])
 
 
 class _Outer(nn.Module):
@@ -201,6 +197,40 @@ def test_a_target_epsilon_is_calibrated_for_the_steps_given_and_never_exceeded()
         for _ in range(3):
             _train(engine, m, opt, crit, loader, steps=5)
     assert engine.steps == 7 and engine.get_epsilon(1e-5) <= 2.0
+
+
+class _SequenceMajor(nn.Module):
+    """A linear layer on ``(T * B, d)`` rows flattened sequence-major (row r is example r % B), while the handler
+    reads flattened rows example-major: every output ends up with the right example, so only the row check can
+    see that the layer's per-example gradients would be read from the wrong rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 3), nn.Linear(3, 1)
+
+    def forward(self, x):                     # x: (B, T, 4)
+        b, t, d = x.shape
+        h = self.lin(x.transpose(0, 1).reshape(t * b, d)).reshape(t, b, -1).transpose(0, 1)
+        return self.head(h).sum(1)
+
+
+def test_rows_flattened_in_another_order_are_refused_on_the_first_step():
+    """Flattened ``(B * T, d)`` rows are read as B examples of T rows; rows in any other order are refused by the
+    row check, which every new layout runs, before anything is written."""
+    torch.manual_seed(0)
+    model = _SequenceMajor().double().train()
+    x = torch.randn(40, 5, 4, dtype=torch.float64)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, torch.randn(40, 1, dtype=torch.float64)), batch_size=8),
+        criterion=nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0, estimator="exact", seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    xb, yb = next(iter(loader))
+    assert xb.shape[0] > 1
+    with pytest.raises(IncompleteGradientError, match="lin"):
+        crit(model(xb), yb).backward()
+    assert engine.steps == 0 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 # --- honest sampling ----------------------------------------------------------------------------------------------
