@@ -154,24 +154,33 @@ def test_the_default_schedule_catches_a_late_violation_within_its_stated_miss_pr
             _train(engine, m, opt, crit, loader, steps=1)
 
 
+def _train_lm(model, batch, autocast=False):
+    """An epoch of 24 random 8-token sequences with hutch and the row check on every step (bf16 autocast
+    optional): ``(engine, loader)``."""
+    from .workloads import VOCAB, lm_losses
+
+    engine = PrivacyEngine()
+    engine.check_every_step = True
+    ids = torch.randint(1, VOCAB, (24, 8), generator=torch.Generator().manual_seed(0))
+    model, opt, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=batch), max_grad_norm=1.0, noise_multiplier=1.0,
+        estimator="hutch", seed=0)
+    for (x,) in loader:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = lm_losses(model, x)
+        engine.private_loss(losses.float()).backward()
+        opt.step()
+    return engine, loader
+
+
 def test_ordinary_models_pass_the_isolation_check_on_every_step():
     """Row-wise models (attention within an example, layer norm over features, dropout, a causal LM's shifted
     loss) give exact zeros in other examples' rows: never refused."""
-    from .workloads import VOCAB, WORKLOADS, lm_losses, make
+    from .workloads import WORKLOADS, make
 
     for name in WORKLOADS:
-        model = make(name).train()
-        engine = PrivacyEngine()
-        engine.check_every_step = True
-        # 12 tokens: a Poisson batch of 12 rows would make nn.MultiheadAttention's (T, T) mask look batched
-        ids = torch.randint(1, VOCAB, (24, 12), generator=torch.Generator().manual_seed(0))
-        model, opt, _, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
-            estimator="hutch", seed=0)
-        for (x,) in loader:
-            engine.private_loss(lm_losses(model, x)).backward()
-            opt.step()
+        engine, loader = _train_lm(make(name).train(), batch=4)
         assert engine.steps == len(loader)
 
 
@@ -333,19 +342,7 @@ def test_a_parameter_changed_during_a_training_forward_is_refused():
 
 def test_bf16_autocast_on_a_float32_model_trains_at_batch_above_one():
     """The row check compares in the dtype the backward ran in (bf16 under autocast), not the parameters'."""
-    from .workloads import VOCAB, lm_losses, make
+    from .workloads import make
 
-    model = make("llama_tied", dtype=torch.float32).train()
-    engine = PrivacyEngine()
-    engine.check_every_step = True
-    ids = torch.randint(1, VOCAB, (24, 8), generator=torch.Generator().manual_seed(0))
-    model, opt, _, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=8), max_grad_norm=1.0, noise_multiplier=1.0,
-        estimator="hutch", seed=0)
-    for (x,) in loader:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses = lm_losses(model, x)
-        engine.private_loss(losses.float()).backward()
-        opt.step()
+    engine, loader = _train_lm(make("llama_tied", dtype=torch.float32).train(), batch=8, autocast=True)
     assert engine.steps == len(loader)
