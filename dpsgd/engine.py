@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,9 +42,21 @@ from torch import nn
 
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
-from .layers import Call, Handler, flat_tensors, handler_for, is_parameter_container, matrix_view, module_type
+from .layers import (
+    ROOT_PARAMETERS,
+    Call,
+    FunctionalHandler,
+    Handler,
+    RootParameterHandler,
+    flat_tensors,
+    handler_for,
+    is_parameter_container,
+    matrix_view,
+    module_type,
+)
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
+from .shared import Share, SharedOutput, carrying_back, share_output
 from .validator import ModuleValidator, UnsupportedModuleError
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ExampleMixingError", "StateChangedError",
@@ -148,6 +159,8 @@ class NormPlan:
             if id(m) in inside or is_parameter_container(m):   # a container's parameters: its parent's
                 continue
             h = handler_for(m)
+            if not path and type(h) is FunctionalHandler:
+                h = ROOT_PARAMETERS   # not a re-run of the whole model per example
             if h.recursive:
                 inside.update(id(s) for s in m.modules())
             own = h.parameters(m)
@@ -155,13 +168,6 @@ class NormPlan:
                 plan.units.append(Unit(path, m, h, own))
                 if h.reruns(m):
                     _refuse_dropout(path, m)
-                    if not path and any(True for _ in m.children()):
-                        warnings.warn(
-                            f"the model itself has trainable parameters of its own ({', '.join(sorted(own)[:3])}), "
-                            f"so its whole forward is re-run once per example by the exact torch.func fallback to "
-                            f"find their per-example gradients: correct, but slow. Move them into a submodule "
-                            f"that uses them (e.g. an nn.Module holding a position table), or freeze them",
-                            UserWarning, stacklevel=3)
         for unit in plan.units:
             for local, p in unit.params.items():
                 if id(p) not in plan.owners:
@@ -231,6 +237,7 @@ class Capture:
         self.calls: list[Call] = []
         self.active = True
         self._batch: int | None = None
+        self._root_ints: set = set()
         self._depth = 0
         self._root_grad = False
         self.no_grad_units: list[str] = []
@@ -270,6 +277,9 @@ class Capture:
         first = next((x for x in (*main, *args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() > 0),
                      None)
         self._batch = None if first is None else int(first.shape[0])
+        # integer inputs carry the examples (token ids): a module reading a view of them is batched
+        self._root_ints = {t.untyped_storage().data_ptr() for t in flat_tensors([list(args), kwargs])
+                           if not (t.is_floating_point() or t.is_complex())}
         self._forward_probed = False
         if not self._recording():
             self._state = None
@@ -334,7 +344,20 @@ class Capture:
                 alias = nn.Parameter(data, requires_grad=True)
                 owner._parameters[attr] = alias
                 aliases[local], previous[local] = alias, current
-            self._swapped.setdefault(id(module), []).append((aliases, previous))
+            share = None
+            if isinstance(unit.handler, RootParameterHandler):
+                # the model's own parameters are outputs shared by the batch: marked, every use of them is
+                # followed to where it meets the batch
+                if self._batch is None:
+                    raise UnsupportedModuleError(
+                        "", "the model has trainable parameters of its own, whose per-example gradients are found "
+                            "where they meet the batch, but its forward got no tensor whose leading dimension is "
+                            "the batch")
+                share = Share("the model's own parameters", list(aliases.values()), self._batch)
+                for local, alias in aliases.items():
+                    owner, attr = _locate(module, local)
+                    owner._parameters[attr] = share_output(alias, share)
+            self._swapped.setdefault(id(module), []).append((aliases, previous, share))
             return None
         return hook
 
@@ -343,25 +366,30 @@ class Capture:
             stack = self._swapped.get(id(module))
             if not stack:
                 return None
-            aliases, previous = stack.pop()
+            aliases, previous, share = stack.pop()
             for local in aliases:  # always restore, even when the forward raised
                 owner, attr = _locate(module, local)
                 owner._parameters[attr] = previous[local]
             if output is None:  # the forward raised (always_call)
                 return None
             b = self._batch
-            outs = flat_tensors(output)
-            if not outs:
-                raise ValueError(f"{unit.path or type(module).__name__} has trainable parameters but returned no "
-                                 "tensor")
-            if b is None:
-                b = outs[0].shape[0] if outs[0].dim() else 1
-            if b > 1 and len(outs) == 1 and outs[0].dim() > 0 and outs[0].shape[0] == 1:
-                # broadcast over the batch (GPT-2's wpe, BERT's positions): make it per example
-                output = outs[0].expand(b, *outs[0].shape[1:])
-                outs = [output]
-                args = tuple(x.expand(b, *x.shape[1:]) if isinstance(x, torch.Tensor) and x.dim() > 0
-                             and x.shape[0] == 1 else x for x in args)
+            own = share is not None
+            if own:   # the model's own parameters: the call is their use, the aliases its outputs
+                args, kwargs, outs = (), {}, list(aliases.values())
+            else:
+                outs = flat_tensors(output)
+                if not outs:
+                    raise ValueError(f"{unit.path or type(module).__name__} has trainable parameters but returned no "
+                                     "tensor")
+                if b is None:
+                    b = outs[0].shape[0] if outs[0].dim() else 1
+                if self._batch is not None and len(outs) == 1 and isinstance(output, torch.Tensor) and (
+                        _unbatched(args, kwargs, self._root_ints) or (b > 1 and output.dim() and output.shape[0] == 1)):
+                    # computed from no example's data (positions from torch.arange, a bias table, a prompt), or one
+                    # row for a batch of several: an output shared by the batch, whose per-example gradients come
+                    # from where it meets the batch
+                    share = Share(unit.path or type(module).__name__, outs, b)
+                    output = share_output(output, share)
             # a call whose inputs need no gradient (a first layer): the row check asks the backward for its outputs
             root = not any(t.requires_grad for t in flat_tensors(list(args)) + flat_tensors(kwargs))
             call = Call(module, tuple(_detach(x) for x in args), {n: _detach(x) for n, x in kwargs.items()},
@@ -370,12 +398,15 @@ class Capture:
             call.cache["versions"] = _versions(call)
             call.cache["unit"] = unit
             call.cache["probed"] = self._forward_probed
+            call.cache["share"] = share
+            if share is not None:   # the exact fallback re-runs the module on these, once per example
+                call.cache["shared_inputs"] = (call.args, call.kwargs)
             # the autocast the call ran under: the exact fallback re-runs it so, and the row check's tolerance
             # follows the precision the backward ran in
             call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                                            if torch.is_autocast_enabled(d)), None)
             self.calls.append(call)
-            return output if len(outs) == 1 and isinstance(output, torch.Tensor) else None
+            return output if share is not None and not own else None
         return hook
 
     def clear(self) -> None:
@@ -391,6 +422,71 @@ class Capture:
         self._handles = []
         self.calls.clear()
         self.probes.clear()
+
+
+def _unbatched(args: tuple, kwargs: dict, root_ints: set) -> bool:
+    """Whether a call's inputs carry no example's data: integer tensors that are not views of the model's integer
+    inputs (``torch.arange`` positions, bucket indices, prompt ids), outputs shared by the batch, or none at all."""
+    for t in flat_tensors([list(args), kwargs]):
+        if isinstance(t, SharedOutput) and t._dp_shares:
+            continue
+        if t.is_floating_point() or t.is_complex() or t.untyped_storage().data_ptr() in root_ints:
+            return False
+    return True
+
+
+def _reset_shares(calls: list[Call]) -> None:
+    for c in calls:
+        if c.cache.get("share") is not None:
+            c.cache["share"].reset()
+
+
+def _handler_call(c: Call, b: int) -> Call:
+    """``c`` as its handler reads it, after a backward set ``c.grads`` (the gradient of the summed losses): for an
+    output shared by the batch, a call of ``b`` examples each reading the whole inputs, with the per-example
+    output gradients its meetings with the batch sent back, checked to add up to ``c.grads``."""
+    share = c.cache.get("share")
+    if share is None:
+        return c
+    name = c.cache["unit"].path or type(c.module).__name__
+    per = share.take()
+    met = any(g is not None for g in per)
+    if share.aligned:
+        if met:
+            raise IncompleteGradientError(
+                f"{name}'s output is combined with the batch both row by row and broadcast over it, so which rows "
+                f"are which example's is ambiguous; give the shared use a leading dimension of 1")
+        return c
+    if not met:
+        if all(g is None or not g.any() for g in c.grads):
+            return c
+        raise IncompleteGradientError(
+            f"{name}'s output is shared by the batch (computed from no example's data) but reached the losses "
+            f"without meeting the batch in an operation whose rows are its examples, so its per-example gradient "
+            f"cannot be found; combine it with each example's rows inside the model (x + pos, scores + bias)")
+    for g, p in zip(c.grads, per, strict=True):
+        if g is None or p is None:
+            continue
+        low = g.dtype in (torch.float16, torch.bfloat16) or c.cache.get("autocast")
+        tol = 5e-2 if low else (1e-8 if g.dtype == torch.float64 else 1e-4)
+        err = float((p.sum(0).to(g.dtype) - g).norm())
+        if not err <= tol * max(float(g.norm()), 1e-30):
+            raise IncompleteGradientError(
+                f"{name}'s output is shared by the batch, and part of its gradient reached the losses around the "
+                f"operations that meet the batch (relative error {err / max(float(g.norm()), 1e-30):.3g}), so "
+                f"its per-example gradients are incomplete; the step was not taken. Avoid .data, in-place writes "
+                f"into it and operations outside torch on it")
+
+    def expand(x):
+        return x.unsqueeze(0).expand(b, *x.shape) if isinstance(x, torch.Tensor) else x
+    return Call(c.module, tuple(_per_tensor(x, expand) for x in c.args),
+                {n: _per_tensor(x, expand) for n, x in c.kwargs.items()}, c.outputs, c.aliases, b, per, c.cache)
+
+
+def _per_tensor(x: object, fn) -> object:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_per_tensor(v, fn) for v in x)
+    return fn(x)
 
 
 def _secret_uniform() -> float:
@@ -560,6 +656,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         finally:
             capture.active = True
         capture.checked_layouts.add(layout)
+    _reset_shares(calls)
     grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
              else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
@@ -578,6 +675,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
             reached.append(c)
     done = {id(c) for c in reached}
     capture.calls = [c for c in calls if id(c) not in done]
+    reached = [_handler_call(c, b) for c in reached]
     for c in reached:
         name = c.cache["unit"].path or type(c.module).__name__
         if c.batch_size != b:
@@ -587,10 +685,10 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         lead = [tuple(g.shape) for g in c.grads[:1] if g is not None and not _rows_ok(c, g, b)]
         if lead:
             raise ValueError(f"{name}'s output has shape {lead[0]}, which does not start with the batch dimension "
-                             f"({b} examples): per-example gradients need one row per example. An output shared by "
-                             f"the batch (positions from torch.arange(T), a bias table) should have a leading "
-                             f"dimension of 1 that broadcasts, e.g. self.wpe(torch.arange(T)[None]); rows that "
-                             f"flatten the batch ((B*T, d), example-major) are supported by linear, embedding and "
+                             f"({b} examples): per-example gradients need one row per example. Outputs shared by the batch "
+                             f"are read where they meet it when they are computed from no example's data (positions "
+                             f"from torch.arange, a bias table) or have one row for the whole batch; rows that flatten "
+                             f"the batch ((B*T, d), example-major) are supported by linear, embedding and "
                              f"layer/RMS-norm handlers only")
     capture.active = False
     try:
@@ -662,7 +760,8 @@ def _layout(calls: list[Call], losses: torch.Tensor, probes: list) -> tuple:
     skip = {id(node) for _, _, node in probes if node is not None}
     ops = tuple(type(node).__name__ for node in _graph_nodes(losses, skip)) if losses.requires_grad else ()
     return tuple((c.cache["unit"].path, type(c.cache["unit"].handler).__name__, shapes(c.args),
-                  shapes(c.kwargs.values()), shapes(c.outputs)) for c in calls) + (ops,)
+                  shapes(c.kwargs.values()), shapes(c.outputs),
+                  shapes(c.cache["share"].meetings) if c.cache.get("share") else ()) for c in calls) + (ops,)
 
 
 def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attribution: bool) -> None:
@@ -701,11 +800,17 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
         mixed: list[tuple[int, str]] = []   # (forward order, what): the last one is where the mixing follows
         sums = _HandlerSums(calls, b) if attribution else None
         handles = []
+        _reset_shares(calls)
         for i, c in enumerate(calls):
+            share = c.cache.get("share")
+            for t in share.meetings if share is not None else ():
+                # where an output shared by the batch meets it: rows are examples
+                what = f"{c.cache['unit'].path or type(c.module).__name__}'s output where it meets the batch"
+                handles.append(t.register_hook(_rows_hook(outside, mixed, (i, what), None, None)))
             for k, t in enumerate(c.outputs):
                 # the first output starts with the batch (the engine refuses a call whose first output does not);
                 # another (an LSTM's (layers, B, H) state) may have it elsewhere: kept, not inspected
-                first = k == 0 and _rows_ok(c, t, b)
+                first = k == 0 and share is None and _rows_ok(c, t, b)
                 if t.requires_grad and (first or attribution):
                     what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
                     handles.append(t.register_hook(_rows_hook(outside if first else None, mixed, (i, what),
@@ -762,6 +867,8 @@ def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, sums: _Ha
     """A tensor hook that records ``what`` if the gradient passing is non-zero in a row ``outside`` (and hands it
     to ``sums`` when given)."""
     def hook(grad):
+        if carrying_back():
+            return   # an output shared by the batch carrying per-example gradients back through this tensor
         if outside is not None and _nonzero_rows(grad, outside.to(grad.device)):
             found.append(what)
         if sums is not None:
@@ -796,14 +903,15 @@ class _HandlerSums:
     def _form(self, i: int) -> None:
         got = self.pending.pop(i)
         c, b = self.calls[i], self.b
-        lead = c.outputs[0] if c.outputs else None
-        if c.batch_size != b or lead is None or not _rows_ok(c, lead, b):
-            return   # not batch-first: the step's own backward refuses it by name
         c.grads = [got.get(k) for k in range(len(c.outputs))]
-        ones = torch.ones(b, dtype=torch.float64, device=lead.device)
         try:
+            view = _handler_call(c, b)
+            lead = view.grads[0] if view is not c else c.outputs[0] if c.outputs else None
+            if c.batch_size != b or lead is None or not _rows_ok(view, lead, b):
+                return   # not batch-first: the step's own backward refuses it by name
+            ones = torch.ones(b, dtype=torch.float64, device=lead.device)
             for local in c.aliases:
-                s = c.cache["unit"].handler.clipped_sum(c, local, ones)
+                s = c.cache["unit"].handler.clipped_sum(view, local, ones)
                 self.sums[(i, local)] = s.detach().to(torch.float64).reshape(-1)
         except Exception as err:   # noqa: BLE001 -- kept for after the isolation verdict, which names the cause
             self.error = self.error or err
@@ -883,7 +991,7 @@ def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -
 
 
 # what a call's cache holds beyond the recording itself: derived from its output gradients by the handlers
-_RECORDED = ("versions", "unit", "probed", "autocast", "root")
+_RECORDED = ("versions", "unit", "probed", "autocast", "root", "share", "shared_inputs")
 
 
 def _clear_derived(call: Call) -> None:

@@ -51,7 +51,8 @@ from .validator import UnsupportedModuleError
 
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
-           "ConvHandler", "NormalizationHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
+           "ConvHandler", "NormalizationHandler",
+           "RootParameterHandler", "ROOT_PARAMETERS", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -404,6 +405,8 @@ class FunctionalHandler(Handler):
     def _vmap(self, call: Call) -> dict[str, torch.Tensor]:
         module, b = call.module, call.batch_size
         params = {n: a.detach() for n, a in call.aliases.items()}
+        if "shared_inputs" in call.cache and call.grads and call.grads[0].shape != call.outputs[0].shape:
+            return self._shared_vmap(call, params)
         inp = self.inputs(call)
         kw_names = list(inp.kwargs)
         kw_vals = tuple(inp.kwargs[n] for n in kw_names)
@@ -444,6 +447,26 @@ class FunctionalHandler(Handler):
                         _tree(lambda x, d, i=i: x.select(d, i), kw_vals, kw_dims)) for i in range(b)]
         _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_dims))), out_dims)
         return {n: torch.stack([r[0][n] for r in rows]) for n in params}
+
+    def _shared_vmap(self, call: Call, params: dict) -> dict[str, torch.Tensor]:
+        """A call whose output is shared by the batch (:mod:`dpsgd.shared`): every example reads the whole output,
+        with its own output gradient ``call.grads[j][i]``."""
+        args, kwargs = call.cache["shared_inputs"]
+
+        def one(prm, gs):
+            _, vjp = torch.func.vjp(
+                lambda pp: tuple(flat_tensors(torch.func.functional_call(call.module, pp, args, kwargs,
+                                                                         tie_weights=False))), prm)
+            return vjp(tuple(gs))[0]
+
+        with _replayed_autocast(call):
+            try:
+                return torch.func.vmap(one, in_dims=(None, 0))(params, tuple(call.grads))
+            except RuntimeError as err:
+                if "random" in str(err):
+                    raise
+            rows = [one(params, tuple(g[i] for g in call.grads)) for i in range(call.batch_size)]
+        return {n: torch.stack([r[n] for r in rows]) for n in params}
 
     def _out_dims(self, call: Call, params: dict, inp: ExampleInputs) -> list[int]:
         """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
@@ -776,6 +799,35 @@ class RecurrentHandler(FunctionalHandler):
         return ExampleInputs(call.args, dict(call.kwargs), tuple(dims), kw_dims)
 
 
+class RootParameterHandler(Handler):
+    """Parameters of the model itself, not of a submodule (CLIP's ``logit_scale``, a learned position table kept on
+    the model): each is an output shared by the batch (:mod:`dpsgd.shared`), its uses in the forward followed to
+    where they meet the batch; example ``i``'s gradient is what flows back through example ``i``'s rows there.
+    Exact (a point mass in the estimate's law); the model is not re-run."""
+
+    def terms(self, module, name, estimator):
+        return None
+
+    def _grad(self, call: Call, name: str) -> torch.Tensor:
+        g = call.grads[list(call.aliases).index(name)]
+        if g is None:
+            g = torch.zeros(call.batch_size, *call.aliases[name].shape, device=call.aliases[name].device)
+        return g.to(compute_dtype(g))
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        g = self._grad(call, name)
+        return g.reshape(g.shape[0], -1).square().sum(1)
+
+    def per_example(self, call, name, projection):
+        g = self._grad(call, name)
+        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:]))
+        return g if projection is None else g @ projection.to(g.dtype)
+
+    def clipped_sum(self, call, name, weights):
+        g = self._grad(call, name)
+        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
 def _state_dims(x: object, b: int) -> object:
     """Batch dimensions of a recurrent state: 1 for a ``(layers, B, H)`` tensor, in nested tuples too."""
     return _per_leaf(x, lambda t: 1 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == b else None)
@@ -801,6 +853,7 @@ HANDLERS[nn.LayerNorm] = HANDLERS[nn.RMSNorm] = HANDLERS[nn.GroupNorm] = Normali
 HANDLERS[nn.modules.linear.NonDynamicallyQuantizableLinear] = HANDLERS[nn.Linear]
 _LINEAR = HANDLERS[nn.Linear]
 _FUNCTIONAL = FunctionalHandler()
+ROOT_PARAMETERS = RootParameterHandler()
 _SCALED_RMSNORM = ScaledRMSNormHandler()
 
 

@@ -66,26 +66,6 @@ def test_dropout_in_a_module_on_the_exact_fallback_is_refused_at_make_private_wi
     _private(model, torch.randn(16, 5, 8))
 
 
-class _NanoPositions(nn.Module):
-    """nanoGPT's ``self.wpe(torch.arange(T))``: a ``(T, d)`` output shared by the batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte, self.wpe, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 10)
-
-    def forward(self, ids):
-        return self.head(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))
-
-
-def test_an_output_without_the_batch_dimension_names_the_broadcasting_fix():
-    model = _NanoPositions()
-    ids = torch.randint(0, 10, (4, 6))
-    engine, model, opt, crit, loader = _private(model, torch.randint(0, 10, (16, 6)))
-    out = model(ids)
-    with pytest.raises(ValueError, match=r"wpe's output has shape \(6, 4\).*\[None\]"):
-        engine.private_loss(out.square().mean((1, 2))).backward()
-
-
 def test_the_norm_plan_prints_as_a_table():
     engine, *_ = _private(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), torch.randn(16, 3))
     text = str(engine.plan)
@@ -193,22 +173,3 @@ def test_the_leak_message_suggests_a_handler_that_exists():
     assert "FunctionalHandler() with recursive" not in str(err.value)
 
 
-class _RootPositions(nn.Module):
-    """A learned position table as a parameter of the model itself (nanoGPT-style)."""
-
-    def __init__(self):
-        super().__init__()
-        self.pos = nn.Parameter(torch.zeros(1, 6, 4))
-        self.wte, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
-
-    def forward(self, ids):
-        return self.head(self.wte(ids) + self.pos[:, :ids.shape[1]])
-
-
-def test_a_parameter_of_the_model_itself_warns_that_the_whole_forward_is_re_run():
-    with pytest.warns(UserWarning, match=r"trainable parameters of its own \(pos\).*slow"):
-        engine, model, opt, crit, loader = _private(_RootPositions(), torch.randint(0, 10, (16, 6)))
-    x, _ = next(iter(loader))
-    engine.private_loss(model(x).square().mean((1, 2))).backward()
-    opt.step()
-    assert engine.steps == 1

@@ -1,0 +1,156 @@
+"""Outputs shared by the batch (positions from torch.arange, T5's relative position bias, prompt tuning, BART's
+positions when the batch equals the length, parameters of the model itself): exact per-example norms against brute
+force in float64 at B = 1, B = T and another B, training through make_private, and refusals that name the fix."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpsgd import IncompleteGradientError, PrivacyEngine, per_sample_sq_norms
+from dpsgd.layers import RootParameterHandler
+
+from .workloads import VOCAB, brute_force_sq_norms
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+T = 6
+
+
+def _token_losses(logits, ids):
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+class NanoPositions(nn.Module):
+    """nanoGPT's ``self.wpe(torch.arange(T))``: a ``(T, d)`` output every example reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(VOCAB, 8), nn.Embedding(16, 8), nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))))
+
+
+class OwnParameters(nn.Module):
+    """A position table and a temperature kept on the model itself, used by slicing, broadcasting and matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(16, 8))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.mix = nn.Parameter(torch.randn(8, 8) / 3)
+        self.wte, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        h = torch.tanh(self.wte(ids) + self.pos[: ids.shape[1]])
+        return self.head(h @ self.mix) * self.scale
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                                               num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0))
+
+
+def _prompt_tuning():
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+
+def _seq2seq(m, ids):
+    return _token_losses(m(input_ids=ids, decoder_input_ids=ids).logits, ids)
+
+
+CASES = {
+    "nanogpt-arange": (NanoPositions, lambda m, ids: _token_losses(m(ids), ids)),
+    "own-parameters": (OwnParameters, lambda m, ids: _token_losses(m(ids), ids)),
+    "t5-relative-bias": (_t5, _seq2seq),
+    "bart-positions": (_bart, _seq2seq),
+    "prompt-tuning": (_prompt_tuning, lambda m, ids: _token_losses(m(input_ids=ids).logits[:, 4:], ids)),
+}
+
+
+@pytest.mark.parametrize("b", [1, 3, T], ids=["B=1", "B=3", "B=T"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_outputs_shared_by_the_batch_give_exact_per_example_norms(name, b):
+    if name in ("t5-relative-bias", "bart-positions", "prompt-tuning"):
+        pytest.importorskip("transformers")
+        pytest.importorskip("peft")
+    build, losses = CASES[name]
+    torch.manual_seed(0)
+    model = build().double().train()
+    ids = torch.randint(1, VOCAB, (b, T), generator=torch.Generator().manual_seed(b))
+    ref = brute_force_sq_norms(model, lambda m, i: losses(m, ids)[i], b)
+    got = per_sample_sq_norms(model, lambda m: losses(m, ids), "exact")
+    assert torch.allclose(got, ref, rtol=1e-10, atol=0)
+
+
+def test_parameters_of_the_model_itself_get_their_own_handler_and_train_without_a_re_run():
+    engine = PrivacyEngine()
+    model = OwnParameters()
+    ids = torch.randint(1, VOCAB, (32, T))
+    model, opt, _, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
+    assert any(isinstance(u.handler, RootParameterHandler) and not u.path for u in engine.plan.units)
+    assert "RootParameterHandler" in str(engine.plan)
+    before = model.pos.detach().clone()
+    for (x,) in loader:
+        engine.private_loss(_token_losses(model(x), x)).backward()
+        opt.step()
+    assert engine.steps == len(loader) and not torch.equal(before, model.pos)
+
+
+class NeverMeets(nn.Module):
+    """A shared output that becomes the loss of some examples without meeting any example's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bias = nn.Linear(4, 1), nn.Embedding(3, 1)
+
+    def forward(self, x):
+        return torch.cat([self.lin(x).squeeze(1)[:2], self.bias(torch.arange(3)).squeeze(1)])
+
+
+def test_a_shared_output_that_never_meets_the_batch_is_refused():
+    with pytest.raises(ValueError, match=r"bias's output has shape \(3, 1\), which does not start with the batch"):
+        per_sample_sq_norms(NeverMeets(), lambda m: m(torch.randn(5, 4)), "exact")
+
+
+class Escapes(nn.Module):
+    """Part of a shared output's gradient goes around the tracked operations (computed with torch function
+    handling switched off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.head = nn.Embedding(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        p = self.pos(torch.arange(4))                       # (4, 3), shared
+        with torch._C.DisableTorchFunctionSubclass():
+            hidden = (x * p).sum((1, 2))                    # not seen meeting the batch
+        return self.head(x + p).square().mean((1, 2)) + hidden
+
+
+def test_a_shared_output_whose_gradient_goes_around_the_meetings_is_refused():
+    with pytest.raises(IncompleteGradientError, match=r"pos's output is shared by the batch, and part of its gradient"):
+        per_sample_sq_norms(Escapes(), lambda m: m(torch.randn(5, 4, 3)), "exact")
