@@ -383,6 +383,11 @@ class Capture:
                                      "tensor")
                 if b is None:
                     b = outs[0].shape[0] if outs[0].dim() else 1
+                if len(outs) > 1:
+                    # one output may be computed from another inside the module (a router's scores from its
+                    # logits): the model reads views, so each output's gradient is that of its uses outside
+                    output = _fresh_views(output)
+                    outs = flat_tensors(output)
                 if self._batch is not None and len(outs) == 1 and isinstance(output, torch.Tensor) and (
                         _unbatched(args, kwargs, self._root_ints) or (b > 1 and output.dim() and output.shape[0] == 1)):
                     # computed from no example's data (positions from torch.arange, a bias table, a prompt), or one
@@ -406,7 +411,7 @@ class Capture:
             call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                                            if torch.is_autocast_enabled(d)), None)
             self.calls.append(call)
-            return output if share is not None and not own else None
+            return output if (share is not None and not own) or len(outs) > 1 else None
         return hook
 
     def clear(self) -> None:
@@ -422,6 +427,24 @@ class Capture:
         self._handles = []
         self.calls.clear()
         self.probes.clear()
+
+
+def _fresh_views(out: object) -> object:
+    """``out`` with every floating-point tensor replaced by a view of itself (a new node in the autograd graph), in
+    the same nesting of tuples, lists and dicts."""
+    if isinstance(out, torch.Tensor):
+        return out.view_as(out) if out.requires_grad else out
+    if isinstance(out, tuple):
+        items = [_fresh_views(v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return [_fresh_views(v) for v in out]
+    if isinstance(out, dict):
+        fresh = out.copy()
+        for k, v in out.items():
+            fresh[k] = _fresh_views(v)
+        return fresh
+    return out
 
 
 def _unbatched(args: tuple, kwargs: dict, root_ints: set) -> bool:
@@ -685,9 +708,10 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         lead = [tuple(g.shape) for g in c.grads[:1] if g is not None and not _rows_ok(c, g, b)]
         if lead:
             raise ValueError(f"{name}'s output has shape {lead[0]}, which does not start with the batch dimension "
-                             f"({b} examples): per-example gradients need one row per example. Outputs shared by the batch "
-                             f"are read where they meet it when they are computed from no example's data (positions "
-                             f"from torch.arange, a bias table) or have one row for the whole batch; rows that flatten "
+                             f"({b} examples): per-example gradients need one row per example. Outputs shared by the "
+                             f"batch are read where they meet it when they are computed from no example's data "
+                             f"(positions from torch.arange, a bias table) or have one row for the whole batch; rows "
+                             f"that flatten "
                              f"the batch ((B*T, d), example-major) are supported by linear, embedding and "
                              f"layer/RMS-norm handlers only")
     capture.active = False

@@ -391,11 +391,20 @@ class FunctionalHandler(Handler):
     def terms(self, module, name, estimator):
         return None
 
+    def flattened_rows(self, module):
+        return True
+
     def inputs(self, call: Call) -> ExampleInputs:
         """The call's inputs and each one's batch dimension (override for inputs batched elsewhere)."""
         b = call.batch_size
-        return ExampleInputs(call.args, dict(call.kwargs), tuple(_leading(x, b) for x in call.args),
-                             {n: _leading(x, b) for n, x in call.kwargs.items()})
+        # a call on B * k rows that flatten the batch example-major reads its inputs with B * k rows so too
+        rows = call.outputs[0].shape[0] if call.outputs and call.outputs[0].dim() else b
+        flat = rows if rows != b and rows % b == 0 else None
+
+        def dims(x):
+            return _per_leaf(x, lambda t: 0 if _batched(t, b) or (flat and _batched(t, flat)) else None)
+        return ExampleInputs(call.args, dict(call.kwargs), tuple(dims(x) for x in call.args),
+                             {n: dims(x) for n, x in call.kwargs.items()})
 
     def _grads(self, call: Call) -> dict[str, torch.Tensor]:
         if "per_example" not in call.cache:
@@ -409,29 +418,33 @@ class FunctionalHandler(Handler):
             return self._shared_vmap(call, params)
         inp = self.inputs(call)
         kw_names = list(inp.kwargs)
-        kw_vals = tuple(inp.kwargs[n] for n in kw_names)
         arg_dims, kw_dims = inp.arg_dims, tuple(inp.kw_dims[n] for n in kw_names)
-        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(call.outputs, call.grads, strict=True)]
-        out_dims = self._out_dims(call, params, inp)
+        # every batched input and output split into (B, rows of one example) at its batch dimension: one row per
+        # example, or B * k rows that flatten the batch example-major (a mixture-of-experts layer's tokens)
+        args = _tree(lambda x, d: x.unflatten(d, (b, -1)), inp.args, arg_dims)
+        kw_vals = _tree(lambda x, d: x.unflatten(d, (b, -1)), tuple(inp.kwargs[n] for n in kw_names), kw_dims)
+        # only floating-point outputs carry gradient (a router's chosen expert indices do not)
+        keep = [j for j, o in enumerate(call.outputs) if o.is_floating_point()]
+        out_dims = self._out_dims(call, params, inp, keep)
+        grads = [torch.zeros_like(call.outputs[j]) if call.grads[j] is None else call.grads[j] for j in keep]
+        grads = tuple(g.unflatten(d, (b, -1)) for g, d in zip(grads, out_dims, strict=True))
 
         def run(prm, args, kws):
             kws = dict(zip(kw_names, kws, strict=True))
             if inp.fix is not None:
                 args, kws = inp.fix(args, kws)
-            out = torch.func.functional_call(module, prm, args, kws, tie_weights=False)
-            return tuple(t for t in flat_tensors(out))
+            out = flat_tensors(torch.func.functional_call(module, prm, args, kws, tie_weights=False))
+            return tuple(out[j] for j in keep)
 
         def one(prm, gs, args, kws):
-            args = _tree(lambda x, d: x.unsqueeze(d), args, arg_dims)
-            kws = _tree(lambda x, d: x.unsqueeze(d), kws, kw_dims)
             out, vjp = torch.func.vjp(lambda pp: run(pp, args, kws), prm)
-            return vjp(tuple(g.unsqueeze(d) for g, d in zip(gs, out_dims, strict=True)))[0], out
+            return vjp(tuple(gs))[0], out
 
         try:
             with _replayed_autocast(call):
                 per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
-                    params, tuple(grads), inp.args, kw_vals)
-            _check_per_example(call, outs, out_dims)
+                    params, grads, args, kw_vals)
+            _check_per_example(call, outs, out_dims, keep)
             return per
         except RuntimeError as err:
             if "random" in str(err):
@@ -440,12 +453,14 @@ class FunctionalHandler(Handler):
                                    f"uses randomness (dropout) in training mode inside a module whose per-example "
                                    f"gradients are recomputed exactly; its re-run would not reproduce the forward. "
                                    f"Set its dropout to 0.") from err
-        # some kernels have no batching rule (e.g. the float64 LSTM): the same computation, one example at a time
+        # some kernels have no batching rule (the float64 LSTM) or control flow depends on the data (a mixture of
+        # experts' routing): the same computation, one example at a time
         with _replayed_autocast(call):
             rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
-                        _tree(lambda x, d, i=i: x.select(d, i), inp.args, arg_dims),
+                        _tree(lambda x, d, i=i: x.select(d, i), args, arg_dims),
                         _tree(lambda x, d, i=i: x.select(d, i), kw_vals, kw_dims)) for i in range(b)]
-        _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(out_dims))), out_dims)
+        _check_per_example(call, tuple(torch.stack([r[1][j] for r in rows]) for j in range(len(keep))), out_dims,
+                           keep)
         return {n: torch.stack([r[0][n] for r in rows]) for n in params}
 
     def _shared_vmap(self, call: Call, params: dict) -> dict[str, torch.Tensor]:
@@ -468,20 +483,22 @@ class FunctionalHandler(Handler):
             rows = [one(params, tuple(g[i] for g in call.grads)) for i in range(call.batch_size)]
         return {n: torch.stack([r[n] for r in rows]) for n in params}
 
-    def _out_dims(self, call: Call, params: dict, inp: ExampleInputs) -> list[int]:
-        """The batch dimension of each output: 0 for a single tensor; else found from one example's call."""
+    def _out_dims(self, call: Call, params: dict, inp: ExampleInputs, keep: list[int]) -> list[int]:
+        """The batch dimension of each kept output: 0 for a single tensor; else found from one example's call."""
         b = call.batch_size
         if len(call.outputs) == 1:
             return [0]
-        args = _tree(lambda x, d: x.narrow(d, 0, 1), inp.args, inp.arg_dims)
-        kwargs = {n: _tree(lambda x, d: x.narrow(d, 0, 1), x, inp.kw_dims[n]) for n, x in inp.kwargs.items()}
+        args = _tree(lambda x, d: x.unflatten(d, (b, -1)).select(d, 0), inp.args, inp.arg_dims)
+        kwargs = {n: _tree(lambda x, d: x.unflatten(d, (b, -1)).select(d, 0), x, inp.kw_dims[n])
+                  for n, x in inp.kwargs.items()}
         if inp.fix is not None:
             args, kwargs = inp.fix(args, kwargs)
         with torch.no_grad(), _replayed_autocast(call):
             one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs, tie_weights=False))
         dims = []
-        for full, single in zip(call.outputs, one, strict=True):
-            cand = [d for d in range(full.dim()) if full.shape[d] == b and single.shape[d] == 1
+        for j in keep:
+            full, single = call.outputs[j], one[j]
+            cand = [d for d in range(full.dim()) if d < single.dim() and full.shape[d] == b * single.shape[d]
                     and full.shape[:d] + full.shape[d + 1:] == single.shape[:d] + single.shape[d + 1:]]
             if not cand:
                 raise ValueError(f"an output of {type(call.module).__name__} has no batch dimension "
@@ -723,15 +740,14 @@ def _replayed_autocast(call: Call):
     return torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()
 
 
-def _check_per_example(call: Call, outs: tuple, out_dims: list[int]) -> None:
+def _check_per_example(call: Call, outs: tuple, out_dims: list[int], keep: list[int] | None = None) -> None:
     """``UnsupportedModuleError`` unless the module's per-example re-run reproduces its batched outputs: a
     module whose output for one example depends on the others (a batch statistic, attention across the
     batch) has no per-example gradient, and its clipped contribution would not be bounded by ``C``."""
-    for full, per, d in zip(call.outputs, outs, out_dims, strict=True):
-        if not full.is_floating_point():
-            continue
-        per = per.squeeze(d + 1).detach()            # (B, rest): the example's own batch dimension of size 1
-        full = full.movedim(d, 0).detach()
+    for j, per, d in zip(range(len(outs)) if keep is None else keep, outs, out_dims, strict=True):
+        full = call.outputs[j].detach()
+        per = per.detach()                                # (B, one example's output)
+        full = full.unflatten(d, (call.batch_size, -1)).movedim(d, 0)
         if per.shape != full.shape:
             bad = True
         elif full.numel():

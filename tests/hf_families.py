@@ -105,6 +105,41 @@ def _whisper():
     return model, inputs, losses
 
 
+def _seq2seq(config_cls: str, model_cls: str, **cfg):
+    def build():
+        import transformers
+
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(vocab_size=VOCAB, **cfg))
+
+        def inputs(ids):
+            return {"input_ids": ids, "decoder_input_ids": ids}
+
+        def losses(m, inp):
+            return _token_losses(m(**inp).logits, inp["decoder_input_ids"])
+        return model, inputs, losses
+    return build
+
+
+def _clip():
+    from transformers import CLIPConfig, CLIPModel
+
+    model = CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8), projection_dim=16))
+
+    def inputs(ids):
+        g = torch.Generator().manual_seed(int(ids.sum()))
+        return {"input_ids": ids, "pixel_values": torch.randn(ids.shape[0], 3, 16, 16, generator=g)}
+
+    def losses(m, inp):
+        # each pair's own similarity (scaled by the model's own logit_scale): the contrastive loss over the batch
+        # reads other examples and has no per-example gradient
+        return -m(**inp).logits_per_text.diagonal().float()
+    return model, inputs, losses
+
+
 def _lora(build):
     def wrapped():
         from peft import LoraConfig, get_peft_model
@@ -141,6 +176,16 @@ FAMILIES = {
     "distilbert": _distilbert,
     "vit": _vit,
     "whisper": _whisper,
+    "mixtral": _causal("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": _causal("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32),
+    "t5": _seq2seq("T5Config", "T5ForConditionalGeneration", d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                   num_decoder_layers=1, num_heads=2, decoder_start_token_id=0, pad_token_id=0),
+    "bart": _seq2seq("BartConfig", "BartForConditionalGeneration", d_model=32, encoder_layers=1, decoder_layers=1,
+                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                     max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                     decoder_start_token_id=0),
+    "clip": _clip,
     "lora_gpt2": _lora(_gpt2),
     "lora_llama": _lora(_causal("LlamaConfig", "LlamaForCausalLM")),
     "lora_mistral": _lora(_causal("MistralConfig", "MistralForCausalLM")),

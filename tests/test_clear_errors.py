@@ -93,30 +93,6 @@ def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
     assert not [w for w in caught if "dpsgd" in w.filename]
 
 
-def test_a_mixture_of_experts_router_is_refused_by_name_not_by_a_torch_error():
-    """Mixtral's router returns integer expert choices (which crashed the backward) and runs on (B*T, d) tokens:
-    refused with the module's path, before anything is written."""
-    transformers = pytest.importorskip("transformers")
-
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=0)
-    model = transformers.MixtralForCausalLM(cfg).train()
-    ids = torch.randint(1, 40, (16, 6))
-    engine = PrivacyEngine()
-    model, opt, _, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
-        estimator="hutch", seed=0)
-    (x,) = next(iter(loader))
-    logits = model(input_ids=x).logits
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none").mean(1)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate's output has shape .*flatten the batch"):
-        engine.private_loss(losses).backward()
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_torch_compile_before_or_after_make_private_is_refused_by_name():
     compiled = torch.compile(nn.Sequential(nn.Linear(3, 2)))
     with pytest.raises(UnsupportedModuleError, match="torch.compile'd model"):
@@ -171,5 +147,3 @@ def test_the_leak_message_suggests_a_handler_that_exists():
     with pytest.raises(IncompleteGradientError, match=r"recursive = True.*register_handler") as err:
         crit(model(x), y).backward()
     assert "FunctionalHandler() with recursive" not in str(err.value)
-
-
