@@ -401,6 +401,7 @@ class Capture:
                         outs, aliases, b)
             call.cache["root"] = root
             call.cache["versions"] = _versions(call)
+            call.cache["nodes"] = [o.grad_fn for o in outs]
             call.cache["unit"] = unit
             call.cache["probed"] = self._forward_probed
             call.cache["share"] = share
@@ -410,6 +411,7 @@ class Capture:
             # follows the precision the backward ran in
             call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                                            if torch.is_autocast_enabled(d)), None)
+            unit.handler.check_forward(call)
             self.calls.append(call)
             return output if (share is not None and not own) or len(outs) > 1 else None
         return hook
@@ -563,9 +565,29 @@ def _versions(call: Call) -> list[int]:
     return [t._version for t in ts]
 
 
+# in-place operations whose gradient with respect to the tensor modified is the gradient of their result
+_PASS_THROUGH = ("AddBackward0", "SubBackward0")
+
+
+def _added_to(t: torch.Tensor, node: object) -> bool:
+    """Whether ``t`` was only added to in place since its autograd node was ``node`` (``x += y`` on a layer's
+    output, as Falcon's parallel attention does): the gradient with respect to it is unchanged."""
+    current = t.grad_fn
+    while current is not None and current is not node:
+        if type(current).__name__ not in _PASS_THROUGH:
+            return False
+        current = current.next_functions[0][0]
+    return current is node
+
+
 def _check_unchanged(call: Call) -> None:
-    if _versions(call) != call.cache["versions"]:
-        unit = call.cache["unit"]
+    now, then = _versions(call), call.cache["versions"]
+    n_in = len(now) - len(call.outputs)
+    unit = call.cache["unit"]
+    ok = now[:n_in] == then[:n_in] and all(
+        v == w or (not unit.handler.reads_output and _added_to(o, node))
+        for o, node, v, w in zip(call.outputs, call.cache["nodes"], now[n_in:], then[n_in:], strict=True))
+    if not ok:
         raise IncompleteGradientError(
             f"an input or output of {unit.path or type(call.module).__name__} was modified in place after its "
             f"forward (e.g. ReLU(inplace=True) or x += ...); its per-example gradient cannot be computed from the "
@@ -1015,7 +1037,7 @@ def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -
 
 
 # what a call's cache holds beyond the recording itself: derived from its output gradients by the handlers
-_RECORDED = ("versions", "unit", "probed", "autocast", "root", "share", "shared_inputs")
+_RECORDED = ("versions", "nodes", "unit", "probed", "autocast", "root", "share", "shared_inputs")
 
 
 def _clear_derived(call: Call) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,10 @@ class Handler:
 
     #: the handler covers the parameters of the module's submodules too (they are not hooked separately)
     recursive: bool = False
+    #: the handler reads the call's output values (not only their gradients): an output added to in place after
+    #: the call (``out += y``) is then refused, else accepted (its gradient is unchanged by the addition)
+    reads_output: bool = True
+
     def needs_weights(self, module: nn.Module) -> bool:
         """Whether the handler reads the parameters' values after the backward (not only the recorded
         activations and output gradients): FSDP frees gathered parameters after use, so those are copied."""
@@ -126,6 +131,10 @@ class Handler:
 
     def clipped_sum(self, call: Call, name: str, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_forward(self, call: Call) -> None:
+        """Called on each recorded call right after its forward (values not yet modified by the model): raise if
+        the handler cannot read this call.  Nothing by default."""
 
     def reruns(self, module: nn.Module) -> bool:
         """Whether per-example gradients come from re-running the module (``torch.func``): randomness inside
@@ -226,6 +235,32 @@ class LinearHandler(Handler):
     ``A^T diag(c) G`` per weight and ``G^T c`` per bias.
     """
 
+    reads_output = False
+
+    def check_forward(self, call):
+        """A subclass of ``nn.Linear`` with a forward of its own (Falcon's ``FalconLinear``: ``x @ W.T + b``) is read
+        as a linear layer once its output is checked against ``x W^T + b`` along a random direction ``r`` (two
+        matrix-vector products per call), so a forward that computes something else is refused, not misread."""
+        m = call.module
+        if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward or not call.outputs:
+            return
+        x, out = call.args[0] if call.args else call.kwargs.get("input"), call.outputs[0].detach()
+        w = call.aliases.get("weight", m.weight).detach()
+        bias = call.aliases.get("bias", m.bias)
+        dtype = compute_dtype(out, x)
+        r = torch.randn(out.shape[-1], generator=_forward_check_generator(), dtype=dtype).to(out.device)
+        lhs = out.to(dtype) @ r
+        rhs = x.to(dtype) @ (w.to(dtype).T @ r) + (0 if bias is None else bias.detach().to(dtype) @ r)
+        tol = 5e-2 if out.dtype in (torch.float16, torch.bfloat16) or call.cache.get("autocast") else \
+            1e-10 if dtype == torch.float64 else 1e-4
+        scale = (x.to(dtype).abs() @ (w.to(dtype).T @ r).abs()).clamp_min(1e-30)
+        if lhs.shape != rhs.shape or bool(((lhs - rhs).abs() > tol * (scale + lhs.abs())).any()):
+            raise UnsupportedModuleError(
+                getattr(call.cache.get("unit"), "path", type(m).__name__),
+                f"{type(m).__name__} subclasses nn.Linear but its forward does not compute x @ weight.T + bias, so "
+                f"the linear handler cannot read it; register a handler for it "
+                f"(dpsgd.layers.register_handler({type(m).__name__}, dpsgd.layers.FunctionalHandler()))")
+
     def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         if "ag" not in call.cache:
             b = call.batch_size
@@ -278,6 +313,8 @@ class EmbeddingHandler(Handler):
     with ``index_add``; the ``V x p`` per-example gradient is never formed for the norm.  ``hutchpp`` uses
     the exact index-based norm (its sketch buys nothing here), a point mass in the law.
     """
+
+    reads_output = False
 
     def _ig(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         if "ig" not in call.cache:
@@ -651,6 +688,8 @@ class NormalizationHandler(FunctionalHandler):
     input in float32 (or float64).  Exact: a point mass in the estimate's law, no chi-square terms.
     """
 
+    reads_output = False
+
     def needs_weights(self, module):
         return False
 
@@ -844,6 +883,11 @@ class RootParameterHandler(Handler):
         return torch.einsum("b...,b->...", g, weights.to(g.dtype))
 
 
+def _forward_check_generator() -> torch.Generator:
+    """Directions for :meth:`LinearHandler.check_forward`, from ``os.urandom`` (not the user's generators)."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+
+
 def _state_dims(x: object, b: int) -> object:
     """Batch dimensions of a recurrent state: 1 for a ``(layers, B, H)`` tensor, in nested tuples too."""
     return _per_leaf(x, lambda t: 1 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == b else None)
@@ -874,10 +918,11 @@ _SCALED_RMSNORM = ScaledRMSNormHandler()
 
 
 def handler_for(module: nn.Module) -> Handler:
-    """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` as linear, else the exact fallback."""
+    """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` and subclasses of ``nn.Linear`` (checked
+    per call, :meth:`LinearHandler.check_forward`) as linear, else the exact fallback."""
     if module_type(module) in HANDLERS:
         return HANDLERS[module_type(module)]
-    if is_conv1d(module):
+    if is_conv1d(module) or isinstance(module, nn.Linear):
         return _LINEAR
     if is_scaled_rmsnorm(module):
         return _SCALED_RMSNORM

@@ -186,6 +186,8 @@ FAMILIES = {
                      max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0,
                      decoder_start_token_id=0),
     "clip": _clip,
+    # parallel attention: the MLP's last linear layer's output is added to in place (mlp_output += attention_output)
+    "falcon": _causal("FalconConfig", "FalconForCausalLM", num_kv_heads=1, parallel_attn=True),
     "lora_gpt2": _lora(_gpt2),
     "lora_llama": _lora(_causal("LlamaConfig", "LlamaForCausalLM")),
     "lora_mistral": _lora(_causal("MistralConfig", "MistralForCausalLM")),

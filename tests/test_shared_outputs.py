@@ -154,3 +154,45 @@ class Escapes(nn.Module):
 def test_a_shared_output_whose_gradient_goes_around_the_meetings_is_refused():
     with pytest.raises(IncompleteGradientError, match=r"pos's output is shared by the batch, and part of its gradient"):
         per_sample_sq_norms(Escapes(), lambda m: m(torch.randn(5, 4, 3)), "exact")
+
+
+class _ScaledLinear(nn.Linear):
+    """A subclass of nn.Linear whose forward is not x @ W.T + b."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class _AddsInPlace(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(4, 4), nn.Linear(4, 4), op
+
+    def forward(self, x):
+        out = self.a(x)
+        if self.op == "add":
+            out += self.b(x)        # Falcon's parallel attention: the gradient of `out` is unchanged
+        else:
+            out *= 2                # changes the gradient with respect to the recorded output: refused
+        return out.sum(1)
+
+
+def test_a_linear_subclass_is_read_as_linear_only_when_its_forward_is_x_w_plus_b():
+    from dpsgd.validator import UnsupportedModuleError
+
+    x = torch.randn(5, 4)
+    with pytest.raises(UnsupportedModuleError, match=r"_ScaledLinear subclasses nn.Linear .* register a handler"):
+        per_sample_sq_norms(nn.Sequential(_ScaledLinear(4, 3)), lambda m: m(x).sum(1), "exact")
+
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_a_layer_output_added_to_in_place_keeps_exact_norms_and_other_in_place_ops_are_refused(op):
+    torch.manual_seed(0)
+    model = _AddsInPlace(op).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    if op == "mul":
+        with pytest.raises(IncompleteGradientError, match="modified in place"):
+            per_sample_sq_norms(model, lambda m: m(x), "exact")
+        return
+    ref = brute_force_sq_norms(model, lambda m, i: m(x)[i], 5)
+    assert torch.allclose(per_sample_sq_norms(model, lambda m: m(x), "exact"), ref, rtol=1e-10, atol=0)
