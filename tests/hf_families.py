@@ -145,7 +145,8 @@ def _lora(build):
         from peft import LoraConfig, get_peft_model
 
         model, inputs, losses = build()
-        targets = ["c_attn"] if "GPT2" in type(model).__name__ else ["q_proj", "v_proj"]
+        name = type(model).__name__
+        targets = ["c_attn"] if "GPT2" in name else ["q", "v"] if name.startswith("T5") else ["q_proj", "v_proj"]
         return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                                                 fan_in_fan_out="GPT2" in type(model).__name__)), inputs, losses
     return wrapped
@@ -192,6 +193,9 @@ FAMILIES = {
     "lora_llama": _lora(_causal("LlamaConfig", "LlamaForCausalLM")),
     "lora_mistral": _lora(_causal("MistralConfig", "MistralForCausalLM")),
     "lora_qwen2": _lora(_causal("Qwen2Config", "Qwen2ForCausalLM")),
+    "lora_opt": _lora(opt),
+    "lora_t5": _lora(_seq2seq("T5Config", "T5ForConditionalGeneration", d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                              num_decoder_layers=1, num_heads=2, decoder_start_token_id=0, pad_token_id=0)),
     # adapters whose parameters sit in nn.ParameterDict children used by the parent's forward
     "ia3_llama": _peft(_causal("LlamaConfig", "LlamaForCausalLM"), "IA3Config",
                        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
