@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection
@@ -522,8 +523,16 @@ def _secret_uniform() -> float:
 def _state_of(model: nn.Module) -> tuple:
     """What a training forward must leave as it was: every parameter's and buffer's identity and version."""
     params = [(n, p, p._version) for n, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [(n, b, b._version) for n, b in model.named_buffers(remove_duplicate=False)]
+    skip = _weight_only(model)
+    buffers = [(n, b, b._version) for n, b in model.named_buffers(remove_duplicate=False) if n not in skip]
     return params, buffers
+
+
+def _weight_only(model: nn.Module) -> set[str]:
+    """Buffers a training forward updates from the weights alone, never from data: ``spectral_norm``'s power
+    iteration vectors."""
+    return {f"{path}.{n}" if path else n for path, m in model.named_modules() if isinstance(m, _SpectralNorm)
+            for n, _ in m.named_buffers(recurse=False)}
 
 
 def _changed_state(model: nn.Module, state: tuple) -> str | None:
@@ -531,7 +540,7 @@ def _changed_state(model: nn.Module, state: tuple) -> str | None:
     for name, p, version in params:
         if p._version != version:
             return f"parameter {name}"
-    now = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+    now = {n: b for n, b in model.named_buffers(remove_duplicate=False) if n not in _weight_only(model)}
     for name, b, version in buffers:
         if now.get(name) is not b or b._version != version:
             return f"buffer {name}"

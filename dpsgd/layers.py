@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .estimators import ESTIMATORS, gaussian_projection
 from .validator import UnsupportedModuleError
@@ -53,7 +54,8 @@ from .validator import UnsupportedModuleError
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
-           "RootParameterHandler", "ROOT_PARAMETERS", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
+           "RootParameterHandler", "ROOT_PARAMETERS",
+           "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -854,6 +856,75 @@ class RecurrentHandler(FunctionalHandler):
         return ExampleInputs(call.args, dict(call.kwargs), tuple(dims), kw_dims)
 
 
+class ParametrizedHandler(Handler):
+    r"""A linear, convolution or embedding layer with parametrized tensors (``torch.nn.utils.parametrizations``:
+    ``weight_norm``, ``spectral_norm``, ``orthogonal``; any ``parametrize.register_parametrization``).
+
+    The layer's own handler reads the call as usual and gives each example's gradient ``dW_i`` of the parametrized
+    tensor ``W = f(\theta)``; the trainable parameters are the originals ``\theta``, whose per-example gradients are
+    the parametrization's vector-Jacobian products ``J_f(\theta)^T dW_i`` (``torch.func``, batched over examples,
+    with the parametrization in evaluation mode so that ``spectral_norm`` reuses the power iteration's vectors of the
+    forward).  Exact (a point mass in the estimate's law): ``dW_i`` is formed, ``B`` times the tensor's size.
+    """
+
+    recursive = True
+
+    def __init__(self, base: Handler) -> None:
+        self.base = base
+        self.reads_output = base.reads_output
+
+    def needs_weights(self, module):
+        return True
+
+    def terms(self, module, name, estimator):
+        return None
+
+    def check_forward(self, call):
+        self.base.check_forward(call)
+
+    def flattened_rows(self, module):
+        return self.base.flattened_rows(module)
+
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        if "per_example" in call.cache:
+            return call.cache["per_example"]
+        m, b, out = call.module, call.batch_size, {}
+        for name in call.aliases:
+            if not name.startswith("parametrizations."):
+                out[name] = self.base.per_example(call, name, None).reshape(b, *call.aliases[name].shape)
+        for tensor, plist in m.parametrizations.items():
+            prefix = f"parametrizations.{tensor}."
+            originals = {n[len(prefix):]: a.detach() for n, a in call.aliases.items() if n.startswith(prefix)}
+            if not originals:
+                continue
+            was = plist.training
+            plist.eval()
+            try:
+                value, vjp = torch.func.vjp(lambda o, plist=plist: torch.func.functional_call(plist, o, ()),
+                                            originals)
+                dw = self.base.per_example(call, tensor, None).reshape(b, *value.shape).to(value.dtype)
+                per = torch.func.vmap(lambda g, vjp=vjp: vjp(g)[0])(dw)
+            finally:
+                plist.train(was)
+            out.update({prefix + n: g for n, g in per.items()})
+        call.cache["per_example"] = out
+        return out
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        g = self._grads(call)[name]
+        return g.reshape(g.shape[0], -1).to(compute_dtype(g)).square().sum(1)
+
+    def per_example(self, call, name, projection):
+        g = self._grads(call)[name]
+        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:])).to(compute_dtype(g))
+        return g if projection is None else g @ projection.to(g.dtype)
+
+    def clipped_sum(self, call, name, weights):
+        g = self._grads(call)[name]
+        g = g.to(compute_dtype(g))
+        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
 class RootParameterHandler(Handler):
     """Parameters of the model itself, not of a submodule (CLIP's ``logit_scale``, a learned position table kept on
     the model): each is an output shared by the batch (:mod:`dpsgd.shared`), its uses in the forward followed to
@@ -881,6 +952,11 @@ class RootParameterHandler(Handler):
     def clipped_sum(self, call, name, weights):
         g = self._grad(call, name)
         return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
+def handler_for_type(module_class: type) -> Handler | None:
+    """The handler registered for ``module_class`` (``None`` if none)."""
+    return HANDLERS.get(module_class)
 
 
 def _forward_check_generator() -> torch.Generator:
@@ -920,6 +996,10 @@ _SCALED_RMSNORM = ScaledRMSNormHandler()
 def handler_for(module: nn.Module) -> Handler:
     """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` and subclasses of ``nn.Linear`` (checked
     per call, :meth:`LinearHandler.check_forward`) as linear, else the exact fallback."""
+    if parametrize.is_parametrized(module):
+        base = handler_for_type(type(module).__bases__[0])
+        if isinstance(base, (LinearHandler, EmbeddingHandler)):
+            return ParametrizedHandler(base)
     if module_type(module) in HANDLERS:
         return HANDLERS[module_type(module)]
     if is_conv1d(module) or isinstance(module, nn.Linear):

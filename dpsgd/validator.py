@@ -12,7 +12,8 @@ the fix (in the spirit of Opacus' ``ModuleValidator``):
   ``max_norm`` (renormalizes the looked-up rows of the weight in place during forward);
 * ``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` with ``batch_first=False`` (the trainer
   needs the batch as the leading dimension of every recorded input and output);
-* parametrized weights (``torch.nn.utils.parametrizations``) and ``torch.compile``'d models, not supported
+* parametrized tensors (``torch.nn.utils.parametrizations``) of modules other than linear, convolution and embedding
+  layers, and ``torch.compile``'d models, not supported
   yet (the message says what to do instead).
 
 :func:`validate` is called by :meth:`dpsgd.PrivacyEngine.make_private` and by the engine's norm plan.
@@ -46,6 +47,13 @@ class _Problem:
     reason: str
 
 
+def _parametrizable(model: nn.Module, path: str) -> bool:
+    """Whether the ParametrizationList at ``path`` belongs to a linear, convolution or embedding layer."""
+    owner = model.get_submodule(".".join(path.split(".")[:-2]))
+    base = type(owner).__bases__[0] if parametrize.is_parametrized(owner) else type(owner)
+    return base in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
+
+
 def _problems(model: nn.Module) -> list[_Problem]:
     out = []
     if _compiled(model):
@@ -54,11 +62,12 @@ def _problems(model: nn.Module) -> list[_Problem]:
                                 "compiled code does not replay; pass the uncompiled model (and do not compile it "
                                 "after make_private)"))
     for path, m in model.named_modules():
-        if isinstance(m, parametrize.ParametrizationList):
-            out.append(_Problem(path, "a parametrized weight (torch.nn.utils.parametrizations: weight_norm, "
-                                      "spectral_norm, orthogonal) is computed once for the whole batch from its "
-                                      "original parameters, and their per-example gradients are not supported yet; "
-                                      "remove the parametrization before make_private "
+        if isinstance(m, parametrize.ParametrizationList) and not _parametrizable(model, path):
+            out.append(_Problem(path, "a parametrized tensor (torch.nn.utils.parametrizations) of a module other "
+                                      "than nn.Linear, nn.Conv1d/2d or nn.Embedding: the per-example gradients of its "
+                                      "original parameters are found through the layer's own handler, which this "
+                                      "module has none of; parametrize a linear, convolution or embedding layer, or "
+                                      "remove the parametrization "
                                       "(torch.nn.utils.parametrize.remove_parametrizations)"))
         elif isinstance(m, _BATCH_NORMS):
             out.append(_Problem(path, f"{type(m).__name__} mixes examples (batch statistics in training, running "

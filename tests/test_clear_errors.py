@@ -103,12 +103,6 @@ def test_torch_compile_before_or_after_make_private_is_refused_by_name():
         torch.compile(model)(x)
 
 
-def test_a_parametrized_weight_is_refused_with_the_fix():
-    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)))
-    with pytest.raises(UnsupportedModuleError, match=r"0.parametrizations.weight: .*remove_parametrizations"):
-        _private(model, torch.randn(16, 3))
-
-
 class _Teacher(nn.Module):
     """The encoder runs once under no_grad (a pseudo-label) and once with gradient: it trains."""
 
