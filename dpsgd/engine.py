@@ -31,6 +31,7 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -58,7 +59,7 @@ from .layers import (
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .shared import Share, SharedOutput, carrying_back, share_output
-from .validator import ModuleValidator, UnsupportedModuleError
+from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
 
 __all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ExampleMixingError", "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
@@ -153,6 +154,7 @@ class NormPlan:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _check_estimator_name(estimator)
+        model = uncompiled(model)
         ModuleValidator.check(model)
         plan = cls(model, estimator)
         inside: set[int] = set()
@@ -253,22 +255,20 @@ class Capture:
         self._state: list | None = None
         self._swapped: dict[int, dict] = {}
         root = plan.model
-        self._handles = [root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
-                         root.register_forward_hook(self._root_post, always_call=True)]
+        # the hooks run eagerly in a torch.compile'd model (each is a graph break): the compiled code between them
+        # is the model's own, and the aliases are its inputs
+        eager = torch.compiler.disable
+        self._handles = [root.register_forward_pre_hook(eager(self._root_pre), with_kwargs=True),
+                         root.register_forward_hook(eager(self._root_post), always_call=True)]
         for unit in plan.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_hook(unit), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(self._post_hook(unit), with_kwargs=True,
+            self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
                                                                    always_call=True))
 
     def _recording(self) -> bool:
         return self.active and torch.is_grad_enabled() and self.plan.model.training
 
     def _root_pre(self, module, args, kwargs):
-        if torch.compiler.is_compiling():
-            raise UnsupportedModuleError(
-                "", "the private model is being compiled (torch.compile after make_private): the per-call parameter "
-                "aliases, the recorded calls and the checks around each forward are not traceable yet; train the "
-                "private model uncompiled")
         self._depth += 1
         if self._depth != 1:
             return None
@@ -430,6 +430,16 @@ class Capture:
         self._handles = []
         self.calls.clear()
         self.probes.clear()
+
+
+def _keep_saved_buffers():
+    """A context in which ``torch.compile`` (AOTAutograd) compiles backward functions that keep their saved buffers
+    (no donation), so that a graph can be backpropagated twice (the row check's pass, then the step's own)."""
+    try:
+        from torch._functorch import config
+    except ImportError:   # no compiler: nothing to configure
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
 
 
 def _fresh_views(out: object) -> object:
@@ -706,13 +716,15 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     if check:   # before the step's own backward, which then keeps no graph for it
         capture.active = False
         try:
-            _check_rows(losses, calls, probes, attribution=new_layout)
+            with _keep_saved_buffers():   # a torch.compile'd backward is compiled at its first call
+                _check_rows(losses, calls, probes, attribution=new_layout)
         finally:
             capture.active = True
         capture.checked_layouts.add(layout)
     _reset_shares(calls)
-    grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
-             else [None] * (len(outputs) + len(model_params)))
+    with _keep_saved_buffers():
+        grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
+                 else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), _qualified(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
     if b and any(is_sharded(p) for p in model_params):

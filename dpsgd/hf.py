@@ -120,9 +120,6 @@ class DPTrainer(Trainer):
                             f"step needs one loss per example, not their reduction. Override "
                             f"per_example_losses(model, inputs) -> (B,) instead")
         super().__init__(*args, **kwargs)
-        if self.args.torch_compile:
-            raise ValueError("DPTrainer does not support args.torch_compile yet: the private trainer's per-call "
-                             "parameter aliases and recorded calls are not traceable; set torch_compile=False")
         if self.train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset")
         self.privacy = privacy or PrivacyArguments()

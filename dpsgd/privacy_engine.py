@@ -74,6 +74,7 @@ from .engine import (
 )
 from .noise import GaussianNoise, StepNoise, as_noise
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .validator import uncompiled
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
@@ -507,6 +508,7 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
+        compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         holder = _ENGINES.get(module)
         if holder is not None and holder() is not None and holder()._capture is not None \
                 and holder()._capture._handles:
@@ -581,7 +583,7 @@ class PrivacyEngine:
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)
         crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
-        return module, self._optimizer, crit, loader
+        return compiled, self._optimizer, crit, loader
 
     # fixed by make_private: the step and the accountant both read them, and the accountant charges every step
     # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the

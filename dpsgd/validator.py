@@ -13,8 +13,9 @@ the fix (in the spirit of Opacus' ``ModuleValidator``):
 * ``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` with ``batch_first=False`` (the trainer
   needs the batch as the leading dimension of every recorded input and output);
 * parametrized tensors (``torch.nn.utils.parametrizations``) of modules other than linear, convolution and embedding
-  layers, and ``torch.compile``'d models, not supported
-  yet (the message says what to do instead).
+  layers (the message says what to do instead).
+
+A ``torch.compile``'d model is checked as the model it compiles (:func:`uncompiled`).
 
 :func:`validate` is called by :meth:`dpsgd.PrivacyEngine.make_private` and by the engine's norm plan.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["ModuleValidator", "UnsupportedModuleError"]
+__all__ = ["ModuleValidator", "UnsupportedModuleError", "uncompiled"]
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 _INSTANCE_NORMS = (nn.modules.instancenorm._InstanceNorm,)
@@ -56,11 +57,6 @@ def _parametrizable(model: nn.Module, path: str) -> bool:
 
 def _problems(model: nn.Module) -> list[_Problem]:
     out = []
-    if _compiled(model):
-        out.append(_Problem("", "a torch.compile'd model (its OptimizedModule wrapper) is not supported yet: the "
-                                "private trainer swaps parameters for per-call aliases and records each call, which "
-                                "compiled code does not replay; pass the uncompiled model (and do not compile it "
-                                "after make_private)"))
     for path, m in model.named_modules():
         if isinstance(m, parametrize.ParametrizationList) and not _parametrizable(model, path):
             out.append(_Problem(path, "a parametrized tensor (torch.nn.utils.parametrizations) of a module other "
@@ -91,9 +87,12 @@ def _problems(model: nn.Module) -> list[_Problem]:
     return out
 
 
-def _compiled(model: nn.Module) -> bool:
-    """Whether ``model`` is ``torch.compile``'s wrapper (recognised by name: no dynamo import needed)."""
-    return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``, recognised by name: no dynamo import) runs, or
+    ``model`` itself: hooks and checks go on the original modules, which the compiled forward calls."""
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return model._orig_mod
+    return model
 
 
 class ModuleValidator:

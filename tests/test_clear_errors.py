@@ -93,16 +93,6 @@ def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
     assert not [w for w in caught if "dpsgd" in w.filename]
 
 
-def test_torch_compile_before_or_after_make_private_is_refused_by_name():
-    compiled = torch.compile(nn.Sequential(nn.Linear(3, 2)))
-    with pytest.raises(UnsupportedModuleError, match="torch.compile'd model"):
-        _private(compiled, torch.randn(16, 3))
-    engine, model, opt, crit, loader = _private(nn.Sequential(nn.Linear(3, 2)), torch.randn(16, 3))
-    x, y = next(iter(loader))
-    with pytest.raises(UnsupportedModuleError, match="being compiled"):
-        torch.compile(model)(x)
-
-
 class _Teacher(nn.Module):
     """The encoder runs once under no_grad (a pseudo-label) and once with gradient: it trains."""
 

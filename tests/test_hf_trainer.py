@@ -153,9 +153,13 @@ def test_a_compute_loss_override_is_refused_rather_than_ignored(tmp_path):
                privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact"))
 
 
-def test_torch_compile_in_the_trainer_is_refused_with_the_fix(tmp_path):
+def test_the_trainer_with_torch_compile_trains_privately(tmp_path):
+    """args.torch_compile=True (aot_eager backend: no C++ toolchain needed): the hooks run eagerly between compiled
+    regions, and the row check's retained graph is allowed (no donated buffers)."""
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                             torch_compile=True)
-    with pytest.raises(ValueError, match="torch_compile=False"):
-        DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(16),
-                  privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact"))
+                             torch_compile=True, torch_compile_backend="aot_eager", max_steps=3, save_strategy="no")
+    trainer = DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(16),
+                        privacy=PrivacyArguments(noise_multiplier=1.0, estimator="hutch", check_every_step=True))
+    trainer.train()
+    assert trainer.privacy_engine.steps == 3
+
