@@ -27,6 +27,13 @@ same size).
 
     python benchmarks/step_bench.py                                   # tiny, gpt2, llama, cnn
     python benchmarks/step_bench.py --models llama-long --seq-len 512 2048 4096 --batch 2 --steps 3
+    python benchmarks/step_bench.py --models llama-long --seq-len 2048 --batch 2 --steps 3 \
+        --methods non-private hutch compiled-non-private compiled-hutch      # torch.compile (inductor)
+    python benchmarks/step_bench.py --models mixtral --methods non-private hutch exact   # mixture of experts
+
+``compiled-*`` compiles the model with ``torch.compile`` (inductor) before ``make_private``; the compile happens in
+the two warm-up steps and is not timed.  Ratios are against the eager non-private step; compare
+``compiled-hutch`` with ``compiled-non-private`` for the privacy overhead under compilation.
 """
 
 import argparse
@@ -40,12 +47,14 @@ import time
 import warnings
 
 METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "hutch-two-pass", "hutch-every-step",
-           "opacus-ghost"]
+           "opacus-ghost", "compiled-non-private", "compiled-hutch"]
 MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd.demo's classification task)",
           "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
           "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)",
           "cnn": "CNN on 32x32 RGB, 10 classes: 4 Conv2d (32-64 channels) each with GroupNorm, SiLU, linear head",
-          "llama-long": "HF Llama-shaped decoder (hidden 256, MLP 688, 2 layers, 4 heads, vocab 1000, untied)"}
+          "llama-long": "HF Llama-shaped decoder (hidden 256, MLP 688, 2 layers, 4 heads, vocab 1000, untied)",
+          "mixtral": "HF Mixtral-shaped mixture of experts (hidden 128, 4 experts of MLP 344, top 2, 2 layers, "
+                     "vocab 1000)"}
 
 
 def build(model: str, t: int):
@@ -74,6 +83,13 @@ def build(model: str, t: int):
                                           eos_token_id=0)), 1000
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if model == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(vocab_size=1000, hidden_size=128, intermediate_size=344,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=t,
+                                                tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)), 1000
     if model == "llama-long":
         return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -131,6 +147,9 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(data, batch_size=batch, shuffle=True)
     crit = nn.CrossEntropyLoss()
+    if method.startswith("compiled-"):   # torch.compile (inductor) before make_private; compiled in the warm-up
+        model = torch.compile(model)
+        method = method.removeprefix("compiled-")
     if method == "opacus-ghost":
         from opacus import PrivacyEngine as OpacusEngine
         model, opt, crit, loader = OpacusEngine().make_private(
@@ -195,7 +214,7 @@ def run(model: str, method: str, t: int, batch: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048}
+DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048, "mixtral": 512}
 
 
 def main() -> None:
@@ -257,18 +276,18 @@ def main() -> None:
                           "check_s": statistics.mean(check_s) if check_s else None}
             base = res["non-private"]
             print(f"\n{MODELS[model]}, {'image side' if model == 'cnn' else 'T'} = {t}")
-            print(f"| {'method':<16} | {'mean s':>8} | {'ratio':>6} | {'median s':>8} | {'ratio':>6} | "
+            print(f"| {'method':<20} | {'mean s':>8} | {'ratio':>6} | {'median s':>8} | {'ratio':>6} | "
                   f"{'checked':>7} | {'check s':>7} | {'at rate':>7} | {'ratio':>6} | {'peak MB':>8} | {'ratio':>6} |")
-            print("|" + "|".join("-" * (w + 2) for w in (16, 8, 6, 8, 6, 7, 7, 7, 6, 8, 6)) + "|")
+            print("|" + "|".join("-" * (w + 2) for w in (20, 8, 6, 8, 6, 7, 7, 7, 6, 8, 6)) + "|")
             for m in methods:
                 r = res[m]
                 if "error" in r:
-                    print(f"| {m:<16} | refused: {r['error'][:90]} |")
+                    print(f"| {m:<20} | refused: {r['error'][:90]} |")
                     continue
                 check_s = "-" if r["check_s"] is None else f"{r['check_s']:.4f}"
                 e = r["expected"]
                 at_rate = f"{'-':>7} | {'-':>6}" if e is None else f"{e:>7.4f} | {e / base['mean']:>6.2f}"
-                print(f"| {m:<16} | {r['mean']:>8.4f} | {r['mean'] / base['mean']:>6.2f} | {r['median']:>8.4f} | "
+                print(f"| {m:<20} | {r['mean']:>8.4f} | {r['mean'] / base['mean']:>6.2f} | {r['median']:>8.4f} | "
                       f"{r['median'] / base['median']:>6.2f} | {r['checked']:>7} | {check_s:>7} | {at_rate} | "
                       f"{r['extra_mb']:>8.0f} | {r['extra_mb'] / base['extra_mb']:>6.2f} |", flush=True)
 

@@ -27,7 +27,7 @@ autodoc_typehints = "description"
 autosummary_generate = False
 myst_enable_extensions = ["dollarmath", "amsmath"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
 nitpicky = False
@@ -35,5 +35,7 @@ nitpicky = False
 
 def setup(app):
     import make_figures
+    import support_table
 
     make_figures.main(os.path.join(os.path.dirname(__file__), "_static", "generated"))
+    support_table.main(os.path.join(os.path.dirname(__file__), "_generated"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .workloads import VOCAB
 
@@ -159,6 +160,26 @@ def _peft(build, config: str, **kw):
         model, inputs, losses = build()
         return peft.get_peft_model(model, getattr(peft, config)(**kw)), inputs, losses
     return wrapped
+
+
+def exact_ready(model: nn.Module) -> nn.Module:
+    """float64, dropout off (brute force and the private pass must see one function), eager mixture-of-experts
+    kernels (the grouped matmul has no float64 kernel on CPU), and every adapter factor non-zero."""
+    model = model.double().train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+        cfg = getattr(m, "config", None)
+        if cfg is not None and getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            cfg._experts_implementation = "eager"
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
 
 
 FAMILIES = {

@@ -29,7 +29,7 @@ class Parametrized(nn.Module):
         return self.head(torch.tanh(self.lin(torch.tanh(h))))
 
 
-def _losses(m, ids):
+def losses(m, ids):
     logits = m(ids)
     return nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
@@ -46,8 +46,8 @@ def test_parametrized_layers_give_exact_per_example_norms_of_their_original_para
             for _ in range(300):
                 model(torch.zeros(1, 2, dtype=torch.long))
     ids = torch.randint(1, VOCAB, (b, T), generator=torch.Generator().manual_seed(b))
-    ref = brute_force_sq_norms(model, lambda m, i: _losses(m, ids)[i], b)
-    got = per_sample_sq_norms(model, lambda m: _losses(m, ids), "exact")
+    ref = brute_force_sq_norms(model, lambda m, i: losses(m, ids)[i], b)
+    got = per_sample_sq_norms(model, lambda m: losses(m, ids), "exact")
     assert torch.allclose(got, ref, rtol=1e-6 if kind == "spectral_norm" else 1e-10, atol=0)
 
 
@@ -61,7 +61,7 @@ def test_spectral_norm_trains_privately_its_power_iteration_is_not_a_state_chang
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
     for (x,) in loader:
-        engine.private_loss(_losses(model, x)).backward()
+        engine.private_loss(losses(model, x)).backward()
         opt.step()
     assert engine.steps == len(loader)
     assert "ParametrizedHandler" in str(engine.plan)
