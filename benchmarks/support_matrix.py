@@ -1,5 +1,6 @@
 """The support matrix of docs/huggingface.md, measured: every stock Hugging Face family of ``tests/hf_families.py``
-(tiny, random weights, built from its config) and the common idioms of ``tests/test_shared_outputs.py`` and ``tests/test_parametrizations.py``.
+(tiny, random weights, built from its config) and the common idioms of ``tests/test_shared_outputs.py`` and
+``tests/test_parametrizations.py``.
 
 For each model: how the norm plan reads it (modules per handler; the chi-square terms of ``hutch``), the largest
 relative error of exact per-example norms against brute force in float64 at B = 1, 3 and T (T = 8), and whether
