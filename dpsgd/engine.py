@@ -877,7 +877,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
             for k, t in enumerate(c.outputs):
                 # the first output starts with the batch (the engine refuses a call whose first output does not);
                 # another (an LSTM's (layers, B, H) state) may have it elsewhere: kept, not inspected
-                first = k == 0 and share is None and _rows_ok(c, t, b)
+                first = k == 0 and (share is None or share.aligned) and _rows_ok(c, t, b)
                 if t.requires_grad and (first or attribution):
                     what = f"{c.cache['unit'].path or type(c.module).__name__}'s output"
                     handles.append(t.register_hook(_rows_hook(outside if first else None, mixed, (i, what),
