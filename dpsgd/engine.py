@@ -390,7 +390,7 @@ class Capture:
                     output = _fresh_views(output)
                     outs = flat_tensors(output)
                 if self._batch is not None and len(outs) == 1 and isinstance(output, torch.Tensor) and (
-                        _unbatched(args, kwargs, self._root_ints) or (b > 1 and output.dim() and output.shape[0] == 1)):
+                        _unbatched(args, kwargs, self._root_ints, b) or (b > 1 and output.dim() and output.shape[0] == 1)):
                     # computed from no example's data (positions from torch.arange, a bias table, a prompt), or one
                     # row for a batch of several: an output shared by the batch, whose per-example gradients come
                     # from where it meets the batch
@@ -460,15 +460,24 @@ def _fresh_views(out: object) -> object:
     return out
 
 
-def _unbatched(args: tuple, kwargs: dict, root_ints: set) -> bool:
-    """Whether a call's inputs carry no example's data: integer tensors that are not views of the model's integer
-    inputs (``torch.arange`` positions, bucket indices, prompt ids), outputs shared by the batch, or none at all."""
+def _unbatched(args: tuple, kwargs: dict, root_ints: set, b: int) -> bool:
+    """Whether a call's inputs carry no example's data: integer tensors that are neither views of the model's integer
+    inputs nor shaped like a batch of sequences (``torch.arange`` positions, T5's relative-position buckets, prompt
+    ids), outputs shared by the batch, or none at all.  Either misreading is safe: a batched output read as shared
+    meets the batch row by row and is read as batched again; a shared one read as batched fails the row check."""
     for t in flat_tensors([list(args), kwargs]):
         if isinstance(t, SharedOutput) and t._dp_shares:
             continue
         if t.is_floating_point() or t.is_complex() or t.untyped_storage().data_ptr() in root_ints:
             return False
+        if t.dim() >= 2 and t.shape[0] == b and t.stride(0) != 0 and not _toeplitz(t):
+            return False   # token ids computed from the inputs (labels shifted right into decoder inputs)
     return True
+
+
+def _toeplitz(t: torch.Tensor) -> bool:
+    """A 2-D table constant along its diagonals, as relative-position buckets ``f(j - i)`` are."""
+    return t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and torch.equal(t[1:, 1:], t[:-1, :-1])
 
 
 def _reset_shares(calls: list[Call]) -> None:
