@@ -389,8 +389,9 @@ class Capture:
                     # logits): the model reads views, so each output's gradient is that of its uses outside
                     output = _fresh_views(output)
                     outs = flat_tensors(output)
+                one_row = b > 1 and output.dim() and output.shape[0] == 1 if isinstance(output, torch.Tensor) else False
                 if self._batch is not None and len(outs) == 1 and isinstance(output, torch.Tensor) and (
-                        _unbatched(args, kwargs, self._root_ints, b) or (b > 1 and output.dim() and output.shape[0] == 1)):
+                        one_row or _unbatched(args, kwargs, self._root_ints, b)):
                     # computed from no example's data (positions from torch.arange, a bias table, a prompt), or one
                     # row for a batch of several: an output shared by the batch, whose per-example gradients come
                     # from where it meets the batch
