@@ -375,6 +375,8 @@ class Capture:
                 return None
             b = self._batch
             own = share is not None
+            if own:   # the root's own post-hook ran first (registered first) and forgot the batch size
+                b = share.b
             if own:   # the model's own parameters: the call is their use, the aliases its outputs
                 args, kwargs, outs = (), {}, list(aliases.values())
             else:
@@ -511,6 +513,11 @@ def _handler_call(c: Call, b: int) -> Call:
             f"without meeting the batch in an operation whose rows are its examples, so its per-example gradient "
             f"cannot be found; combine it with each example's rows inside the model (x + pos, scores + bias)")
     for g, p in zip(c.grads, per, strict=True):
+        if p is None and g is not None and bool(g.ne(0).any()):
+            raise IncompleteGradientError(
+                f"a part of {name}'s output that is shared by the batch reached the losses without meeting the batch "
+                f"in an operation the trainer follows (a custom autograd.Function, torch.vmap, operations with "
+                f"torch function handling off), so its per-example gradient cannot be found; the step was not taken")
         if g is None or p is None:
             continue
         low = g.dtype in (torch.float16, torch.bfloat16) or c.cache.get("autocast")
@@ -600,13 +607,34 @@ _PASS_THROUGH = ("AddBackward0", "SubBackward0")
 
 def _added_to(t: torch.Tensor, node: object) -> bool:
     """Whether ``t`` was only added to in place since its autograd node was ``node`` (``x += y`` on a layer's
-    output, as Falcon's parallel attention does): the gradient with respect to it is unchanged."""
+    output, as Falcon's parallel attention does), each time with something computed without it: the gradient with
+    respect to it is then unchanged.  (``x += f(x)`` is not: ``f(x)``'s gradient would reach the recorded output
+    behind the row check's hooks, which sit on the sum.)"""
     current = t.grad_fn
     while current is not None and current is not node:
-        if type(current).__name__ not in _PASS_THROUGH:
+        if type(current).__name__ not in _PASS_THROUGH or _reaches(current.next_functions[1][0], node):
             return False
         current = current.next_functions[0][0]
     return current is node
+
+
+def _reaches(start: object, node: object) -> bool:
+    """Whether the autograd graph below ``start`` contains ``node`` (nodes created before ``node`` cannot, and are not
+    searched: sequence numbers grow as nodes are made)."""
+    if node is None or start is None:
+        return False
+    first = node._sequence_nr()
+    seen, stack = set(), [start]
+    while stack:
+        cur = stack.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        if cur is node:
+            return True
+        seen.add(id(cur))
+        if cur._sequence_nr() >= first:
+            stack.extend(fn for fn, _ in cur.next_functions)
+    return False
 
 
 def _check_unchanged(call: Call) -> None:

@@ -244,8 +244,14 @@ class LinearHandler(Handler):
         as a linear layer once its output is checked against ``x W^T + b`` along a random direction ``r`` (two
         matrix-vector products per call), so a forward that computes something else is refused, not misread."""
         m = call.module
-        if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward or not call.outputs:
+        if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward:
             return
+        if len(call.outputs) != 1:
+            raise UnsupportedModuleError(
+                getattr(call.cache.get("unit"), "path", type(m).__name__),
+                f"{type(m).__name__} subclasses nn.Linear but returns {len(call.outputs)} tensors, so the linear "
+                f"handler cannot read it; register a handler for it "
+                f"(dpsgd.layers.register_handler({type(m).__name__}, dpsgd.layers.FunctionalHandler()))")
         x, out = call.args[0] if call.args else call.kwargs.get("input"), call.outputs[0].detach()
         w = call.aliases.get("weight", m.weight).detach()
         bias = call.aliases.get("bias", m.bias)
@@ -954,6 +960,13 @@ class RootParameterHandler(Handler):
         return torch.einsum("b...,b->...", g, weights.to(g.dtype))
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """A subclass of ``nn.Linear`` that could compute ``x W^T + b``: no parameters but ``weight`` and ``bias``, no
+    submodules with parameters (its forward is checked per call, :meth:`LinearHandler.check_forward`)."""
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    return own <= {"weight", "bias"} and not any(True for c in module.children() for _ in c.parameters())
+
+
 def handler_for_type(module_class: type) -> Handler | None:
     """The handler registered for ``module_class`` (``None`` if none)."""
     return HANDLERS.get(module_class)
@@ -1002,7 +1015,7 @@ def handler_for(module: nn.Module) -> Handler:
             return ParametrizedHandler(base)
     if module_type(module) in HANDLERS:
         return HANDLERS[module_type(module)]
-    if is_conv1d(module) or isinstance(module, nn.Linear):
+    if is_conv1d(module) or (isinstance(module, nn.Linear) and _plain_linear(module)):
         return _LINEAR
     if is_scaled_rmsnorm(module):
         return _SCALED_RMSNORM

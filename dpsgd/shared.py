@@ -111,12 +111,13 @@ class SharedOutput(torch.Tensor):
     _dp_shares: tuple = ()
 
     @classmethod
+    @torch.compiler.disable   # followed eagerly inside a torch.compile'd model (a graph break per operation)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves, _ = tree_flatten((args, kwargs))
         shared = [t for t in leaves if isinstance(t, SharedOutput) and t._dp_shares]
         with DisableTorchFunctionSubclass():
-            if not shared or not torch.is_grad_enabled():
+            if not shared or not torch.is_grad_enabled() or _metadata(func):
                 return func(*args, **kwargs)
             shares = tuple(dict.fromkeys(s for t in shared for s in t._dp_shares))
             b = shares[0].b
@@ -137,6 +138,16 @@ class SharedOutput(torch.Tensor):
                 if batched:
                     out = _generic(func, out, shared, b)
             return tree_map(lambda r: _mark(r, shares), out)
+
+
+# attributes that compute a new tensor from this one (the rest, such as ``_base`` or ``grad``, are read as they are)
+_COMPUTED_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag"}
+
+
+def _metadata(func) -> bool:
+    """Whether ``func`` reads an attribute of the tensor rather than computing from it."""
+    return getattr(func, "__name__", "") == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", "") not in _COMPUTED_ATTRIBUTES
 
 
 def _mark(r: object, shares: tuple) -> object:
@@ -239,7 +250,9 @@ def _expanded(out, s, b):
     if not (isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == b and s.requires_grad
             and _aligned(s.shape, tuple(out.shape), b) is not None):
         return out
-    return _meet(s, tuple(out.shape), b)
+    out = _meet(s, tuple(out.shape), b)
+    _met(out)
+    return out
 
 
 def _repeat(args, b):

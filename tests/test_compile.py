@@ -27,15 +27,24 @@ def _llama():
                                         use_cache=False)).train()
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)).train()
+
+
 def _losses(m, x):
     logits = m(input_ids=x).logits
     return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), x[:, 1:], reduction="none").mean(1)
 
 
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2-shared-positions"])
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_a_compiled_model_trains_privately_with_the_eager_per_example_norms(when):
+def test_a_compiled_model_trains_privately_with_the_eager_per_example_norms(when, build):
     ids = torch.randint(1, 40, (32, 10), generator=torch.Generator().manual_seed(0))
-    model = _llama()
+    model = build()
     eager = per_sample_sq_norms(model, lambda m: _losses(m, ids[:6]), "exact")
     engine = PrivacyEngine()
     engine.check_every_step = True

@@ -176,13 +176,18 @@ class _AddsInPlace(nn.Module):
     def __init__(self, op):
         super().__init__()
         self.a, self.b, self.op = nn.Linear(4, 4), nn.Linear(4, 4), op
+        self.g = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, x):
         out = self.a(x)
         if self.op == "add":
             out += self.b(x)        # Falcon's parallel attention: the gradient of `out` is unchanged
-        else:
+        elif self.op == "mul":
             out *= 2                # changes the gradient with respect to the recorded output: refused
+        else:
+            # an addition computed from the output itself (here a batch statistic behind a gate at zero): its
+            # gradient would reach the output behind the row check's hooks, which sit on the sum: refused
+            out += self.g * out.sum(0)
         return out.sum(1)
 
 
@@ -194,14 +199,89 @@ def test_a_linear_subclass_is_read_as_linear_only_when_its_forward_is_x_w_plus_b
         per_sample_sq_norms(nn.Sequential(_ScaledLinear(4, 3)), lambda m: m(x).sum(1), "exact")
 
 
-@pytest.mark.parametrize("op", ["add", "mul"])
+@pytest.mark.parametrize("op", ["add", "mul", "add-of-itself"])
 def test_a_layer_output_added_to_in_place_keeps_exact_norms_and_other_in_place_ops_are_refused(op):
     torch.manual_seed(0)
     model = _AddsInPlace(op).double()
     x = torch.randn(5, 4, dtype=torch.float64)
-    if op == "mul":
+    if op != "add":
         with pytest.raises(IncompleteGradientError, match="modified in place"):
             per_sample_sq_norms(model, lambda m: m(x), "exact")
         return
     ref = brute_force_sq_norms(model, lambda m, i: m(x)[i], 5)
     assert torch.allclose(per_sample_sq_norms(model, lambda m: m(x), "exact"), ref, rtol=1e-10, atol=0)
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum()
+
+
+class _OwnThroughFunction(nn.Module):
+    """Two parameters of the model itself: one meets the batch in a followed operation, the other only inside a
+    custom autograd.Function, whose operations the trainer cannot follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.w = nn.Parameter(torch.tensor(1.5)), nn.Parameter(torch.tensor(0.7))
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return _Scale.apply(self.lin(x).squeeze(1) * self.scale, self.w)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_parameter_of_the_model_used_only_where_the_trainer_cannot_follow_is_refused(b):
+    with pytest.raises(IncompleteGradientError, match="shared by the batch reached the losses without meeting"):
+        per_sample_sq_norms(_OwnThroughFunction(), lambda m: m(torch.randn(b, 4)), "exact")
+
+
+class _ClassToken(nn.Module):
+    """A ViT-style class token: ``torch.cat([cls.expand(B, -1, -1), x], 1)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 4))
+        self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1)
+        return self.head(torch.tanh(h)).square().mean((1, 2))
+
+
+@pytest.mark.parametrize("b", [1, 3, 5])
+def test_a_class_token_expanded_to_the_batch_gives_exact_per_example_norms(b):
+    torch.manual_seed(0)
+    model = _ClassToken().double()
+    x = torch.randn(b, 5, 4, dtype=torch.float64)
+    ref = brute_force_sq_norms(model, lambda m, i: m(x)[i], b)
+    assert torch.allclose(per_sample_sq_norms(model, lambda m: m(x), "exact"), ref, rtol=1e-10, atol=0)
+
+
+class _GatedLinear(nn.Linear):
+    """A subclass of nn.Linear with a parameter of its own beyond weight and bias."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return super().forward(x) * (1 + self.gate)
+
+
+def test_a_linear_subclass_with_parameters_of_its_own_goes_to_the_exact_fallback():
+    from dpsgd.layers import FunctionalHandler, handler_for
+
+    assert type(handler_for(_GatedLinear(4, 3))) is FunctionalHandler
+    torch.manual_seed(0)
+    model = nn.Sequential(_GatedLinear(4, 3)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ref = brute_force_sq_norms(model, lambda m, i: m(x).sum(1)[i], 3)
+    assert torch.allclose(per_sample_sq_norms(model, lambda m: m(x).sum(1), "exact"), ref, rtol=1e-10, atol=0)
