@@ -14,7 +14,8 @@ def _inputs(b=3, t=7, d=5, p=6, dtype=torch.float64, seed=0):
     return torch.randn(b, t, d, generator=gen, dtype=dtype), torch.randn(b, t, p, generator=gen, dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [(3, 7, 5, 6), (2, 1, 8, 3), (4, 12, 2, 2)])
+@pytest.mark.parametrize("shape", [(3, 7, 5, 6), (2, 1, 8, 3), (4, 12, 2, 2)],
+                         ids=["ghost-materializes", "ghost-gram", "ghost-materializes-narrow"])
 def test_exact_equals_ghost_equals_torch_func(shape):
     b, t, d, p = shape
     layer = nn.Linear(d, p, bias=False).double()
