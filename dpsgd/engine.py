@@ -1266,18 +1266,22 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
                     noise_generator: torch.Generator | None, params: list | None = None,
-                    noise: StepNoise | None = None) -> list[torch.Tensor]:
+                    noise: StepNoise | None = None, in_place: bool = False) -> list[torch.Tensor]:
     """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
     draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
     be a list, one per tensor (hybrid clipping's per-group noise).
 
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
-    shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums)."""
+    shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums).  With ``in_place`` the
+    sums themselves are overwritten (no second parameter-sized buffer: the step's peak memory holds the sums and
+    one tensor's noise draw)."""
     out = []
     noise = GaussianNoise() if noise is None else noise
     stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
     for i, g in enumerate(sums):
         std = stds[i]
+        if not in_place:
+            g = g.clone()
         if std > 0:
             p = params[i] if params is not None else None
             device = noise_generator.device if noise_generator is not None else g.device
@@ -1285,8 +1289,9 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             xi = noise.sample(shape, noise_generator, device, g.dtype)
             if p is not None:
                 xi = local_part(p, xi)
-            g = g + std * xi.to(g.device)
-        out.append(g / expected_batch_size)
+            g.add_(xi.to(g.device), alpha=std)
+            del xi
+        out.append(g.div_(expected_batch_size))
     if not all(torch.isfinite(g).all() for g in out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
     return out

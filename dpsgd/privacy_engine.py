@@ -812,10 +812,17 @@ class PrivacyEngine:
         # one noise level per group (hybrid clipping's shape; else all equal)
         per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
         std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
-        noisy = noisy_gradients(sums, std, divisor,
-                                self._noise_rng, params=self.plan.params, noise=self._noise)
-        for p, g in zip(self.plan.params, noisy, strict=True):
-            p.grad = as_grad(p, g)
+        try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
+            noisy = noisy_gradients(sums, std, divisor, self._noise_rng, params=self.plan.params,
+                                    noise=self._noise, in_place=True)
+        except FloatingPointError:
+            self._reset_step_state()   # the sums were overwritten: the batch is dropped, nothing was written
+            raise
+        del sums
+        self._sums = {}
+        for i, p in enumerate(self.plan.params):
+            p.grad = as_grad(p, noisy[i])   # the same tensor when p is float32; else one cast at a time
+            noisy[i] = None
         self._optimizer.original_optimizer.step()
         self._record_step()  # the ledger: only after the step has happened
         self._capture.clear()

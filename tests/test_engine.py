@@ -196,3 +196,16 @@ def test_gpt2_conv1d_is_handled_like_linear():
     ref = sum(g.reshape(5, -1).square().sum(1) for g in grads.values())
     got = per_sample_sq_norms(model, lambda m: ((m(x) - y) ** 2).sum((1, 2)), "ghost")
     assert torch.allclose(got.double(), ref, rtol=1e-6)
+
+
+def test_noisy_gradients_in_place_overwrite_the_sums_and_otherwise_leave_them():
+    """The trainer's step adds noise into the clipped sums themselves: no second parameter-sized buffer."""
+    from dpsgd.engine import noisy_gradients
+
+    sums = [torch.ones(3, 2), torch.full((4,), 2.0)]
+    kept = [s.clone() for s in sums]
+    out = noisy_gradients(sums, 0.5, 4.0, torch.Generator().manual_seed(0))
+    assert all(torch.equal(s, k) for s, k in zip(sums, kept, strict=True))
+    again = noisy_gradients(sums, 0.5, 4.0, torch.Generator().manual_seed(0), in_place=True)
+    assert all(a.data_ptr() == s.data_ptr() for a, s in zip(again, sums, strict=True))
+    assert all(torch.equal(a, o) for a, o in zip(again, out, strict=True))
