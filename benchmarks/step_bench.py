@@ -30,6 +30,8 @@ same size).
     python benchmarks/step_bench.py --models llama-long --seq-len 2048 --batch 2 --steps 3 \
         --methods non-private hutch compiled-non-private compiled-hutch      # torch.compile (inductor)
     python benchmarks/step_bench.py --models mixtral --methods non-private hutch exact   # mixture of experts
+    python benchmarks/step_bench.py --models llama-1b-width --batch 1 --steps 2 --rounds 1   # real widths
+    python benchmarks/step_bench.py --models gpt2-small-width --batch 4 --steps 2 --rounds 1
 
 ``compiled-*`` compiles the model with ``torch.compile`` (inductor) before ``make_private``; the compile happens in
 the two warm-up steps and is not timed.  Ratios are against the eager non-private step; compare
@@ -54,7 +56,10 @@ MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd
           "cnn": "CNN on 32x32 RGB, 10 classes: 4 Conv2d (32-64 channels) each with GroupNorm, SiLU, linear head",
           "llama-long": "HF Llama-shaped decoder (hidden 256, MLP 688, 2 layers, 4 heads, vocab 1000, untied)",
           "mixtral": "HF Mixtral-shaped mixture of experts (hidden 128, 4 experts of MLP 344, top 2, 2 layers, "
-                     "vocab 1000)"}
+                     "vocab 1000)",
+          "llama-1b-width": "HF Llama at Llama-3.2-1B widths (hidden 2048, MLP 8192, 32 heads, 8 KV heads, vocab "
+                            "32000, untied), 1 layer",
+          "gpt2-small-width": "HF GPT-2 at GPT-2-small widths (768, 12 heads, vocab 50257, tied), 2 layers"}
 
 
 def build(model: str, t: int):
@@ -83,6 +88,16 @@ def build(model: str, t: int):
                                           eos_token_id=0)), 1000
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if model == "llama-1b-width":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                                            num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                                            max_position_embeddings=t, tie_word_embeddings=False, bos_token_id=0,
+                                            eos_token_id=0)), 32000
+    if model == "gpt2-small-width":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=t, n_embd=768, n_layer=2, n_head=12,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), 50257
     if model == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -214,7 +229,8 @@ def run(model: str, method: str, t: int, batch: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048, "mixtral": 512}
+DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048, "mixtral": 512, "llama-1b-width": 1024,
+             "gpt2-small-width": 512}
 
 
 def main() -> None:
