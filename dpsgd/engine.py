@@ -833,19 +833,27 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                 c_inf = bounds[j][1] * (1 - _margin(dtype))
                 total = masked_clipped_sum(per_example.to(losses.device), group_w[j], c_inf, twice.coordinate_rate,
                                            mask_generator)
-                if not torch.isfinite(total).all():
+                if not all_finite(total):
                     raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape).to(p.device)
         elif not norms_only:
-            for p, contributions in uses:
+            # each call's inputs and output gradients are freed once its last parameter's sum is formed, and the
+            # sums are formed from the output end (the language-model head's B T V gradient first), so that the
+            # sums grow as the recorded tensors shrink
+            left = {id(c): len(c.aliases) for c in reached}
+            for p, contributions in reversed(uses):
                 total = None
                 for call, local in contributions:
                     s = call.cache["unit"].handler.clipped_sum(call, local, weights.to(call.outputs[0].device))
                     s = s.to(torch.promote_types(s.dtype, dtype))
                     total = s if total is None else total + s
-                if not torch.isfinite(total).all():
+                if not all_finite(total):
                     raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape)
+                for call, _ in contributions:
+                    left[id(call)] -= 1
+                    if left[id(call)] == 0:
+                        _release(call)
     finally:
         capture.active = True
         for c in reached:
@@ -1099,6 +1107,21 @@ def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -
 _RECORDED = ("versions", "nodes", "unit", "probed", "autocast", "root", "share", "shared_inputs")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of a float32 or float64 tensor is finite, by its sum: a NaN or an infinity makes the sum
+    non-finite, and an overflowing sum only refuses (``torch.isfinite`` would hold several parameter-sized
+    temporaries at the step's peak)."""
+    return bool(torch.isfinite(t.sum()))
+
+
+def _release(call: Call) -> None:
+    """Drop what a consumed call holds: its recorded inputs, output gradients and derived values (its outputs stay:
+    the finished step still reads their devices)."""
+    call.grads = []
+    call.args, call.kwargs = (), {}
+    call.cache.clear()
+
+
 def _clear_derived(call: Call) -> None:
     for key in [k for k in call.cache if k not in _RECORDED]:
         del call.cache[key]
@@ -1118,7 +1141,7 @@ def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tens
     for p, _ in uses:
         if id(p) not in sums:
             sums[id(p)] = torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
-        elif not torch.isfinite(sums[id(p)]).all():
+        elif not all_finite(sums[id(p)]):
             raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
     return sums
 
@@ -1292,7 +1315,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             g.add_(xi.to(g.device), alpha=std)
             del xi
         out.append(g.div_(expected_batch_size))
-    if not all(torch.isfinite(g).all() for g in out):
+    if not all(all_finite(g) for g in out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
     return out
 
