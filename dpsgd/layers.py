@@ -54,7 +54,7 @@ from .validator import UnsupportedModuleError
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
-           "RootParameterHandler", "ROOT_PARAMETERS",
+           "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -418,7 +418,32 @@ class ExampleInputs:
     fix: object = None
 
 
-class FunctionalHandler(Handler):
+class MaterializedHandler(Handler):
+    """A handler that forms each example's gradient of every parameter (``_grads(call)``: name to ``(B, *shape)``):
+    norms, projections and clipped sums are read from them.  Exact (no chi-square terms)."""
+
+    def terms(self, module, name, estimator):
+        return None
+
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def sq_norms(self, call, name, estimator, k, generator):
+        g = self._grads(call)[name]
+        return g.reshape(g.shape[0], -1).to(compute_dtype(g)).square().sum(1)
+
+    def per_example(self, call, name, projection):
+        g = self._grads(call)[name]
+        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:])).to(compute_dtype(g))
+        return g if projection is None else g @ projection.to(g.dtype)
+
+    def clipped_sum(self, call, name, weights):
+        g = self._grads(call)[name]
+        g = g.to(compute_dtype(g))
+        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+
+
+class FunctionalHandler(MaterializedHandler):
     """Exact per-example gradients of any module by ``torch.func`` (vmap of a vector-Jacobian product).
 
     Each example's call is re-run on its slice of the recorded inputs (:meth:`inputs`: by default tensor
@@ -432,9 +457,6 @@ class FunctionalHandler(Handler):
 
     def reruns(self, module):
         return True
-
-    def terms(self, module, name, estimator):
-        return None
 
     def flattened_rows(self, module):
         return True
@@ -551,19 +573,6 @@ class FunctionalHandler(Handler):
             dims.append(cand[0])
         return dims
 
-    def sq_norms(self, call, name, estimator, k, generator):
-        g = self._grads(call)[name]
-        return g.reshape(g.shape[0], -1).to(compute_dtype(g)).square().sum(1)
-
-    def per_example(self, call, name, projection):
-        g = self._grads(call)[name]
-        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:])).to(compute_dtype(g))
-        return g if projection is None else g @ projection.to(g.dtype)
-
-    def clipped_sum(self, call, name, weights):
-        g = self._grads(call)[name]
-        g = g.to(compute_dtype(g))
-        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
 
 
 class ConvHandler(LinearHandler):
@@ -862,7 +871,7 @@ class RecurrentHandler(FunctionalHandler):
         return ExampleInputs(call.args, dict(call.kwargs), tuple(dims), kw_dims)
 
 
-class ParametrizedHandler(Handler):
+class ParametrizedHandler(MaterializedHandler):
     r"""A linear, convolution or embedding layer with parametrized tensors (``torch.nn.utils.parametrizations``:
     ``weight_norm``, ``spectral_norm``, ``orthogonal``; any ``parametrize.register_parametrization``).
 
@@ -881,9 +890,6 @@ class ParametrizedHandler(Handler):
 
     def needs_weights(self, module):
         return True
-
-    def terms(self, module, name, estimator):
-        return None
 
     def check_forward(self, call):
         self.base.check_forward(call)
@@ -916,48 +922,19 @@ class ParametrizedHandler(Handler):
         call.cache["per_example"] = out
         return out
 
-    def sq_norms(self, call, name, estimator, k, generator):
-        g = self._grads(call)[name]
-        return g.reshape(g.shape[0], -1).to(compute_dtype(g)).square().sum(1)
-
-    def per_example(self, call, name, projection):
-        g = self._grads(call)[name]
-        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:])).to(compute_dtype(g))
-        return g if projection is None else g @ projection.to(g.dtype)
-
-    def clipped_sum(self, call, name, weights):
-        g = self._grads(call)[name]
-        g = g.to(compute_dtype(g))
-        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
 
 
-class RootParameterHandler(Handler):
+class RootParameterHandler(MaterializedHandler):
     """Parameters of the model itself, not of a submodule (CLIP's ``logit_scale``, a learned position table kept on
     the model): each is an output shared by the batch (:mod:`dpsgd.shared`), its uses in the forward followed to
     where they meet the batch; example ``i``'s gradient is what flows back through example ``i``'s rows there.
     Exact (a point mass in the estimate's law); the model is not re-run."""
 
-    def terms(self, module, name, estimator):
-        return None
-
-    def _grad(self, call: Call, name: str) -> torch.Tensor:
-        g = call.grads[list(call.aliases).index(name)]
-        if g is None:
-            g = torch.zeros(call.batch_size, *call.aliases[name].shape, device=call.aliases[name].device)
-        return g.to(compute_dtype(g))
-
-    def sq_norms(self, call, name, estimator, k, generator):
-        g = self._grad(call, name)
-        return g.reshape(g.shape[0], -1).square().sum(1)
-
-    def per_example(self, call, name, projection):
-        g = self._grad(call, name)
-        g = g.reshape(g.shape[0], *matrix_view(g.shape[1:]))
-        return g if projection is None else g @ projection.to(g.dtype)
-
-    def clipped_sum(self, call, name, weights):
-        g = self._grad(call, name)
-        return torch.einsum("b...,b->...", g, weights.to(g.dtype))
+    def _grads(self, call: Call) -> dict[str, torch.Tensor]:
+        out = {}
+        for (name, alias), g in zip(call.aliases.items(), call.grads, strict=True):
+            out[name] = torch.zeros(call.batch_size, *alias.shape, device=alias.device) if g is None else g
+        return out
 
 
 def _plain_linear(module: nn.Module) -> bool:
