@@ -41,6 +41,7 @@ import contextlib
 import inspect
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,7 @@ from .validator import UnsupportedModuleError
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
-           "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler",
+           "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -789,6 +790,16 @@ def is_scaled_rmsnorm(module: nn.Module) -> bool:
 _MIXING_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 
 
+@contextlib.contextmanager
+def quiet_batching():
+    """A context that silences torch's notice that a kernel without a batching rule runs in a loop under ``vmap``
+    (the result is the same; the notice would appear in every run of a model that uses such a kernel)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented "
+                                                  "the batching rule")
+        yield
+
+
 def _replayed_autocast(call: Call):
     """The autocast the call's forward ran under (``call.cache["autocast"]``: device type and dtype), for its
     exact re-run; a no-op context when it ran without."""
@@ -915,7 +926,8 @@ class ParametrizedHandler(MaterializedHandler):
                 value, vjp = torch.func.vjp(lambda o, plist=plist: torch.func.functional_call(plist, o, ()),
                                             originals)
                 dw = self.base.per_example(call, tensor, None).reshape(b, *value.shape).to(value.dtype)
-                per = torch.func.vmap(lambda g, vjp=vjp: vjp(g)[0])(dw)
+                with quiet_batching():
+                    per = torch.func.vmap(lambda g, vjp=vjp: vjp(g)[0])(dw)
             finally:
                 plist.train(was)
             out.update({prefix + n: g for n, g in per.items()})

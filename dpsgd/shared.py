@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .layers import quiet_batching
+
 __all__ = ["SharedOutput", "Share", "share_output", "carrying_back"]
 
 _T = torch.Tensor
@@ -65,7 +67,7 @@ def _vjp(out, inp, grads) -> torch.Tensor | None:
     ``inp``, through the recorded graph, which is kept."""
     _CARRYING[0] += 1
     try:
-        with DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass(), quiet_batching():
             return torch.autograd.grad(out, inp, grads, is_grads_batched=True, retain_graph=True,
                                        allow_unused=True)[0]
     finally:

@@ -79,3 +79,14 @@ def test_a_parametrized_module_without_a_handler_of_its_own_is_refused_by_path()
     model = nn.Sequential(P.weight_norm(Scale(), name="w", dim=0), nn.Linear(4, 1))
     with pytest.raises(UnsupportedModuleError, match=r"0.parametrizations.w: .*linear, convolution or embedding"):
         per_sample_sq_norms(model, lambda m: m(torch.randn(3, 4)).squeeze(1), "exact")
+
+
+def test_a_parametrized_layer_runs_without_torch_batching_notices():
+    """weight_norm's backward has no vmap batching rule: torch's performance notice is not shown in every run."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), P.weight_norm(nn.Linear(4, 1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        per_sample_sq_norms(model, lambda m: m(torch.randn(3, 4)).squeeze(1), "exact")
+    assert not [w for w in caught if "performance drop" in str(w.message)]
