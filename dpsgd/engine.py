@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +54,8 @@ from .layers import (
     is_parameter_container,
     matrix_view,
     module_type,
+    per_leaf,
+    secret_seed,
 )
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
@@ -375,10 +376,9 @@ class Capture:
                 return None
             b = self._batch
             own = share is not None
-            if own:   # the root's own post-hook ran first (registered first) and forgot the batch size
-                b = share.b
-            if own:   # the model's own parameters: the call is their use, the aliases its outputs
-                args, kwargs, outs = (), {}, list(aliases.values())
+            if own:   # the model's own parameters: the call is their use, the aliases its outputs (and the root's
+                # own post-hook, registered first, has already forgotten the batch size)
+                b, args, kwargs, outs = share.b, (), {}, list(aliases.values())
             else:
                 outs = flat_tensors(output)
                 if not outs:
@@ -391,7 +391,7 @@ class Capture:
                     # logits): the model reads views, so each output's gradient is that of its uses outside
                     output = _fresh_views(output)
                     outs = flat_tensors(output)
-                one_row = b > 1 and output.dim() and output.shape[0] == 1 if isinstance(output, torch.Tensor) else False
+                one_row = isinstance(output, torch.Tensor) and b > 1 and output.dim() and output.shape[0] == 1
                 if self._batch is not None and len(outs) == 1 and isinstance(output, torch.Tensor) and (
                         one_row or _unbatched(args, kwargs, self._root_ints, b)):
                     # computed from no example's data (positions from torch.arange, a bias table, a prompt), or one
@@ -505,19 +505,16 @@ def _handler_call(c: Call, b: int) -> Call:
                 f"{name}'s output is combined with the batch both row by row and broadcast over it, so which rows "
                 f"are which example's is ambiguous; give the shared use a leading dimension of 1")
         return c
-    if not met:
-        if all(g is None or not g.any() for g in c.grads):
-            return c
-        raise IncompleteGradientError(
-            f"{name}'s output is shared by the batch (computed from no example's data) but reached the losses "
-            f"without meeting the batch in an operation whose rows are its examples, so its per-example gradient "
-            f"cannot be found; combine it with each example's rows inside the model (x + pos, scores + bias)")
     for g, p in zip(c.grads, per, strict=True):
         if p is None and g is not None and bool(g.ne(0).any()):
             raise IncompleteGradientError(
                 f"a part of {name}'s output that is shared by the batch reached the losses without meeting the batch "
-                f"in an operation the trainer follows (a custom autograd.Function, torch.vmap, operations with "
-                f"torch function handling off), so its per-example gradient cannot be found; the step was not taken")
+                f"in an operation the trainer follows (one combining it with each example's rows, as x + pos or "
+                f"scores + bias; not a custom autograd.Function, torch.vmap, or operations with torch function "
+                f"handling off), so its per-example gradient cannot be found; the step was not taken")
+    if not met:   # no gradient reached it at all
+        return c
+    for g, p in zip(c.grads, per, strict=True):
         if g is None or p is None:
             continue
         low = g.dtype in (torch.float16, torch.bfloat16) or c.cache.get("autocast")
@@ -532,19 +529,13 @@ def _handler_call(c: Call, b: int) -> Call:
 
     def expand(x):
         return x.unsqueeze(0).expand(b, *x.shape) if isinstance(x, torch.Tensor) else x
-    return Call(c.module, tuple(_per_tensor(x, expand) for x in c.args),
-                {n: _per_tensor(x, expand) for n, x in c.kwargs.items()}, c.outputs, c.aliases, b, per, c.cache)
-
-
-def _per_tensor(x: object, fn) -> object:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_per_tensor(v, fn) for v in x)
-    return fn(x)
+    return Call(c.module, tuple(per_leaf(x, expand) for x in c.args),
+                {n: per_leaf(x, expand) for n, x in c.kwargs.items()}, c.outputs, c.aliases, b, per, c.cache)
 
 
 def _secret_uniform() -> float:
     """A uniform draw from ``os.urandom``: no seed or generator of the user's can predict or replay it."""
-    return _secret_seed() / 2.0 ** 56
+    return secret_seed() / 2.0 ** 56
 
 
 def _state_of(model: nn.Module) -> tuple:
@@ -552,7 +543,7 @@ def _state_of(model: nn.Module) -> tuple:
     params = [(n, p, p._version) for n, p in model.named_parameters(remove_duplicate=False)]
     skip = _weight_only(model)
     buffers = [(n, b, b._version) for n, b in model.named_buffers(remove_duplicate=False) if n not in skip]
-    return params, buffers
+    return params, buffers, skip
 
 
 def _weight_only(model: nn.Module) -> set[str]:
@@ -563,11 +554,11 @@ def _weight_only(model: nn.Module) -> set[str]:
 
 
 def _changed_state(model: nn.Module, state: tuple) -> str | None:
-    params, buffers = state
+    params, buffers, skip = state
     for name, p, version in params:
         if p._version != version:
             return f"parameter {name}"
-    now = {n: b for n, b in model.named_buffers(remove_duplicate=False) if n not in _weight_only(model)}
+    now = {n: b for n, b in model.named_buffers(remove_duplicate=False) if n not in skip}
     for name, b, version in buffers:
         if now.get(name) is not b or b._version != version:
             return f"buffer {name}"
@@ -591,9 +582,8 @@ def _locate(module: nn.Module, local: str) -> tuple[nn.Module, str]:
 
 
 def _detach(x: object) -> object:
-    if isinstance(x, (tuple, list)):   # e.g. an LSTM's (h_0, c_0)
-        return type(x)(_detach(v) for v in x)
-    return x.detach() if isinstance(x, torch.Tensor) else x
+    """``x`` detached, in nested tuples and lists too (an LSTM's ``(h_0, c_0)``)."""
+    return per_leaf(x, lambda t: t.detach() if isinstance(t, torch.Tensor) else t)
 
 
 def _versions(call: Call) -> list[int]:
@@ -792,9 +782,8 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                              f"({b} examples): per-example gradients need one row per example. Outputs shared by the "
                              f"batch are read where they meet it when they are computed from no example's data "
                              f"(positions from torch.arange, a bias table) or have one row for the whole batch; rows "
-                             f"that flatten "
-                             f"the batch ((B*T, d), example-major) are supported by linear, embedding and "
-                             f"layer/RMS-norm handlers only")
+                             f"that flatten the batch ((B*T, d), example-major) are read by every handler but "
+                             f"convolutions and GroupNorm")
     capture.active = False
     try:
         uses = _uses(plan, reached)
@@ -906,7 +895,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
     rows = _secret_halves(b)
     for j in range(2 if attribution else 1):
         inside = rows if j == 0 else ~rows
-        v = torch.where(inside, 1 + torch.rand(b, generator=torch.Generator().manual_seed(_secret_seed()),
+        v = torch.where(inside, 1 + torch.rand(b, generator=torch.Generator().manual_seed(secret_seed()),
                                                dtype=torch.float64), 0.0)
         v = v.to(losses.device, losses.dtype)
         outside = (~inside).to(losses.device)
@@ -1055,13 +1044,9 @@ def _rows_ok(call: Call, t: torch.Tensor, b: int) -> bool:
     return (t.shape[0] % b == 0 and unit is not None and unit.handler.flattened_rows(call.module))
 
 
-def _secret_seed() -> int:
-    return int.from_bytes(os.urandom(7), "little")   # not the user's generators: their streams stay as they were
-
-
 def _secret_halves(b: int) -> torch.Tensor:
     """A random split of ``b >= 2`` rows into two non-empty parts (a boolean mask), from ``os.urandom``."""
-    g = torch.Generator().manual_seed(_secret_seed())
+    g = torch.Generator().manual_seed(secret_seed())
     while True:
         rows = torch.rand(b, generator=g) < 0.5
         if 0 < int(rows.sum()) < b:

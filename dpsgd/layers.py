@@ -55,7 +55,8 @@ from .validator import UnsupportedModuleError
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
-           "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching",
+           "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching", "per_leaf",
+           "secret_seed",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -257,7 +258,8 @@ class LinearHandler(Handler):
         w = call.aliases.get("weight", m.weight).detach()
         bias = call.aliases.get("bias", m.bias)
         dtype = compute_dtype(out, x)
-        r = torch.randn(out.shape[-1], generator=_forward_check_generator(), dtype=dtype).to(out.device)
+        directions = torch.Generator().manual_seed(secret_seed())
+        r = torch.randn(out.shape[-1], generator=directions, dtype=dtype).to(out.device)
         lhs = out.to(dtype) @ r
         rhs = x.to(dtype) @ (w.to(dtype).T @ r) + (0 if bias is None else bias.detach().to(dtype) @ r)
         tol = 5e-2 if out.dtype in (torch.float16, torch.bfloat16) or call.cache.get("autocast") else \
@@ -381,17 +383,17 @@ def _batched(x: object, b: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b
 
 
-def _per_leaf(x: object, fn) -> object:
+def per_leaf(x: object, fn) -> object:
     """``fn(leaf)`` for every leaf of a recorded input, in its nesting of tuples and lists."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_per_leaf(v, fn) for v in x)
+        return type(x)(per_leaf(v, fn) for v in x)
     return fn(x)
 
 
 def _leading(x: object, b: int) -> object:
     """Batch dimensions of a recorded input (nested tuples and lists too): 0 for a tensor whose leading
     dimension is the batch, ``None`` for anything passed whole."""
-    return _per_leaf(x, lambda t: 0 if _batched(t, b) else None)
+    return per_leaf(x, lambda t: 0 if _batched(t, b) else None)
 
 
 def _tree(fn, x: object, d: object) -> object:
@@ -470,7 +472,7 @@ class FunctionalHandler(MaterializedHandler):
         flat = rows if rows != b and rows % b == 0 else None
 
         def dims(x):
-            return _per_leaf(x, lambda t: 0 if _batched(t, b) or (flat and _batched(t, flat)) else None)
+            return per_leaf(x, lambda t: 0 if _batched(t, b) or (flat and _batched(t, flat)) else None)
         return ExampleInputs(call.args, dict(call.kwargs), tuple(dims(x) for x in call.args),
                              {n: dims(x) for n, x in call.kwargs.items()})
 
@@ -956,19 +958,15 @@ def _plain_linear(module: nn.Module) -> bool:
     return own <= {"weight", "bias"} and not any(True for c in module.children() for _ in c.parameters())
 
 
-def handler_for_type(module_class: type) -> Handler | None:
-    """The handler registered for ``module_class`` (``None`` if none)."""
-    return HANDLERS.get(module_class)
-
-
-def _forward_check_generator() -> torch.Generator:
-    """Directions for :meth:`LinearHandler.check_forward`, from ``os.urandom`` (not the user's generators)."""
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+def secret_seed() -> int:
+    """A seed from ``os.urandom``, for the engine's checks: not the user's generators, whose streams stay as they
+    were, and not predictable or replayable by the model."""
+    return int.from_bytes(os.urandom(7), "little")
 
 
 def _state_dims(x: object, b: int) -> object:
     """Batch dimensions of a recurrent state: 1 for a ``(layers, B, H)`` tensor, in nested tuples too."""
-    return _per_leaf(x, lambda t: 1 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == b else None)
+    return per_leaf(x, lambda t: 1 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == b else None)
 
 
 def flat_tensors(out: object) -> list[torch.Tensor]:
@@ -999,7 +997,7 @@ def handler_for(module: nn.Module) -> Handler:
     """The handler of ``module``: registered by type, GPT-2's ``Conv1D`` and subclasses of ``nn.Linear`` (checked
     per call, :meth:`LinearHandler.check_forward`) as linear, else the exact fallback."""
     if parametrize.is_parametrized(module):
-        base = handler_for_type(type(module).__bases__[0])
+        base = HANDLERS.get(type(module).__bases__[0])
         if isinstance(base, (LinearHandler, EmbeddingHandler)):
             return ParametrizedHandler(base)
     if module_type(module) in HANDLERS:

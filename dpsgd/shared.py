@@ -171,7 +171,7 @@ def share_output(out: torch.Tensor, share: Share) -> SharedOutput:
         return _mark(out, (share,))
 
 
-def _aligned(shape: torch.Size, target: tuple, b: int) -> tuple | None:
+def _broadcast(shape: torch.Size, target: tuple) -> tuple | None:
     """``shape`` padded on the left to ``len(target)`` if it broadcasts *along* the batch dimension of ``target``
     (its leading size is 1 there), else ``None`` (it has the batch dimension itself)."""
     if len(shape) > len(target):
@@ -182,7 +182,7 @@ def _aligned(shape: torch.Size, target: tuple, b: int) -> tuple | None:
 
 def _meet(s: torch.Tensor, target: tuple, b: int) -> torch.Tensor:
     """``s`` expanded to ``target`` (batch first), with a hook sending each example's summed gradient back."""
-    al = _aligned(s.shape, target, b)
+    al = _broadcast(s.shape, target)
     s_b = s.expand(target)
     shares = s._dp_shares
     shape = s.shape
@@ -213,7 +213,7 @@ def _elementwise(func, args, kwargs, leaves, b):
 
     def swap(x):
         if isinstance(x, SharedOutput) and x._dp_shares and x.requires_grad:
-            if _aligned(x.shape, target, b) is None:
+            if _broadcast(x.shape, target) is None:
                 aligned.append(x)
                 return x
             return _meet(x, target, b)
@@ -238,7 +238,7 @@ def _matmul(func, args, b):
         target = (*batch, *t.shape[-2:])
         if not (isinstance(t, SharedOutput) and t._dp_shares and t.requires_grad):
             new.append(t)
-        elif _aligned(t.shape, target, b) is None:
+        elif _broadcast(t.shape, target) is None:
             _mark_aligned([t])
             new.append(t)
         else:
@@ -250,7 +250,7 @@ def _matmul(func, args, b):
 
 def _expanded(out, s, b):
     if not (isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == b and s.requires_grad
-            and _aligned(s.shape, tuple(out.shape), b) is not None):
+            and _broadcast(s.shape, tuple(out.shape)) is not None):
         return out
     out = _meet(s, tuple(out.shape), b)
     _met(out)
@@ -260,7 +260,7 @@ def _expanded(out, s, b):
 def _repeat(args, b):
     s, *reps = args
     reps = tuple(reps[0]) if len(reps) == 1 and isinstance(reps[0], (tuple, list, torch.Size)) else tuple(reps)
-    al = _aligned(s.shape, reps, b) if len(reps) >= s.dim() else None
+    al = _broadcast(s.shape, reps) if len(reps) >= s.dim() else None
     if not reps or reps[0] != b or al is None or not s.requires_grad:
         return s.repeat(reps)
     t = s.reshape(al).repeat((1, *reps[1:]))   # everything but the batch repetition
@@ -278,7 +278,7 @@ def _attention(args, kwargs, b):
     mask, q, k = bound.get("attn_mask"), bound["query"], bound["key"]
     if isinstance(mask, SharedOutput) and mask._dp_shares and mask.requires_grad:
         target = (*q.shape[:-1], k.shape[-2])
-        if _aligned(mask.shape, target, b) is None:
+        if _broadcast(mask.shape, target) is None:
             _mark_aligned([mask])
         else:
             bound["attn_mask"] = _meet(mask, target, b)
@@ -309,7 +309,7 @@ def _generic(func, out, shared: list, b: int):
         return out
     operands = [t for t in dict.fromkeys(shared) if t.requires_grad]
     for t in operands:
-        if _aligned(t.shape, tuple(out.shape), b) is None and t.dim() == out.dim():
+        if _broadcast(t.shape, tuple(out.shape)) is None and t.dim() == out.dim():
             _mark_aligned([t])
             return out
 

@@ -285,3 +285,26 @@ def test_a_linear_subclass_with_parameters_of_its_own_goes_to_the_exact_fallback
     x = torch.randn(3, 4, dtype=torch.float64)
     ref = brute_force_sq_norms(model, lambda m, i: m(x).sum(1)[i], 3)
     assert torch.allclose(per_sample_sq_norms(model, lambda m: m(x).sum(1), "exact"), ref, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("name", ["nanogpt-arange", "own-parameters"])
+def test_adding_one_example_moves_the_clipped_sum_by_at_most_c_through_shared_outputs(name):
+    """The bound itself, through outputs every example reads: with sigma = 0 and lr = 1, the update of a batch and of
+    the same batch plus one example differ by at most C (float64), the added example's whole gradient (its part
+    through the shared positions and the model's own parameters included) clipped once."""
+    from dpsgd.engine import private_step
+
+    build, losses = CASES[name]
+    c = 0.05
+    ids = torch.randint(1, VOCAB, (6, T), generator=torch.Generator().manual_seed(3))
+
+    def update(batch):
+        torch.manual_seed(0)
+        model = build().double().train()
+        before = [p.detach().clone() for p in model.parameters()]
+        private_step(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda m: losses(m, batch),
+                     max_grad_norm=c, noise_multiplier=0.0, expected_batch_size=1.0, estimator="exact")
+        return torch.cat([(p.detach() - q).reshape(-1) for p, q in zip(model.parameters(), before, strict=True)])
+
+    gap = float((update(ids) - update(ids[:-1])).norm())
+    assert 0 < gap <= c * (1 + 1e-9)
