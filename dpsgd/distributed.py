@@ -28,11 +28,17 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _scalars(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor for a collective, on the device the process group's backend needs (NCCL: the current GPU)."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    return torch.tensor(values, dtype=dtype, device=torch.cuda.current_device() if nccl else "cpu")
+
+
 def broadcast_int(value: int) -> int:
     """Rank 0's ``value`` on every rank (identity without torch.distributed)."""
     if rank_world()[1] == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = _scalars([value], torch.int64)
     torch.distributed.broadcast(t, src=0)
     return int(t.item())
 
@@ -41,7 +47,7 @@ def all_sum(value: float) -> float:
     """The sum of ``value`` over ranks."""
     if rank_world()[1] == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = _scalars([value], torch.float64)
     torch.distributed.all_reduce(t)
     return float(t.item())
 
@@ -50,7 +56,7 @@ def check_same_on_ranks(value: float, name: str) -> None:
     """``ValueError`` on every rank unless ``value`` is the same on all of them (no-op in one process)."""
     if rank_world()[1] == 1:
         return
-    t = torch.tensor([float(value), -float(value)], dtype=torch.float64)
+    t = _scalars([float(value), -float(value)], torch.float64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     if t[0].item() != -t[1].item():
         raise ValueError(f"{name} differs between ranks (from {-t[1].item():g} to {t[0].item():g}); every rank must "
@@ -106,6 +112,6 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on some rank (``flag`` itself without torch.distributed)."""
     if rank_world()[1] == 1:
         return bool(flag)
-    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+    t = _scalars([int(bool(flag))], torch.int64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())

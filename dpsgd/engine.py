@@ -1275,11 +1275,14 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
 
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
-                    noise_generator: torch.Generator | None, params: list | None = None,
+                    noise_generator: torch.Generator | Callable[[torch.device], torch.Generator] | None,
+                    params: list | None = None,
                     noise: StepNoise | None = None, in_place: bool = False) -> list[torch.Tensor]:
     """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
     draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
-    be a list, one per tensor (hybrid clipping's per-group noise).
+    be a list, one per tensor (hybrid clipping's per-group noise).  ``noise_generator`` is one generator (the
+    noise is drawn on its device and moved), a function from a device to the generator that draws there (each
+    tensor's noise is drawn on its own device), or ``None`` (torch's default generator of each tensor's device).
 
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
     shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums).  With ``in_place`` the
@@ -1294,9 +1297,10 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             g = g.clone()
         if std > 0:
             p = params[i] if params is not None else None
-            device = noise_generator.device if noise_generator is not None else g.device
+            gen = noise_generator(g.device) if callable(noise_generator) else noise_generator
+            device = gen.device if gen is not None else g.device
             shape = g.shape if p is None else p.shape
-            xi = noise.sample(shape, noise_generator, device, g.dtype)
+            xi = noise.sample(shape, gen, device, g.dtype)
             if p is not None:
                 xi = local_part(p, xi)
             g.add_(xi.to(g.device), alpha=std)

@@ -511,7 +511,7 @@ class FunctionalHandler(MaterializedHandler):
             return vjp(tuple(gs))[0], out
 
         try:
-            with _replayed_autocast(call):
+            with _rerun(call):
                 per, outs = torch.func.vmap(one, in_dims=(None, tuple(out_dims), arg_dims, kw_dims))(
                     params, grads, args, kw_vals)
             _check_per_example(call, outs, out_dims, keep)
@@ -525,7 +525,7 @@ class FunctionalHandler(MaterializedHandler):
                                    f"Set its dropout to 0.") from err
         # some kernels have no batching rule (the float64 LSTM) or control flow depends on the data (a mixture of
         # experts' routing): the same computation, one example at a time
-        with _replayed_autocast(call):
+        with _rerun(call):
             rows = [one(params, tuple(g.select(d, i) for g, d in zip(grads, out_dims, strict=True)),
                         _tree(lambda x, d, i=i: x.select(d, i), args, arg_dims),
                         _tree(lambda x, d, i=i: x.select(d, i), kw_vals, kw_dims)) for i in range(b)]
@@ -544,7 +544,7 @@ class FunctionalHandler(MaterializedHandler):
                                                                          tie_weights=False))), prm)
             return vjp(tuple(gs))[0]
 
-        with _replayed_autocast(call):
+        with _rerun(call):
             try:
                 return torch.func.vmap(one, in_dims=(None, 0))(params, tuple(call.grads))
             except RuntimeError as err:
@@ -563,7 +563,7 @@ class FunctionalHandler(MaterializedHandler):
                   for n, x in inp.kwargs.items()}
         if inp.fix is not None:
             args, kwargs = inp.fix(args, kwargs)
-        with torch.no_grad(), _replayed_autocast(call):
+        with torch.no_grad(), _rerun(call):
             one = flat_tensors(torch.func.functional_call(call.module, params, args, kwargs, tie_weights=False))
         dims = []
         for j in keep:
@@ -802,11 +802,16 @@ def quiet_batching():
         yield
 
 
-def _replayed_autocast(call: Call):
-    """The autocast the call's forward ran under (``call.cache["autocast"]``: device type and dtype), for its
-    exact re-run; a no-op context when it ran without."""
+@contextlib.contextmanager
+def _rerun(call: Call):
+    """The context of a call's exact functional re-run: the autocast its forward ran under
+    (``call.cache["autocast"]``: device type and dtype), and cuDNN off, since cuDNN's recurrent kernels read the
+    raw storage of their weights, which functorch's wrapped parameters do not have (the native kernels compute the
+    same function; the re-run's outputs are compared with the forward's)."""
     state = call.cache.get("autocast")
-    return torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()
+    with torch.backends.cudnn.flags(enabled=False), \
+            (torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()):
+        yield
 
 
 def _check_per_example(call: Call, outs: tuple, out_dims: list[int], keep: list[int] | None = None) -> None:

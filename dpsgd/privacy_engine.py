@@ -529,7 +529,12 @@ class PrivacyEngine:
         self._projection_seed = seeds[1] + rank
         self._projection_rngs: dict[torch.device, torch.Generator] = {}
         noise_seed = broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
-        self._noise_rng = torch.Generator().manual_seed(noise_seed)              # the same noise on every rank
+        # one generator per device, all seeded alike: the same noise on every rank (ranks of one GPU type draw the
+        # same stream; the first step checks it), drawn where the parameters live (a CPU draw of a billion
+        # coordinates, copied to the GPU, would cost seconds a step)
+        self._noise_seed = noise_seed
+        self._noise_rngs: dict[torch.device, torch.Generator] = {}
+        self._noise_checked = False
         # one sampling rate for the whole data set, q = (expected batch over ranks) / (examples over ranks), on every
         # rank: each rank drawing its own shard's examples independently at q is a Poisson sample of the union
         n, batch = loader_size(data_loader)
@@ -720,6 +725,11 @@ class PrivacyEngine:
             self._projection_rngs[device] = torch.Generator(device=device).manual_seed(self._projection_seed)
         return self._projection_rngs[device]
 
+    def _noise_rng(self, device: torch.device) -> torch.Generator:
+        if device not in self._noise_rngs:
+            self._noise_rngs[device] = torch.Generator(device=device).manual_seed(self._noise_seed)
+        return self._noise_rngs[device]
+
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
@@ -818,6 +828,16 @@ class PrivacyEngine:
         except FloatingPointError:
             self._reset_step_state()   # the sums were overwritten: the batch is dropped, nothing was written
             raise
+        if not self._noise_checked:   # replicated parameters' noisy gradients are equal on every rank
+            first = next((g for p, g in zip(self.plan.params, noisy, strict=True) if not is_sharded(p)), None)
+            try:
+                check_same_on_ranks(0.0 if first is None else float(first.sum()),
+                                    "the first step's noisy gradient (the noise generators are seeded alike on every "
+                                    "rank, but GPUs of different types can draw different streams from one seed)")
+            except ValueError:
+                self._reset_step_state()
+                raise
+            self._noise_checked = True
         del sums
         self._sums = {}
         for i, p in enumerate(self.plan.params):
@@ -907,7 +927,7 @@ class PrivacyEngine:
                 "sampling_rng": self._sampling_rng.get_state(),
                 "projection_rngs": {str(d): g.get_state() for d, g in self._projection_rngs.items()},
                 "mask_rngs": {} if self.secure_mode else {str(d): g.get_state() for d, g in self._mask_rngs.items()},
-                "noise_rng": None if self.secure_mode else self._noise_rng.get_state()}
+                "noise_rngs": {} if self.secure_mode else {str(d): g.get_state() for d, g in self._noise_rngs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the settings must equal this engine's (else ValueError); the ledger and generators continue."""
@@ -922,5 +942,8 @@ class PrivacyEngine:
             self._projection_rng(torch.device(d)).set_state(s)
         for d, s in state.get("mask_rngs", {}).items():
             self._mask_rng(torch.device(d)).set_state(s)
-        if state["noise_rng"] is not None and not self.secure_mode:
-            self._noise_rng.set_state(state["noise_rng"])
+        if not self.secure_mode:
+            for d, s in state.get("noise_rngs", {}).items():
+                self._noise_rng(torch.device(d)).set_state(s)
+            if state.get("noise_rng") is not None:   # a checkpoint of a version that drew all noise on the CPU
+                self._noise_rng(torch.device("cpu")).set_state(state["noise_rng"])

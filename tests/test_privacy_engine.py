@@ -184,5 +184,5 @@ def test_secure_mode_draws_noise_from_the_os():
             noise_multiplier=1.0, estimator="exact", seed=4)
         _epoch(model, opt, crit, loader)
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        assert engine.state_dict()["noise_rng"] is None
+        assert engine.state_dict()["noise_rngs"] == {}
     assert not torch.allclose(finals[0], finals[1])

@@ -38,7 +38,9 @@ def llama(tied: bool = True, checkpointing: bool = False) -> nn.Module:
                       tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = LlamaForCausalLM(cfg)
     if checkpointing:
-        model.activation_checkpointing_enable()  # Hugging Face's default: non-reentrant
+        # Hugging Face's default: non-reentrant (gradient_checkpointing_enable before transformers' rename)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     return model
 
 
@@ -69,7 +71,7 @@ class AttentionLM(nn.Module):
 
     def forward(self, ids):
         x = self.emb(ids)
-        mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device), 1)
         y, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
         return self.head(x + y)
 
