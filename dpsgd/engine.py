@@ -50,6 +50,7 @@ from .layers import (
     Handler,
     RootParameterHandler,
     flat_tensors,
+    full_float32,
     handler_for,
     is_parameter_container,
     matrix_view,
@@ -785,7 +786,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                              f"that flatten the batch ((B*T, d), example-major) are read by every handler but "
                              f"convolutions and GroupNorm")
     capture.active = False
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(full_float32())
         uses = _uses(plan, reached)
         n = torch.zeros(b, dtype=torch.float64, device=losses.device)
         bounds = None if twice is None else twice.bounds(max_grad_norm)
@@ -844,6 +847,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                     if left[id(call)] == 0:
                         _release(call)
     finally:
+        stack.close()
         capture.active = True
         for c in reached:
             c.cache.clear()

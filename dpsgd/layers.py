@@ -56,8 +56,81 @@ __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "Embedd
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
            "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching", "per_leaf",
-           "secret_seed",
+           "secret_seed", "full_float32", "weighted_products", "wide_mm",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
+
+
+@contextlib.contextmanager
+def full_float32():
+    """float32 matrix products and convolutions in full precision (no TF32) while norms and clipped sums are
+    formed: TF32 rounds float32 inputs to 10 bits, more than the clip bound's rounding margin allows."""
+    old = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = old
+
+
+def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    r"""``sum_i w_i left_i^T right_i`` in ``dtype`` (float32 or float64) for ``left`` ``(B, T, m)`` and ``right``
+    ``(B, T, n)`` in any floating dtype, never forming a wide copy of more than one example.
+
+    On CUDA, half-precision inputs are multiplied one example at a time by a half-precision kernel with a float32
+    result (:func:`wide_mm`; the product of two bf16 or fp16 numbers is exact in float32, so this is float32
+    arithmetic on the same inputs at the half-precision kernel's speed), and each example's weight is applied in
+    float32 after its product: a weight applied to half-precision rows would be rounded with them, and the clipped
+    contribution could exceed ``C``.  Otherwise one contraction of wide copies, made for this product only, with
+    the weights folded in.
+
+    >>> import torch
+    >>> a, g = torch.randn(3, 5, 4).bfloat16(), torch.randn(3, 5, 2).bfloat16()
+    >>> w = torch.tensor([1.0, 0.5, 0.0])
+    >>> s = weighted_products(g, a, w, torch.float32)
+    >>> ref = torch.einsum("b,bto,bti->oi", w, g.float(), a.float())
+    >>> s.dtype, bool(torch.allclose(s, ref))
+    (torch.float32, True)
+    """
+    if not (left.dtype == right.dtype and left.is_cuda and _wide_kernel(left.device, left.dtype)
+            and dtype == torch.float32):   # wide copies of this layer's inputs, for this product only
+        return torch.einsum("btm,btn->mn", left.to(dtype) * weights.to(dtype)[:, None, None], right.to(dtype))
+    out = torch.zeros(left.shape[2], right.shape[2], dtype=dtype, device=left.device)
+    for i, w in enumerate(weights.tolist()):
+        if w != 0:
+            out.add_(wide_mm(left[i].T, right[i], dtype), alpha=w)
+    return out
+
+
+def wide_mm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ y`` with a ``dtype`` (float32 or float64) result and wide accumulation: a half-precision CUDA kernel
+    with a float32 output where both inputs are bf16 or fp16 on a GPU whose kernel passes :func:`_wide_kernel`'s
+    probe, else the product of ``dtype`` copies."""
+    if x.dtype == y.dtype and x.is_cuda and dtype == torch.float32 and _wide_kernel(x.device, x.dtype):
+        return torch.mm(x, y, out_dtype=torch.float32)
+    return x.to(dtype) @ y.to(dtype)
+
+
+_WIDE_KERNELS: dict = {}
+
+
+def _wide_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` exists for ``dtype`` on ``device`` and equals float32
+    arithmetic on the same inputs (probed once per device and dtype, on fixed inputs)."""
+    key = (str(device), dtype)
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if key not in _WIDE_KERNELS:
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randn(shape, generator=g).to(dtype) for shape in ((64, 512), (512, 48)))
+        ref = x.double() @ y.double()
+        try:
+            with full_float32():
+                got = torch.mm(x.to(device), y.to(device), out_dtype=torch.float32).double().cpu()
+            _WIDE_KERNELS[key] = bool(((got - ref).abs() <= 1e-5 * (x.double().abs() @ y.double().abs())).all())
+        except (RuntimeError, NotImplementedError, TypeError):
+            _WIDE_KERNELS[key] = False
+    return _WIDE_KERNELS[key]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -272,13 +345,19 @@ class LinearHandler(Handler):
                 f"the linear handler cannot read it; register a handler for it "
                 f"(dpsgd.layers.register_handler({type(m).__name__}, dpsgd.layers.FunctionalHandler()))")
 
-    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-        if "ag" not in call.cache:
-            b = call.batch_size
-            a, g = call.args[0], _single_grad(call, type(call.module).__name__)
+    def _ag(self, call: Call, wide: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, G)`` as ``(B, T, d)`` and ``(B, T, p)``; ``wide``: in float32 (float64) for the norms, as copies
+        made for this use only (kept for every layer, the copies of a bf16 model's inputs and output gradients
+        would triple what the step holds)."""
+        b = call.batch_size
+        a, g = _as_btd(call.args[0], b), _as_btd(_single_grad(call, type(call.module).__name__), b)
+        state = call.cache.get("autocast")
+        if state and state[0] == a.device.type and a.dtype != state[1] and a.is_floating_point():
+            a = a.to(state[1])   # the input the forward's product read: autocast rounds it first
+        if wide:
             dtype = compute_dtype(a, g)
-            call.cache["ag"] = (_as_btd(a, b).to(dtype), _as_btd(g, b).to(dtype))
-        return call.cache["ag"]
+            a, g = a.to(dtype), g.to(dtype)
+        return a, g
 
     def flattened_rows(self, module):
         return True
@@ -308,13 +387,13 @@ class LinearHandler(Handler):
         return torch.bmm(left.transpose(1, 2), right)
 
     def clipped_sum(self, call, name, weights):
-        a, g = self._ag(call)
-        gc = g * weights.to(g.dtype)[:, None, None]
+        a, g = self._ag(call, wide=False)
+        dtype = compute_dtype(a, g)
         if name == "bias":
-            return gc.sum((0, 1))
+            return (g.to(dtype) * weights.to(dtype)[:, None, None]).sum((0, 1))
         if is_conv1d(call.module):
-            return torch.einsum("bti,bto->io", a, gc)
-        return torch.einsum("bto,bti->oi", gc, a)
+            return weighted_products(a, g, weights, dtype)
+        return weighted_products(g, a, weights, dtype)
 
 
 class EmbeddingHandler(Handler):

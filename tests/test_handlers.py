@@ -202,3 +202,26 @@ def test_initial_states_and_attention_masks_give_exact_per_example_norms(make):
         got = per_sample_sq_norms(model, lambda m, x=x: m(x), "exact")
         ref = brute_force_sq_norms(model, lambda m, i, x=x: m(x)[i], b)
         assert torch.allclose(got, ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weighted_products_of_half_inputs_are_the_wide_arithmetic_of_the_same_values(dtype):
+    from dpsgd.layers import weighted_products
+
+    gen = torch.Generator().manual_seed(0)
+    g, a = torch.randn(4, 16, 6, generator=gen).to(dtype), torch.randn(4, 16, 5, generator=gen).to(dtype)
+    w = torch.tensor([1.0, 0.3, 0.0, 1e-3])
+    got = weighted_products(g, a, w, torch.float32)
+    ref = torch.einsum("b,bto,bti->oi", w.double(), g.double(), a.double())
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_full_float32_turns_tf32_off_inside_and_restores_the_settings():
+    from dpsgd.layers import full_float32
+
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    with full_float32():
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cudnn.fp32_precision == "ieee"
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision) == before
