@@ -1407,8 +1407,8 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
         result = clipped_backward(capture, losses, c, k, generator, clipping_pass=clipping_pass)
     finally:
         capture.remove()
-    sums = [result.sums.get(id(p), torch.zeros(p.shape, device=p.device,
-                                               dtype=torch.promote_types(p.dtype, torch.float32)))
+    sums = [result.sums[id(p)] if id(p) in result.sums else
+            torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
             for p in plan.params]
     new = noisy_gradients(sums, sigma * c, b_bar, noise_generator)
     for p, g in zip(plan.params, new, strict=True):

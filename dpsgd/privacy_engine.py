@@ -808,8 +808,10 @@ class PrivacyEngine:
                                f"loss.backward() on an unrecorded forward, or an assignment); the private step "
                                f"uses only the clipped sums of DPLoss.backward(). Call optimizer.zero_grad() "
                                f"first if that gradient is to be dropped.")
-        sums = [self._sums.get(id(p), torch.zeros(p.shape, device=p.device,
-                                                  dtype=torch.promote_types(p.dtype, torch.float32)))
+        # a parameter no example reached gets zeros (made only then: dict.get's default would fill one
+        # parameter-sized tensor for every parameter)
+        sums = [self._sums[id(p)] if id(p) in self._sums else
+                torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
                 for p in self.plan.params]
         # per-example norms stay local; the clipped sums add up across ranks (all-reduce, or reduce-scatter
         # for FSDP2's sharded parameters)
