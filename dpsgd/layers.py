@@ -122,11 +122,13 @@ def _wide_kernel(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if key not in _WIDE_KERNELS:
         g = torch.Generator().manual_seed(0)
-        x, y = (torch.randn(shape, generator=g).to(dtype) for shape in ((64, 512), (512, 48)))
+        # the layout of its use: a transposed slice of the output gradients times a slice of the inputs
+        xt, y = (torch.randn(shape, generator=g).to(dtype) for shape in ((512, 64), (512, 48)))
+        x = xt.T
         ref = x.double() @ y.double()
         try:
             with full_float32():
-                got = torch.mm(x.to(device), y.to(device), out_dtype=torch.float32).double().cpu()
+                got = torch.mm(xt.to(device).T, y.to(device), out_dtype=torch.float32).double().cpu()
             _WIDE_KERNELS[key] = bool(((got - ref).abs() <= 1e-5 * (x.double().abs() @ y.double().abs())).all())
         except (RuntimeError, NotImplementedError, TypeError):
             _WIDE_KERNELS[key] = False
