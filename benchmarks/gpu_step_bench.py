@@ -170,6 +170,11 @@ def main() -> None:
             check_times.append(time.perf_counter() - t0)
     dpsgd.engine._check_rows = counted_check_rows
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    if args.device == "cuda":   # whether half-precision clipped sums run on the half-precision kernel
+        from dpsgd.layers import wide_kernel_available
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        name += f" (bf16 kernel with a float32 result: {wide_kernel_available(dev, torch.bfloat16)})"
     print(f"{name}, torch {torch.__version__}; {args.steps} timed steps per run after 2 "
           f"warm-up steps, {args.rounds} round-robin rounds; 'at rate': expected s/step with a fraction {rate} of "
           f"the steps checked; memory: torch.cuda.max_memory_allocated above the model, optimizer and batch",

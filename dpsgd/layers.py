@@ -56,7 +56,7 @@ __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "Embedd
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
            "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching", "per_leaf",
-           "secret_seed", "full_float32", "weighted_products", "wide_mm",
+           "secret_seed", "full_float32", "weighted_products", "wide_mm", "wide_kernel_available",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -92,7 +92,7 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
     >>> s.dtype, bool(torch.allclose(s, ref))
     (torch.float32, True)
     """
-    if not (left.dtype == right.dtype and left.is_cuda and _wide_kernel(left.device, left.dtype)
+    if not (left.dtype == right.dtype and left.is_cuda and wide_kernel_available(left.device, left.dtype)
             and dtype == torch.float32):   # wide copies of this layer's inputs, for this product only
         return torch.einsum("btm,btn->mn", left.to(dtype) * weights.to(dtype)[:, None, None], right.to(dtype))
     out = torch.zeros(left.shape[2], right.shape[2], dtype=dtype, device=left.device)
@@ -104,9 +104,9 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
 
 def wide_mm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x @ y`` with a ``dtype`` (float32 or float64) result and wide accumulation: a half-precision CUDA kernel
-    with a float32 output where both inputs are bf16 or fp16 on a GPU whose kernel passes :func:`_wide_kernel`'s
-    probe, else the product of ``dtype`` copies."""
-    if x.dtype == y.dtype and x.is_cuda and dtype == torch.float32 and _wide_kernel(x.device, x.dtype):
+    with a float32 output where both inputs are bf16 or fp16 on a GPU whose kernel passes
+    :func:`wide_kernel_available`'s probe, else the product of ``dtype`` copies."""
+    if x.dtype == y.dtype and x.is_cuda and dtype == torch.float32 and wide_kernel_available(x.device, x.dtype):
         return torch.mm(x, y, out_dtype=torch.float32)
     return x.to(dtype) @ y.to(dtype)
 
@@ -114,7 +114,7 @@ def wide_mm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 _WIDE_KERNELS: dict = {}
 
 
-def _wide_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+def wide_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(..., out_dtype=torch.float32)`` exists for ``dtype`` on ``device`` and equals float32
     arithmetic on the same inputs (probed once per device and dtype, on fixed inputs)."""
     key = (str(device), dtype)
