@@ -825,8 +825,6 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                 c_inf = bounds[j][1] * (1 - _margin(dtype))
                 total = masked_clipped_sum(per_example.to(losses.device), group_w[j], c_inf, twice.coordinate_rate,
                                            mask_generator)
-                if not all_finite(total):
-                    raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape).to(p.device)
         elif not norms_only:
             # each call's inputs and output gradients are freed once its last parameter's sum is formed, and the
@@ -839,13 +837,13 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                     s = call.cache["unit"].handler.clipped_sum(call, local, weights.to(call.outputs[0].device))
                     s = s.to(torch.promote_types(s.dtype, dtype))
                     total = s if total is None else total + s
-                if not all_finite(total):
-                    raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
                 sums[id(p)] = total.reshape(p.shape)
                 for call, _ in contributions:
                     left[id(call)] -= 1
                     if left[id(call)] == 0:
                         _release(call)
+        if not all_finite(*sums.values()):   # one check for all of them
+            raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
     finally:
         stack.close()
         capture.active = True
@@ -1098,11 +1096,17 @@ def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -
 _RECORDED = ("versions", "nodes", "unit", "probed", "autocast", "root", "share", "shared_inputs")
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every entry of a float32 or float64 tensor is finite, by its sum: a NaN or an infinity makes the sum
-    non-finite, and an overflowing sum only refuses (``torch.isfinite`` would hold several parameter-sized
-    temporaries at the step's peak)."""
-    return bool(torch.isfinite(t.sum()))
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every entry of float32 or float64 tensors is finite, by each one's sum: a NaN or an infinity makes
+    the sum non-finite, and an overflowing sum only refuses (``torch.isfinite`` would hold several
+    parameter-sized temporaries at the step's peak).  One answer for all of them: on a GPU, one synchronization
+    instead of one a tensor."""
+    if not tensors:
+        return True
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.sum().to(torch.float64))
+    return all(bool(torch.isfinite(torch.stack(sums)).all()) for sums in by_device.values())
 
 
 def _release(call: Call) -> None:
@@ -1132,8 +1136,6 @@ def _second_backward(capture: Capture, losses: torch.Tensor, weights: torch.Tens
     for p, _ in uses:
         if id(p) not in sums:
             sums[id(p)] = torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
-        elif not all_finite(sums[id(p)]):
-            raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
     return sums
 
 
@@ -1310,7 +1312,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             g.add_(xi.to(g.device), alpha=std)
             del xi
         out.append(g.div_(expected_batch_size))
-    if not all(all_finite(g) for g in out):
+    if not all_finite(*out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
     return out
 

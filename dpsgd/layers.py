@@ -96,9 +96,9 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
             and dtype == torch.float32):   # wide copies of this layer's inputs, for this product only
         return torch.einsum("btm,btn->mn", left.to(dtype) * weights.to(dtype)[:, None, None], right.to(dtype))
     out = torch.zeros(left.shape[2], right.shape[2], dtype=dtype, device=left.device)
-    for i, w in enumerate(weights.tolist()):
-        if w != 0:
-            out.add_(wide_mm(left[i].T, right[i], dtype), alpha=w)
+    weights = weights.to(left.device, dtype)
+    for i in range(left.shape[0]):   # the weight as a device scalar: no synchronization per example
+        out.add_(wide_mm(left[i].T, right[i], dtype).mul_(weights[i]))
     return out
 
 
