@@ -1297,6 +1297,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
     out = []
     noise = GaussianNoise() if noise is None else noise
     stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
+    scratch: dict = {}   # one buffer per device and dtype, as large as the largest draw, reused for every tensor
     for i, g in enumerate(sums):
         std = stds[i]
         if not in_place:
@@ -1306,12 +1307,18 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             gen = noise_generator(g.device) if callable(noise_generator) else noise_generator
             device = gen.device if gen is not None else g.device
             shape = g.shape if p is None else p.shape
-            xi = noise.sample(shape, gen, device, g.dtype)
+            key = (torch.device(device), g.dtype)
+            if key not in scratch:
+                largest = max(math.prod(t.shape if q is None else q.shape) for t, q in
+                              zip(sums, params if params is not None else [None] * len(sums), strict=True))
+                scratch[key] = torch.empty(largest, device=device, dtype=g.dtype)
+            xi = noise.sample_into(scratch[key][:math.prod(shape)].view(shape), gen)
             if p is not None:
                 xi = local_part(p, xi)
             g.add_(xi.to(g.device), alpha=std)
             del xi
         out.append(g.div_(expected_batch_size))
+    del scratch
     if not all_finite(*out):
         raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
     return out

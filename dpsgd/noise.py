@@ -55,6 +55,11 @@ class StepNoise(ABC):
                dtype: torch.dtype) -> torch.Tensor:
         """Independent draws of unit scale (the step multiplies them by ``noise_multiplier * C``)."""
 
+    def sample_into(self, out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """:meth:`sample` written into ``out`` (its shape, device and dtype); returns ``out``.  A subclass that can
+        draw in place overrides it (a reused buffer is filled without the page faults of a fresh allocation)."""
+        return out.copy_(self.sample(out.shape, generator, out.device, out.dtype))
+
     @abstractmethod
     def mechanism(self, noise_multiplier: float, sample_rate: float, envelope: Envelope | None = None):
         """The dpmath mechanism of one Poisson-sampled step with this noise at ``noise_multiplier``
@@ -91,6 +96,9 @@ class GaussianNoise(StepNoise):
 
     def sample(self, shape, generator, device, dtype):
         return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def sample_into(self, out, generator):
+        return out.normal_(generator=generator)   # the same draws as torch.randn from the same generator state
 
     def mechanism(self, noise_multiplier, sample_rate, envelope=None):
         if envelope is None:

@@ -209,3 +209,15 @@ def test_noisy_gradients_in_place_overwrite_the_sums_and_otherwise_leave_them():
     again = noisy_gradients(sums, 0.5, 4.0, torch.Generator().manual_seed(0), in_place=True)
     assert all(a.data_ptr() == s.data_ptr() for a, s in zip(again, sums, strict=True))
     assert all(torch.equal(a, o) for a, o in zip(again, out, strict=True))
+
+
+def test_noise_drawn_into_a_reused_buffer_is_the_generators_gaussian_stream():
+    # the same draws as torch.randn from the same generator state, tensor after tensor (a checkpoint's generator
+    # state continues the same noise)
+    from dpsgd.engine import noisy_gradients
+
+    shapes = [(3, 5), (7,), (), (2, 2)]
+    got = noisy_gradients([torch.zeros(s) for s in shapes], 1.0, 1.0, torch.Generator().manual_seed(3))
+    ref = torch.Generator().manual_seed(3)
+    for g, s in zip(got, shapes, strict=True):
+        assert torch.equal(g, torch.randn(s, generator=ref))
