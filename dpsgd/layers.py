@@ -64,12 +64,17 @@ __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "Embedd
 def full_float32():
     """float32 matrix products and convolutions in full precision (no TF32) while norms and clipped sums are
     formed: TF32 rounds float32 inputs to 10 bits, more than the clip bound's rounding margin allows."""
-    old = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "ieee"
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    # torch's precision settings, or on a torch that predates them its TF32 switches
+    names = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    old = getattr(matmul, names[0]), getattr(cudnn, names[0])
+    setattr(matmul, names[0], names[1])
+    setattr(cudnn, names[0], names[1])
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = old
+        setattr(matmul, names[0], old[0])
+        setattr(cudnn, names[0], old[1])
 
 
 def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor,
