@@ -56,7 +56,7 @@ __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "Embedd
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
            "ConvHandler", "NormalizationHandler",
            "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching", "per_leaf",
-           "secret_seed", "full_float32", "weighted_products", "wide_mm", "wide_kernel_available",
+           "secret_seed", "full_float32", "weighted_products", "wide_kernel_available",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
 
 
@@ -80,11 +80,12 @@ def full_float32():
 def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor,
                       dtype: torch.dtype) -> torch.Tensor:
     r"""``sum_i w_i left_i^T right_i`` in ``dtype`` (float32 or float64) for ``left`` ``(B, T, m)`` and ``right``
-    ``(B, T, n)`` in any floating dtype, never forming a wide copy of more than one example.
+    ``(B, T, n)`` in any floating dtype; wide copies of the inputs, if any, are made for this product only.
 
     On CUDA, half-precision inputs are multiplied one example at a time by a half-precision kernel with a float32
-    result (:func:`wide_mm`; the product of two bf16 or fp16 numbers is exact in float32, so this is float32
-    arithmetic on the same inputs at the half-precision kernel's speed), and each example's weight is applied in
+    result (``torch.mm(..., out_dtype=torch.float32)``, where :func:`wide_kernel_available`: the product of two
+    bf16 or fp16 numbers is exact in float32, so this is float32 arithmetic on the same inputs at the
+    half-precision kernel's speed), and each example's weight is applied in
     float32 after its product: a weight applied to half-precision rows would be rounded with them, and the clipped
     contribution could exceed ``C``.  Otherwise one contraction of wide copies, made for this product only, with
     the weights folded in.
@@ -103,17 +104,8 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
     out = torch.zeros(left.shape[2], right.shape[2], dtype=dtype, device=left.device)
     weights = weights.to(left.device, dtype)
     for i in range(left.shape[0]):   # the weight as a device scalar: no synchronization per example
-        out.add_(wide_mm(left[i].T, right[i], dtype).mul_(weights[i]))
+        out.add_(torch.mm(left[i].T, right[i], out_dtype=torch.float32).mul_(weights[i]))
     return out
-
-
-def wide_mm(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ y`` with a ``dtype`` (float32 or float64) result and wide accumulation: a half-precision CUDA kernel
-    with a float32 output where both inputs are bf16 or fp16 on a GPU whose kernel passes
-    :func:`wide_kernel_available`'s probe, else the product of ``dtype`` copies."""
-    if x.dtype == y.dtype and x.is_cuda and dtype == torch.float32 and wide_kernel_available(x.device, x.dtype):
-        return torch.mm(x, y, out_dtype=torch.float32)
-    return x.to(dtype) @ y.to(dtype)
 
 
 _WIDE_KERNELS: dict = {}
@@ -352,18 +344,15 @@ class LinearHandler(Handler):
                 f"the linear handler cannot read it; register a handler for it "
                 f"(dpsgd.layers.register_handler({type(m).__name__}, dpsgd.layers.FunctionalHandler()))")
 
-    def _ag(self, call: Call, wide: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A, G)`` as ``(B, T, d)`` and ``(B, T, p)``; ``wide``: in float32 (float64) for the norms, as copies
-        made for this use only (kept for every layer, the copies of a bf16 model's inputs and output gradients
-        would triple what the step holds)."""
+    def _ag(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, G)`` as ``(B, T, d)`` and ``(B, T, p)`` in the dtypes the forward's product used; each use widens
+        what it reads (:func:`compute_dtype`) for itself only: kept for every layer, wide copies of a bf16 model's
+        inputs and output gradients would triple what the step holds."""
         b = call.batch_size
         a, g = _as_btd(call.args[0], b), _as_btd(_single_grad(call, type(call.module).__name__), b)
         state = call.cache.get("autocast")
         if state and state[0] == a.device.type and a.dtype != state[1] and a.is_floating_point():
             a = a.to(state[1])   # the input the forward's product read: autocast rounds it first
-        if wide:
-            dtype = compute_dtype(a, g)
-            a, g = a.to(dtype), g.to(dtype)
         return a, g
 
     def flattened_rows(self, module):
@@ -376,25 +365,29 @@ class LinearHandler(Handler):
 
     def sq_norms(self, call, name, estimator, k, generator):
         a, g = self._ag(call)
+        dtype = compute_dtype(a, g)
         if name == "bias":
-            return _bias_sq_norms(g.sum(1), estimator, k, generator)
+            return _bias_sq_norms(g.to(dtype).sum(1), estimator, k, generator)
+        a, g = a.to(dtype), g.to(dtype)
         fn = ESTIMATORS[estimator]
         return fn(a, g) if estimator in ("exact", "ghost") else fn(a, g, k, generator)
 
     def per_example(self, call, name, projection):
         a, g = self._ag(call)
+        dtype = compute_dtype(a, g)
         conv1d = is_conv1d(call.module)
         if name == "bias":   # (B, 1, d_out)
-            s = g.sum(1, keepdim=True)
+            s = g.to(dtype).sum(1, keepdim=True)
             return s if projection is None else s @ projection.to(s.dtype)
         # Linear: M = G^T A (d_out x d_in), cols = d_in; Conv1D: M = A^T G (d_in x d_out), cols = d_out
+        a, g = a.to(dtype), g.to(dtype)
         left, right = (a, g) if conv1d else (g, a)
         if projection is not None:
             right = right @ projection.to(right.dtype)
         return torch.bmm(left.transpose(1, 2), right)
 
     def clipped_sum(self, call, name, weights):
-        a, g = self._ag(call, wide=False)
+        a, g = self._ag(call)
         dtype = compute_dtype(a, g)
         if name == "bias":
             return (g.to(dtype) * weights.to(dtype)[:, None, None]).sum((0, 1))

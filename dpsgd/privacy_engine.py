@@ -343,6 +343,30 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
 
+class _DeviceGenerators:
+    """One torch generator per device, all seeded alike and made on first use: each draw happens on the device of
+    the tensors it is for (a CUDA device without an index is the current one, so one device has one stream)."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device | str) -> torch.Generator:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def states(self) -> dict[str, torch.Tensor]:
+        return {str(d): g.get_state() for d, g in self._generators.items()}
+
+    def load(self, states: dict[str, torch.Tensor]) -> None:
+        for d, s in states.items():
+            self(d).set_state(s)
+
+
 class PrivacyEngine:
     r"""Makes a model, optimizer, loss and data loader private with DP-SGD-RC, and keeps the privacy ledger.
 
@@ -390,7 +414,7 @@ class PrivacyEngine:
         self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
         self._sampling: PoissonSampling | TwiceSampling | HybridClipping = PoissonSampling()   # read-only too
         self._ranks: list[int] = []   # coordinates per sampling group
-        self._mask_rngs: dict[torch.device, torch.Generator] = {}
+        self._mask_rngs = _DeviceGenerators()   # twice sampling's masks; seeded by make_private
         self._epsilon_accountant: tuple[tuple, PLDAccountant] | None = None  # reused while the ledger is unchanged
         self.plan: NormPlan | None = None
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
@@ -526,14 +550,12 @@ class PrivacyEngine:
         base = torch.Generator().manual_seed(broadcast_int(root))
         seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
         self._sampling_rng = torch.Generator().manual_seed(seeds[3 + rank])   # each rank samples its own shard
-        self._projection_seed = seeds[1] + rank
-        self._projection_rngs: dict[torch.device, torch.Generator] = {}
+        self._projection_rngs = _DeviceGenerators(seeds[1] + rank)
         noise_seed = broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
         # one generator per device, all seeded alike: the same noise on every rank (ranks of one GPU type draw the
         # same stream; the first step checks it), drawn where the parameters live (a CPU draw of a billion
         # coordinates, copied to the GPU, would cost seconds a step)
-        self._noise_seed = noise_seed
-        self._noise_rngs: dict[torch.device, torch.Generator] = {}
+        self._noise_rngs = _DeviceGenerators(noise_seed)
         self._noise_checked = False
         # one sampling rate for the whole data set, q = (expected batch over ranks) / (examples over ranks), on every
         # rank: each rank drawing its own shard's examples independently at q is a Poisson sample of the union
@@ -580,7 +602,8 @@ class PrivacyEngine:
         if sampling.per_coordinate:
             self._settings["sampling"] = sampling.settings()
             # the masks are sampling randomness: from os.urandom in secure mode, like the noise
-            self._mask_seed = (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1
+            self._mask_rngs = _DeviceGenerators(
+                (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1)
         self._read_ledger()
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
@@ -668,11 +691,6 @@ class PrivacyEngine:
         sampling.check_groups(ranks, max_grad_norm)
         return ranks
 
-    def _mask_rng(self, device: torch.device) -> torch.Generator:
-        if device not in self._mask_rngs:
-            self._mask_rngs[device] = torch.Generator(device=device).manual_seed(self._mask_seed)
-        return self._mask_rngs[device]
-
     def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
         """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""
         if world > 1 or any(is_sharded(p) for p in self.plan.params):
@@ -720,23 +738,13 @@ class PrivacyEngine:
         if self._capture is None:
             raise RuntimeError("call make_private(...) on this PrivacyEngine first")
 
-    def _projection_rng(self, device: torch.device) -> torch.Generator:
-        if device not in self._projection_rngs:
-            self._projection_rngs[device] = torch.Generator(device=device).manual_seed(self._projection_seed)
-        return self._projection_rngs[device]
-
-    def _noise_rng(self, device: torch.device) -> torch.Generator:
-        if device not in self._noise_rngs:
-            self._noise_rngs[device] = torch.Generator(device=device).manual_seed(self._noise_seed)
-        return self._noise_rngs[device]
-
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
-        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rng(device),
+        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rngs(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
-                                  mask_generator=None if twice is None else self._mask_rng(device))
+                                  mask_generator=None if twice is None else self._mask_rngs(device))
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:
@@ -825,7 +833,7 @@ class PrivacyEngine:
         per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
         std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
-            noisy = noisy_gradients(sums, std, divisor, self._noise_rng, params=self.plan.params,
+            noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,
                                     noise=self._noise, in_place=True)
         except FloatingPointError:
             self._reset_step_state()   # the sums were overwritten: the batch is dropped, nothing was written
@@ -927,9 +935,9 @@ class PrivacyEngine:
         self._require_private()
         return {"settings": dict(self._settings), "steps": self._steps,
                 "sampling_rng": self._sampling_rng.get_state(),
-                "projection_rngs": {str(d): g.get_state() for d, g in self._projection_rngs.items()},
-                "mask_rngs": {} if self.secure_mode else {str(d): g.get_state() for d, g in self._mask_rngs.items()},
-                "noise_rngs": {} if self.secure_mode else {str(d): g.get_state() for d, g in self._noise_rngs.items()}}
+                "projection_rngs": self._projection_rngs.states(),
+                "mask_rngs": {} if self.secure_mode else self._mask_rngs.states(),
+                "noise_rngs": {} if self.secure_mode else self._noise_rngs.states()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the settings must equal this engine's (else ValueError); the ledger and generators continue."""
@@ -940,12 +948,9 @@ class PrivacyEngine:
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
         self._sampling_rng.set_state(state["sampling_rng"])
-        for d, s in state.get("projection_rngs", {}).items():
-            self._projection_rng(torch.device(d)).set_state(s)
-        for d, s in state.get("mask_rngs", {}).items():
-            self._mask_rng(torch.device(d)).set_state(s)
+        self._projection_rngs.load(state.get("projection_rngs", {}))
+        self._mask_rngs.load(state.get("mask_rngs", {}))
         if not self.secure_mode:
-            for d, s in state.get("noise_rngs", {}).items():
-                self._noise_rng(torch.device(d)).set_state(s)
+            self._noise_rngs.load(state.get("noise_rngs", {}))
             if state.get("noise_rng") is not None:   # a checkpoint of a version that drew all noise on the CPU
-                self._noise_rng(torch.device("cpu")).set_state(state["noise_rng"])
+                self._noise_rngs("cpu").set_state(state["noise_rng"])
