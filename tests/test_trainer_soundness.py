@@ -600,3 +600,31 @@ def test_a_loss_that_starts_mixing_examples_after_the_first_step_is_refused():
             eng.clipped_backward(capture, model(x).roll(1, dims=0).square().sum(1), 1.0, 4, None)
     finally:
         capture.remove()
+
+
+def test_under_autocast_each_examples_contribution_to_a_batch_sum_is_within_c():
+    """B = 4 under bf16 autocast, exact norms: example j's contribution is the batch's clipped sum minus that of
+    the batch without j (clip weights are per example), and its norm is at most C up to float32 rounding of the
+    other examples' sums (the norms and the sums read the same (A, G), whichever precision they are in)."""
+    pytest.importorskip("transformers")
+    from .workloads import gpt2
+
+    torch.manual_seed(0)
+    ids = data(4)
+    model = gpt2().train()
+    plan = NormPlan.build(model, "exact")
+    c = 1e-2
+
+    def sums(rows):
+        capture = Capture(plan)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = lm_losses(model, ids[rows])
+            return clipped_backward(capture, losses.float(), c, 1, None).sums
+        finally:
+            capture.remove()
+    full = sums(list(range(4)))
+    for j in range(4):
+        rest = sums([i for i in range(4) if i != j])
+        diff = math.sqrt(sum(float((full[k].double() - rest[k].double()).square().sum()) for k in full))
+        assert diff <= c * (1 + 1e-3), (j, diff)
