@@ -30,7 +30,7 @@ import time
 import warnings
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from step_bench import LM  # noqa: E402
+from step_bench import LM, count_checks, endless, lm_loss  # noqa: E402
 
 METHODS = ["non-private", "hutch", "hutchpp", "ghost", "exact", "opacus-ghost"]
 
@@ -91,27 +91,15 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
             noise_multiplier=1.0, estimator=method, k=32, poisson_sampling=False, seed=0)
     lm = LM(model)
-    batches = iter(loader)
+    batches = endless(loader)
 
     def step():
-        nonlocal batches
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
+        x, y = next(batches)
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "autocast"):
             logits = lm(x)[:, :-1]
-        target = y[:, 1:]
-        if method == "non-private":
-            loss = crit(logits.reshape(-1, vocab), target.reshape(-1))
-        elif method == "opacus-ghost":   # Opacus 1.6: flattened tokens and the logits' shape
-            loss = crit(logits.reshape(-1, vocab), target.reshape(-1), shape=logits.shape)
-        else:                            # ours: (B, T, V) logits, (B, T) targets, a mean per example
-            loss = crit(logits, target)
-        loss.backward()
+        lm_loss(method, crit, logits, y[:, 1:], vocab).backward()
         opt.step()
         if cuda:
             torch.cuda.synchronize()
@@ -137,7 +125,6 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
 def main() -> None:
     import torch
 
-    import dpsgd.engine
     from dpsgd.engine import DEFAULT_CHECK_RATE as rate
 
     warnings.filterwarnings("ignore")
@@ -158,17 +145,7 @@ def main() -> None:
         import opacus  # noqa: F401
     except ImportError:
         methods = [m for m in methods if m != "opacus-ghost"]
-    # time the trainer's row checks: it looks _check_rows up in its module on every step
-    check_times: list = []
-    check_rows = dpsgd.engine._check_rows
-
-    def counted_check_rows(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return check_rows(*a, **kw)
-        finally:
-            check_times.append(time.perf_counter() - t0)
-    dpsgd.engine._check_rows = counted_check_rows
+    check_times = count_checks()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     if args.device == "cuda":   # whether half-precision clipped sums run on the half-precision kernel
         from dpsgd.layers import wide_kernel_available

@@ -115,6 +115,39 @@ def build(model: str, t: int):
                                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)), 1000
 
 
+def count_checks() -> list:
+    """A list that receives the seconds of every row check the trainer runs from now on (it looks
+    ``_check_rows`` up in its module on every step)."""
+    import dpsgd.engine
+
+    checks: list = []
+    check_rows = dpsgd.engine._check_rows
+
+    def counted_check_rows(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return check_rows(*args, **kwargs)
+        finally:
+            checks.append(time.perf_counter() - t0)
+    dpsgd.engine._check_rows = counted_check_rows
+    return checks
+
+
+def endless(loader):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
+
+
+def lm_loss(method: str, crit, logits, target, vocab: int):
+    """Next-token loss as each method's criterion takes it."""
+    if method == "non-private":
+        return crit(logits.reshape(-1, vocab), target.reshape(-1))
+    if method == "opacus-ghost":   # Opacus 1.6: flattened tokens and the logits' shape
+        return crit(logits.reshape(-1, vocab), target.reshape(-1), shape=logits.shape)
+    return crit(logits, target)    # ours: (B, T, V) logits, (B, T) targets, a mean per example
+
+
 class LM:
     """Logits of a tiny decoder or an HF causal LM, as a plain tensor."""
 
@@ -131,21 +164,10 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import dpsgd.engine
     from dpsgd import PrivacyEngine
 
     warnings.filterwarnings("ignore")
-    # count the row checks and time them: the trainer looks _check_rows up in its module on every step
-    checks = []
-    check_rows = dpsgd.engine._check_rows
-
-    def counted_check_rows(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return check_rows(*args, **kwargs)
-        finally:
-            checks.append(time.perf_counter() - t0)
-    dpsgd.engine._check_rows = counted_check_rows
+    checks = count_checks()
     model, vocab = build(model_name, t)
     model.train()
     if model_name == "tiny":   # the demo's classification task: logits (B, classes), targets (B,)
@@ -181,28 +203,16 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
         if method.endswith("-every-step"):
             engine.check_every_step = True
     lm = LM(model)
-    batches = iter(loader)
+    batches = endless(loader)
 
     def step():
-        nonlocal batches
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
+        x, y = next(batches)
         opt.zero_grad()
         if model_name in ("tiny", "cnn"):
             crit(lm(x), y).backward()
             opt.step()
             return
-        logits, target = lm(x)[:, :-1], y[:, 1:]
-        if method == "non-private":
-            loss = crit(logits.reshape(-1, vocab), target.reshape(-1))
-        elif method == "opacus-ghost":   # Opacus 1.6: flattened tokens and the logits' shape
-            loss = crit(logits.reshape(-1, vocab), target.reshape(-1), shape=logits.shape)
-        else:                            # ours: (B, T, V) logits, (B, T) targets, a mean per example
-            loss = crit(logits, target)
-        loss.backward()
+        lm_loss(method, crit, lm(x)[:, :-1], y[:, 1:], vocab).backward()
         opt.step()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step()   # warm-up: a private trainer's first step is always checked (two passes), and counts in the peak
