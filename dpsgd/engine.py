@@ -15,8 +15,9 @@ One step, for per-example losses ``L_i`` of a forward that :class:`Capture` reco
    of every call.  Any real parameter that receives gradient raises :class:`IncompleteGradientError`;
 4. **norms**: per parameter, the handler's per-example squared norm; a parameter with several calls
    (tied embeddings, a module called twice, two forwards before one backward) gets the norm of its
-   *summed* per-example gradient (``exact``/``ghost``/``hutchpp``: materialized; ``hutch``: every use
-   projected with one ``P``, so the estimate stays a chi-square mixture of the summed gradient);
+   *summed* per-example gradient (``exact``/``ghost``: materialized; ``hutch``: every use projected with
+   one ``P``, so the estimate stays a chi-square mixture of the summed gradient; ``hutchpp``: the sketch
+   and the probes applied through every use's products, never forming the sum);
 5. **weights** ``c_i = min(1, C' / sqrt(n_i))`` with ``C' = C (1 - margin)`` (a rounding margin of
    ``2^-17`` in float32, ``2^-46`` in float64), and **clipped sums** ``sum_i c_i g_i`` formed from the
    same ``(A, G)`` by each handler, in float32 or float64, never in half precision.
@@ -42,7 +43,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 
 from .distributed import any_rank, check_sharding, is_sharded, local_part
-from .estimators import ESTIMATORS, check_k, gaussian_projection
+from .estimators import ESTIMATORS, check_k, gaussian_projection, hutchpp_operator
 from .layers import (
     ROOT_PARAMETERS,
     Call,
@@ -191,8 +192,8 @@ class NormPlan:
                 t = None
             elif len(owners) == 1:
                 t = ts[0]
-            else:  # tied: every use projected with one P, a chi-square mixture of the summed gradient
-                t = min(matrix_view(p.shape)) if estimator == "hutch" else None
+            else:  # tied: the summed gradient estimated through every use's products (hutch: one P for all)
+                t = min(matrix_view(p.shape)) if estimator in ("hutch", "hutchpp") else None
             plan.terms[plan.names[id(p)]] = t
         return plan
 
@@ -1221,18 +1222,33 @@ def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int
     if len(contributions) == 1:
         call, local = contributions[0]
         return call.cache["unit"].handler.sq_norms(call, local, estimator, k, generator)
-    # several calls: the norm of the summed per-example gradient
-    projected = estimator == "hutch" and plan.terms[plan.names[id(p)]] is not None
-    proj = None
-    total = None
-    for call, local in contributions:
-        if projected and proj is None:
-            like = call.outputs[0]
-            like = like.to(torch.promote_types(like.dtype, torch.float32))
-            proj = gaussian_projection(matrix_view(p.shape)[1], k, like, generator)
-        s = call.cache["unit"].handler.per_example(call, local, proj)
-        total = s if total is None else total + s.to(total.dtype)
-    return total.reshape(total.shape[0], -1).square().sum(1)
+    # several calls: the norm of the summed per-example gradient M = sum_u M_u, from each use's products
+    estimated = plan.terms[plan.names[id(p)]] is not None
+
+    def apply(x: torch.Tensor | None) -> torch.Tensor:   # M x (x: shared or per-example), or M itself
+        total = None
+        for call, local in contributions:
+            s = call.cache["unit"].handler.per_example(call, local, x)
+            total = s if total is None else total + s.to(total.dtype)
+        return total
+
+    if not estimated:
+        m = apply(None)
+        return m.reshape(m.shape[0], -1).square().sum(1)
+    like = contributions[0][0].outputs[0]
+    like = like.to(torch.promote_types(like.dtype, torch.float32))
+    cols = matrix_view(p.shape)[1]
+    if estimator == "hutch":   # one P for every use: a chi-square mixture of the summed gradient
+        return apply(gaussian_projection(cols, k, like, generator)).square().sum((1, 2))
+
+    def apply_transposed(y: torch.Tensor) -> torch.Tensor:
+        total = None
+        for call, local in contributions:
+            s = call.cache["unit"].handler.transposed_product(call, local, y)
+            total = s if total is None else total + s.to(total.dtype)
+        return total
+
+    return hutchpp_operator(apply, apply_transposed, cols, k, like, generator)
 
 
 def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str = "hutch",

@@ -25,10 +25,11 @@ Inputs of 2 dimensions are treated as ``T = 1``; half-precision inputs are compu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["exact", "ghost", "hutch", "hutchpp", "ESTIMATORS", "check_k", "gaussian_projection"]
+__all__ = ["exact", "ghost", "hutch", "hutchpp", "hutchpp_operator", "ESTIMATORS", "check_k", "gaussian_projection"]
 
 
 def _prepare(activations: torch.Tensor, output_grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,15 +201,44 @@ def hutchpp(activations: torch.Tensor, output_grads: torch.Tensor, k: int,
     """
     k = check_k(k)
     a, g = _oriented(*_prepare(activations, output_grads))
-    s = gaussian_projection(g.shape[-1], k, g, generator)
-    p = gaussian_projection(g.shape[-1], k, g, generator)
     at = a.transpose(1, 2)
-    ms = torch.bmm(at, g @ s)                                  # M S: (B, d, k)
-    sketch = torch.bmm(g.transpose(1, 2), torch.bmm(a, ms))   # M^T M S: (B, p, k)
-    q = torch.linalg.qr(sketch, mode="reduced").Q              # (B, p, k)
-    mq = torch.bmm(at, torch.bmm(g, q))                        # M Q: (B, d, k)
-    mp = torch.bmm(at, g @ p)                                  # M P: (B, d, k)
-    rest = mp - torch.bmm(mq, torch.matmul(q.transpose(1, 2), p))
+    return hutchpp_operator(lambda x: torch.bmm(at, torch.matmul(g, x)),     # M x = A^T (G x)
+                            lambda y: torch.bmm(g.transpose(1, 2), torch.bmm(a, y)),   # M^T y = G^T (A y)
+                            g.shape[-1], k, g, generator)
+
+
+def hutchpp_operator(apply: Callable[[torch.Tensor], torch.Tensor],
+                     apply_transposed: Callable[[torch.Tensor], torch.Tensor],
+                     cols: int, k: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    r"""The Hutch++ estimate of :func:`hutchpp` for per-example matrices ``M_i`` (``rows x cols``) given only as
+    products: ``apply(X)`` is ``M_i X_i`` and ``apply_transposed(Y)`` is ``M_i^T Y_i``.
+
+    ``X`` is ``cols x k`` (shared by the batch) or ``B x cols x k``; ``Y`` is ``B x rows x k``.  A parameter used
+    by several calls (tied embeddings) has ``M_i = sum_u M_{i,u}``: both products are sums of each use's, so
+    the estimate of the summed gradient never forms it.  Draws ``S`` then ``P`` (``cols x k``, i.i.d.
+    ``N(0, 1/k)``, on ``like``'s device and dtype) from ``generator``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(B,)``: ``||M Q||_F^2 + ||M P - (M Q)(Q^T P)||_F^2`` with ``Q`` an orthonormal basis of
+        ``M^T M S``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpsgd.estimators import exact, hutchpp_operator
+    >>> a, g = torch.randn(2, 5, 3, dtype=torch.float64), torch.randn(2, 5, 2, dtype=torch.float64)
+    >>> est = hutchpp_operator(lambda x: a.transpose(1, 2) @ (g @ x), lambda y: g.transpose(1, 2) @ (a @ y),
+    ...                        2, 2, a, torch.Generator().manual_seed(0))   # rank 2 <= k: exact
+    >>> bool(torch.allclose(est, exact(a, g)))
+    True
+    """
+    s = gaussian_projection(cols, k, like, generator)
+    p = gaussian_projection(cols, k, like, generator)
+    q = torch.linalg.qr(apply_transposed(apply(s)), mode="reduced").Q   # (B, cols, k)
+    mq = apply(q)                                                       # M Q: (B, rows, k)
+    rest = apply(p) - torch.bmm(mq, torch.matmul(q.transpose(1, 2), p))
     return mq.square().sum(dim=(1, 2)) + rest.square().sum(dim=(1, 2))
 
 

@@ -203,7 +203,15 @@ class Handler:
         raise NotImplementedError
 
     def per_example(self, call: Call, name: str, projection: torch.Tensor | None) -> torch.Tensor:
+        """Example ``i``'s gradient ``M_i`` of parameter ``name`` in this call, as a ``rows x cols`` matrix
+        (:func:`matrix_view`), times ``projection`` (``cols x k``, or ``B x cols x k``: one per example) when given."""
         raise NotImplementedError
+
+    def transposed_product(self, call: Call, name: str, y: torch.Tensor) -> torch.Tensor:
+        """``M_i^T y_i`` for ``y`` of shape ``B x rows x k`` (Hutch++ on a parameter with several calls).  By default
+        from the materialized ``M_i``; handlers that can, override it with products that never form ``M_i``."""
+        m = self.per_example(call, name, None)
+        return torch.matmul(m.transpose(1, 2), y.to(m.dtype))
 
     def clipped_sum(self, call: Call, name: str, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -386,6 +394,16 @@ class LinearHandler(Handler):
             right = right @ projection.to(right.dtype)
         return torch.bmm(left.transpose(1, 2), right)
 
+    def transposed_product(self, call, name, y):
+        a, g = self._ag(call)
+        dtype = compute_dtype(a, g)
+        y = y.to(dtype)
+        if name == "bias":   # M_i = the 1 x d_out row sum of G_i
+            return torch.matmul(g.to(dtype).sum(1, keepdim=True).transpose(1, 2), y)
+        a, g = a.to(dtype), g.to(dtype)
+        left, right = (a, g) if is_conv1d(call.module) else (g, a)   # M = left^T right, as in per_example
+        return torch.bmm(right.transpose(1, 2), torch.bmm(left, y))
+
     def clipped_sum(self, call, name, weights):
         a, g = self._ag(call)
         dtype = compute_dtype(a, g)
@@ -401,7 +419,9 @@ class EmbeddingHandler(Handler):
 
     Rows of ``G_i`` (of ``G_i P`` under ``hutch``: ``min(V, p)`` terms) are summed per distinct token id
     with ``index_add``; the ``V x p`` per-example gradient is never formed for the norm.  ``hutchpp`` uses
-    the exact index-based norm (its sketch buys nothing here), a point mass in the law.
+    the exact index-based norm (its sketch buys nothing here), a point mass in the law, unless the weight is
+    tied to another call's (an output head): then Hutch++ sketches the summed gradient through
+    :meth:`per_example` and :meth:`transposed_product`, a gather of ``y``'s rows at the token ids.
     """
 
     reads_output = False
@@ -450,6 +470,11 @@ class EmbeddingHandler(Handler):
         out = torch.zeros(call.batch_size * v, g.shape[-1], device=g.device, dtype=g.dtype)
         out[uniq] = rows
         return out.reshape(call.batch_size, v, -1)
+
+    def transposed_product(self, call, name, y):
+        idx, g = self._ig(call)   # M_i^T y_i = G_i^T (the rows of y_i at example i's token ids)
+        rows = y.to(g.dtype).gather(1, idx.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        return torch.bmm(g.transpose(1, 2), rows)
 
     def clipped_sum(self, call, name, weights):
         idx, g = self._ig(call)
@@ -743,6 +768,11 @@ class ConvHandler(LinearHandler):
         if self._grouped(call.module):
             return _FUNCTIONAL.per_example(call, name, projection)
         return super().per_example(call, name, projection)
+
+    def transposed_product(self, call, name, y):
+        if self._grouped(call.module):
+            return _FUNCTIONAL.transposed_product(call, name, y)
+        return super().transposed_product(call, name, y)
 
     def clipped_sum(self, call, name, weights):
         if self._grouped(call.module):

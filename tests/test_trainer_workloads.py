@@ -148,3 +148,36 @@ def test_unknown_clipping_pass_is_refused_by_name():
         private_step(make("gpt2_tied"), torch.optim.SGD(make("gpt2_tied").parameters(), lr=1.0),
                      lambda m: lm_losses(m, data(2)), max_grad_norm=1.0, noise_multiplier=0.0,
                      expected_batch_size=2, clipping_pass="twice")
+
+
+@pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied", "module_called_twice"])
+def test_hutchpp_with_a_sketch_as_wide_as_every_matrix_rank_equals_brute_force_on_shared_weights(name):
+    """k = 40 >= min(rows, cols) of every weight (hidden 32, vocabulary 40): Hutch++'s sketch spans each
+    per-example gradient, so the estimate is the exact norm, tied and twice-called weights included."""
+    model = make(name, seed=4)
+    ids = data(3, seed=4)
+    ref = brute_force_sq_norms(model, lambda m, i: lm_losses(m, ids[i:i + 1])[0], 3)
+    got = per_sample_sq_norms(model, lambda m: lm_losses(m, ids), "hutchpp", k=40,
+                              generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(got, ref, rtol=1e-8, atol=0), (got, ref)
+
+
+def test_hutchpp_on_a_tied_embedding_never_forms_the_summed_per_example_gradient(monkeypatch):
+    """The tied weight's Hutch++ estimate reads each use only through products with k columns: the V x d
+    per-example gradient (B V d numbers, 617 MB at GPT-2-small widths and B = 4) is never formed."""
+    from dpsgd.layers import EmbeddingHandler, LinearHandler
+
+    for cls in (EmbeddingHandler, LinearHandler):
+        original = cls.per_example
+
+        def guarded(self, call, name, projection, original=original):
+            assert projection is not None, "a per-example gradient was materialized"
+            return original(self, call, name, projection)
+        monkeypatch.setattr(cls, "per_example", guarded)
+    model = make("gpt2_tied", seed=4)
+    plan = NormPlan.build(model, "hutchpp")
+    assert plan.terms["transformer.wte.weight"] == 32        # min(V = 40, d = 32): estimated, not a point mass
+    ids = data(2, seed=4)
+    got = per_sample_sq_norms(model, lambda m: lm_losses(m, ids), "hutchpp", k=4,
+                              generator=torch.Generator().manual_seed(0))
+    assert got.shape == (2,) and bool(torch.isfinite(got).all())
