@@ -88,7 +88,8 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
     half-precision kernel's speed), and each example's weight is applied in
     float32 after its product: a weight applied to half-precision rows would be rounded with them, and the clipped
     contribution could exceed ``C``.  Otherwise one contraction of wide copies, made for this product only, with
-    the weights folded in.
+    the weights folded into the narrower side (an output head's ``B x T x V`` gradient is not copied to be
+    weighted: its ``B x T x d`` inputs are).
 
     >>> import torch
     >>> a, g = torch.randn(3, 5, 4).bfloat16(), torch.randn(3, 5, 2).bfloat16()
@@ -100,7 +101,10 @@ def weighted_products(left: torch.Tensor, right: torch.Tensor, weights: torch.Te
     """
     if not (left.dtype == right.dtype and left.is_cuda and wide_kernel_available(left.device, left.dtype)
             and dtype == torch.float32):   # wide copies of this layer's inputs, for this product only
-        return torch.einsum("btm,btn->mn", left.to(dtype) * weights.to(dtype)[:, None, None], right.to(dtype))
+        w = weights.to(dtype)[:, None, None]
+        if left.shape[2] <= right.shape[2]:
+            return torch.einsum("btm,btn->mn", left.to(dtype) * w, right.to(dtype))
+        return torch.einsum("btm,btn->mn", left.to(dtype), right.to(dtype) * w)
     out = torch.zeros(left.shape[2], right.shape[2], dtype=dtype, device=left.device)
     weights = weights.to(left.device, dtype)
     for i in range(left.shape[0]):   # the weight as a device scalar: no synchronization per example
