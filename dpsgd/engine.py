@@ -934,12 +934,25 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
                 h.remove()
             return
         try:
-            grads = torch.autograd.grad((losses * v).sum(), targets + [x for _, x in probed], allow_unused=True,
+            if attribution:
+                # autograd's gradient of each alias is compared with its handler's sum as soon as both exist, then
+                # dropped: the pass never holds every parameter's gradient and sum at once
+                index = {id(c): i for i, c in enumerate(calls)}
+                for c, local in pairs:
+                    handles.append(c.aliases[local].register_post_accumulate_grad_hook(
+                        _alias_hook(sums, (index[id(c)], local))))
+                torch.autograd.backward((losses * v).sum(), inputs=targets + [x for _, x in probed],
                                         retain_graph=True)
+                grads = [x.grad for _, x in probed]
+                for _, x in probed:
+                    x.grad = None
+            else:
+                grads = torch.autograd.grad((losses * v).sum(), targets + [x for _, x in probed],
+                                            allow_unused=True, retain_graph=True)[len(targets):]
         finally:
             for h in handles:
                 h.remove()
-        for (name, _), g in zip(probed, grads[len(targets):], strict=True):
+        for (name, _), g in zip(probed, grads, strict=True):
             if g is not None and _nonzero_rows(g, outside.to(g.device)):
                 mixed.append((-1, f"the input {name}"))
         if mixed:
@@ -948,7 +961,7 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
             sums.finish()
             if sums.error is not None:
                 raise sums.error
-            _compare_attribution(pairs, sums, grads[:len(pairs)], b)
+            _compare_attribution(sums, b)
 
 
 def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
@@ -968,6 +981,14 @@ def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
             f"in-batch negatives). Compute everything per example, row i for example i.")
 
 
+def _alias_hook(sums: _HandlerSums, key: tuple[int, str]):
+    """A post-accumulate-grad hook that hands an alias's gradient from a check pass to ``sums`` and frees it."""
+    def hook(alias):
+        sums.true_gradient(key, alias.grad.detach().reshape(-1))
+        alias.grad = None
+    return hook
+
+
 def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, sums: _HandlerSums | None, key: tuple):
     """A tensor hook that records ``what`` if the gradient passing is non-zero in a row ``outside`` (and hands it
     to ``sums`` when given)."""
@@ -983,15 +1004,29 @@ def _rows_hook(outside: torch.Tensor | None, found: list, what: tuple, sums: _Ha
 
 class _HandlerSums:
     """Each call's handler sums of per-example gradients for the output gradients of one check pass, formed as
-    soon as all of the call's output gradients have arrived (inside the backward), so that only parameter-sized
-    sums are held, not every layer's output gradient."""
+    soon as all of the call's output gradients have arrived (inside the backward), and compared with autograd's
+    gradient of the same weighted sum as soon as that arrives too: only the sums and gradients of the layers in
+    flight are held, not every layer's output gradient nor every parameter's gradient."""
 
     def __init__(self, calls: list[Call], b: int) -> None:
         self.calls, self.b = calls, b
         self.pending: dict[int, dict[int, torch.Tensor]] = {}
         self.expect = {i: sum(t.requires_grad for t in c.outputs) for i, c in enumerate(calls)}
-        self.sums: dict[tuple[int, str], torch.Tensor] = {}
+        self.sums: dict[tuple[int, str], torch.Tensor] = {}    # sums whose autograd gradient has not arrived
+        self.trues: dict[tuple[int, str], torch.Tensor] = {}   # autograd gradients whose sum is not formed yet
+        self.compared: list[tuple[Call, str, float, float]] = []   # (call, name, ||sum - gradient||, ||gradient||)
         self.error: Exception | None = None   # a handler's refusal, raised after the isolation verdict
+
+    def true_gradient(self, key: tuple[int, str], t: torch.Tensor) -> None:
+        """Autograd's gradient of the pass's weighted loss with respect to a call's parameter alias."""
+        s = self.sums.pop(key, None)
+        if s is None:
+            self.trues[key] = t
+        else:
+            self._compare(key, s, t)
+
+    def _compare(self, key: tuple[int, str], s: torch.Tensor, t: torch.Tensor) -> None:
+        self.compared.append((self.calls[key[0]], key[1], float((s - t.to(s.dtype)).norm()), float(t.norm())))
 
     def add(self, key: tuple[int, int], grad: torch.Tensor) -> None:
         i, k = key
@@ -1001,9 +1036,14 @@ class _HandlerSums:
             self._form(i)
 
     def finish(self) -> None:
-        """Form the sums of calls some of whose outputs received no gradient."""
+        """Form the sums of calls some of whose outputs received no gradient, and compare the sums of parameters
+        that received none from autograd with zero."""
         for i in list(self.pending):
             self._form(i)
+        for key, s in self.sums.items():
+            self._compare(key, s, torch.zeros_like(s))
+        self.sums.clear()
+        self.trues.clear()
 
     def _form(self, i: int) -> None:
         got = self.pending.pop(i)
@@ -1019,7 +1059,12 @@ class _HandlerSums:
                 s = c.cache["unit"].handler.clipped_sum(view, local, ones)
                 # in the precision it was formed in (float32, or float64 for a float64 model): a float64 copy of
                 # every parameter would double the first step's peak
-                self.sums[(i, local)] = s.detach().reshape(-1)
+                s = s.detach().reshape(-1)
+                t = self.trues.pop((i, local), None)
+                if t is None:
+                    self.sums[(i, local)] = s
+                else:
+                    self._compare((i, local), s, t)
         except Exception as err:   # noqa: BLE001 -- kept for after the isolation verdict, which names the cause
             self.error = self.error or err
         finally:
@@ -1056,38 +1101,29 @@ def _secret_halves(b: int) -> torch.Tensor:
             return rows
 
 
-def _compare_attribution(pairs: list, sums: _HandlerSums, true: tuple, b: int) -> None:
-    """Each handler's sum of per-example gradients from a check pass's output gradients (``sums``) against
-    autograd's ``true`` gradient of the same weighted sum, per (call, parameter) the pass reached."""
-    index = {id(c): i for i, c in enumerate(sums.calls)}
-    got, kept = [], []
-    for (c, local), t in zip(pairs, true, strict=True):
-        g = sums.sums.get((index[id(c)], local))
-        if g is None:
-            continue
-        got.append(g)
-        kept.append((c, local, torch.zeros_like(g) if t is None else t.detach().reshape(-1)))
-    if not got:
+def _compare_attribution(sums: _HandlerSums, b: int) -> None:
+    """Each handler's sum of per-example gradients from a check pass's output gradients against autograd's gradient
+    of the same weighted sum, per (call, parameter) the pass reached (``sums.compared``: the distances and norms)."""
+    kept = sums.compared
+    if not kept:
         return
-    true = [t for _, _, t in kept]
     # a layer whose every per-example gradient is rounding noise (a bias before a normalization) is compared
     # with the model's largest gradient per example, not with its own
-    floor = max(float(t.norm()) for t in true) / b
+    floor = max(norm for *_, norm in kept) / b
     # the precision the backward ran in: any half-precision output or autocast in the forward rounds the
     # gradients of every layer below it
     half = (torch.float16, torch.bfloat16)
-    dtypes = {o.dtype for c, _, _ in kept for o in c.outputs if o.is_floating_point()}
-    dtypes |= {c.aliases[local].dtype for c, local, _ in kept}
-    low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, _, _ in kept)
+    dtypes = {o.dtype for c, *_ in kept for o in c.outputs if o.is_floating_point()}
+    dtypes |= {c.aliases[local].dtype for c, local, *_ in kept}
+    low = any(d in half for d in dtypes) or any(c.cache.get("autocast") for c, *_ in kept)
     tol = 5e-2 if low else (1e-6 if dtypes == {torch.float64} else 1e-4)
-    for (c, _, t), g in zip(kept, got, strict=True):
-        err = float((g - t.to(g.dtype)).norm())
-        if not err <= tol * max(float(t.norm()), floor):
+    for c, _, err, norm in kept:
+        if not err <= tol * max(norm, floor):
             unit = c.cache["unit"]
             raise IncompleteGradientError(
                 f"the rows of {unit.path or type(c.module).__name__}'s input and output are not its examples: the "
                 f"per-example gradients read from them do not add up to the gradient of a weighted sum of the "
-                f"losses (relative error {err / max(float(t.norm()), floor, 1e-300):.3g}). The module is called on "
+                f"losses (relative error {err / max(norm, floor, 1e-300):.3g}). The module is called on "
                 f"something other than the batch (a loop over examples inside the forward, a slice, permuted or "
                 f"gathered rows), or its output mixes examples afterwards. Run it on the whole batch, one row per "
                 f"example.")
