@@ -146,6 +146,7 @@ class NormPlan:
 
     model: nn.Module
     estimator: str
+    k: int | None = None                            # the projection dimension (Hutch++: rank <= k is exact)
     units: list = field(default_factory=list)
     names: dict = field(default_factory=dict)      # id(param) -> qualified name
     params: list = field(default_factory=list)     # trainable parameters covered, in model order
@@ -153,13 +154,18 @@ class NormPlan:
     terms: dict = field(default_factory=dict)      # qualified name -> int | None
 
     @classmethod
-    def build(cls, model: nn.Module, estimator: str) -> NormPlan:
+    def build(cls, model: nn.Module, estimator: str, k: int | None = None) -> NormPlan:
+        """The plan of ``model`` under ``estimator``; with ``k`` (the projection dimension) given, a parameter
+        whose per-example gradient has rank at most ``k`` under ``hutchpp`` is exact: the sketch's ``k`` columns
+        span it, so the norm is computed exactly and is a point mass in the law, not ``min(rows, cols)`` terms."""
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _check_estimator_name(estimator)
+        if k is not None:
+            k = check_k(k)
         model = uncompiled(model)
         ModuleValidator.check(model)
-        plan = cls(model, estimator)
+        plan = cls(model, estimator, k)
         inside: set[int] = set()
         for path, m in model.named_modules():
             if id(m) in inside or is_parameter_container(m):   # a container's parameters: its parent's
@@ -194,6 +200,8 @@ class NormPlan:
                 t = ts[0]
             else:  # tied: the summed gradient estimated through every use's products (hutch: one P for all)
                 t = min(matrix_view(p.shape)) if estimator in ("hutch", "hutchpp") else None
+            if estimator == "hutchpp" and k is not None and t is not None and t <= k:
+                t = None
             plan.terms[plan.names[id(p)]] = t
         return plan
 
@@ -1255,6 +1263,8 @@ def _uses(plan: NormPlan, calls: list[Call]) -> list[tuple[nn.Parameter, list[tu
 
 def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int, generator) -> torch.Tensor:
     estimator = plan.estimator
+    if estimator == "hutchpp" and plan.terms[plan.names[id(p)]] is None:
+        estimator = "ghost"   # exact in the plan (and so in the accounting): computed exactly, the cheaper way
     if len(contributions) == 1:
         call, local = contributions[0]
         return call.cache["unit"].handler.sq_norms(call, local, estimator, k, generator)
@@ -1324,12 +1334,17 @@ def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.T
     torch.Size([5])
     """
     check_estimator(estimator, k)
-    capture = Capture(NormPlan.build(model, estimator))
+    capture = Capture(NormPlan.build(model, estimator, k))
     try:
         losses = loss_fn(model)
         return clipped_backward(capture, losses, 1.0, k, generator, norms_only=True).sq_norms
     finally:
         capture.remove()
+
+
+NOISE_CHUNK = 1 << 22
+"""Draws per refill of the noise buffer (16 MB in float32): the step never holds a parameter-sized noise tensor
+(an embedding of 32000 x 2048 would need 262 MB), and a chunk is large enough that the draws run at full speed."""
 
 
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
@@ -1345,11 +1360,13 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
     With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
     shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums).  With ``in_place`` the
     sums themselves are overwritten (no second parameter-sized buffer: the step's peak memory holds the sums and
-    one tensor's noise draw)."""
+    a buffer of at most :data:`NOISE_CHUNK` draws, refilled for each chunk of each tensor; a sharded
+    parameter's noise is drawn whole, then restricted).  A tensor of at most :data:`NOISE_CHUNK` elements gets
+    the draws of ``torch.randn`` from the same generator state."""
     out = []
     noise = GaussianNoise() if noise is None else noise
     stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
-    scratch: dict = {}   # one buffer per device and dtype, as large as the largest draw, reused for every tensor
+    scratch: dict = {}   # one buffer per device and dtype, reused for every chunk of every tensor
     for i, g in enumerate(sums):
         std = stds[i]
         if not in_place:
@@ -1358,17 +1375,24 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             p = params[i] if params is not None else None
             gen = noise_generator(g.device) if callable(noise_generator) else noise_generator
             device = gen.device if gen is not None else g.device
-            shape = g.shape if p is None else p.shape
+            sharded = p is not None and is_sharded(p)   # drawn at the full shape, then this rank's part taken
+            whole = sharded or not g.is_contiguous()
+            shape = p.shape if sharded else g.shape
+            n = math.prod(shape)
             key = (torch.device(device), g.dtype)
-            if key not in scratch:
-                largest = max(math.prod(t.shape if q is None else q.shape) for t, q in
-                              zip(sums, params if params is not None else [None] * len(sums), strict=True))
-                scratch[key] = torch.empty(largest, device=device, dtype=g.dtype)
-            xi = noise.sample_into(scratch[key][:math.prod(shape)].view(shape), gen)
-            if p is not None:
-                xi = local_part(p, xi)
-            g.add_(xi.to(g.device), alpha=std)
-            del xi
+            if key not in scratch or scratch[key].numel() < (n if whole else min(n, NOISE_CHUNK)):
+                scratch[key] = torch.empty(n if whole else min(n, NOISE_CHUNK), device=device, dtype=g.dtype)
+            if whole:
+                xi = noise.sample_into(scratch[key][:n].view(shape), gen)
+                xi = local_part(p, xi) if sharded else xi
+                g.add_(xi.to(g.device), alpha=std)
+                del xi
+            else:
+                flat = g.view(-1)
+                for start in range(0, n, NOISE_CHUNK):
+                    xi = noise.sample_into(scratch[key][:min(NOISE_CHUNK, n - start)], gen)
+                    flat[start:start + xi.numel()].add_(xi.to(g.device), alpha=std)
+                    del xi
         out.append(g.div_(expected_batch_size))
     del scratch
     if not all_finite(*out):
@@ -1461,7 +1485,7 @@ def private_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Ca
     b_bar = check_positive(expected_batch_size, "expected_batch_size")
     check_estimator(estimator, k)
     check_clipping_pass(clipping_pass)
-    plan = NormPlan.build(model, estimator)
+    plan = NormPlan.build(model, estimator, k)
     capture = Capture(plan)
     try:
         losses = loss_fn(model)

@@ -539,7 +539,7 @@ class PrivacyEngine:
             raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
                                "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
                                "or build the model again")
-        plan = NormPlan.build(module, estimator)
+        plan = NormPlan.build(module, estimator, k)
         self.plan = plan
         self._ranks = self._sampling_ranks(sampling, plan, c)
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
@@ -880,8 +880,8 @@ class PrivacyEngine:
                 os.fsync(fh.fileno())
 
     def _envelope(self, plan: NormPlan):
-        if self.estimator in ("exact", "ghost"):
-            return None
+        if self.estimator in ("exact", "ghost") or all(t is None for t in plan.terms.values()):
+            return None   # every norm exact (Hutch++ on matrices of rank <= k): DP-SGD's accounting
         d, exact = plan.envelope_dimension()
         if exact:  # point masses: the d -> inf limit, which is the Hutch++ envelope's form with d > k
             return estimator_envelope("hutchpp", self.k, max(d, self.k + 1))

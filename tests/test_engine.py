@@ -221,3 +221,22 @@ def test_noise_drawn_into_a_reused_buffer_is_the_generators_gaussian_stream():
     ref = torch.Generator().manual_seed(3)
     for g, s in zip(got, shapes, strict=True):
         assert torch.equal(g, torch.randn(s, generator=ref))
+
+
+def test_noise_for_a_tensor_larger_than_a_chunk_is_drawn_chunk_by_chunk_from_one_small_buffer(monkeypatch):
+    """With chunks of 64 draws, a 1000-element sum gets the generator's draws chunk after chunk (no 1000-element
+    noise tensor), and they are standard normal: mean within 5 standard errors of 0, variance within 5 of 1."""
+    import dpsgd.engine as engine
+
+    monkeypatch.setattr(engine, "NOISE_CHUNK", 64)
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(a) or real_empty(*a, **k))
+    got = engine.noisy_gradients([torch.zeros(10, 100)], 1.0, 1.0, torch.Generator().manual_seed(5))[0].flatten()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert made == [(64,)]
+    ref, gen = [], torch.Generator().manual_seed(5)
+    for start in range(0, 1000, 64):
+        ref.append(torch.empty(min(64, 1000 - start)).normal_(generator=gen))
+    assert torch.equal(got, torch.cat(ref))
+    assert abs(float(got.mean())) < 5 / 1000 ** 0.5 and abs(float(got.var()) - 1) < 5 * (2 / 1000) ** 0.5

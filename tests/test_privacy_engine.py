@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
-from dpsgd import NormPlan, PrivacyEngine
+from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms
 
 
 def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
@@ -58,8 +58,10 @@ def test_envelope_choice():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3), nn.LayerNorm(3))
     assert NormPlan.build(model, "hutch").envelope_dimension() == (4 + 3 + 1, True)
     assert NormPlan.build(model, "hutchpp").envelope_dimension() == (3 + 1, True)
-    engine, *_ = _setup("hutchpp")
+    engine, *_ = _setup("hutchpp", k=1)
     assert isinstance(engine.envelope, HutchPPEnvelope)
+    engine, *_ = _setup("hutchpp")         # k = 32 >= every matrix's rank: Hutch++ is exact
+    assert engine.envelope is None
     engine, *_ = _setup("exact")
     assert engine.envelope is None
 
@@ -186,3 +188,25 @@ def test_secure_mode_draws_noise_from_the_os():
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         assert engine.state_dict()["noise_rngs"] == {}
     assert not torch.allclose(finals[0], finals[1])
+
+
+def test_hutchpp_on_matrices_of_rank_at_most_k_is_accounted_as_exact_dp_sgd():
+    """Hutch++'s k-column sketch spans a per-example gradient of rank <= k, so the norm is exact: the plan counts
+    no chi-square terms, the engine accounts DP-SGD (no envelope), and the norms equal brute force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 8), nn.Tanh(), nn.Linear(8, 40), nn.Tanh(), nn.Linear(40, 2))
+    plan = NormPlan.build(model, "hutchpp", k=8)
+    assert all(t is None for t in plan.terms.values())
+    assert NormPlan.build(model, "hutchpp", k=1).terms["0.weight"] == 8    # rank 8 > k = 1: estimated
+    assert NormPlan.build(model, "hutchpp").terms["0.weight"] == 8         # no k given: counted as before
+    x, y = torch.randn(6, 40, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    model = model.double()
+    loss_fn = lambda m: ((m(x) - y) ** 2).sum(1)   # noqa: E731
+    got = per_sample_sq_norms(model, loss_fn, "hutchpp", k=8, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(got, per_sample_sq_norms(model, loss_fn, "exact"), rtol=1e-12, atol=0)
+    x, y = torch.randn(100, 40), torch.randint(0, 2, (100,))
+    engine, small = PrivacyEngine(), nn.Sequential(nn.Linear(40, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine.make_private(module=small, optimizer=torch.optim.SGD(small.parameters(), lr=0.1),
+                        data_loader=DataLoader(TensorDataset(x, y), batch_size=10), criterion=nn.CrossEntropyLoss(),
+                        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutchpp", k=8, seed=0)
+    assert engine.envelope is None
