@@ -1,8 +1,9 @@
 r"""End-to-end audits of the trainer: ``dpsgd`` itself trains on data with canaries, and the canaries' scores
 give epsilon lower bounds that must stay below the epsilon the :class:`dpsgd.PrivacyEngine` reports.
 
-**Canaries.** Each run trains a real model (the tiny decoder of :mod:`dpsgd.demo`, or a tiny Hugging Face
-Llama built from a config) on ordinary examples plus ``m`` canary slots. The model carries a *probe*, an
+**Canaries.** Each run trains a real model (the tiny decoder of :mod:`dpsgd.demo` or a tiny Hugging Face
+Llama built from a config, on random tokens; or the privacy-utility study's CNN on real handwritten digits)
+on ordinary examples plus ``m`` canary slots. The model carries a *probe*, an
 ``nn.Embedding(m + 1, 1, padding_idx=0)`` looked up at ``j + 1`` for canary ``j`` and at the padding row (no
 gradient) for everything else. Canary ``j``'s per-example loss is ``s * probe(j + 1)`` with ``s`` far above
 ``C`` (a *gradient canary*, a Dirac gradient on its own coordinate), so its clipped contribution is about
@@ -53,7 +54,8 @@ class TrainerConfig:
     ----------
     name : str
     backbone : str
-        ``"tiny"`` (:class:`dpsgd.demo.TinyLlama`) or ``"hf-llama"`` (a tiny ``LlamaForCausalLM``).
+        ``"tiny"`` (:class:`dpsgd.demo.TinyLlama`), ``"hf-llama"`` (a tiny ``LlamaForCausalLM``), both on
+        random tokens, or ``"digits-cnn"`` (the privacy-utility study's CNN on scikit-learn's real digits).
     estimator : str
     accumulation : int
         Micro-batches per logical batch (:class:`dpsgd.BatchMemoryManager`; 1: none).  The per-example losses
@@ -75,6 +77,7 @@ CONFIGS = (
 )
 
 _VOCAB, _LEN, _CLASSES = 32, 8, 4
+_DIGIT_CLASSES = 10
 
 
 def _backbone(kind: str):
@@ -83,6 +86,13 @@ def _backbone(kind: str):
         from dpsgd.demo import TinyLlama
 
         return TinyLlama(_VOCAB, _LEN, dim=16, heads=2, layers=1, classes=_CLASSES)
+    if kind == "digits-cnn":
+        from torch import nn
+
+        # the privacy-utility study's model: convolutions with GroupNorm on 8 x 8 handwritten digits
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(),
+                             nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                             nn.Flatten(), nn.Linear(16 * 4 * 4, _DIGIT_CLASSES))
     if kind == "hf-llama":
         import logging
 
@@ -93,7 +103,23 @@ def _backbone(kind: str):
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=_LEN,
                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return LlamaForCausalLM(cfg)
-    raise ValueError(f"backbone must be 'tiny' or 'hf-llama', got {kind!r}")
+    raise ValueError(f"backbone must be 'tiny', 'hf-llama' or 'digits-cnn', got {kind!r}")
+
+
+def _examples(kind: str, n: int, gen):
+    """``n`` inputs and labels: random tokens and labels, or (``"digits-cnn"``) real images of scikit-learn's
+    bundled handwritten digits (1,797 of them, drawn with replacement) with their true labels."""
+    import torch
+
+    if kind != "digits-cnn":
+        return (torch.randint(1, _VOCAB, (n, _LEN), generator=gen),
+                torch.randint(0, _CLASSES, (n,), generator=gen))
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rows = torch.randint(0, len(digits.target), (n,), generator=gen)
+    images = torch.as_tensor(digits.images, dtype=torch.float32)[rows].unsqueeze(1) / 16.0
+    return images, torch.as_tensor(digits.target)[rows]
 
 
 def _model(kind: str, m: int):
@@ -210,8 +236,9 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     n = ordinary + u + m
     included = rng.random(m) < 0.5
     typed = rng.random(u) < 0.5                                 # input canaries that are in
-    ids = torch.randint(1, _VOCAB, (n, _LEN), generator=gen)
-    label = torch.randint(0, _CLASSES, (n,), generator=gen)
+    ids, label = _examples(config.backbone, n, gen)
+    if config.backbone == "digits-cnn":   # input canaries: real images with random labels (mislabeled examples)
+        label[ordinary:ordinary + u] = torch.randint(0, _DIGIT_CLASSES, (u,), generator=gen)
     slot = torch.zeros(n, dtype=torch.long)                     # ordinary examples and empty slots: row 0
     slot[ordinary + u + np.flatnonzero(included)] = torch.as_tensor(np.flatnonzero(included) + 1)
     is_canary = torch.zeros(n, dtype=torch.bool)                # probe loss (zero for row 0: an empty slot)

@@ -1,0 +1,116 @@
+"""The tables of docs/utility.md, rendered at build time from the committed results of benchmarks/utility/
+(digits.json, text.json, canary_audit.json): nothing in them is typed by hand, nothing is re-trained."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shutil
+import statistics
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "utility"
+
+# two-sided 95 % t quantiles by degrees of freedom (scipy is not needed to build the docs)
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def _ci(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, _T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def _digits(data: dict) -> list[str]:
+    eps = data["settings"]["epsilons"]
+    runs = data["runs"]
+    acc = {(r["method"], r["epsilon"], r["seed"]): 100 * r["accuracy"] for r in runs}
+    methods = [m for m in data["settings"]["methods"] if m != "non-private"]
+    base = [acc[k] for k in acc if k[0] == "non-private"]
+    m0, h0 = _ci(base)
+    lines = [f"Test accuracy (%), mean ± 95 % CI over {data['settings']['seeds']} seeds; non-private: "
+             f"{m0:.1f} ± {h0:.1f}.  Below each cell: the paired difference to `exact` (same seed: same batches, "
+             f"initial weights and noise stream), in points.", "",
+             "| method | " + " | ".join(f"ε = {e:g}" for e in eps) + " |", "|---" * (len(eps) + 1) + "|"]
+    for m in methods:
+        cells = []
+        for e in eps:
+            xs = [v for (mm, ee, _), v in acc.items() if mm == m and ee == e]
+            mean, half = _ci(xs)
+            cell = f"{mean:.1f} ± {half:.1f}"
+            if m != "exact":
+                d = [v - acc[("exact", e, s)] for (mm, ee, s), v in acc.items() if mm == m and ee == e]
+                dm, dh = _ci(d)
+                cell += f"<br>({dm:+.1f} ± {dh:.1f})"
+            cells.append(cell)
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    lines += ["", "The noise each method pays, σ (LAP2: the Laplace scale over C), calibrated to each ε at "
+              f"δ = {data['settings']['delta']:g}:", "", "| method | " + " | ".join(f"ε = {e:g}" for e in eps)
+              + " | accountant |", "|---" * (len(eps) + 2) + "|"]
+    for m in methods:
+        by = {s["epsilon"]: s for s in data["summary"] if s["method"] == m}
+        lines.append(f"| `{m}` | " + " | ".join(f"{by[e]['sigma']:.3f}" for e in eps)
+                     + f" | {by[eps[0]]['accountant']} |")
+    times = {s["method"]: s["s_per_step_median"] for s in data["summary"]}
+    lines += ["", "Median milliseconds per step: " + ", ".join(f"`{m}` {1e3 * t:.1f}" for m, t in times.items())
+              + ".", ""]
+    return lines
+
+
+def _text(data: dict) -> list[str]:
+    summary = data["summary"]
+    eps = sorted({s["epsilon_target"] for s in summary if s["epsilon_target"] is not None})
+    lines = [f"Test perplexity per character, mean ± 95 % CI over {summary[0]['seeds']} seeds; the pre-trained "
+             f"model before fine-tuning: {data['zero_shot_test_ppl']:.3f}.  Below each cell: the paired difference "
+             f"to `exact`.", ""]
+    paired = {(p["mode"], p["method"], p["epsilon_target"]): p for p in data["paired_to_exact"]}
+    for mode in ("full", "lora"):
+        rows = [s for s in summary if s["mode"] == mode]
+        if not rows:
+            continue
+        base = next(s for s in rows if s["method"] == "non-private")
+        lines += [f"**{'Full fine-tuning' if mode == 'full' else 'LoRA'}** (non-private: "
+                  f"{base['test_ppl_mean']:.3f} ± {base['test_ppl_ci95']:.3f})", "",
+                  "| method | " + " | ".join(f"ε = {e:g}" for e in eps) + " | σ at each ε |",
+                  "|---" * (len(eps) + 2) + "|"]
+        for m in dict.fromkeys(s["method"] for s in rows if s["method"] != "non-private"):
+            by = {s["epsilon_target"]: s for s in rows if s["method"] == m}
+            cells = []
+            for e in eps:
+                cell = f"{by[e]['test_ppl_mean']:.3f} ± {by[e]['test_ppl_ci95']:.3f}"
+                p = paired.get((mode, m, e))
+                if p is not None:
+                    cell += f"<br>({p['ppl_minus_exact_mean']:+.4f} ± {p['ppl_minus_exact_ci95']:.4f})"
+                cells.append(cell)
+            sig = " / ".join(f"{by[e]['sigma']:.3f}" for e in eps)
+            lines.append(f"| `{m}` | " + " | ".join(cells) + f" | {sig} |")
+        lines.append("")
+    return lines
+
+
+def _canary(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"q = {s['sample_rate']}, {s['steps']} steps, σ = {s['noise_multiplier']}, C = {s['max_grad_norm']}, "
+             f"k = {s['k']}; {s['runs']} runs pooled per method, each with {s['ordinary']} real images, "
+             f"{s['canaries']} gradient-canary slots and {s['input_canaries']} mislabeled-image slots (each filled "
+             f"with probability 1/2); lower bounds at {s['confidence']:.0%} confidence, ε read at δ = {s['delta']}.",
+             "", "| method | reported ε | lower bound: Clopper-Pearson | one run | input canaries | TPR at 1 % FPR "
+             "| holds |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| `{r['method']}` | {r['reported_epsilon']:.3f} | {r['lower_bound_clopper_pearson']:.3f} | "
+                     f"{r['lower_bound_one_run']:.3f} | {r['lower_bound_input_canaries']:.3f} | "
+                     f"{r['tpr_at_1pct_fpr']:.3f} | {'yes' if r['holds'] else '**no**'} |")
+    return lines + [""]
+
+
+def main(out_dir: str, static_dir: str) -> None:
+    out, static = pathlib.Path(out_dir), pathlib.Path(static_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    static.mkdir(parents=True, exist_ok=True)
+    for name, render in (("digits", _digits), ("text", _text), ("canary_audit", _canary)):
+        data = json.loads((RESULTS / f"{name}.json").read_text())
+        (out / f"utility_{name}.md").write_text("\n".join(render(data)))
+        png = RESULTS / f"{name}.png"
+        if png.exists():
+            shutil.copy(png, static / f"utility_{name}.png")
