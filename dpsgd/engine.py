@@ -146,7 +146,7 @@ class NormPlan:
 
     model: nn.Module
     estimator: str
-    k: int | None = None                            # the projection dimension (Hutch++: rank <= k is exact)
+    projection_dim: int | None = None               # k (Hutch++: a per-example gradient of rank <= k is exact)
     units: list = field(default_factory=list)
     names: dict = field(default_factory=dict)      # id(param) -> qualified name
     params: list = field(default_factory=list)     # trainable parameters covered, in model order
