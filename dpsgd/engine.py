@@ -777,6 +777,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         pos += len(c.outputs)
         if any(g is not None for g in c.grads):
             reached.append(c)
+    # the calls hold what is still needed; these lists would keep every output gradient and output (a head's
+    # B T V logits and their gradient) alive until the step ends, instead of until each call's sums are formed
+    del grads, outputs
     done = {id(c) for c in reached}
     capture.calls = [c for c in calls if id(c) not in done]
     reached = [_handler_call(c, b) for c in reached]
@@ -1155,10 +1158,12 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 
 def _release(call: Call) -> None:
-    """Drop what a consumed call holds: its recorded inputs, output gradients and derived values (its outputs stay:
-    the finished step still reads their devices)."""
+    """Drop what a consumed call holds: its recorded inputs, output gradients and derived values; its outputs become
+    stand-ins of one element broadcast to their shapes (the finished step still reads their shapes, dtypes and
+    devices, never their values)."""
     call.grads = []
     call.args, call.kwargs = (), {}
+    call.outputs = [o.detach().new_zeros(()).expand(o.shape) for o in call.outputs]
     call.cache.clear()
 
 
