@@ -533,6 +533,8 @@ class PLDAccountant:
         (2.1245, 2.12452)
         """
         d = open_probability(delta, "delta")
+        if not self._events:   # nothing composed: the output does not depend on the data
+            return 0.0, 0.0
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
@@ -597,6 +599,8 @@ class PLDAccountant:
         '0.126937 0.126937'
         """
         e = non_negative(epsilon, "epsilon")
+        if not self._events:   # nothing composed: the output does not depend on the data
+            return 0.0, 0.0
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
@@ -619,6 +623,9 @@ class PLDAccountant:
         [0.0183, 0.00055]
         """
         a = probability_array(alpha, "alpha")
+        if not self._events:   # nothing composed: no test beats chance
+            out = 1.0 - a
+            return out[()] if out.ndim == 0 else out
         flat = a.ravel()
         out = np.min([p.tradeoff(flat) for p in self._composed(True)], axis=0)
         out = np.where(flat >= 1, 0.0, np.where(flat <= 0, 1.0 - max(p.inf_mass for p in self._composed(True)), out))

@@ -686,3 +686,14 @@ def test_a_direction_is_skipped_only_where_its_chernoff_bound_shows_it_cannot_be
             d = comp.delta(eps)
             if d > 1e-12:   # below, the window's charged tail (1e-18 per side) is most of the numerical curve
                 assert comp.delta_bound(eps) >= d * (1 - 1e-9)
+
+
+def test_an_accountant_with_nothing_composed_reports_no_privacy_loss():
+    """Nothing composed: the output does not depend on the data, so epsilon and delta are 0 and the trade-off
+    curve is chance (1 - alpha), not a ZeroDivisionError."""
+    acc = PLDAccountant()
+    assert acc.epsilon(1e-5) == 0.0 and acc.epsilon_bracket(1e-5) == (0.0, 0.0)
+    assert acc.delta(0.0) == 0.0 and acc.delta_bracket(1.0) == (0.0, 0.0)
+    assert acc.tradeoff(0.25) == 0.75 and acc.tradeoff([0.0, 1.0]).tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="delta"):
+        acc.epsilon(0.0)
