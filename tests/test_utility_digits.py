@@ -1,28 +1,22 @@
 """Smoke test of benchmarks/utility/digits.py: its --small setting end to end (train, tables, JSON, plot) in seconds,
 and its tuning on a one-point grid."""
 
-import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 import pytest
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility" / "digits.py"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility"))
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("utility_digits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import digits  # noqa: E402
 
 
 def test_small_setting_writes_sane_results(tmp_path):
-    digits = _script()
     out = tmp_path / "digits.json"
     digits.main(["--small", "--out", str(out)])
     assert out.exists() and out.with_suffix(".png").stat().st_size > 0
@@ -42,7 +36,6 @@ def test_small_setting_writes_sane_results(tmp_path):
 
 
 def test_tuning_picks_the_best_validation_accuracy(monkeypatch):
-    digits = _script()
     monkeypatch.setattr(digits, "GRID_C", (1.0,))
     monkeypatch.setattr(digits, "GRID_LR", (0.5, 1.0))
     monkeypatch.setattr(digits, "TUNING_SEEDS", (0,))

@@ -1,7 +1,6 @@
 """Smoke test of benchmarks/utility/text.py: its tiny setting runs end to end on the real gensim text, and the JSON
 and the plot it writes are complete and sane (every epsilon the engine reports within its target)."""
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -14,20 +13,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("matplotlib")
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility" / "text.py"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility"))
 
-
-def _load():
-    # benchmarks/ is not a package: load the script by path (registered, so its dataclasses resolve their module)
-    spec = importlib.util.spec_from_file_location("utility_text_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+import text as study  # noqa: E402
 
 
 def test_the_small_setting_writes_a_complete_and_sane_result(tmp_path):
-    study = _load()
     result = study.main(["--small", "--out", str(tmp_path)])
     assert (tmp_path / "text_small.png").stat().st_size > 0
     assert json.loads((tmp_path / "text_small.json").read_text()) == json.loads(json.dumps(result))

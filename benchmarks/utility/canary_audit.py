@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import sys
 import time
 
@@ -35,6 +34,7 @@ METHODS = ("exact", "ghost", "hutch", "hutchpp")
 
 def main(argv: list[str] | None = None) -> dict:
     import torch
+    from study_common import machine
 
     from verify.training import TrainerConfig, audit_config
 
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['lower_bound_clopper_pearson']:.3f}, one run {row['lower_bound_one_run']:.3f}, input canaries "
               f"{row['lower_bound_input_canaries']:.3f}  ({row['seconds']:.0f} s)", flush=True)
     result = {"command": " ".join([pathlib.Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "machine": machine(),
               "settings": {"sample_rate": 0.5, "steps": 2, "noise_multiplier": 1.0, "max_grad_norm": 1.0, "k": 32,
                            "delta": delta, "confidence": args.confidence, "runs": args.runs,
                            "canaries": args.canaries, "input_canaries": args.input_canaries,

@@ -73,9 +73,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -84,9 +81,9 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import torch
-from scipy import stats
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from study_common import machine, mean_ci
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -213,14 +210,6 @@ def train_once(method: str, epsilon: float | None, seed: int, split: Split, epoc
     if engine is not None:
         engine.detach()
     return record
-
-
-def mean_ci(values: list[float]) -> tuple[float, float | None]:
-    """Mean and the half-width of its 95 % confidence interval (t, n - 1 degrees of freedom; None for n = 1)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def tune(args: argparse.Namespace) -> dict:
@@ -352,12 +341,6 @@ def plot(summary: list[dict], methods: list[str], epsilons: list[float], path: P
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> dict:

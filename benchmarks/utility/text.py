@@ -62,8 +62,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -76,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from gensim.test.utils import datapath
 from peft import LoraConfig, get_peft_model
-from scipy import stats
+from study_common import machine, mean_ci
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -320,14 +318,6 @@ def run(method: str, mode: str, eps: float | None, seed: int, state: dict, data:
     return record
 
 
-def interval(values: list[float]) -> tuple[float, float | None]:
-    """Mean and the 95 % half-width ``t_{0.975, n-1} s / sqrt(n)`` (None for a single value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-
-
 def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
     """Per (mode, method, epsilon): mean and 95 % interval over seeds; and each randomized estimator's perplexity
     minus exact's on the same seed (paired)."""
@@ -336,7 +326,7 @@ def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
         groups.setdefault((r["mode"], r["method"], r["epsilon_target"]), []).append(r)
     summary = []
     for (mode, method, eps), rs in groups.items():
-        mean, ci = interval([r["test_ppl"] for r in rs])
+        mean, ci = mean_ci([r["test_ppl"] for r in rs])
         summary.append({"mode": mode, "method": method, "epsilon_target": eps, "seeds": len(rs), "test_ppl_mean": mean,
                         "test_ppl_ci95": ci, "sigma": rs[0]["sigma"],
                         "epsilon_reported_max": None if eps is None else max(r["epsilon_reported"] for r in rs),
@@ -346,7 +336,7 @@ def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
         base = {r["seed"]: r["test_ppl"] for r in groups.get((mode, "exact", eps), [])}
         diffs = [r["test_ppl"] - base[r["seed"]] for r in rs if r["seed"] in base]
         if method in ("hutch", "hutchpp") and diffs:
-            mean, ci = interval(diffs)
+            mean, ci = mean_ci(diffs)
             paired.append({"mode": mode, "method": method, "epsilon_target": eps, "seeds": len(diffs),
                            "ppl_minus_exact_mean": mean, "ppl_minus_exact_ci95": ci})
     return summary, paired
@@ -430,12 +420,6 @@ def plot(path: Path, summary: list[dict], paired: list[dict], zero_shot: float, 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,47 +4,29 @@
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import shutil
-import statistics
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "utility"
 
-# two-sided 95 % t quantiles by degrees of freedom (scipy is not needed to build the docs)
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def _ci(xs: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, math.nan
-    return m, _T975.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
 def _digits(data: dict) -> list[str]:
     eps = data["settings"]["epsilons"]
-    runs = data["runs"]
-    acc = {(r["method"], r["epsilon"], r["seed"]): 100 * r["accuracy"] for r in runs}
+    cells = {(r["method"], r["epsilon"]): r for r in data["summary"]}   # the study's own means and intervals
     methods = [m for m in data["settings"]["methods"] if m != "non-private"]
-    base = [acc[k] for k in acc if k[0] == "non-private"]
-    m0, h0 = _ci(base)
+    base = cells[("non-private", None)]
     lines = [f"Test accuracy (%), mean ± 95 % CI over {data['settings']['seeds']} seeds; non-private: "
-             f"{m0:.1f} ± {h0:.1f}.  Below each cell: the paired difference to `exact` (same seed: same batches, "
-             f"initial weights and noise stream), in points.", "",
+             f"{100 * base['accuracy_mean']:.1f} ± {100 * base['accuracy_ci95']:.1f}.  Below each cell: the paired "
+             f"difference to `exact` (same seed: same batches, initial weights and noise stream), in points.", "",
              "| method | " + " | ".join(f"ε = {e:g}" for e in eps) + " |", "|---" * (len(eps) + 1) + "|"]
     for m in methods:
-        cells = []
+        row = []
         for e in eps:
-            xs = [v for (mm, ee, _), v in acc.items() if mm == m and ee == e]
-            mean, half = _ci(xs)
-            cell = f"{mean:.1f} ± {half:.1f}"
-            if m != "exact":
-                d = [v - acc[("exact", e, s)] for (mm, ee, s), v in acc.items() if mm == m and ee == e]
-                dm, dh = _ci(d)
-                cell += f"<br>({dm:+.1f} ± {dh:.1f})"
-            cells.append(cell)
-        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+            c = cells[(m, e)]
+            cell = f"{100 * c['accuracy_mean']:.1f} ± {100 * c['accuracy_ci95']:.1f}"
+            if "diff_vs_exact_mean" in c:
+                cell += f"<br>({100 * c['diff_vs_exact_mean']:+.1f} ± {100 * c['diff_vs_exact_ci95']:.1f})"
+            row.append(cell)
+        lines.append(f"| `{m}` | " + " | ".join(row) + " |")
     lines += ["", "The noise each method pays, σ (LAP2: the Laplace scale over C), calibrated to each ε at "
               f"δ = {data['settings']['delta']:g}:", "", "| method | " + " | ".join(f"ε = {e:g}" for e in eps)
               + " | accountant |", "|---" * (len(eps) + 2) + "|"]
