@@ -146,7 +146,6 @@ class NormPlan:
 
     model: nn.Module
     estimator: str
-    projection_dim: int | None = None               # k (Hutch++: a per-example gradient of rank <= k is exact)
     units: list = field(default_factory=list)
     names: dict = field(default_factory=dict)      # id(param) -> qualified name
     params: list = field(default_factory=list)     # trainable parameters covered, in model order
@@ -165,7 +164,7 @@ class NormPlan:
             k = check_k(k)
         model = uncompiled(model)
         ModuleValidator.check(model)
-        plan = cls(model, estimator, k)
+        plan = cls(model, estimator)
         inside: set[int] = set()
         for path, m in model.named_modules():
             if id(m) in inside or is_parameter_container(m):   # a container's parameters: its parent's
@@ -1276,30 +1275,25 @@ def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int
     # several calls: the norm of the summed per-example gradient M = sum_u M_u, from each use's products
     estimated = plan.terms[plan.names[id(p)]] is not None
 
-    def apply(x: torch.Tensor | None) -> torch.Tensor:   # M x (x: shared or per-example), or M itself
+    def summed(product: str, x: torch.Tensor | None) -> torch.Tensor:
+        """``sum_u`` of each use's ``product`` (a handler method: ``per_example`` gives ``M_u x``, or ``M_u`` for
+        ``x = None``; ``transposed_product`` gives ``M_u^T x``)."""
         total = None
         for call, local in contributions:
-            s = call.cache["unit"].handler.per_example(call, local, x)
+            s = getattr(call.cache["unit"].handler, product)(call, local, x)
             total = s if total is None else total + s.to(total.dtype)
         return total
 
     if not estimated:
-        m = apply(None)
+        m = summed("per_example", None)
         return m.reshape(m.shape[0], -1).square().sum(1)
     like = contributions[0][0].outputs[0]
     like = like.to(torch.promote_types(like.dtype, torch.float32))
     cols = matrix_view(p.shape)[1]
     if estimator == "hutch":   # one P for every use: a chi-square mixture of the summed gradient
-        return apply(gaussian_projection(cols, k, like, generator)).square().sum((1, 2))
-
-    def apply_transposed(y: torch.Tensor) -> torch.Tensor:
-        total = None
-        for call, local in contributions:
-            s = call.cache["unit"].handler.transposed_product(call, local, y)
-            total = s if total is None else total + s.to(total.dtype)
-        return total
-
-    return hutchpp_operator(apply, apply_transposed, cols, k, like, generator)
+        return summed("per_example", gaussian_projection(cols, k, like, generator)).square().sum((1, 2))
+    return hutchpp_operator(lambda x: summed("per_example", x), lambda y: summed("transposed_product", y),
+                            cols, k, like, generator)
 
 
 def per_sample_sq_norms(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], estimator: str = "hutch",
