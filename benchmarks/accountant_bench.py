@@ -7,7 +7,7 @@ epsilon at 1e-4 and prv_accountant's ``[lower, upper]`` at ``eps_error = 0.01``,
 (ours and dp_accounting alternate, median of 3; prv once), and the referee's enclosure of the true epsilon
 (:mod:`dpmath.referee`, Laplace inversion with an error bound, independent of any loss grid).
 Table 2: randomized clipping (Hutch, k = 32, d = 2048): our bracket and warm time per epsilon.
-Table 3: calibrate_sigma for DP-SGD-RC in the Table 4 setting of paper 000, cold and warm.
+Table 3: calibrate_noise_multiplier for DP-SGD-RC in the Table 4 setting of paper 000, cold and warm.
 Table 4: one randomized-clipping step (Hutch) at issue 16's three cases: the referee's enclosure of the truth
 (:func:`dpmath.referee.referee_rc_epsilon`) beside our default and refined (``bracket_rtol=5e-3``) brackets; not
 in the default run (``--tables 4``, about a minute).
@@ -26,7 +26,7 @@ from dpmath import (
     PLDAccountant,
     RandomizedClipGaussian,
     SubsampledGaussian,
-    calibrate_sigma,
+    calibrate_noise_multiplier,
 )
 from dpmath.referee import referee_epsilon, referee_rc_epsilon
 
@@ -128,17 +128,18 @@ def table2() -> None:
 def table3() -> None:
     q, steps = 64 / 1139, 180
     print()
-    print("Table 3: calibrate_sigma for DP-SGD-RC, k = 32, d = 2048, epsilon 0.7, delta 1e-5, q = 64/1139, 180 steps")
+    print("Table 3: calibrate_noise_multiplier for DP-SGD-RC, k = 32, d = 2048, epsilon 0.7, delta 1e-5, q = 64/1139, "
+          "180 steps")
     print(f"{'estimator':>10} {'sigma':>9} {'cold s':>8} {'warm s':>8}")
     for name, cls in (("Hutch", HutchEnvelope), ("Hutch++", HutchPPEnvelope)):
         t = time.perf_counter()
         env = cls(32, 2048)
-        sigma = calibrate_sigma(0.7, 1e-5, q, steps, envelope=env)
+        sigma = calibrate_noise_multiplier(0.7, 1e-5, q, steps, envelope=env)
         cold = time.perf_counter() - t
-        warm = statistics.median(timed(lambda env=env: calibrate_sigma(0.7, 1e-5, q, steps, envelope=env))[0]
+        warm = statistics.median(timed(lambda env=env: calibrate_noise_multiplier(0.7, 1e-5, q, steps, envelope=env))[0]
                                  for _ in range(2))
         print(f"{name:>10} {sigma:>9.4f} {cold:>8.2f} {warm:>8.2f}")
-    t, plain = timed(lambda: calibrate_sigma(0.7, 1e-5, q, steps))
+    t, plain = timed(lambda: calibrate_noise_multiplier(0.7, 1e-5, q, steps))
     print(f"{'DP-SGD':>10} {plain:>9.4f} {t:>8.2f} {t:>8.2f}")
 
 

@@ -21,7 +21,7 @@ from dpmath.chi2mix import contour_inversion
 
 
 def excess(env: HutchEnvelope) -> float:
-    k, d = env.k, env.d
+    k, d = env.projection_dim, env.dim
     xs = 1 + (env.x_plus - 1) * np.array([0.01, 0.05, 0.1, 0.3, 0.6, 0.9, 0.99])
     worst = -np.inf
     lam = np.unique(np.concatenate([np.linspace(0, 1, 10001), np.geomspace(1 / d, 1, 10001)]))

@@ -17,7 +17,7 @@ better if ``A^{1/2}`` (the coefficients themselves) decays as ``k^{-1/2}`` and `
 ``A = diag(k^{-1})`` and ``diag(k^{-2}``).  Both readings are run: "text" and "coefficients".
 
 DP-SGD (Algorithm 1 of paper 004 with Poisson sampling): q = 0.01 (expected batch 100), 1000 steps, clipping
-C = 1 (a no-op here, G_0 = 1), sigma calibrated by ``dpmath.calibrate_sigma`` for epsilon = 2 at
+C = 1 (a no-op here, G_0 = 1), sigma calibrated by ``dpmath.calibrate_noise_multiplier`` for epsilon = 2 at
 delta = 1e-6, x^(0) = 0, the output the average of the iterates.  As in the paper's Algorithm 1 the update
 includes the regularizer's gradient ``alpha (x - x^(0))`` of eq. (12), whose pull could keep the noise from
 drifting along the flat directions of a decaying spectrum (the tuner chose alpha = 0 at every point of the
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from dpmath import calibrate_sigma
+from dpmath import calibrate_noise_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 D_MIN = 10
@@ -105,9 +105,9 @@ def main() -> None:
     seeds = 2 if args.quick else 5
     grid = [(lr, alpha) for lr in (0.1, 0.3, 1.0, 3.0) for alpha in (0.0, 0.01, 0.1)]
     t0 = time.perf_counter()
-    sigma = calibrate_sigma(eps, delta, q, steps)
+    sigma = calibrate_noise_multiplier(eps, delta, q, steps)
     lines = [f"DP-SGD: epsilon {eps} at delta {delta:g}, q = {q}, {steps} steps, sigma = {sigma:.4f} "
-             f"(dpmath.calibrate_sigma), n = {n}, {seeds} seeds"]
+             f"(dpmath.calibrate_noise_multiplier), n = {n}, {seeds} seeds"]
     results: dict = {}
     const_lines: list[str] = []
     t = float(stats.t.ppf(0.975, seeds - 1))

@@ -15,7 +15,7 @@ import math
 import pathlib
 import time
 
-from dpmath import calibrate_sigma, estimator_envelope
+from dpmath import calibrate_noise_multiplier, estimator_envelope
 
 EPS, DELTA, N, BATCH, EPOCHS = 2.0, 1e-5, 1139, 64, 10
 Q, STEPS = BATCH / N, EPOCHS * math.ceil(N / BATCH)
@@ -24,7 +24,7 @@ OUT = pathlib.Path(__file__).parent / "results" / "noise_curves.json"
 
 def main() -> None:
     t0 = time.perf_counter()
-    base = calibrate_sigma(EPS, DELTA, Q, STEPS, rtol=1e-4)
+    base = calibrate_noise_multiplier(EPS, DELTA, Q, STEPS, rtol=1e-4)
     res = {"setting": {"epsilon": EPS, "delta": DELTA, "q": Q, "steps": STEPS}, "dpsgd": base,
            "by_k": {"d": 2048, "k": [], "hutch": [], "hutchpp": []},
            "by_d": {"k": 32, "d": [], "hutch": [], "hutchpp": []}}
@@ -38,7 +38,8 @@ def main() -> None:
         t = time.perf_counter()
         row = {}
         for est in ("hutch", "hutchpp"):
-            row[est] = calibrate_sigma(EPS, DELTA, Q, STEPS, envelope=estimator_envelope(est, k, d), rtol=1e-3)
+            row[est] = calibrate_noise_multiplier(EPS, DELTA, Q, STEPS, envelope=estimator_envelope(est, k, d),
+                                                  rtol=1e-3)
         res[key]["k" if key == "by_k" else "d"].append(k if key == "by_k" else d)
         res[key]["hutch"].append(row["hutch"])
         res[key]["hutchpp"].append(row["hutchpp"])

@@ -1,7 +1,7 @@
 """Randomized clipping's refined brackets and calibration, for comparing two checkouts.
 
 Run ``OMP_NUM_THREADS=1 python benchmarks/rc_bracket_bench.py LABEL cal`` and ``... LABEL rc`` from each
-checkout in turn (alternate them: the machines are shared and noisy).  ``cal``: ``calibrate_sigma`` for Hutch
+checkout in turn (alternate them: the machines are shared and noisy).  ``cal``: ``calibrate_noise_multiplier`` for Hutch
 (k = 32, d = 2048) at epsilon 0.7, delta 1e-5, q = 64/1139, 180 steps, cold (the first call in the process)
 and warm (median of 2).  ``rc``: for each of issue 16's three randomized-clipping configurations, the bracket
 at ``bracket_rtol=5e-3`` and the default bracket (warm), after one default query has warmed the envelope.
@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, calibrate_sigma
+from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, calibrate_noise_multiplier
 
 CONFIGS = [(0.8, 1e-3, 50000, 1e-6), (0.6, 0.01, 100000, 1e-8), (2.0, 1e-3, 10**6, 1e-9)]
 
@@ -21,12 +21,12 @@ CONFIGS = [(0.8, 1e-3, 50000, 1e-6), (0.6, 0.01, 100000, 1e-8), (2.0, 1e-3, 10**
 def calibration(label: str) -> None:
     env = HutchEnvelope(32, 2048)
     t = time.perf_counter()
-    sigma = calibrate_sigma(0.7, 1e-5, 64 / 1139, 180, envelope=env)
+    sigma = calibrate_noise_multiplier(0.7, 1e-5, 64 / 1139, 180, envelope=env)
     cold = time.perf_counter() - t
     warm = []
     for _ in range(2):
         t = time.perf_counter()
-        calibrate_sigma(0.7, 1e-5, 64 / 1139, 180, envelope=env)
+        calibrate_noise_multiplier(0.7, 1e-5, 64 / 1139, 180, envelope=env)
         warm.append(time.perf_counter() - t)
     print(label, "cal", f"{sigma:.6f}", f"cold {cold:.2f} warm {statistics.median(warm):.2f}", flush=True)
 

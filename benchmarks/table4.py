@@ -10,7 +10,7 @@ values, which shows where the paper's number sits between our two bounds.
 
 import math
 
-from dpmath import calibrate_sigma, dpsgd_epsilon, estimator_envelope
+from dpmath import calibrate_noise_multiplier, dpsgd_epsilon_bracket, estimator_envelope
 
 EPS, DELTA, BATCH, EPOCHS = 0.7, 1e-5, 64, 10
 
@@ -23,15 +23,15 @@ def main() -> None:
     print("DP-SGD sigma against the training-set size n (target 4.073)")
     for n in list(range(1136, 1143)) + list(range(1166, 1172)):
         q, steps = sampling(n)
-        print(f"  n = {n}: steps = {steps}, sigma = {calibrate_sigma(EPS, DELTA, q, steps, rtol=1e-5):.4f}")
+        print(f"  n = {n}: steps = {steps}, sigma = {calibrate_noise_multiplier(EPS, DELTA, q, steps, rtol=1e-5):.4f}")
     q, steps = sampling(1139)
     print("n = 1139, k = 32, d = 2048 (paper: 4.354 for both)")
     for est in ("hutch", "hutchpp"):
-        sigma = calibrate_sigma(EPS, DELTA, q, steps, envelope=estimator_envelope(est, 32, 2048))
+        sigma = calibrate_noise_multiplier(EPS, DELTA, q, steps, envelope=estimator_envelope(est, 32, 2048))
         print(f"  {est}: sigma = {sigma:.4f}")
     print("Hutch: epsilon bracket [lower, upper] at sigma")
     for sigma in (4.350, 4.352, 4.354, 4.3616):
-        lo, hi = dpsgd_epsilon(sigma, q, steps, DELTA, estimator="hutch")
+        lo, hi = dpsgd_epsilon_bracket(sigma, q, steps, DELTA, estimator="hutch")
         print(f"  sigma = {sigma}: [{lo:.5f}, {hi:.5f}]")
 
 

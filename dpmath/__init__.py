@@ -8,7 +8,15 @@ discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod
 (:mod:`dpmath.twice_sampling`).
 """
 
-from .calibration import Bracket, calibrate_noise, calibrate_sigma, dpsgd_epsilon, estimator_envelope
+from .calibration import (
+    Bracket,
+    calibrate_noise,
+    calibrate_noise_multiplier,
+    calibrate_sigma,
+    dpsgd_epsilon,
+    dpsgd_epsilon_bracket,
+    estimator_envelope,
+)
 from .chi2mix import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
 from .envelope import (
     Envelope,
@@ -44,8 +52,10 @@ __all__ = [
     "RDPAccountant",
     "Bracket",
     "calibrate_noise",
+    "calibrate_noise_multiplier",
     "calibrate_sigma",
     "dpsgd_epsilon",
+    "dpsgd_epsilon_bracket",
     "estimator_envelope",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .calibration import calibrate_sigma, dpsgd_epsilon, estimator_envelope
+from .calibration import calibrate_noise_multiplier, dpsgd_epsilon_bracket, estimator_envelope
 from .envelope import HutchEnvelope, HutchPPEnvelope, pessimistic_discretization
 
 
@@ -76,7 +76,7 @@ def _mechanism_line(args: argparse.Namespace) -> str:
 def _epsilon(args: argparse.Namespace) -> int:
     q, steps, sampling = _sampling(args)
     t0 = time.perf_counter()
-    lo, hi = dpsgd_epsilon(args.sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
+    lo, hi = dpsgd_epsilon_bracket(args.sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
                            dim=args.d, discretization=args.discretization)
     print(f"{_mechanism_line(args)}: sigma = {args.sigma:g}, {sampling}, delta = {args.delta:g}")
     print(f"  epsilon in [{lo:.6f}, {hi:.6f}]   (publish the upper bound {hi:.6f})")
@@ -89,8 +89,9 @@ def _sigma(args: argparse.Namespace) -> int:
     q, steps, sampling = _sampling(args)
     t0 = time.perf_counter()
     env = estimator_envelope(args.estimator, args.k, args.d)
-    sigma = calibrate_sigma(args.epsilon, args.delta, q, steps, envelope=env, discretization=args.discretization)
-    lo, hi = dpsgd_epsilon(sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
+    sigma = calibrate_noise_multiplier(args.epsilon, args.delta, q, steps, envelope=env,
+                                       discretization=args.discretization)
+    lo, hi = dpsgd_epsilon_bracket(sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
                            dim=args.d, discretization=args.discretization)
     print(f"{_mechanism_line(args)}: target epsilon = {args.epsilon:g}, delta = {args.delta:g}, {sampling}")
     print(f"  noise multiplier sigma = {sigma:.6f}   (epsilon in [{lo:.6f}, {hi:.6f}])")

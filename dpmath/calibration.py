@@ -1,6 +1,6 @@
 r"""Noise calibration and one-call epsilon for DP-SGD and DP-SGD-RC.
 
-:func:`calibrate_sigma` finds the smallest noise multiplier whose **upper-bound** epsilon does not
+:func:`calibrate_noise_multiplier` finds the smallest noise multiplier ``sigma`` whose **upper-bound** epsilon does not
 exceed the target: it brackets the root of the monotone ``epsilon(sigma)``, then narrows the
 bracket with safeguarded secant steps (Illinois) in ``log sigma`` until it is ``rtol`` wide, and
 returns the bracket's upper end, which was evaluated and meets the target.  It never overshoots:
@@ -9,8 +9,13 @@ search starts from the plain DP-SGD answer, runs on a coarse grid (10x the loss 
 about 5x cheaper) and finishes on the requested grid from there; only the requested grid's epsilon
 decides the result.
 
-:func:`dpsgd_epsilon` is the common case in one call, and :func:`estimator_envelope` maps an
-estimator name (``"exact"``, ``"hutch"``, ``"hutchpp"``) and ``(k, d)`` to its envelope.
+:func:`dpsgd_epsilon` is the common case in one call (:func:`dpsgd_epsilon_bracket` with both ends of the
+bracket), and :func:`estimator_envelope` maps an estimator name (``"exact"``, ``"hutch"``, ``"hutchpp"``)
+and ``(projection_dim, dim)`` to its envelope.
+
+Until dpmath 0.3, :func:`calibrate_sigma` is a deprecated alias of :func:`calibrate_noise_multiplier`, and
+the float :func:`dpsgd_epsilon` returns can still be unpacked as the ``(lower, upper)`` bracket it used to
+be (with a :class:`DeprecationWarning`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+from .deprecation import deprecated_alias, renamed_arguments, warn_renamed
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
-from .validation import open_probability, positive_int, positive_real, real_array, sample_rate
+from .validation import open_probability, positive_int, positive_real, real_array
+from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["Bracket", "calibrate_noise", "calibrate_sigma", "dpsgd_epsilon", "estimator_envelope"]
+__all__ = ["Bracket", "calibrate_noise", "calibrate_noise_multiplier", "calibrate_sigma", "dpsgd_epsilon",
+           "dpsgd_epsilon_bracket", "estimator_envelope"]
 
 _ESTIMATORS = ("exact", "hutch", "hutchpp")
 
@@ -48,14 +56,15 @@ class Bracket(NamedTuple):
 @functools.lru_cache(maxsize=32)
 def estimator_envelope(estimator: str, projection_dim: int = 32, dim: int = 2048) -> Envelope | None:
     """The envelope of a norm estimator: ``None`` for exact norms, :class:`~dpmath.HutchEnvelope` or
-    :class:`~dpmath.HutchPPEnvelope` with ``k = projection_dim`` probes on a widest layer of size
-    ``d = dim`` (cached, so repeated calls reuse one envelope and its discretization).
+    :class:`~dpmath.HutchPPEnvelope` with ``k = projection_dim`` probes and ``d = dim`` chi-square terms
+    (for a model, summed over its layers; see :class:`~dpmath.HutchEnvelope`), cached, so repeated calls
+    reuse one envelope and its discretization.
 
     Examples
     --------
     >>> from dpmath.calibration import estimator_envelope
     >>> estimator_envelope("hutch", 32, 2048), estimator_envelope("exact")
-    (HutchEnvelope(k=32, d=2048, family='heavy-light'), None)
+    (HutchEnvelope(projection_dim=32, dim=2048, family='heavy-light'), None)
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {estimator!r}")
@@ -91,18 +100,21 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
     return math.inf
 
 
-def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *, envelope: Envelope | None = None,
-                    accountant: str = "pld", discretization: float = 1e-4, rtol: float = 1e-4) -> float:
-    r"""Smallest noise multiplier ``sigma`` with ``epsilon(sigma) <= target_epsilon`` (upper bound).
+@renamed_arguments({"delta": "target_delta", "q": "sample_rate"})
+def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float, steps: int, *,
+                               envelope: Envelope | None = None, accountant: str = "pld",
+                               discretization: float = 1e-4, rtol: float = 1e-4) -> float:
+    r"""Smallest noise multiplier ``sigma`` with ``epsilon(sigma) <= target_epsilon`` (upper bound) at
+    ``target_delta``, as Opacus' ``make_private_with_epsilon`` would need.
 
     Parameters
     ----------
     target_epsilon : float
         The privacy budget, ``> 0``.
-    delta : float
-        In ``(0, 1)``.
-    q : float
-        Sampling probability (batch size / data-set size), in ``(0, 1]``.
+    target_delta : float
+        ``delta``, in ``(0, 1)``.
+    sample_rate : float
+        ``q``, the sampling probability (batch size / data-set size), in ``(0, 1]``.
     steps : int
         Number of DP-SGD steps, ``>= 1``.
     envelope : Envelope, optional
@@ -119,17 +131,17 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     Returns
     -------
     float
-        ``sigma``, evaluated to satisfy the target.
+        The noise multiplier ``sigma``, evaluated to satisfy the target.
 
     Examples
     --------
-    >>> from dpmath import calibrate_sigma
-    >>> round(calibrate_sigma(1.0, 1e-5, 0.01, 1000), 3)
+    >>> from dpmath import calibrate_noise_multiplier
+    >>> round(calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000), 3)
     1.415
     """
     eps_t = positive_real(target_epsilon, "target_epsilon")
-    d = open_probability(delta, "delta")
-    qq = sample_rate(q)
+    d = open_probability(target_delta, "target_delta")
+    qq = checked_sample_rate(sample_rate, "sample_rate")
     n = positive_int(steps, "steps")
     if accountant not in ("pld", "rdp"):
         raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
@@ -147,7 +159,7 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
         return f
 
     f = objective(_SCALE_RESOLUTION, discretization)
-    context = f"delta={d:g}, q={qq:g}, steps={n}"
+    context = f"target_delta={d:g}, sample_rate={qq:g}, steps={n}"
     if envelope is None:
         return _search(f, 1.0, [2.0], eps_t, context, rt)[0]
     # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, take two Newton
@@ -162,6 +174,9 @@ def calibrate_sigma(target_epsilon: float, delta: float, q: float, steps: int, *
     if coarse is None:   # the Newton steps did not work out: a bracketing search on the coarse grid
         coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
     return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+
+
+calibrate_sigma = deprecated_alias(calibrate_noise_multiplier, "calibrate_sigma")
 
 
 def _newton_start(f, guess: float, slope: float) -> tuple[float | None, float]:
@@ -185,7 +200,7 @@ def calibrate_noise(epsilon: Callable[[float], float], target_epsilon: float, *,
                     rtol: float = 1e-4) -> float:
     r"""Smallest noise multiplier ``sigma`` with ``epsilon(sigma) <= target_epsilon``, for any mechanism.
 
-    The search of :func:`calibrate_sigma` (bracketing, then Illinois steps on ``log sigma``; the returned
+    The search of :func:`calibrate_noise_multiplier` (bracketing, then Illinois steps on ``log sigma``; the returned
     ``sigma`` is one whose epsilon was evaluated and meets the target) over a caller's ``epsilon(sigma)``,
     which must be non-increasing, e.g. an :class:`RDPAccountant` over a mechanism of
     :mod:`dpmath.twice_sampling`.
@@ -261,7 +276,7 @@ def _search(f, guess: float, factors: list[float], eps_t: float, context: str, r
             lo, f_lo = hi, f_hi
             hi *= next(steps)
             if hi > 1e8:
-                raise ValueError(f"no sigma <= 1e8 reaches epsilon = {eps_t:g} ({context})")
+                raise ValueError(f"no noise multiplier <= 1e8 reaches epsilon = {eps_t:g} ({context})")
             f_hi = f(hi)
     else:
         while f_lo <= 0:
@@ -295,20 +310,56 @@ def _search(f, guess: float, factors: list[float], eps_t: float, context: str, r
     return math.exp(x_hi), ((f_hi - f_lo) / (x_hi - x_lo) if finite else -1.0)
 
 
-def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
-                  estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
-                  discretization: float = 1e-4) -> Bracket:
-    r"""Epsilon of DP-SGD (``estimator="exact"``) or DP-SGD-RC (``"hutch"``, ``"hutchpp"``) in one call.
+class _BracketedEpsilon(float):
+    """The upper end of a :class:`Bracket`, a plain float in every use, that still unpacks as the bracket.
 
-    Composes ``steps`` Poisson-subsampled steps in a :class:`~dpmath.PLDAccountant` and returns the
-    ``[lower, upper]`` bracket of ``epsilon(delta)``; ``upper`` is the number to publish.
+    :func:`dpsgd_epsilon` returned the ``Bracket`` itself before dpmath 0.2; until 0.3 this float keeps the
+    old uses working with a :class:`DeprecationWarning`: ``lower, upper = dpsgd_epsilon(...)`` and the
+    ``.lower``/``.upper`` attributes.  Arithmetic on it gives ordinary floats.
+    """
+
+    __slots__ = ("_lower",)
+
+    def __new__(cls, bracket: Bracket) -> _BracketedEpsilon:
+        self = super().__new__(cls, bracket.upper)
+        self._lower = bracket.lower
+        return self
+
+    def __reduce__(self) -> tuple:
+        return float, (float(self),)   # pickled as the number it is
+
+    def __iter__(self):
+        warn_renamed("unpacking dpsgd_epsilon(...) as (lower, upper)", "dpsgd_epsilon_bracket(...)")
+        return iter(Bracket(self._lower, float(self)))
+
+    @property
+    def lower(self) -> float:
+        """Deprecated: the bracket's lower end (use :func:`dpsgd_epsilon_bracket`)."""
+        warn_renamed("dpsgd_epsilon(...).lower", "dpsgd_epsilon_bracket(...).lower")
+        return self._lower
+
+    @property
+    def upper(self) -> float:
+        """Deprecated: the number itself."""
+        warn_renamed("dpsgd_epsilon(...).upper", "dpsgd_epsilon(...) itself, a float")
+        return float(self)
+
+
+def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
+                          estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
+                          discretization: float = 1e-4) -> Bracket:
+    r"""The ``[lower, upper]`` bracket of epsilon of DP-SGD (``estimator="exact"``) or DP-SGD-RC (``"hutch"``,
+    ``"hutchpp"``) in one call; ``upper`` is the number to publish (:func:`dpsgd_epsilon`).
+
+    Composes ``steps`` Poisson-subsampled steps in a :class:`~dpmath.PLDAccountant` and brackets
+    ``epsilon(delta)``.
 
     Parameters
     ----------
     noise_multiplier : float
-        Noise standard deviation over the clipping norm, ``> 0``.
+        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
     sample_rate : float
-        Batch size over data-set size, in ``(0, 1]``.
+        ``q``, the batch size over the data-set size, in ``(0, 1]``.
     steps : int
         Number of steps, ``>= 1``.
     delta : float
@@ -316,19 +367,44 @@ def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta
     estimator : {"exact", "hutch", "hutchpp"}
         How per-example norms are obtained.
     projection_dim, dim : int
-        ``k`` probes and the widest layer's ``d`` (ignored for ``"exact"``).
+        ``k`` probes and ``d`` chi-square terms of the envelope (:func:`estimator_envelope`; ignored for
+        ``"exact"``).
     discretization : float
         PLD grid step.
 
+    Returns
+    -------
+    Bracket
+        ``(lower, upper)``.
+
     Examples
     --------
-    >>> from dpmath import dpsgd_epsilon
-    >>> round(dpsgd_epsilon(1.0, 0.01, 1000, 1e-5).upper, 3)
-    1.828
-    >>> r = dpsgd_epsilon(1.0, 0.01, 1000, 1e-5, estimator="hutch", projection_dim=32, dim=2048)
+    >>> from dpmath import dpsgd_epsilon_bracket
+    >>> r = dpsgd_epsilon_bracket(1.0, 0.01, 1000, 1e-5, estimator="hutch", projection_dim=32, dim=2048)
     >>> bool(r.lower <= r.upper), r.upper > 1.828
     (True, True)
     """
     env = estimator_envelope(estimator, projection_dim, dim)
     acc = PLDAccountant(discretization).compose(_mechanism(noise_multiplier, sample_rate, env), steps)
     return Bracket(*acc.epsilon_bracket(delta))
+
+
+def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
+                  estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
+                  discretization: float = 1e-4) -> float:
+    r"""Epsilon of DP-SGD or DP-SGD-RC at ``delta``, the certified upper bound: like Opacus'
+    ``get_epsilon(delta)``, in one call.
+
+    The upper end of :func:`dpsgd_epsilon_bracket` (the same computation and arguments).  Until dpmath
+    0.3 the float it returns can still be unpacked as ``lower, upper`` or read as ``.lower``/``.upper``,
+    with a :class:`DeprecationWarning`.
+
+    Examples
+    --------
+    >>> from dpmath import dpsgd_epsilon
+    >>> round(dpsgd_epsilon(1.0, 0.01, 1000, 1e-5), 3)
+    1.828
+    """
+    return _BracketedEpsilon(dpsgd_epsilon_bracket(noise_multiplier, sample_rate, steps, delta, estimator=estimator,
+                                                   projection_dim=projection_dim, dim=dim,
+                                                   discretization=discretization))

@@ -54,6 +54,7 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from .chi2mix import two_block_cdf
+from .deprecation import renamed_arguments
 from .validation import positive_int, probability_array, real_array
 
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope",
@@ -240,7 +241,7 @@ class Envelope:
         Examples
         --------
         >>> from dpmath import HutchEnvelope, PointMassEnvelope
-        >>> HutchEnvelope(k=4, d=8).point_mass() is None, PointMassEnvelope(1.0).point_mass()
+        >>> HutchEnvelope(projection_dim=4, dim=8).point_mass() is None, PointMassEnvelope(1.0).point_mass()
         (True, 1.0)
         """
         return None
@@ -251,7 +252,7 @@ class Envelope:
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> lo, hi = HutchEnvelope(k=32, d=2048).support_interval(1e-16)
+        >>> lo, hi = HutchEnvelope(projection_dim=32, dim=2048).support_interval(1e-16)
         >>> round(lo, 4), round(hi, 4)
         (0.0443, 1.046)
         """
@@ -261,6 +262,7 @@ class Envelope:
         return float(lo), float(hi)
 
 
+@renamed_arguments({"k": "projection_dim", "d": "dim"})
 class HutchEnvelope(Envelope):
     r"""Envelope of Hutchinson-estimated squared norms, ``F(x) = sup_lambda P(X(lambda) <= x)``.
 
@@ -269,10 +271,13 @@ class HutchEnvelope(Envelope):
 
     Parameters
     ----------
-    k : int
-        Projection dimension (number of Gaussian probe vectors), ``k >= 1``.
-    d : int
-        Width of the widest layer, ``max_l min(p_l, d_l)``, ``d >= 1``.
+    projection_dim : int
+        ``k``, the projection dimension (number of Gaussian probe vectors), ``k >= 1``.
+    dim : int
+        ``d``, the number of ``chi2(k)/k`` terms (the length of ``lambda``), ``d >= 1``.  For a model
+        trained by :mod:`dpsgd` it is summed over the layers, not the widest one: ``min(rows, cols)`` of
+        every estimated weight matrix plus 1 per estimated bias
+        (:meth:`dpsgd.engine.NormPlan.envelope_dimension`).
     family : {"heavy-light", "full"}
         ``"heavy-light"`` (default) maximizes over ``S(1, d-1, lam)`` in the middle region;
         ``"full"`` over every two-block form ``S(i, j, lam)``, ``1 <= i + j <= d`` (``O(d^2)`` per point).
@@ -280,7 +285,7 @@ class HutchEnvelope(Envelope):
     Examples
     --------
     >>> from dpmath import HutchEnvelope
-    >>> env = HutchEnvelope(k=32, d=2048)
+    >>> env = HutchEnvelope(projection_dim=32, dim=2048)
     >>> round(float(env.cdf(0.9)), 6) == round(float(env.vertex_cdf(0.9)), 6)   # x <= 1: vertex
     True
     >>> 1.0 < env.x_plus < 1.01
@@ -289,9 +294,9 @@ class HutchEnvelope(Envelope):
     1.0
     """
 
-    def __init__(self, k: int, d: int, *, family: str = "heavy-light") -> None:
-        self.k = positive_int(k, "k")
-        self.d = positive_int(d, "d")
+    def __init__(self, projection_dim: int, dim: int, *, family: str = "heavy-light") -> None:
+        self.projection_dim = positive_int(projection_dim, "projection_dim")
+        self.dim = positive_int(dim, "dim")
         if family not in ("heavy-light", "full"):
             raise ValueError(f"family must be 'heavy-light' or 'full', got {family!r}")
         self.family = family
@@ -299,10 +304,10 @@ class HutchEnvelope(Envelope):
         self._profile_cache: list[tuple[float, float, np.ndarray, np.ndarray]] | None = None
 
     def __repr__(self) -> str:
-        return f"HutchEnvelope(k={self.k}, d={self.d}, family={self.family!r})"
+        return f"HutchEnvelope(projection_dim={self.projection_dim}, dim={self.dim}, family={self.family!r})"
 
     def _parameters(self) -> tuple:
-        return (self.k, self.d, self.family)
+        return (self.projection_dim, self.dim, self.family)
 
     # extremes -----------------------------------------------------------------------------------
     def vertex_cdf(self, x: ArrayLike) -> np.ndarray:
@@ -311,11 +316,11 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> round(float(HutchEnvelope(k=2, d=8).vertex_cdf(1.0)), 6)   # 1 - exp(-1)
+        >>> round(float(HutchEnvelope(projection_dim=2, dim=8).vertex_cdf(1.0)), 6)   # 1 - exp(-1)
         0.632121
         """
         xs = np.maximum(real_array(x, "x"), 0.0)
-        return special.gammainc(self.k / 2.0, xs * self.k / 2.0)
+        return special.gammainc(self.projection_dim / 2.0, xs * self.projection_dim / 2.0)
 
     def uniform_cdf(self, x: ArrayLike) -> np.ndarray:
         """CDF of the uniform mixture ``X(u) = chi2(kd)/(kd)``, the envelope for ``x >= x_plus``.
@@ -323,17 +328,17 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> round(float(HutchEnvelope(k=1, d=2).uniform_cdf(1.0)), 6)  # chi2(2)/2 is Exp(1)
+        >>> round(float(HutchEnvelope(projection_dim=1, dim=2).uniform_cdf(1.0)), 6)  # chi2(2)/2 is Exp(1)
         0.632121
         """
         xs = np.maximum(real_array(x, "x"), 0.0)
-        n = self.k * self.d
+        n = self.projection_dim * self.dim
         return special.gammainc(n / 2.0, xs * n / 2.0)
 
     # the middle region --------------------------------------------------------------------------
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """(i, j) pairs searched in the middle region (only reached for d >= 2)."""
-        d = self.d
+        d = self.dim
         if self.family == "heavy-light":
             return np.array([1.0]), np.array([float(d - 1)])
         ii, jj = np.meshgrid(np.arange(1, d + 1), np.arange(0, d + 1), indexing="ij")
@@ -351,7 +356,7 @@ class HutchEnvelope(Envelope):
         Returns the upper end of the final bracket (width <= 1e-11), or 1 where ``h(1) < 0``.  ``near``
         (crossings already found at nearby lam) adds two points around it to the first evaluation.
         """
-        k = self.k
+        k = self.projection_dim
 
         def h(*xs: np.ndarray) -> list[np.ndarray]:
             # one call for every point: a call's cost is mostly fixed (the quadrature's set-up), not per point
@@ -362,7 +367,7 @@ class HutchEnvelope(Envelope):
         lo = np.ones(lam.shape)
         hi = np.full(lam.shape, np.inf)
         f_lo, f_hi = np.zeros(lam.shape), np.zeros(lam.shape)
-        sd = math.sqrt(2.0 / (k * self.d))
+        sd = math.sqrt(2.0 / (k * self.dim))
         first = [lo, np.full(lam.shape, 1.0 + 1.25 * sd)]
         if near is not None:
             span = 0.1 * np.maximum(near - 1.0, 0.0) + 1e-9
@@ -386,7 +391,7 @@ class HutchEnvelope(Envelope):
         if self._profile_cache is not None:
             return self._profile_cache
         ii, jj = self._candidates()
-        lam0 = _lam_grid(1.0 / self.d, _PROFILE_GRID)
+        lam0 = _lam_grid(1.0 / self.dim, _PROFILE_GRID)
         L = np.broadcast_to(lam0, (ii.size, lam0.size)).copy()
         Ii = np.broadcast_to(ii[:, None], L.shape)
         Jj = np.broadcast_to(jj[:, None], L.shape)
@@ -423,10 +428,10 @@ class HutchEnvelope(Envelope):
         the narrow bump that survives there is always resolved.  The uniform law and the vertex are
         always candidates; every reported value is an evaluated CDF.
         """
-        k = self.k
+        k = self.projection_dim
         val = np.maximum(self.uniform_cdf(x), self.vertex_cdf(x))
         use_u = self.uniform_cdf(x) >= self.vertex_cdf(x)
-        best_i = np.where(use_u, float(self.d), 1.0)
+        best_i = np.where(use_u, float(self.dim), 1.0)
         best_j = np.zeros(x.shape)
         best_lam = np.ones(x.shape)
         xs_l, ii_l, jj_l, lo_l, hi_l, row_l = [], [], [], [], [], []
@@ -494,7 +499,7 @@ class HutchEnvelope(Envelope):
         short.
         """
         if self._x_plus is None:
-            if self.d == 1:
+            if self.dim == 1:
                 self._x_plus = 1.0
             else:
                 top = max(float(c_p.max()) for _, _, _, c_p in self._profile())
@@ -503,7 +508,7 @@ class HutchEnvelope(Envelope):
 
     # distribution functions -----------------------------------------------------------------------
     def _middle_mask(self, xs: np.ndarray) -> np.ndarray:
-        return (xs > 1.0) & (xs < self.x_plus) if self.d > 1 else np.zeros(xs.shape, dtype=bool)
+        return (xs > 1.0) & (xs < self.x_plus) if self.dim > 1 else np.zeros(xs.shape, dtype=bool)
 
     def cdf(self, x: ArrayLike) -> np.ndarray:
         r"""Envelope CDF ``sup_lambda P(X(lambda) <= x)``, vectorized; 0 for ``x <= 0``, 1 at ``+inf``.
@@ -511,7 +516,7 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> env = HutchEnvelope(k=1, d=3)
+        >>> env = HutchEnvelope(projection_dim=1, dim=3)
         >>> round(float(env.cdf(1.5)), 4)   # above both 0.7877 (uniform) and 0.7872 (rank 2)
         0.7952
         """
@@ -530,13 +535,14 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> float(HutchEnvelope(k=32, d=2048).sf(1.1)) < 1e-40
+        >>> float(HutchEnvelope(projection_dim=32, dim=2048).sf(1.1)) < 1e-40
         True
         """
         xs = real_array(x, "x")
-        n = self.k * self.d
+        n = self.projection_dim * self.dim
         with np.errstate(invalid="ignore"):
-            out = np.where(xs <= 1.0, special.gammaincc(self.k / 2.0, np.maximum(xs, 0) * self.k / 2.0),
+            half = self.projection_dim / 2.0
+            out = np.where(xs <= 1.0, special.gammaincc(half, np.maximum(xs, 0) * half),
                            special.gammaincc(n / 2.0, np.maximum(xs, 0) * n / 2.0))
         mid = self._middle_mask(xs)
         if mid.any():
@@ -551,17 +557,17 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> env = HutchEnvelope(k=4, d=16)
+        >>> env = HutchEnvelope(projection_dim=4, dim=16)
         >>> x = env.ppf(0.6)
         >>> abs(float(env.cdf(x)) - 0.6) < 1e-12
         True
         """
         qs = probability_array(q, "q")
-        k, n = self.k, self.k * self.d
+        k, n = self.projection_dim, self.projection_dim * self.dim
         with np.errstate(invalid="ignore"):
             out = np.where(qs <= self.vertex_cdf(1.0), special.gammaincinv(k / 2.0, qs) * 2.0 / k,
                            special.gammaincinv(n / 2.0, qs) * 2.0 / n)
-        if self.d > 1:
+        if self.dim > 1:
             xp = self.x_plus
             mid = (qs > self.vertex_cdf(1.0)) & (qs < self.uniform_cdf(xp))
             if mid.any():
@@ -585,21 +591,22 @@ class HutchEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchEnvelope
-        >>> m = HutchEnvelope(k=1, d=3).maximizer(1.5)
+        >>> m = HutchEnvelope(projection_dim=1, dim=3).maximizer(1.5)
         >>> (m.i, m.j, round(m.lam, 2))
         (1, 2, 0.7)
         """
         xv = float(real_array(x, "x"))
-        if xv <= 1.0 or self.d == 1:
+        if xv <= 1.0 or self.dim == 1:
             return Maximizer(1, 0, 1.0)
         if xv >= self.x_plus:
-            return Maximizer(self.d, 0, 1.0)
+            return Maximizer(self.dim, 0, 1.0)
         _, i, j, lam = self._family_sup(np.array([xv]))
         if j[0] == 0 or lam[0] >= 1.0:
             return Maximizer(int(i[0]), 0, 1.0)
         return Maximizer(int(i[0]), int(j[0]), float(lam[0]))
 
 
+@renamed_arguments({"k": "projection_dim", "d": "dim"})
 class HutchPPEnvelope(Envelope):
     r"""Envelope of Hutch++-estimated squared norms (paper 000, App. B.7.2 / B.8, Prop. B.24).
 
@@ -613,24 +620,31 @@ class HutchPPEnvelope(Envelope):
     i.e. ``Y = min(chi2(k)/k, 1)``: a vertex below 1 and an atom of mass ``P(chi2(k)/k > 1)`` at 1.
     When ``d <= k`` the sketch captures the whole spectrum, the estimate is exact and ``Y = 1``.
 
+    Parameters
+    ----------
+    projection_dim : int
+        ``k``, the sketch and probe size, ``k >= 1``.
+    dim : int
+        ``d``, as for :class:`HutchEnvelope`, ``d >= 1``.
+
     Examples
     --------
     >>> from dpmath import HutchPPEnvelope
-    >>> env = HutchPPEnvelope(k=32, d=2048)
+    >>> env = HutchPPEnvelope(projection_dim=32, dim=2048)
     >>> float(env.cdf(1.0)), round(float(env.cdf(0.999999)), 3)
     (1.0, 0.533)
     """
 
-    def __init__(self, k: int, d: int) -> None:
-        self.k = positive_int(k, "k")
-        self.d = positive_int(d, "d")
+    def __init__(self, projection_dim: int, dim: int) -> None:
+        self.projection_dim = positive_int(projection_dim, "projection_dim")
+        self.dim = positive_int(dim, "dim")
         self.x_plus = 1.0
 
     def __repr__(self) -> str:
-        return f"HutchPPEnvelope(k={self.k}, d={self.d})"
+        return f"HutchPPEnvelope(projection_dim={self.projection_dim}, dim={self.dim})"
 
     def _parameters(self) -> tuple:
-        return (self.k, self.d)
+        return (self.projection_dim, self.dim)
 
     def cdf(self, x: ArrayLike) -> np.ndarray:
         """``max(F(x; chi2(k)/k), 1{x >= 1})``, vectorized.
@@ -638,14 +652,15 @@ class HutchPPEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchPPEnvelope
-        >>> HutchPPEnvelope(k=2, d=8).cdf([0.5, 1.0]).round(6).tolist()   # 1 - exp(-0.5), then 1
+        >>> HutchPPEnvelope(projection_dim=2, dim=8).cdf([0.5, 1.0]).round(6).tolist()   # 1 - exp(-0.5), then 1
         [0.393469, 1.0]
         """
         xs = real_array(x, "x")
-        if self.d <= self.k:
+        if self.dim <= self.projection_dim:
             out = np.where(xs >= 1.0, 1.0, 0.0)
         else:
-            out = np.where(xs >= 1.0, 1.0, special.gammainc(self.k / 2.0, np.maximum(xs, 0) * self.k / 2.0))
+            half = self.projection_dim / 2.0
+            out = np.where(xs >= 1.0, 1.0, special.gammainc(half, np.maximum(xs, 0) * half))
         return out[()] if out.ndim == 0 else out
 
     def sf(self, x: ArrayLike) -> np.ndarray:
@@ -654,14 +669,15 @@ class HutchPPEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchPPEnvelope
-        >>> HutchPPEnvelope(k=2, d=8).sf([0.5, 1.0]).round(6).tolist()
+        >>> HutchPPEnvelope(projection_dim=2, dim=8).sf([0.5, 1.0]).round(6).tolist()
         [0.606531, 0.0]
         """
         xs = real_array(x, "x")
-        if self.d <= self.k:
+        if self.dim <= self.projection_dim:
             out = np.where(xs >= 1.0, 0.0, 1.0)
         else:
-            out = np.where(xs >= 1.0, 0.0, special.gammaincc(self.k / 2.0, np.maximum(xs, 0) * self.k / 2.0))
+            half = self.projection_dim / 2.0
+            out = np.where(xs >= 1.0, 0.0, special.gammaincc(half, np.maximum(xs, 0) * half))
         return out[()] if out.ndim == 0 else out
 
     def ppf(self, q: ArrayLike) -> np.ndarray:
@@ -670,14 +686,14 @@ class HutchPPEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchPPEnvelope
-        >>> HutchPPEnvelope(k=2, d=8).ppf([0.393469340287, 0.9]).round(6).tolist()
+        >>> HutchPPEnvelope(projection_dim=2, dim=8).ppf([0.393469340287, 0.9]).round(6).tolist()
         [0.5, 1.0]
         """
         qs = probability_array(q, "q")
-        if self.d <= self.k:
+        if self.dim <= self.projection_dim:
             out = np.where(qs > 0, 1.0, 0.0)
         else:
-            k = self.k
+            k = self.projection_dim
             below = qs <= special.gammainc(k / 2.0, k / 2.0)
             out = np.where(below, special.gammaincinv(k / 2.0, qs) * 2.0 / k, 1.0)
         return out[()] if out.ndim == 0 else out
@@ -688,10 +704,10 @@ class HutchPPEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchPPEnvelope
-        >>> HutchPPEnvelope(k=32, d=16).point_mass(), HutchPPEnvelope(k=32, d=64).point_mass()
+        >>> HutchPPEnvelope(32, dim=16).point_mass(), HutchPPEnvelope(32, dim=64).point_mass()
         (1.0, None)
         """
-        return 1.0 if self.d <= self.k else None
+        return 1.0 if self.dim <= self.projection_dim else None
 
     def maximizer(self, x: float) -> Maximizer:
         """``(1, 0, 1.0)``: the vertex on a tail coordinate for ``x < 1``; ``(0, 0, 1.0)``, all weight on
@@ -700,11 +716,12 @@ class HutchPPEnvelope(Envelope):
         Examples
         --------
         >>> from dpmath import HutchPPEnvelope
-        >>> HutchPPEnvelope(k=4, d=64).maximizer(0.5), HutchPPEnvelope(k=4, d=64).maximizer(1.0)
+        >>> env = HutchPPEnvelope(projection_dim=4, dim=64)
+        >>> env.maximizer(0.5), env.maximizer(1.0)
         (Maximizer(i=1, j=0, lam=1.0), Maximizer(i=0, j=0, lam=1.0))
         """
         xv = float(real_array(x, "x"))
-        return Maximizer(0, 0, 1.0) if (xv >= 1.0 or self.d <= self.k) else Maximizer(1, 0, 1.0)
+        return Maximizer(0, 0, 1.0) if (xv >= 1.0 or self.dim <= self.projection_dim) else Maximizer(1, 0, 1.0)
 
 
 class PointMassEnvelope(Envelope):
@@ -827,7 +844,7 @@ def pessimistic_discretization(envelope: Envelope, grid: ArrayLike, *, optimisti
     --------
     >>> import numpy as np
     >>> from dpmath import HutchPPEnvelope, pessimistic_discretization
-    >>> dist = pessimistic_discretization(HutchPPEnvelope(k=32, d=2048), np.arange(2, 13) / 10)
+    >>> dist = pessimistic_discretization(HutchPPEnvelope(projection_dim=32, dim=2048), np.arange(2, 13) / 10)
     >>> bool(dist.below_mass < 1e-5), round(float(dist.weights.sum() + dist.below_mass), 12)
     (True, 1.0)
     >>> float(dist.y[np.argmax(dist.weights)])   # Hutch++'s atom at 1 moves down to the bin's left end

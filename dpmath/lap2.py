@@ -62,9 +62,11 @@ from numpy.typing import ArrayLike
 from scipy import optimize, special
 
 from .conversions import rdp_to_epsilon
+from .deprecation import renamed_arguments
 from .mechanisms import LAPLACE_GDP_FACTOR
 from .rdp import log_subsampled_moment
-from .validation import non_negative, open_probability, positive_int, positive_real, real_array, sample_rate
+from .validation import non_negative, open_probability, positive_int, positive_real, real_array
+from .validation import sample_rate as checked_sample_rate
 
 __all__ = [
     "LAPLACE_GDP_FACTOR",
@@ -134,7 +136,8 @@ def laplace_moment(shift: ArrayLike, eta: ArrayLike, scale: float = 1.0) -> np.n
         return np.exp(_log_moment_terms(u / b, e))
 
 
-def univariate_log_moment(shift: ArrayLike, order: int, q: float, scale: float = 1.0) -> np.ndarray:
+@renamed_arguments({"q": "sample_rate"})
+def univariate_log_moment(shift: ArrayLike, order: int, sample_rate: float, scale: float = 1.0) -> np.ndarray:
     r"""Paper 003, Thm III.2: the moments-accountant function of one subsampled Laplace coordinate.
 
     .. math::
@@ -151,8 +154,8 @@ def univariate_log_moment(shift: ArrayLike, order: int, q: float, scale: float =
         ``u = |g_i| >= 0`` (vectorized).
     order : int
         ``lambda >= 1``.
-    q : float
-        Sampling rate in ``(0, 1]``.
+    sample_rate : float
+        ``q``, the Poisson sampling rate, in ``(0, 1]``.
     scale : float
         Laplace scale ``b > 0``.
 
@@ -170,7 +173,7 @@ def univariate_log_moment(shift: ArrayLike, order: int, q: float, scale: float =
     if (u < 0).any():
         raise ValueError("shift must be non-negative (>= 0)")
     lam = _order(order)
-    q = sample_rate(q, "q")
+    q = checked_sample_rate(sample_rate, "sample_rate")
     b = positive_real(scale, "scale")
     eta = np.arange(lam + 2, dtype=np.float64)
     return log_subsampled_moment(lam + 1, q, _log_moment_terms(u[..., None] / b, eta))
@@ -206,7 +209,8 @@ def majorizer(dim: int, clip_norm: float = 1.0) -> np.ndarray:
     return c / (np.sqrt(i) + np.sqrt(i - 1.0))
 
 
-def published_log_moment(order: int, q: float, scale: float, clip_norm: float, dim: int) -> float:
+@renamed_arguments({"q": "sample_rate"})
+def published_log_moment(order: int, sample_rate: float, scale: float, clip_norm: float, dim: int) -> float:
     r"""Paper 003, Thm III.7 **as published** (unsound, see the module docstring).
 
     .. math:: \alpha_G(\lambda) \le \sum_{i=1}^n \alpha(x_i), \qquad x_i = C(\sqrt{i} - \sqrt{i-1}),
@@ -219,8 +223,8 @@ def published_log_moment(order: int, q: float, scale: float, clip_norm: float, d
     ----------
     order : int
         ``lambda >= 1``.
-    q : float
-        Sampling rate in ``(0, 1]``.
+    sample_rate : float
+        ``q``, the Poisson sampling rate, in ``(0, 1]``.
     scale : float
         Laplace scale ``b > 0``.
     clip_norm : float
@@ -241,11 +245,12 @@ def published_log_moment(order: int, q: float, scale: float, clip_norm: float, d
     x = majorizer(dim, clip_norm)
     total = 0.0
     for start in range(0, x.size, 1 << 16):
-        total += float(univariate_log_moment(x[start:start + (1 << 16)], order, q, scale).sum())
+        total += float(univariate_log_moment(x[start:start + (1 << 16)], order, sample_rate, scale).sum())
     return total
 
 
-def published_epsilon(delta: float, q: float, steps: int, scale: float, clip_norm: float, dim: int,
+@renamed_arguments({"q": "sample_rate"})
+def published_epsilon(delta: float, sample_rate: float, steps: int, scale: float, clip_norm: float, dim: int,
                       orders: ArrayLike = tuple(range(1, 129))) -> float:
     r"""Epsilon of LAP2 by the paper's accountant **as published** (unsound; for comparison only).
 
@@ -263,8 +268,8 @@ def published_epsilon(delta: float, q: float, steps: int, scale: float, clip_nor
     ----------
     delta : float
         In ``(0, 1)``.
-    q : float
-        Sampling rate in ``(0, 1]``.
+    sample_rate : float
+        ``q``, the Poisson sampling rate, in ``(0, 1]``.
     steps : int
         ``T >= 1``.
     scale, clip_norm : float
@@ -287,13 +292,14 @@ def published_epsilon(delta: float, q: float, steps: int, scale: float, clip_nor
     delta = open_probability(delta, "delta")
     steps = positive_int(steps, "steps")
     lams = [_order(o) for o in np.atleast_1d(np.asarray(orders)).tolist()]
-    moments = np.array([published_log_moment(lam, q, scale, clip_norm, dim) for lam in lams])
+    moments = np.array([published_log_moment(lam, sample_rate, scale, clip_norm, dim) for lam in lams])
     lam = np.array(lams, dtype=np.float64)
     eps, _ = rdp_to_epsilon(steps * moments / lam, lam + 1.0, delta, "balle")
     return eps
 
 
-def joint_log_moment(gradient: ArrayLike, order: int, q: float, scale: float = 1.0) -> float:
+@renamed_arguments({"q": "sample_rate"})
+def joint_log_moment(gradient: ArrayLike, order: int, sample_rate: float, scale: float = 1.0) -> float:
     r"""Exact ``log E_{Lap(0)^n}[(1 - q + q prod_i L_i)^{lambda+1}]`` of one LAP2 step for gradient ``g``.
 
     .. math::
@@ -311,8 +317,8 @@ def joint_log_moment(gradient: ArrayLike, order: int, q: float, scale: float = 1
         The added example's clipped gradient ``g`` (any length).
     order : int
         ``lambda >= 1``.
-    q : float
-        Sampling rate in ``(0, 1]``.
+    sample_rate : float
+        ``q``, the Poisson sampling rate, in ``(0, 1]``.
     scale : float
         Laplace scale ``b > 0``.
 
@@ -332,7 +338,7 @@ def joint_log_moment(gradient: ArrayLike, order: int, q: float, scale: float = 1
     """
     g = np.abs(real_array(gradient, "gradient", allow_inf=False)).ravel()
     lam = _order(order)
-    q = sample_rate(q, "q")
+    q = checked_sample_rate(sample_rate, "sample_rate")
     b = positive_real(scale, "scale")
     eta = np.arange(lam + 2, dtype=np.float64)
     return float(log_subsampled_moment(lam + 1, q, _log_moment_terms(g[:, None] / b, eta[None, :]).sum(axis=0)))

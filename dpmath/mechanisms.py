@@ -1,8 +1,9 @@
 r"""Mechanisms: small immutable descriptions that accountants compose.
 
 Every mechanism releases a sum of clipped vectors plus Gaussian noise of standard deviation ``sigma``
-times the clipping norm, so one example moves the output by a vector of norm at most ``a / sigma``
-noise standard deviations, where ``a`` is the example's *scale*:
+(the ``noise_multiplier``) times the clipping norm, so one example moves the output by a vector of norm
+at most ``a / sigma`` noise standard deviations, where ``a`` is the example's *scale*; ``q`` is the
+``sample_rate``:
 
 * :class:`Gaussian`: ``a = 1``, every step (no sampling).
 * :class:`SubsampledGaussian`: ``a = 1``, the example is in the batch with probability ``q``
@@ -15,7 +16,9 @@ noise standard deviations, where ``a`` is the example's *scale*:
 * :class:`SubsampledL2Laplace`: LAP2, Laplace noise instead of Gaussian; accounted through the
   subsampled Gaussian that dominates it (:mod:`dpmath.lap2`).
 
-A mechanism validates its arguments once, at construction; accountants never see an invalid one.
+A mechanism validates its arguments once, at construction; accountants never see an invalid one.  The
+paper's names (``sigma``, ``q``) still work as keywords and attributes until dpmath 0.3, with a
+:class:`DeprecationWarning` (:mod:`dpmath.deprecation`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .deprecation import renamed_arguments, warn_renamed
 from .envelope import Envelope
-from .validation import positive_real, real_array, sample_rate
+from .validation import positive_real, real_array
+from .validation import sample_rate as checked_sample_rate
 
 __all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace"]
 
 
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class Gaussian:
     r"""The Gaussian mechanism with noise multiplier ``sigma`` (noise std / sensitivity).
@@ -38,38 +44,39 @@ class Gaussian:
 
     Parameters
     ----------
-    sigma : float
-        Noise multiplier, ``> 0``.
+    noise_multiplier : float
+        ``sigma``, the noise standard deviation over the sensitivity, ``> 0``.
 
     Examples
     --------
     >>> from dpmath import Gaussian
     >>> Gaussian(2.0)
-    Gaussian(sigma=2.0)
+    Gaussian(noise_multiplier=2.0)
     >>> Gaussian(0.0)
     Traceback (most recent call last):
     ...
-    ValueError: sigma must be positive (> 0), got 0.0
+    ValueError: noise_multiplier must be positive (> 0), got 0.0
     """
 
-    sigma: float
+    noise_multiplier: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
 
     @property
-    def q(self) -> float:
+    def sample_rate(self) -> float:
         """Sampling probability: 1 (every step sees the example).
 
         Examples
         --------
         >>> from dpmath import Gaussian
-        >>> Gaussian(3.0).q
+        >>> Gaussian(3.0).sample_rate
         1.0
         """
         return 1.0
 
 
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class SubsampledGaussian:
     r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD.
@@ -82,30 +89,31 @@ class SubsampledGaussian:
 
     Parameters
     ----------
-    sigma : float
-        Noise multiplier, ``> 0``.
-    q : float
-        Sampling probability (batch size / data-set size), in ``(0, 1]``.
+    noise_multiplier : float
+        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
+    sample_rate : float
+        ``q``, the sampling probability (batch size / data-set size), in ``(0, 1]``.
 
     Examples
     --------
     >>> from dpmath import SubsampledGaussian
     >>> SubsampledGaussian(1.1, 256 / 60000)
-    SubsampledGaussian(sigma=1.1, q=0.004266666666666667)
+    SubsampledGaussian(noise_multiplier=1.1, sample_rate=0.004266666666666667)
     >>> SubsampledGaussian(1.0, 1.5)
     Traceback (most recent call last):
     ...
-    ValueError: q must lie in (0, 1], got 1.5
+    ValueError: sample_rate must lie in (0, 1], got 1.5
     """
 
-    sigma: float
-    q: float
+    noise_multiplier: float
+    sample_rate: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
-        object.__setattr__(self, "q", sample_rate(self.q))
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
 
 
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class RandomizedClipGaussian:
     r"""One step of DP-SGD-RC: a subsampled Gaussian whose sensitivity is the random scale ``1/sqrt(Y)``.
@@ -132,10 +140,10 @@ class RandomizedClipGaussian:
 
     Parameters
     ----------
-    sigma : float
-        Noise multiplier, ``> 0``.
-    q : float
-        Sampling probability, in ``(0, 1]``.
+    noise_multiplier : float
+        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
+    sample_rate : float
+        ``q``, the sampling probability, in ``(0, 1]``.
     envelope : Envelope
         Distribution of the squared-norm ratio ``Y`` (estimate / true norm, squared, worst case).
     scale_resolution : float
@@ -144,18 +152,19 @@ class RandomizedClipGaussian:
     Examples
     --------
     >>> from dpmath import HutchEnvelope, RandomizedClipGaussian
-    >>> RandomizedClipGaussian(4.0, 0.01, HutchEnvelope(k=32, d=2048))
-    RandomizedClipGaussian(sigma=4.0, q=0.01, envelope=HutchEnvelope(k=32, d=2048, family='heavy-light'))
+    >>> RandomizedClipGaussian(4.0, 0.01, HutchEnvelope(projection_dim=32, dim=2048))
+    RandomizedClipGaussian(noise_multiplier=4.0, sample_rate=0.01,
+                           envelope=HutchEnvelope(projection_dim=32, dim=2048, family='heavy-light'))
     """
 
-    sigma: float
-    q: float
+    noise_multiplier: float
+    sample_rate: float
     envelope: Envelope
     scale_resolution: float = field(default=2e-3, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigma", positive_real(self.sigma, "sigma"))
-        object.__setattr__(self, "q", sample_rate(self.q))
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
         if not isinstance(self.envelope, Envelope):
             raise ValueError(f"envelope must be a dpmath Envelope, got {type(self.envelope).__name__}")
         r = float(real_array(self.scale_resolution, "scale_resolution", allow_inf=False))
@@ -168,6 +177,7 @@ LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
 """``c = sqrt(pi/2)``: a Laplace shift of ``t`` noise scales is dominated by ``G_{c t}`` (:mod:`dpmath.lap2`)."""
 
 
+@renamed_arguments({"q": "sample_rate"})
 @dataclass(frozen=True)
 class SubsampledL2Laplace:
     r"""LAP2 (paper 003): Poisson sampling ``q``, l2 clipping, independent Laplace noise on each coordinate.
@@ -176,45 +186,55 @@ class SubsampledL2Laplace:
     compose it through its Gaussian domination (:mod:`dpmath.lap2`): a coordinate shifted by ``u`` is
     dominated by ``G_{c u / b}`` with ``c = sqrt(pi/2)``, coordinates compose to ``G_{c ||g||_2 / b}
     >= G_{c C / b}``, and Poisson subsampling preserves domination in both neighbouring directions, so
-    every step is at least as private as :class:`SubsampledGaussian` with ``sigma = scale / c``
-    (:meth:`dominating`).  The bound holds for any number of coordinates.  Paper 003's own accountant
-    (Thm III.7) is unsound; it is available, named as such, in :func:`dpmath.lap2.published_epsilon`.
+    every step is at least as private as :class:`SubsampledGaussian` with noise multiplier
+    ``sigma = scale / c`` (:meth:`dominating`).  The bound holds for any number of coordinates.  Paper 003's
+    own accountant (Thm III.7) is unsound; it is available, named as such, in
+    :func:`dpmath.lap2.published_epsilon`.
 
     Parameters
     ----------
     scale : float
         Laplace scale over clipping norm, ``b / C > 0``.
-    q : float
-        Sampling probability, in ``(0, 1]``.
+    sample_rate : float
+        ``q``, the sampling probability, in ``(0, 1]``.
 
     Examples
     --------
     >>> from dpmath import SubsampledL2Laplace
     >>> SubsampledL2Laplace(2.0, 0.01).dominating()
-    SubsampledGaussian(sigma=1.595769..., q=0.01)
+    SubsampledGaussian(noise_multiplier=1.595769..., sample_rate=0.01)
     """
 
     scale: float
-    q: float
+    sample_rate: float
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", positive_real(self.scale, "scale"))
-        object.__setattr__(self, "q", sample_rate(self.q))
+        object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
 
     def dominating(self) -> SubsampledGaussian:
         """The subsampled Gaussian whose pair dominates this mechanism's in both directions."""
-        return SubsampledGaussian(self.scale / LAPLACE_GDP_FACTOR, self.q)
+        return SubsampledGaussian(self.scale / LAPLACE_GDP_FACTOR, self.sample_rate)
 
     @classmethod
-    def for_sigma(cls, sigma: float, q: float) -> SubsampledL2Laplace:
-        """The LAP2 mechanism whose :meth:`dominating` Gaussian has noise multiplier ``sigma``: scale
-        ``b / C = sqrt(pi / 2) sigma``, so it is accounted exactly as that Gaussian (used to calibrate ``b``).
+    def for_noise_multiplier(cls, noise_multiplier: float, sample_rate: float) -> SubsampledL2Laplace:
+        """The LAP2 mechanism whose :meth:`dominating` Gaussian has noise multiplier ``sigma = noise_multiplier``:
+        scale ``b / C = sqrt(pi / 2) sigma``, so it is accounted exactly as that Gaussian (used to calibrate ``b``).
 
-        >>> SubsampledL2Laplace.for_sigma(1.0, 0.01).dominating().sigma
+        Examples
+        --------
+        >>> from dpmath import SubsampledL2Laplace
+        >>> SubsampledL2Laplace.for_noise_multiplier(1.0, 0.01).dominating().noise_multiplier
         1.0
         """
-        s = positive_real(sigma, "sigma")
+        s = positive_real(noise_multiplier, "noise_multiplier")
         scale = s * LAPLACE_GDP_FACTOR
         while scale / LAPLACE_GDP_FACTOR < s:   # rounded up: the dominating Gaussian never has less noise than sigma
             scale = math.nextafter(scale, math.inf)
-        return cls(scale, q)
+        return cls(scale, sample_rate)
+
+    @classmethod
+    def for_sigma(cls, sigma: float, q: float) -> SubsampledL2Laplace:
+        """Deprecated name of :meth:`for_noise_multiplier` (warns; removed in dpmath 0.3)."""
+        warn_renamed("SubsampledL2Laplace.for_sigma", "SubsampledL2Laplace.for_noise_multiplier")
+        return cls.for_noise_multiplier(sigma, q)

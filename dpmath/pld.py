@@ -134,7 +134,7 @@ def _scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool,
     weights: the CDF evaluations are shared.  The envelope's tail reaches losses no grid can hold: losses
     beyond :func:`_loss_cap` are charged to ``+inf`` (upper) or held at the cap (lower), and a scale of weight
     ``w`` is resolved on at most ``max(_TAIL_POINTS, _POINTS_PER_MASS w)`` points."""
-    q = mechanism.q
+    q = mechanism.sample_rate
     # the scales, grids and blocks come from both bounds' bins whichever bounds are asked for, so a bound
     # is the same number computed alone or with the other
     atoms = {b: scale_atoms(mechanism.envelope, mechanism.scale_resolution * scale_refinement, b)
@@ -146,7 +146,7 @@ def _scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool,
     largest = both.max(axis=0)
     weights = both[[0 if b else 1 for b in bounds]]
     # the cap for the larger weights is at least each bound's own
-    t_cap = _loss_cap(scales, largest, mechanism.sigma, q, "remove", h, count)
+    t_cap = _loss_cap(scales, largest, mechanism.noise_multiplier, q, "remove", h, count)
     t_floor = -_LOSS_CAP * h  # below: placed at the floor (upper) or dropped (lower); never matters for delta
     zero = None
     groups: dict[tuple[int, int, int | None], tuple[list[float], list[int]]] = {}   # scales sharing a grid
@@ -156,7 +156,7 @@ def _scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool,
             continue
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
-        mu = float(a) / mechanism.sigma
+        mu = float(a) / mechanism.noise_multiplier
         mus, cols = groups.setdefault(step_grid(mu, q, "remove", h, z, t_cap, points, t_floor, shared=True), ([], []))
         mus.append(mu)
         cols.append(i)
@@ -173,7 +173,7 @@ def _step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool
     """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD for each bound in
     ``bounds`` (``True``: upper, ``False``: lower).  A randomized-clipping step is built from
     :func:`_scale_sums`; the others on one grid of up to :data:`MAX_GRID` points."""
-    q = mechanism.q
+    q = mechanism.sample_rate
     fine: list[list[StepMasses]] = [[] for _ in bounds]
     pieces: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in bounds]
     unbounded = [0.0] * len(bounds)
@@ -191,7 +191,7 @@ def _step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool
                 else:
                     fine[r].append(m)
     else:
-        mu = 1.0 / math.sqrt(point) / mechanism.sigma
+        mu = 1.0 / math.sqrt(point) / mechanism.noise_multiplier
         if relation == "replace" and q == 1.0:
             relation, mu = "remove", 2.0 * mu  # N(-mu) against N(mu): a Gaussian with shift 2 mu
         k_lo, k_hi, _ = step_grid(mu, q, relation, h, float(-special.ndtri(_RANGE_TAIL)))
@@ -307,7 +307,7 @@ class PLDAccountant:
         --------
         >>> from dpmath import Gaussian, PLDAccountant
         >>> PLDAccountant().compose(Gaussian(1.0), 5).events
-        ((Gaussian(sigma=1.0), 5),)
+        ((Gaussian(noise_multiplier=1.0), 5),)
         """
         return self._events
 
@@ -452,7 +452,7 @@ class PLDAccountant:
         gaps = [0.0]
         for m, _ in self._events:
             if isinstance(m, RandomizedClipGaussian):
-                up, lo = _step_plds(SubsampledGaussian(m.sigma, m.q), "remove", h, (True, False))
+                up, lo = _step_plds(SubsampledGaussian(m.noise_multiplier, m.sample_rate), "remove", h, (True, False))
                 means = [float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * h)) for p in (up, lo)]
                 gaps.append((means[0] - means[1]) / means[0] if means[0] > 0 else 0.0)
         return max(gaps)
@@ -476,17 +476,17 @@ class PLDAccountant:
 
     def _relations(self, direction: int) -> tuple[str, ...]:
         relation = _NEIGHBORING[self.neighboring][direction]
-        return tuple("remove" if (relation == "add" and m.q == 1.0) else relation for m, _ in self._events)
+        return tuple("remove" if (relation == "add" and m.sample_rate == 1.0) else relation for m, _ in self._events)
 
     def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
                ) -> list[list[tuple[Pld, int]]]:
         """The step PLDs and their counts, one list per bound in ``bounds``."""
         events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
-        fixed = [m for m, _ in events if m.q == 1.0 and not isinstance(m, RandomizedClipGaussian)]
+        fixed = [m for m, _ in events if m.sample_rate == 1.0 and not isinstance(m, RandomizedClipGaussian)]
         if len(fixed) == len(events):
             # Gaussian steps compose in closed form: one Gaussian with 1/sigma^2 = sum_i n_i / sigma_i^2,
             # discretized once (tighter and faster than composing discretized steps)
-            sigma = 1.0 / math.sqrt(sum(n / m.sigma ** 2 for m, n in events))
+            sigma = 1.0 / math.sqrt(sum(n / m.noise_multiplier ** 2 for m, n in events))
             return [[(p, 1)] for p in _step_plds(Gaussian(sigma), relations[0], h, bounds)]
         per_event = [_step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
         return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
@@ -566,12 +566,13 @@ class PLDAccountant:
         rtol = self.bracket_rtol
         loose = hi > 0 and (lo < 0.5 * hi or (rtol is not None and hi - lo > rtol * hi))
         if not (lower and loose and self.neighboring == "add_or_remove" and len(self._events) == 1
-                and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].q < 1.0):
+                and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].sample_rate < 1.0):
             return None
         if not self._two_scale:
             (m, n), = self._events
             try:
-                curve = TwoScaleLower.build(1.0 / m.sigma, m.q, n, self.discretization, self.tail_mass)
+                curve = TwoScaleLower.build(1.0 / m.noise_multiplier, m.sample_rate, n, self.discretization,
+                                            self.tail_mass)
             except GridTooLargeError:   # the bulk's composition needs too many points: keep the grid's lower end
                 curve = None
             self._two_scale.append(curve)

@@ -37,6 +37,7 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from . import conversions
+from .deprecation import renamed_arguments
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
@@ -137,17 +138,18 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
     return _log_sub(log_pos, log_neg)
 
 
-def subsampled_gaussian_rdp(sigma: float, q: float, orders: ArrayLike) -> np.ndarray:
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
+def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders: ArrayLike) -> np.ndarray:
     r"""Renyi divergence of one step of the Poisson-subsampled Gaussian, per order.
 
     ``q = 1`` gives the Gaussian mechanism's ``alpha / (2 sigma^2)`` exactly.
 
     Parameters
     ----------
-    sigma : float
-        Noise multiplier, ``> 0``.
-    q : float
-        Sampling probability in ``(0, 1]``.
+    noise_multiplier : float
+        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
+    sample_rate : float
+        ``q``, the sampling probability, in ``(0, 1]``.
     orders : array_like
         Orders ``alpha > 1``.
 
@@ -163,19 +165,20 @@ def subsampled_gaussian_rdp(sigma: float, q: float, orders: ArrayLike) -> np.nda
     >>> [f"{v:.6e}" for v in r]   # integer orders: dp_accounting's test values; fractional: exact
     ['6.500709e-04', '1.085418e-03', '2.180757e-03', '2.384604e-02', '1.674163e+02']
     """
-    mech = SubsampledGaussian(sigma, q)
+    mech = SubsampledGaussian(noise_multiplier, sample_rate)   # validates both
+    sigma, q = mech.noise_multiplier, mech.sample_rate
     a = real_array(orders, "orders", allow_inf=False)
     if (a <= 1).any():
         raise ValueError("orders must all be > 1")
     flat = a.ravel()
     out = np.empty(flat.shape)
     for idx, alpha in enumerate(flat):
-        if mech.q == 1.0:
-            out[idx] = alpha / (2 * mech.sigma ** 2)
+        if q == 1.0:
+            out[idx] = alpha / (2 * sigma ** 2)
             continue
         with np.errstate(over="ignore"):
-            log_a = (_log_a_int(mech.q, mech.sigma, int(alpha)) if float(alpha).is_integer()
-                     else _log_a_frac(mech.q, mech.sigma, float(alpha)))
+            log_a = (_log_a_int(q, sigma, int(alpha)) if float(alpha).is_integer()
+                     else _log_a_frac(q, sigma, float(alpha)))
         out[idx] = log_a / (alpha - 1)
     return out.reshape(a.shape)
 
@@ -231,7 +234,7 @@ class RDPAccountant:
         >>> from dpmath import Gaussian
         >>> from dpmath.rdp import RDPAccountant
         >>> RDPAccountant().compose(Gaussian(1.0), 5).events
-        ((Gaussian(sigma=1.0), 5),)
+        ((Gaussian(noise_multiplier=1.0), 5),)
         """
         return self._events
 
@@ -270,9 +273,9 @@ class RDPAccountant:
                 "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
         if isinstance(mechanism, SubsampledL2Laplace):
             inner = mechanism.dominating()
-            step = subsampled_gaussian_rdp(inner.sigma, inner.q, self.orders)
+            step = subsampled_gaussian_rdp(inner.noise_multiplier, inner.sample_rate, self.orders)
         elif isinstance(mechanism, (Gaussian, SubsampledGaussian)):
-            step = subsampled_gaussian_rdp(mechanism.sigma, mechanism.q, self.orders)
+            step = subsampled_gaussian_rdp(mechanism.noise_multiplier, mechanism.sample_rate, self.orders)
         elif callable(getattr(mechanism, "rdp", None)):
             step = np.asarray(mechanism.rdp(self.orders), dtype=np.float64)
         else:

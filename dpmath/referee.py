@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
+from .deprecation import renamed_arguments
 from .envelope import Envelope, pessimistic_discretization
 from .validation import non_negative, open_probability, positive_int, positive_real, sample_rate
 
@@ -578,9 +579,9 @@ class _ScaleBins:
 
 
 def _rc_args(sigma, q, envelope, steps, resolution, tail) -> tuple[float, float, int, float, float]:
-    """The validated ``(sigma, q, steps, resolution, tail)``."""
-    s = positive_real(sigma, "sigma")
-    qq = sample_rate(q)
+    """The validated ``(sigma, q, steps, resolution, tail)``, named in errors as the public arguments."""
+    s = positive_real(sigma, "noise_multiplier")
+    qq = sample_rate(q, "sample_rate")
     if not isinstance(envelope, Envelope):
         raise ValueError(f"envelope must be a dpmath Envelope, got {type(envelope).__name__}")
     n = positive_int(steps, "steps")
@@ -624,8 +625,9 @@ class _RcCurve:
         return first if first.value >= second.value else second
 
 
-def referee_rc_delta(sigma: float, q: float, envelope: Envelope, steps: int, epsilon: float, *,
-                     resolution: float = 2e-4, tail: float = 1e-16) -> tuple[float, float]:
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
+def referee_rc_delta(noise_multiplier: float, sample_rate: float, envelope: Envelope, steps: int, epsilon: float,
+                     *, resolution: float = 2e-4, tail: float = 1e-16) -> tuple[float, float]:
     r"""``(low, high)`` enclosing ``delta(epsilon)`` of ``steps`` DP-SGD-RC steps
     (:class:`~dpmath.RandomizedClipGaussian`), without a grid of privacy losses.
 
@@ -639,10 +641,10 @@ def referee_rc_delta(sigma: float, q: float, envelope: Envelope, steps: int, eps
 
     Parameters
     ----------
-    sigma : float
-        Noise multiplier, ``> 0``.
-    q : float
-        Sampling rate, in ``(0, 1]``.
+    noise_multiplier : float
+        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
+    sample_rate : float
+        ``q``, the sampling probability, in ``(0, 1]``.
     envelope : Envelope
         The law of ``Y`` (e.g. :class:`~dpmath.HutchEnvelope`).
     steps : int
@@ -665,17 +667,18 @@ def referee_rc_delta(sigma: float, q: float, envelope: Envelope, steps: int, eps
     --------
     >>> from dpmath import HutchEnvelope
     >>> from dpmath.referee import referee_rc_delta
-    >>> low, high = referee_rc_delta(2.0, 0.1, HutchEnvelope(k=32, d=2048), 1, 0.5)
+    >>> low, high = referee_rc_delta(2.0, 0.1, HutchEnvelope(projection_dim=32, dim=2048), 1, 0.5)
     >>> bool(0 < low <= high < 1.01 * low)
     True
     """
     e = non_negative(epsilon, "epsilon")
-    s, qq, n, r, t = _rc_args(sigma, q, envelope, steps, resolution, tail)
+    s, qq, n, r, t = _rc_args(noise_multiplier, sample_rate, envelope, steps, resolution, tail)
     return _RcCurve(_ScaleBins(s, qq, envelope, r, t), n)(e)
 
 
-def referee_rc_epsilon(sigma: float, q: float, envelope: Envelope, steps: int, delta: float, *,
-                       resolution: float = 2e-4, tail: float | None = None, rtol: float = 1e-6
+@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
+def referee_rc_epsilon(noise_multiplier: float, sample_rate: float, envelope: Envelope, steps: int, delta: float,
+                       *, resolution: float = 2e-4, tail: float | None = None, rtol: float = 1e-6
                        ) -> tuple[float, float]:
     r"""``(low, high)`` enclosing the smallest ``epsilon`` with ``delta(epsilon) <= delta`` for ``steps``
     DP-SGD-RC steps: ``low`` is an ``epsilon`` whose certified ``delta`` lies above ``delta``, ``high`` one whose
@@ -688,12 +691,12 @@ def referee_rc_epsilon(sigma: float, q: float, envelope: Envelope, steps: int, d
     --------
     >>> from dpmath import HutchEnvelope
     >>> from dpmath.referee import referee_rc_epsilon
-    >>> low, high = referee_rc_epsilon(1.0, 0.05, HutchEnvelope(k=32, d=2048), 1, 1e-6)
+    >>> low, high = referee_rc_epsilon(1.0, 0.05, HutchEnvelope(projection_dim=32, dim=2048), 1, 1e-6)
     >>> bool(low < high < 1.003 * low)
     True
     """
     d = open_probability(delta, "delta")
-    s, qq, n, r, _ = _rc_args(sigma, q, envelope, steps, resolution, 1e-16)
+    s, qq, n, r, _ = _rc_args(noise_multiplier, sample_rate, envelope, steps, resolution, 1e-16)
     t = min(1e-4, 1e-4 * d / (n * qq)) if tail is None else _rc_args(s, qq, envelope, n, r, tail)[4]
     curve = _RcCurve(_ScaleBins(s, qq, envelope, r, t), n)
     cache: dict[float, tuple[float, float]] = {}

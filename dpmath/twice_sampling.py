@@ -2,19 +2,19 @@ r"""Coordinate-wise sampling, twice sampling and hybrid clipping (paper 002), as
 
 Setting (paper 002, Sec. 5): each example's vector is clipped to l2 norm ``c2`` *and* to l-infinity
 norm ``c_inf`` (so at most ``d0 = (c2/c_inf)^2`` coordinates can carry the full ``c_inf``); Gaussian
-noise of standard deviation ``sigma`` (absolute units, like ``c2`` and ``c_inf``) is added to every
-coordinate.
+noise of standard deviation ``sigma`` (``noise_std``: absolute units, like ``c2`` and ``c_inf``, so it is
+the noise multiplier times ``c2``) is added to every coordinate.
 
 * **Coordinate-wise sampling** (Alg. 1, Thm 5.2, eq. 7): each coordinate of the sum is formed from its
-  own Poisson sample of rate ``q``.  Coordinates are then independent subsampled-Gaussian pairs, so
-  the Renyi divergence is a sum over coordinates of ``phi(s_l^2)``, with ``phi`` convex in ``s^2``
-  (log-sum-exp of linear functions); its maximum over ``{sum s_l^2 <= c2^2, |s_l| <= c_inf}`` is at
-  a vertex: ``floor(d0)`` coordinates at ``c_inf`` and one at ``c' = sqrt(c2^2 - floor(d0) c_inf^2)``
-  (Remark 5.1; :func:`coordinate_sampling_rdp`).  Eq. (7) with a fractional ``d0`` multiplies by
-  ``d0`` instead, which is larger (``phi(r y) <= r phi(y)`` for ``r <= 1``, ``phi(0) = 0``), so still an
-  upper bound; we use the exact vertex.
-* **Twice sampling** (Alg. 2, Thm 5.4, eq. 8): a Poisson sample of rate ``q1`` of the examples, then
-  coordinate-wise sampling of rate ``q2`` within it:
+  own Poisson sample of rate ``q`` (``coordinate_rate``).  Coordinates are then independent
+  subsampled-Gaussian pairs, so the Renyi divergence is a sum over coordinates of ``phi(s_l^2)``, with
+  ``phi`` convex in ``s^2`` (log-sum-exp of linear functions); its maximum over
+  ``{sum s_l^2 <= c2^2, |s_l| <= c_inf}`` is at a vertex: ``floor(d0)`` coordinates at ``c_inf`` and one
+  at ``c' = sqrt(c2^2 - floor(d0) c_inf^2)`` (Remark 5.1; :func:`coordinate_sampling_rdp`).  Eq. (7)
+  with a fractional ``d0`` multiplies by ``d0`` instead, which is larger (``phi(r y) <= r phi(y)`` for
+  ``r <= 1``, ``phi(0) = 0``), so still an upper bound; we use the exact vertex.
+* **Twice sampling** (Alg. 2, Thm 5.4, eq. 8): a Poisson sample of rate ``q1`` (``sample_rate``) of the
+  examples, then coordinate-wise sampling of rate ``q2`` (``coordinate_rate``) within it:
   ``eps(a) = log((1-q1)^a + sum_v C(a,v) (1-q1)^{a-v} q1^v e^{(v-1) eps0(v)}) / (a-1)`` with ``eps0``
   the coordinate-wise RDP at rate ``q2``.
 * **Hybrid clipping with twice sampling** (Thm 5.6): ``m`` orthogonal subspaces of ranks ``r_j``, each
@@ -22,7 +22,8 @@ coordinate.
 
 All three are valid at integer orders only (binomial expansions); :meth:`rdp` returns ``inf`` at the
 others, which any accountant may safely take.  Noise allocations: :func:`hypercube_noise` (Thm 4.5)
-and :func:`hybrid_noise` (Thm 4.6).
+and :func:`hybrid_noise` (Thm 4.6).  The paper's argument names (``sigma``, ``q``, ``q1``, ``q2``,
+``sigmas``) still work as keywords and attributes until dpmath 0.3, with a :class:`DeprecationWarning`.
 
 Checked against the paper (``tests/test_twice_sampling.py``, ``benchmarks/twice_sampling.py``): with
 the *classic* conversion of its Lemma 2.3 (integer orders 2-256), ``q = 0.005``, ``T = 10^4``,
@@ -41,8 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from .deprecation import renamed_arguments
 from .rdp import log_subsampled_moment, subsampled_gaussian_rdp
-from .validation import positive_int, positive_real, real_array, sample_rate
+from .validation import positive_int, positive_real, real_array
+from .validation import sample_rate as checked_sample_rate
 
 __all__ = [
     "CoordinateSampledGaussian",
@@ -70,7 +73,9 @@ def _integer_orders(orders: ArrayLike) -> np.ndarray:
     return o
 
 
-def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, orders: ArrayLike) -> np.ndarray:
+@renamed_arguments({"sigma": "noise_std", "q": "coordinate_rate"})
+def coordinate_sampling_rdp(noise_std: float, coordinate_rate: float, c2: float, c_inf: float,
+                            orders: ArrayLike) -> np.ndarray:
     r"""RDP of coordinate-wise Poisson sampling with l2 + l-infinity clipping (paper 002, eq. 7, Remark 5.1).
 
     .. math::
@@ -83,10 +88,10 @@ def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, ord
 
     Parameters
     ----------
-    sigma : float
-        Noise standard deviation per coordinate (``> 0``, same units as ``c2``).
-    q : float
-        Coordinate-wise sampling rate in ``(0, 1]``.
+    noise_std : float
+        ``sigma``, the noise standard deviation per coordinate (``> 0``, same units as ``c2``).
+    coordinate_rate : float
+        ``q``, the coordinate-wise sampling rate, in ``(0, 1]``.
     c2, c_inf : float
         l2 and l-infinity clipping norms, ``0 < c_inf <= c2``.
     orders : array_like
@@ -104,8 +109,8 @@ def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, ord
     >>> bool(abs(a - subsampled_gaussian_rdp(1.0, 0.01, [2, 3])).max() < 1e-12)
     True
     """
-    s = positive_real(sigma, "sigma")
-    q = sample_rate(q, "q")
+    s = positive_real(noise_std, "noise_std")
+    q = checked_sample_rate(coordinate_rate, "coordinate_rate")
     c2 = positive_real(c2, "c2")
     c_inf = positive_real(c_inf, "c_inf")
     if c_inf > c2:
@@ -121,7 +126,8 @@ def coordinate_sampling_rdp(sigma: float, q: float, c2: float, c_inf: float, ord
     return out
 
 
-def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
+@renamed_arguments({"q1": "sample_rate"})
+def twice_sampling_rdp(sample_rate: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     r"""Paper 002, Thm 5.4 (eq. 8): RDP of a ``q1`` Poisson sample fed to a mechanism of RDP ``eps0``.
 
     .. math::
@@ -131,8 +137,8 @@ def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
 
     Parameters
     ----------
-    q1 : float
-        Input-wise sampling rate in ``(0, 1]``.
+    sample_rate : float
+        ``q1``, the input-wise (example) sampling rate, in ``(0, 1]``.
     base_rdp : callable
         ``base_rdp(orders) -> array``: ``eps0`` at integer orders ``2..alpha``.
     orders : array_like
@@ -150,7 +156,7 @@ def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     >>> bool(abs(twice_sampling_rdp(0.1, gauss, [4]) - subsampled_gaussian_rdp(1.0, 0.1, [4]))[0] < 1e-12)
     True
     """
-    q1 = sample_rate(q1, "q1")
+    q1 = checked_sample_rate(sample_rate, "sample_rate")
     o = _integer_orders(orders)
     ints = o[o == np.round(o)].astype(int)
     out = np.full(o.size, np.inf)
@@ -168,68 +174,74 @@ def twice_sampling_rdp(q1: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     return out
 
 
+@renamed_arguments({"sigma": "noise_std", "q": "coordinate_rate"})
 @dataclass(frozen=True)
 class CoordinateSampledGaussian:
-    """Coordinate-wise Poisson sampling of rate ``q`` with l2 (``c2``) and l-infinity (``c_inf``) clipping
-    and Gaussian noise ``sigma`` per coordinate (paper 002, Alg. 1); see :func:`coordinate_sampling_rdp`.
+    """Coordinate-wise Poisson sampling of rate ``coordinate_rate`` with l2 (``c2``) and l-infinity (``c_inf``)
+    clipping and Gaussian noise of standard deviation ``noise_std`` per coordinate (paper 002, Alg. 1); see
+    :func:`coordinate_sampling_rdp`.
 
     Examples
     --------
     >>> from dpmath.rdp import RDPAccountant
     >>> from dpmath.twice_sampling import CoordinateSampledGaussian
-    >>> m = CoordinateSampledGaussian(sigma=0.48, q=0.005, c2=1.0, c_inf=0.125)
+    >>> m = CoordinateSampledGaussian(noise_std=0.48, coordinate_rate=0.005, c2=1.0, c_inf=0.125)
     >>> round(RDPAccountant(orders=range(2, 257), conversion="classic").compose(m, 10_000).epsilon(1e-5), 2)
     5.68
     """
 
-    sigma: float
-    q: float
+    noise_std: float
+    coordinate_rate: float
     c2: float = 1.0
     c_inf: float = 1.0
 
     def __post_init__(self) -> None:
-        coordinate_sampling_rdp(self.sigma, self.q, self.c2, self.c_inf, [2])  # validates
+        coordinate_sampling_rdp(self.noise_std, self.coordinate_rate, self.c2, self.c_inf, [2])  # validates
 
     def rdp(self, orders: ArrayLike) -> np.ndarray:
         """Renyi divergence at ``orders`` (``inf`` at non-integer orders)."""
-        return coordinate_sampling_rdp(self.sigma, self.q, self.c2, self.c_inf, orders)
+        return coordinate_sampling_rdp(self.noise_std, self.coordinate_rate, self.c2, self.c_inf, orders)
 
 
+@renamed_arguments({"sigma": "noise_std", "q1": "sample_rate", "q2": "coordinate_rate"})
 @dataclass(frozen=True)
 class TwiceSampledGaussian:
-    """Twice sampling (paper 002, Alg. 2): Poisson rate ``q1`` over examples, then rate ``q2`` per
-    coordinate, l2 + l-infinity clipping, Gaussian noise ``sigma``; see :func:`twice_sampling_rdp`.
+    """Twice sampling (paper 002, Alg. 2): Poisson rate ``sample_rate`` (``q1``) over examples, then rate
+    ``coordinate_rate`` (``q2``) per coordinate, l2 + l-infinity clipping, Gaussian noise of standard deviation
+    ``noise_std`` per coordinate; see :func:`twice_sampling_rdp`.
 
     Examples
     --------
     >>> from dpmath.rdp import RDPAccountant
     >>> from dpmath.twice_sampling import TwiceSampledGaussian
-    >>> m = TwiceSampledGaussian(sigma=0.48, q1=0.01, q2=0.5, c2=1.0, c_inf=0.125)
+    >>> m = TwiceSampledGaussian(noise_std=0.48, sample_rate=0.01, coordinate_rate=0.5, c2=1.0, c_inf=0.125)
     >>> round(RDPAccountant(orders=range(2, 257), conversion="classic").compose(m, 10_000).epsilon(1e-5), 2)
     8.25
     """
 
-    sigma: float
-    q1: float
-    q2: float
+    noise_std: float
+    sample_rate: float
+    coordinate_rate: float
     c2: float = 1.0
     c_inf: float = 1.0
 
     def __post_init__(self) -> None:
-        sample_rate(self.q1, "q1")
-        coordinate_sampling_rdp(self.sigma, self.q2, self.c2, self.c_inf, [2])
+        checked_sample_rate(self.sample_rate, "sample_rate")
+        coordinate_sampling_rdp(self.noise_std, self.coordinate_rate, self.c2, self.c_inf, [2])
 
     def rdp(self, orders: ArrayLike) -> np.ndarray:
         """Renyi divergence at ``orders`` (``inf`` at non-integer orders)."""
-        return twice_sampling_rdp(
-            self.q1, lambda o: coordinate_sampling_rdp(self.sigma, self.q2, self.c2, self.c_inf, o), orders)
+        return twice_sampling_rdp(self.sample_rate, lambda o: coordinate_sampling_rdp(
+            self.noise_std, self.coordinate_rate, self.c2, self.c_inf, o), orders)
 
 
+@renamed_arguments({"sigmas": "noise_stds", "q1": "sample_rate", "q2": "coordinate_rate"})
 @dataclass(frozen=True)
 class HybridTwiceSampledGaussian:
     """Hybrid clipping with twice sampling (paper 002, Thm 5.6): subspace ``j`` is clipped to
-    ``(c2[j], c_inf[j])`` and gets Gaussian noise ``sigmas[j]``; ``eps0`` sums the subspaces'
-    coordinate-wise RDP at rate ``q2``, then eq. (8) applies with ``q1``.
+    ``(c2[j], c_inf[j])`` and gets Gaussian noise of standard deviation ``noise_stds[j]``; ``eps0`` sums the
+    subspaces' coordinate-wise RDP at ``coordinate_rate`` (``q2``), then eq. (8) applies with ``sample_rate``
+    (``q1``).
 
     Examples
     --------
@@ -241,28 +253,28 @@ class HybridTwiceSampledGaussian:
     True
     """
 
-    sigmas: tuple[float, ...]
-    q1: float
-    q2: float
+    noise_stds: tuple[float, ...]
+    sample_rate: float
+    coordinate_rate: float
     c2: tuple[float, ...]
     c_inf: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        for name in ("sigmas", "c2", "c_inf"):
+        for name in ("noise_stds", "c2", "c_inf"):
             object.__setattr__(self, name, tuple(float(v) for v in np.atleast_1d(getattr(self, name))))
-        if not len(self.sigmas) == len(self.c2) == len(self.c_inf) or not self.sigmas:
-            raise ValueError("sigmas, c2 and c_inf must be non-empty and of the same length (one per subspace)")
-        sample_rate(self.q1, "q1")
-        for s, a, b in zip(self.sigmas, self.c2, self.c_inf, strict=True):
-            coordinate_sampling_rdp(s, self.q2, a, b, [2])
+        if not len(self.noise_stds) == len(self.c2) == len(self.c_inf) or not self.noise_stds:
+            raise ValueError("noise_stds, c2 and c_inf must be non-empty and of the same length (one per subspace)")
+        checked_sample_rate(self.sample_rate, "sample_rate")
+        for s, a, b in zip(self.noise_stds, self.c2, self.c_inf, strict=True):
+            coordinate_sampling_rdp(s, self.coordinate_rate, a, b, [2])
 
     def _base(self, orders: np.ndarray) -> np.ndarray:
-        return sum(coordinate_sampling_rdp(s, self.q2, a, b, orders)
-                   for s, a, b in zip(self.sigmas, self.c2, self.c_inf, strict=True))
+        return sum(coordinate_sampling_rdp(s, self.coordinate_rate, a, b, orders)
+                   for s, a, b in zip(self.noise_stds, self.c2, self.c_inf, strict=True))
 
     def rdp(self, orders: ArrayLike) -> np.ndarray:
         """Renyi divergence at ``orders`` (``inf`` at non-integer orders)."""
-        return twice_sampling_rdp(self.q1, self._base, orders)
+        return twice_sampling_rdp(self.sample_rate, self._base, orders)
 
 
 def hypercube_noise(sides: ArrayLike) -> np.ndarray:

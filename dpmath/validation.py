@@ -54,7 +54,7 @@ def positive_real(value: object, name: str) -> float:
     return v
 
 
-def sample_rate(value: object, name: str = "q") -> float:
+def sample_rate(value: object, name: str = "sample_rate") -> float:
     """Return ``value`` as a sampling probability in (0, 1], else raise ValueError."""
     v = float(real_array(value, name, allow_inf=False))
     if not 0 < v <= 1:

@@ -20,7 +20,7 @@ Examples
 --------
 >>> from dpsgd.noise import LaplaceNoise
 >>> LaplaceNoise().mechanism(2.0, 0.01)
-SubsampledL2Laplace(scale=2.0, q=0.01)
+SubsampledL2Laplace(scale=2.0, sample_rate=0.01)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dpmath import (
     RandomizedClipGaussian,
     SubsampledGaussian,
     SubsampledL2Laplace,
-    calibrate_sigma,
+    calibrate_noise_multiplier,
 )
 
 __all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
@@ -87,7 +87,7 @@ class GaussianNoise(StepNoise):
     --------
     >>> from dpmath import estimator_envelope
     >>> GaussianNoise().mechanism(1.0, 0.01)
-    SubsampledGaussian(sigma=1.0, q=0.01)
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
     >>> type(GaussianNoise().mechanism(1.0, 0.01, estimator_envelope("hutch", 8, 100))).__name__
     'RandomizedClipGaussian'
     """
@@ -106,7 +106,7 @@ class GaussianNoise(StepNoise):
         return RandomizedClipGaussian(noise_multiplier, sample_rate, envelope)
 
     def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
-        return calibrate_sigma(target_epsilon, target_delta, sample_rate, steps, envelope=envelope)
+        return calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, envelope=envelope)
 
 
 @dataclass(frozen=True, repr=False)
@@ -146,8 +146,8 @@ class LaplaceNoise(StepNoise):
     def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
         if envelope is not None:
             raise ValueError("LaplaceNoise has no accountant for estimated norms (an envelope was given)")
-        sigma = calibrate_sigma(target_epsilon, target_delta, sample_rate, steps)
-        return SubsampledL2Laplace.for_sigma(sigma, sample_rate).scale
+        sigma = calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps)
+        return SubsampledL2Laplace.for_noise_multiplier(sigma, sample_rate).scale
 
 
 _NAMED = {"gaussian": GaussianNoise(), "laplace": LaplaceNoise()}

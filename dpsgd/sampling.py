@@ -28,7 +28,7 @@ Examples
 --------
 >>> from dpsgd.sampling import TwiceSampling
 >>> TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05).mechanism(1.0, 0.01, 1.0)
-TwiceSampledGaussian(sigma=1.0, q1=0.01, q2=0.5, c2=1.0, c_inf=0.05)
+TwiceSampledGaussian(noise_std=1.0, sample_rate=0.01, coordinate_rate=0.5, c2=1.0, c_inf=0.05)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class PoissonSampling(_OneGroup):
     --------
     >>> from dpsgd.noise import LaplaceNoise
     >>> PoissonSampling().mechanism(2.0, 0.01, 1.0, noise=LaplaceNoise())
-    SubsampledL2Laplace(scale=2.0, q=0.01)
+    SubsampledL2Laplace(scale=2.0, sample_rate=0.01)
     """
 
     coordinate_rate: ClassVar[float] = 1.0
@@ -207,8 +207,8 @@ class TwiceSampling(_OneGroup, _CoordinateSampling):
         only (else ``ValueError``)."""
         self._gaussian_only(noise, envelope)
         (c2, c_inf), = self.bounds(max_grad_norm)
-        return TwiceSampledGaussian(sigma=noise_multiplier * max_grad_norm, q1=sample_rate, q2=self.coordinate_rate,
-                                    c2=c2, c_inf=c_inf)
+        return TwiceSampledGaussian(noise_std=noise_multiplier * max_grad_norm, sample_rate=sample_rate,
+                                    coordinate_rate=self.coordinate_rate, c2=c2, c_inf=c_inf)
 
     def settings(self) -> dict:
         """The ledger's record of these settings (a resumed run must match them)."""

@@ -10,8 +10,9 @@ from dpmath import (
     PLDAccountant,
     RandomizedClipGaussian,
     SubsampledGaussian,
-    calibrate_sigma,
+    calibrate_noise_multiplier,
     dpsgd_epsilon,
+    dpsgd_epsilon_bracket,
     estimator_envelope,
 )
 from dpmath.__main__ import main
@@ -25,7 +26,7 @@ TABLE4_STEPS = 10 * math.ceil(TABLE4_N / 64)
 @given(eps=st.floats(0.3, 20.0), q=st.floats(0.002, 1.0), steps=st.integers(1, 2000))
 def test_calibrated_sigma_meets_the_target_and_is_the_smallest(eps, q, steps):
     rtol = 1e-3
-    sigma = calibrate_sigma(eps, 1e-6, q, steps, rtol=rtol, discretization=1e-3)
+    sigma = calibrate_noise_multiplier(eps, 1e-6, q, steps, rtol=rtol, discretization=1e-3)
 
     def f(s):
         return PLDAccountant(1e-3).compose(SubsampledGaussian(s, q), steps).epsilon(1e-6)
@@ -40,7 +41,7 @@ def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps)
     """The randomized-clipping search (coarse grid, then the requested one, finishing on two points around
     the Newton root) returns an evaluated sigma that meets the target, within rtol of the smallest."""
     env = estimator_envelope("hutch", 32, 2048)
-    sigma = calibrate_sigma(eps, 1e-5, q, steps, envelope=env)
+    sigma = calibrate_noise_multiplier(eps, 1e-5, q, steps, envelope=env)
 
     def f(s):
         return PLDAccountant().compose(RandomizedClipGaussian(s, q, env), steps).epsilon(1e-5)
@@ -50,47 +51,50 @@ def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps)
 
 
 def test_calibration_is_monotone_in_the_target():
-    a = calibrate_sigma(1.0, 1e-5, 0.01, 1000)
-    b = calibrate_sigma(2.0, 1e-5, 0.01, 1000)
-    c = calibrate_sigma(2.0, 1e-5, 0.01, 4000)
+    a = calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000)
+    b = calibrate_noise_multiplier(2.0, 1e-5, 0.01, 1000)
+    c = calibrate_noise_multiplier(2.0, 1e-5, 0.01, 4000)
     assert a > b and c > b
 
 
 def test_rdp_calibration_needs_more_noise():
-    pld = calibrate_sigma(1.0, 1e-5, 0.01, 1000)
-    rdp = calibrate_sigma(1.0, 1e-5, 0.01, 1000, accountant="rdp")
+    pld = calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000)
+    rdp = calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000, accountant="rdp")
     assert rdp > pld
 
 
 def test_table4_dpsgd_row():
-    assert calibrate_sigma(0.7, 1e-5, TABLE4_Q, TABLE4_STEPS, rtol=1e-5) == pytest.approx(4.073, abs=5e-4)
+    assert calibrate_noise_multiplier(0.7, 1e-5, TABLE4_Q, TABLE4_STEPS, rtol=1e-5) == pytest.approx(4.073, abs=5e-4)
 
 
 def test_table4_randomized_clipping_rows():
     # paper: 4.354 for both; our sound accountant needs slightly more noise (its discretization of the
     # envelope is pessimistic where the paper's midpoints are not), and Hutch++ needs more than Hutch
-    hutch = calibrate_sigma(0.7, 1e-5, TABLE4_Q, TABLE4_STEPS, envelope=estimator_envelope("hutch", 32, 2048))
-    hpp = calibrate_sigma(0.7, 1e-5, TABLE4_Q, TABLE4_STEPS, envelope=estimator_envelope("hutchpp", 32, 2048))
+    def calibrated(estimator):
+        return calibrate_noise_multiplier(0.7, 1e-5, TABLE4_Q, TABLE4_STEPS,
+                                          envelope=estimator_envelope(estimator, 32, 2048))
+
+    hutch, hpp = calibrated("hutch"), calibrated("hutchpp")
     assert 4.354 < hutch < hpp < 4.354 * 1.01
 
 
 def test_dpsgd_epsilon_bracket():
-    plain = dpsgd_epsilon(4.073, TABLE4_Q, TABLE4_STEPS, 1e-5)
+    plain = dpsgd_epsilon_bracket(4.073, TABLE4_Q, TABLE4_STEPS, 1e-5)
     assert plain.lower <= plain.upper and abs(plain.upper - 0.7) < 1e-4   # 4.073 is the calibrated sigma
-    rc = dpsgd_epsilon(4.073, TABLE4_Q, TABLE4_STEPS, 1e-5, estimator="hutch")
+    rc = dpsgd_epsilon_bracket(4.073, TABLE4_Q, TABLE4_STEPS, 1e-5, estimator="hutch")
     assert rc.lower > plain.upper
 
 
 @pytest.mark.parametrize(("call", "name"), [
-    (lambda: calibrate_sigma(-1.0, 1e-5, 0.01, 10), "target_epsilon"),
-    (lambda: calibrate_sigma(1.0, 0.0, 0.01, 10), "delta"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 0.0, 10), "q"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 1.2, 10), "q"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 0.01, -5), "steps"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 0.01, 2.5), "steps"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 0.01, 10, accountant="prv"), "accountant"),
-    (lambda: calibrate_sigma(1.0, 1e-5, 0.01, 10, rtol=0.5), "rtol"),
-    (lambda: dpsgd_epsilon(0.0, 0.01, 10, 1e-5), "sigma"),
+    (lambda: calibrate_noise_multiplier(-1.0, 1e-5, 0.01, 10), "target_epsilon"),
+    (lambda: calibrate_noise_multiplier(1.0, 0.0, 0.01, 10), "target_delta"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.0, 10), "sample_rate"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 1.2, 10), "sample_rate"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.01, -5), "steps"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.01, 2.5), "steps"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.01, 10, accountant="prv"), "accountant"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.01, 10, rtol=0.5), "rtol"),
+    (lambda: dpsgd_epsilon(0.0, 0.01, 10, 1e-5), "noise_multiplier"),
     (lambda: dpsgd_epsilon(1.0, 0.01, 10, 1e-5, estimator="jl"), "estimator"),
     (lambda: dpsgd_epsilon(1.0, 0.01, 10, 1e-5, estimator="hutch", projection_dim=0), "projection_dim"),
 ])

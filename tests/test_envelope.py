@@ -29,7 +29,7 @@ def test_szekely_bakirov_counterexample():
     rank2 = -optimize.minimize_scalar(lambda t: -float(chi2_mixture_cdf(x, [t, 1 - t])),
                                       bounds=(0.0, 0.5), method="bounded", options={"xatol": 1e-10}).fun
     mixed = float(chi2_mixture_cdf(x, [0.71, 0.145, 0.145]))
-    env = HutchEnvelope(k=1, d=3)
+    env = HutchEnvelope(projection_dim=1, dim=3)
     assert equal == pytest.approx(0.7877, abs=5e-5)
     assert rank2 == pytest.approx(0.7872, abs=5e-5)
     assert mixed > equal > rank2          # the theorem's candidate set misses the true supremum
@@ -232,8 +232,8 @@ def test_hutch_pp_envelope():
     np.testing.assert_array_equal(exact.cdf([0.5, 1.0]), [0.0, 1.0])
 
 
-@pytest.mark.parametrize("args,name", [((0, 4), "k"), ((2.5, 4), "k"), ((4, -1), "d"), ((4, "8"), "d"),
-                                       ((True, 4), "k")])
+@pytest.mark.parametrize("args,name", [((0, 4), "projection_dim"), ((2.5, 4), "projection_dim"), ((4, -1), "dim"),
+                                       ((4, "8"), "dim"), ((True, 4), "projection_dim")])
 def test_bad_parameters_name_the_argument(args, name):
     for cls in (HutchEnvelope, HutchPPEnvelope):
         with pytest.raises(ValueError, match=name):
@@ -290,7 +290,7 @@ def test_heavy_light_search_is_exact_at_huge_d(k, d):
     discretization's tolerance), and the envelope's value is a member's CDF; both checked with the member
     CDF computed by contour inversion, on a lam grid geometric from 1/d to 1 refined around its best point.
     Before the geometric lam grid, k = 1, d = 3e7 was beaten by 5e-7 (a bump at lam ~ 1e-3)."""
-    env = HutchEnvelope(k=k, d=d)
+    env = HutchEnvelope(projection_dim=k, dim=d)
     for frac in (0.05, 0.3, 0.6):
         x = 1.0 + (env.x_plus - 1.0) * frac
         f = float(env.cdf(x))

@@ -129,8 +129,8 @@ def test_sound_accountant_composes_through_the_dominating_gaussian():
 
 @given(st.floats(1e-6, 1e6))
 def test_the_scale_for_a_dominating_sigma_never_rounds_below_it(sigma):
-    m = SubsampledL2Laplace.for_sigma(sigma, 0.01)
-    assert m.dominating().sigma >= sigma and m.scale == pytest.approx(sigma * LAPLACE_GDP_FACTOR, rel=1e-15)
+    m = SubsampledL2Laplace.for_noise_multiplier(sigma, 0.01)
+    assert m.dominating().noise_multiplier >= sigma and m.scale == pytest.approx(sigma * LAPLACE_GDP_FACTOR, rel=1e-15)
 
 
 @given(st.floats(0.01, 5), st.integers(1, 12), st.floats(1e-3, 1))
@@ -144,14 +144,14 @@ def test_moments_are_finite_and_increasing_in_the_shift(u, lam, q):
     (lambda: laplace_moment(1.0, 1.5), "eta"),
     (lambda: laplace_moment(np.nan, 2), "shift must not contain NaN"),
     (lambda: univariate_log_moment(1.0, 0, 0.1), "order"),
-    (lambda: univariate_log_moment(1.0, 2, 0.0), "q"),
+    (lambda: univariate_log_moment(1.0, 2, 0.0), "sample_rate"),
     (lambda: majorizer(0), "dim"),
     (lambda: published_epsilon(0.0, 0.1, 10, 1.0, 1.0, 10), "delta"),
     (lambda: joint_log_moment([1.0, np.inf], 2, 0.1), "gradient"),
     (lambda: laplace_gdp_mu(0.0), "shift"),
     (lambda: laplace_tradeoff([1.5], 1.0), "alpha"),
     (lambda: SubsampledL2Laplace(0.0, 0.1), "scale"),
-    (lambda: SubsampledL2Laplace(1.0, 1.5), "q"),
+    (lambda: SubsampledL2Laplace(1.0, 1.5), "sample_rate"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from dpmath import PLDAccountant, SubsampledGaussian, SubsampledL2Laplace, calibrate_sigma, estimator_envelope
+from dpmath import (
+    PLDAccountant,
+    SubsampledGaussian,
+    SubsampledL2Laplace,
+    calibrate_noise_multiplier,
+    estimator_envelope,
+)
 from dpsgd.engine import noisy_gradients
 from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise
 from dpsgd.sampling import TwiceSampling
@@ -33,7 +39,7 @@ def _setup(**kw):
 
 def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_target():
     engine, m, opt, crit, loader = _setup(target_epsilon=4.0, target_delta=1e-5, epochs=2)
-    sigma = calibrate_sigma(4.0, 1e-5, 0.1, 20)
+    sigma = calibrate_noise_multiplier(4.0, 1e-5, 0.1, 20)
     assert engine.noise_multiplier == pytest.approx(sigma * math.sqrt(math.pi / 2), rel=1e-12)
     for x, y in loader:                                        # one epoch: 10 steps
         opt.zero_grad()

@@ -14,4 +14,4 @@ def test_command_line_demo_runs_and_rejects_bad_input():
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "x_plus" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--k", "0"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "k must be a positive integer" in bad.stderr
+    assert bad.returncode == 2 and "projection_dim must be a positive integer" in bad.stderr

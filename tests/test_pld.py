@@ -166,7 +166,7 @@ def test_tradeoff_is_a_tradeoff_function():
 # --------------------------------------------------------------------------- randomized clipping
 def test_trivial_envelope_reproduces_subsampled_gaussian_exactly():
     plain = PLDAccountant().compose(SubsampledGaussian(2.0, 0.03), 400)
-    for env in (PointMassEnvelope(1.0), HutchPPEnvelope(k=32, d=16)):
+    for env in (PointMassEnvelope(1.0), HutchPPEnvelope(projection_dim=32, dim=16)):
         rc = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.03, env), 400)
         assert rc.epsilon_bracket(1e-6) == plain.epsilon_bracket(1e-6)
         assert rc.delta_bracket(1.0) == plain.delta_bracket(1.0)
@@ -190,7 +190,7 @@ def _rc_exact_delta(eps, sigma, q, k, relation):
 def test_randomized_clip_one_step_brackets_the_scale_average(eps, relation):
     # the mechanism is the Y-average of subsampled Gaussians: check it against direct quadrature
     sigma, q, k = 2.0, 0.05, 4
-    mech = RandomizedClipGaussian(sigma, q, HutchPPEnvelope(k=k, d=64), scale_resolution=1e-2)
+    mech = RandomizedClipGaussian(sigma, q, HutchPPEnvelope(projection_dim=k, dim=64), scale_resolution=1e-2)
     acc = PLDAccountant().compose(mech)
     comp_hi = acc._composed(True)[0 if relation == "remove" else 1]
     comp_lo = acc._composed(False)[0 if relation == "remove" else 1]
@@ -205,7 +205,7 @@ def test_randomized_clip_one_step_brackets_the_scale_average(eps, relation):
 def test_randomized_clipping_costs_privacy_and_more_probes_cost_less():
     sigma, q, steps = 3.0, 0.02, 500
     plain = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon(1e-5)
-    by_k = [PLDAccountant().compose(RandomizedClipGaussian(sigma, q, HutchEnvelope(k=k, d=256)), steps).epsilon(1e-5)
+    by_k = [PLDAccountant().compose(RandomizedClipGaussian(sigma, q, HutchEnvelope(k, 256)), steps).epsilon(1e-5)
             for k in (16, 32, 128)]
     assert by_k[0] > by_k[1] > by_k[2] > plain
 
@@ -215,7 +215,7 @@ def test_randomized_clipping_costs_privacy_and_more_probes_cost_less():
                                                                          marks=pytest.mark.slow)])
 def test_randomized_clipping_bracket_is_tight(sigma, q, steps, rtol):
     # both directions matter: the add direction's long negative loss tail must not be clipped
-    env = HutchEnvelope(k=32, d=2048)
+    env = HutchEnvelope(projection_dim=32, dim=2048)
     lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, env), steps).epsilon_bracket(1e-5)
     assert lo <= hi <= lo * (1 + rtol)
 
@@ -230,7 +230,7 @@ def test_refined_randomized_clipping_bracket_reaches_half_a_percent_at_small_sig
     assert 4.26 < lo <= 4.2883 and 4.2696 <= hi <= lo * 1.005
 
 
-@pytest.mark.parametrize("env", [HutchEnvelope(k=32, d=2048), HutchEnvelope(k=1, d=2048), HutchPPEnvelope(k=4, d=64)],
+@pytest.mark.parametrize("env", [HutchEnvelope(32, 2048), HutchEnvelope(1, 2048), HutchPPEnvelope(4, 64)],
                          ids=repr)
 def test_scale_grid_is_fine_into_the_tail_and_bounded_in_size(env):
     from dpmath.pld import scale_atoms
@@ -251,17 +251,17 @@ def test_scale_grid_is_fine_into_the_tail_and_bounded_in_size(env):
 @pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_unbounded_scale_mass_is_charged_to_delta():
     # with q = 1 the mass of Y below the scale grid is an infinite loss: delta never drops below it
-    acc = PLDAccountant().compose(RandomizedClipGaussian(1.0, 1.0, HutchEnvelope(k=2, d=4)))
+    acc = PLDAccountant().compose(RandomizedClipGaussian(1.0, 1.0, HutchEnvelope(projection_dim=2, dim=4)))
     assert acc.delta(1e4) > 0
 
 
 # --------------------------------------------------------------------------- errors and extremes
 @pytest.mark.parametrize(("call", "name"), [
-    (lambda: Gaussian(0.0), "sigma"),
-    (lambda: Gaussian(-1.0), "sigma"),
-    (lambda: Gaussian(float("nan")), "sigma"),
-    (lambda: SubsampledGaussian(1.0, 0.0), "q"),
-    (lambda: SubsampledGaussian(1.0, 1.5), "q"),
+    (lambda: Gaussian(0.0), "noise_multiplier"),
+    (lambda: Gaussian(-1.0), "noise_multiplier"),
+    (lambda: Gaussian(float("nan")), "noise_multiplier"),
+    (lambda: SubsampledGaussian(1.0, 0.0), "sample_rate"),
+    (lambda: SubsampledGaussian(1.0, 1.5), "sample_rate"),
     (lambda: RandomizedClipGaussian(1.0, 0.1, "hutch"), "envelope"),
     (lambda: RandomizedClipGaussian(1.0, 0.1, PointMassEnvelope(), scale_resolution=0.5), "scale_resolution"),
     (lambda: PLDAccountant(discretization=0.0), "discretization"),

@@ -38,7 +38,7 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert engine.steps == len(loader) == 10
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     eps = engine.get_epsilon(1e-5)
-    assert engine.envelope.d == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
+    assert engine.envelope.dim == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
     ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(32, 9)), 10)
     assert eps == ref.epsilon(1e-5)
     _epoch(model, opt, crit, loader)

@@ -128,7 +128,7 @@ def test_rdp_tradeoff_is_below_the_pld_one():
 def test_randomized_clipping_is_refused_with_the_reason():
     acc = RDPAccountant()
     with pytest.raises(ValueError, match="infinite for every order"):
-        acc.compose(RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(k=4, d=8)))
+        acc.compose(RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(projection_dim=4, dim=8)))
     assert acc.events == ()
 
 

@@ -187,10 +187,12 @@ def test_our_rc_bracket_holds_the_refereed_composed_epsilon():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"sigma": 0.0}, "sigma"), ({"q": 0.0}, "q"), ({"steps": 0}, "steps"), ({"epsilon": -1.0}, "epsilon"),
+    ({"noise_multiplier": 0.0}, "noise_multiplier"), ({"sample_rate": 0.0}, "sample_rate"), ({"steps": 0}, "steps"),
+    ({"epsilon": -1.0}, "epsilon"),
     ({"resolution": 0.5}, "resolution"), ({"tail": 0.1}, "tail"), ({"envelope": 3.0}, "envelope"),
 ])
 def test_bad_input_to_the_rc_referee_names_the_argument(kw, match):
-    args = {"sigma": 1.0, "q": 0.1, "envelope": HutchEnvelope(32, 2048), "steps": 1, "epsilon": 1.0} | kw
+    args = {"noise_multiplier": 1.0, "sample_rate": 0.1, "envelope": HutchEnvelope(32, 2048), "steps": 1,
+            "epsilon": 1.0} | kw
     with pytest.raises(ValueError, match=match):
         referee_rc_delta(**args)

@@ -475,7 +475,7 @@ def test_the_engine_settings_cannot_be_changed_after_make_private(name, value):
         setattr(engine, name, value)
     assert {n: getattr(engine, n) for n, _ in _UNDER_CHARGING} == before
     ((mech, steps),) = engine.accountant().events
-    assert mech.q == before["sample_rate"] and mech.sigma == 1.0 and steps == 1
+    assert mech.sample_rate == before["sample_rate"] and mech.noise_multiplier == 1.0 and steps == 1
 
 
 @pytest.mark.parametrize("name", ["noise_multiplier", "max_grad_norm", "expected_batch_size"])

@@ -128,11 +128,11 @@ def test_noise_allocations():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: coordinate_sampling_rdp(0.0, 0.1, 1.0, 0.5, [2]), "sigma"),
+    (lambda: coordinate_sampling_rdp(0.0, 0.1, 1.0, 0.5, [2]), "noise_std"),
     (lambda: coordinate_sampling_rdp(1.0, 0.1, 1.0, 2.0, [2]), "c_inf must be at most c2"),
-    (lambda: coordinate_sampling_rdp(1.0, 1.1, 1.0, 0.5, [2]), "q"),
+    (lambda: coordinate_sampling_rdp(1.0, 1.1, 1.0, 0.5, [2]), "coordinate_rate"),
     (lambda: coordinate_sampling_rdp(1.0, 0.1, 1.0, 0.5, [1.0]), "orders"),
-    (lambda: TwiceSampledGaussian(1.0, 0.0, 0.5), "q1"),
+    (lambda: TwiceSampledGaussian(1.0, 0.0, 0.5), "sample_rate"),
     (lambda: HybridTwiceSampledGaussian((1.0, 1.0), 0.1, 0.5, (1.0,), (0.5,)), "same length"),
     (lambda: hypercube_noise([0.0, 0.0]), "sides"),
     (lambda: hybrid_noise([1.0], [0]), "ranks"),

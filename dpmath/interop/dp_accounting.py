@@ -56,7 +56,7 @@ class RandomizedClipDpEvent(dp_event.DpEvent):
     noise_multiplier : float
         Noise standard deviation over ``C``, ``> 0``.
     envelope : dpmath.Envelope
-        E.g. ``HutchEnvelope(k, d)`` or ``HutchPPEnvelope(k, d)``.
+        E.g. ``HutchEnvelope(projection_dim, dim)`` or ``HutchPPEnvelope(projection_dim, dim)``.
     scale_resolution : float
         Relative spacing of the accountant's scale grid (as in :class:`~dpmath.RandomizedClipGaussian`).
 
@@ -125,7 +125,7 @@ def to_mechanisms(event: dp_event.DpEvent) -> list[tuple[Mechanism, int]]:
     >>> from dpmath.interop.dp_accounting import to_mechanisms
     >>> step = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.1))
     >>> to_mechanisms(dp_accounting.SelfComposedDpEvent(step, 1000))
-    [(SubsampledGaussian(sigma=1.1, q=0.01), 1000)]
+    [(SubsampledGaussian(noise_multiplier=1.1, sample_rate=0.01), 1000)]
     """
     if not isinstance(event, dp_event.DpEvent):
         raise ValueError(f"event must be a dp_accounting DpEvent, got {type(event).__name__}")
@@ -144,12 +144,13 @@ def to_dp_event(mechanism: Mechanism, count: int = 1) -> dp_event.DpEvent:
         event=GaussianDpEvent(noise_multiplier=1.1)), count=1000)
     """
     if isinstance(mechanism, Gaussian):
-        event: dp_event.DpEvent = dp_event.GaussianDpEvent(mechanism.sigma)
+        event: dp_event.DpEvent = dp_event.GaussianDpEvent(mechanism.noise_multiplier)
     elif isinstance(mechanism, SubsampledGaussian):
-        event = dp_event.PoissonSampledDpEvent(mechanism.q, dp_event.GaussianDpEvent(mechanism.sigma))
+        event = dp_event.PoissonSampledDpEvent(mechanism.sample_rate,
+                                               dp_event.GaussianDpEvent(mechanism.noise_multiplier))
     elif isinstance(mechanism, RandomizedClipGaussian):
-        inner = RandomizedClipDpEvent(mechanism.sigma, mechanism.envelope, mechanism.scale_resolution)
-        event = inner if mechanism.q == 1.0 else dp_event.PoissonSampledDpEvent(mechanism.q, inner)
+        inner = RandomizedClipDpEvent(mechanism.noise_multiplier, mechanism.envelope, mechanism.scale_resolution)
+        event = inner if mechanism.sample_rate == 1.0 else dp_event.PoissonSampledDpEvent(mechanism.sample_rate, inner)
     else:
         raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian or RandomizedClipGaussian, got "
                          f"{type(mechanism).__name__}")
