@@ -34,11 +34,13 @@ nitpicky = False
 
 
 def setup(app):
+    import benchmark_tables
     import make_figures
     import support_table
     import utility_tables
 
     make_figures.main(os.path.join(os.path.dirname(__file__), "_static", "generated"))
+    benchmark_tables.main(os.path.join(os.path.dirname(__file__), "_generated"))
     support_table.main(os.path.join(os.path.dirname(__file__), "_generated"))
     utility_tables.main(os.path.join(os.path.dirname(__file__), "_generated"),
                         os.path.join(os.path.dirname(__file__), "_static", "generated"))
