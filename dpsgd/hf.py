@@ -11,7 +11,10 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
   clipping, book-keeping sums); the Trainer's own gradient clipping is turned off
   (``args.max_grad_norm = 0``) and its gradient-norm log is suppressed (it would be a non-private statistic
   of the clipped sum);
-* ``epsilon`` (the accountant's upper bound at ``target_delta``) is added to every log line;
+* ``epsilon`` (the accountant's upper bound at ``target_delta``) is added to every log line; before the
+  run's last step it may charge up to ``PrivacyArguments.epsilon_overcount`` (25 %) more steps than taken,
+  so that frequent logs share one accountant composition (pessimistic, never below the exact value), and
+  the log at the last step is exact;
 * ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` for exactly the optimizer steps the
   Trainer will take (``args.max_steps``, or ``num_train_epochs`` times the Poisson batches of an epoch,
   rounded up as the Trainer rounds); the engine refuses a step beyond them;
@@ -36,7 +39,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from .data import EmptyBatch, private_data_loader
-from .engine import DEFAULT_CHECK_RATE
+from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
@@ -54,7 +57,18 @@ class PrivacyArguments:
     before the step returns.  A later trainer (or engine) on the same file counts the steps recorded there,
     even those a crash took after the last checkpoint, and refuses a file written with other settings.
     ``check_every_step`` and ``check_rate`` set the engine's row check (example isolation; see
-    :attr:`dpsgd.PrivacyEngine.check_rate`).
+    :attr:`dpsgd.PrivacyEngine.check_rate`).  ``epsilon_overcount`` is the ``overcount`` of the logs'
+    epsilon (:meth:`dpsgd.PrivacyEngine.get_epsilon`) before the last step: each log charges the first
+    count at or above the steps taken on a grid about ``1 + epsilon_overcount`` apart, so a run composes the
+    accountant about ``log(steps) / log(1 + epsilon_overcount)`` times however small ``logging_steps`` is
+    (each composition takes about a second for ``hutch``).  The logged value is pessimistic (never below the
+    exact one); ``0`` logs the exact epsilon every time.
+
+    Examples
+    --------
+    >>> from dpsgd.hf import PrivacyArguments
+    >>> PrivacyArguments(target_epsilon=8.0, estimator="hutch", k=16).epsilon_overcount
+    0.25
     """
 
     max_grad_norm: float = 1.0
@@ -69,6 +83,7 @@ class PrivacyArguments:
     ledger_path: str | os.PathLike | None = None
     check_every_step: bool = False
     check_rate: float = DEFAULT_CHECK_RATE
+    epsilon_overcount: float = 0.25
 
 
 class DPTrainer(Trainer):
@@ -123,6 +138,7 @@ class DPTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset")
         self.privacy = privacy or PrivacyArguments()
+        check_positive(self.privacy.epsilon_overcount, "epsilon_overcount", allow_zero=True)
         self.args.max_grad_norm = 0.0  # every example is clipped by the engine; the Trainer must not re-clip
         # a resumed run continues from the restored sampling generator, never by replaying batches (class doc)
         self.args.ignore_data_skip = True
@@ -201,8 +217,12 @@ class DPTrainer(Trainer):
         return None  # the clipped sum's norm before noise is not private: never logged
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.privacy_engine.spent_steps:   # spent: a ledger file's earlier steps count too
-            logs = {**logs, "epsilon": self.privacy_engine.get_epsilon(self.privacy.target_delta)}
+        engine = self.privacy_engine
+        if engine.spent_steps:   # spent: a ledger file's earlier steps count too
+            # the run's last log is exact; earlier ones share compositions (PrivacyArguments.epsilon_overcount)
+            last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+            overcount = 0.0 if last else self.privacy.epsilon_overcount
+            logs = {**logs, "epsilon": engine.get_epsilon(self.privacy.target_delta, overcount=overcount)}
         super().log(logs, *args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

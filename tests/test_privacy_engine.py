@@ -45,6 +45,54 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert engine.get_epsilon(1e-5) > eps
 
 
+def test_frequent_get_epsilon_calls_equal_a_fresh_accountant_at_the_same_step_count():
+    """A logging loop asks between steps and at every step, at two deltas: each answer is a fresh accountant's."""
+    engine, model, opt, crit, loader = _setup(n=36)
+    mechanism = RandomizedClipGaussian(1.5, 12 / 36, HutchEnvelope(32, 9))
+    for xb, yb in loader:
+        crit(model(xb), yb).backward()
+        opt.step()
+        for delta in (1e-5, 1e-6, 1e-5):
+            fresh = PLDAccountant().compose(mechanism, engine.steps).epsilon(delta)
+            assert engine.get_epsilon(delta) == fresh == engine.get_epsilon(delta)
+    assert engine.steps == 3
+
+
+def test_overcount_charges_the_next_grid_count_and_composes_once_per_grid_count(monkeypatch):
+    """``overcount`` is pessimistic: the epsilon of the first grid count at or above the steps taken, composed
+    once for every step count up to it; exact on the grid and at the calibrated count."""
+    engine, model, opt, crit, loader = _setup("exact", n=400, batch=10)   # 40 steps an epoch
+    compositions = []
+    compose = PLDAccountant.compose
+    monkeypatch.setattr(PLDAccountant, "compose", lambda acc, m, count=1: compositions.append(count) or
+                        compose(acc, m, count))
+    logged = {}
+    for xb, yb in loader:
+        crit(model(xb), yb).backward()
+        opt.step()
+        logged[engine.steps] = engine.get_epsilon(1e-5, overcount=0.25)
+    grid = [1, 2, 3, 4, 5, 7, 9, 12, 15, 19, 24, 30, 38, 48]   # each ceil(1.25 x) the one before
+    assert compositions == grid   # 14 compositions for 40 logs
+    mechanism, _ = engine.accountant().events[0]
+    for steps, eps in logged.items():
+        charged = next(g for g in grid if g >= steps)
+        assert charged <= -(-5 * steps // 4)   # ceil(1.25 steps)
+        exact = PLDAccountant().compose(mechanism, steps).epsilon(1e-5)
+        assert eps == PLDAccountant().compose(mechanism, charged).epsilon(1e-5) >= exact
+        if steps in grid:
+            assert eps == exact
+    with pytest.raises(ValueError, match="overcount"):
+        engine.get_epsilon(1e-5, overcount=-0.1)
+    calibrated, model, opt, crit, loader = _setup("exact", target_epsilon=2.0, target_delta=1e-5, steps=6)
+    for xb, yb in loader:
+        crit(model(xb), yb).backward()
+        opt.step()
+        if calibrated.steps == 6:
+            break
+    # 6 is not on the grid (5, 7) but is the calibrated count: charged exactly
+    assert calibrated.get_epsilon(1e-5, overcount=0.25) == calibrated.get_epsilon(1e-5) <= 2.0
+
+
 @pytest.mark.slow
 def test_calibrated_sigma_meets_the_target():
     engine, model, opt, crit, loader = _setup(target_epsilon=3.0, target_delta=1e-5, epochs=2)
