@@ -1,13 +1,10 @@
-"""Command line for people who only want a number.
+"""Command line for people who only want a number (``python -m dpmath --help``).
 
-* ``python -m dpmath envelope --k 32 --d 2048``: the envelopes of randomized clipping.
-* ``python -m dpmath epsilon --sigma 1.1 --q 0.004 --steps 14000 --delta 1e-5 [--estimator hutch --k 32 --d 2048]``:
-  the ``[lower, upper]`` bracket of epsilon (publish the upper end).
-* ``python -m dpmath sigma --epsilon 0.7 --delta 1e-5 --dataset-size 1139 --batch-size 64 --epochs 10``:
-  the smallest noise multiplier whose upper-bound epsilon meets the target, and its bracket.
-
-``--q``/``--steps`` or ``--dataset-size``/``--batch-size``/``--epochs`` (``q = batch/size``,
-``steps = epochs * ceil(size/batch)``) describe the sampling.
+Three subcommands: ``envelope`` tabulates the envelopes of randomized clipping, ``epsilon`` brackets the
+epsilon of DP-SGD or DP-SGD-RC, ``noise-multiplier`` calibrates the noise multiplier to a target epsilon.
+Options use the Python API's names (``--noise-multiplier``, ``--sample-rate``, ``--projection-dim``,
+``--dim``, ...); the old spellings (``--sigma``, ``--q``, ``--k``, ``--d``, ``--epsilon`` and the
+subcommand ``sigma``) still work until dpmath 0.3, with a message on stderr.
 """
 
 from __future__ import annotations
@@ -15,25 +12,115 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from fractions import Fraction
 
 import numpy as np
 
 from .calibration import calibrate_noise_multiplier, dpsgd_epsilon_bracket, estimator_envelope
+from .deprecation import REMOVAL
 from .envelope import HutchEnvelope, HutchPPEnvelope, pessimistic_discretization
+
+PROG = "python -m dpmath"
+
+DESCRIPTION = """\
+Numbers of differential privacy for DP-SGD and DP-SGD-RC (randomized clipping).
+
+  envelope          tabulate the Hutch and Hutch++ envelopes of randomized clipping
+  epsilon           the [lower, upper] bracket of epsilon (publish the upper end)
+  noise-multiplier  the smallest noise multiplier whose epsilon meets a target
+
+Run "python -m dpmath SUBCOMMAND --help" for a subcommand's options and an example."""
+
+SAMPLING = """\
+The sampling is given either as --sample-rate and --steps, or as --dataset-size, --batch-size and
+--epochs (sample rate = batch size / dataset size, steps = epochs * ceil(dataset size / batch size)).
+Rates accept fractions (256/60000) and numbers accept exponents (1e-5)."""
+
+DIM_HELP = ("d, the number of chi-square terms of the envelope (default 2048). For a model trained by dpsgd it "
+            "is summed over the layers, not taken from the widest one: min(rows, cols) of every weight matrix "
+            "whose norm is estimated, plus 1 per estimated bias. \"python -m dpsgd plan\" prints it for a model, "
+            "and whether some parts are exact (the trainer then accounts with the hutchpp form)")
+
+PROJECTION_HELP = "k, the number of random projections (probes) of Hutchinson or Hutch++ (default 32)"
+
+# option -> its old spelling, accepted until REMOVAL with a message on stderr (--delta is current in `epsilon`)
+OLD_SPELLINGS = {"--noise-multiplier": "--sigma", "--sample-rate": "--q", "--projection-dim": "--k", "--dim": "--d",
+                 "--target-epsilon": "--epsilon", "--target-delta": "--delta"}
+OLD_SUBCOMMANDS = {"sigma": "noise-multiplier"}
+
+
+def _number(text: str) -> float:
+    """A real number on the command line: ``0.004``, ``1e-5`` or a fraction such as ``256/60000``."""
+    try:
+        return float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"not a number or a fraction: {text!r}") from None
+
+
+def _count(text: str) -> int:
+    """A whole number on the command line, also written ``1e4``."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        value = None
+    if value is None or value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+def _dest(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+def _add(parser: argparse.ArgumentParser, option: str, kind, metavar: str, help: str) -> None:
+    """Add ``option`` (default ``None``: whether it was given matters) and its hidden old spelling, which
+    stores under its own name so that :func:`_resolve` can tell which was used."""
+    parser.add_argument(option, type=kind, metavar=metavar, help=help)
+    if option in OLD_SPELLINGS:
+        parser.add_argument(OLD_SPELLINGS[option], dest=f"old_{_dest(option)}", type=kind, help=argparse.SUPPRESS)
+
+
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Move each old spelling's value to its option, saying so on stderr; both spellings is an error."""
+    for new, old in OLD_SPELLINGS.items():
+        value = getattr(args, f"old_{_dest(new)}", None)
+        if value is None:
+            continue
+        if getattr(args, _dest(new)) is not None:
+            parser.error(f"give {new} or its old spelling {old}, not both")
+        print(f"{PROG}: {old} is deprecated and will be removed in dpmath {REMOVAL}; use {new}", file=sys.stderr)
+        setattr(args, _dest(new), value)
+
+
+def _require(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
+    missing = [o for o in options if getattr(args, _dest(o)) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+
+
+def _envelope_dims(parser: argparse.ArgumentParser, args: argparse.Namespace, estimated: bool) -> None:
+    """Refuse ``--projection-dim``/``--dim`` where no envelope uses them (not ``estimated``); else fill in
+    their defaults."""
+    if not estimated and (args.projection_dim is not None or args.dim is not None):
+        parser.error("--projection-dim and --dim describe a norm estimator's envelope: give --estimator hutch or "
+                     "hutchpp with them (exact norms, the default, have no envelope)")
+    args.projection_dim = 32 if args.projection_dim is None else args.projection_dim
+    args.dim = 2048 if args.dim is None else args.dim
 
 
 def _envelope(args: argparse.Namespace) -> int:
+    k, d = args.projection_dim, args.dim
     t0 = time.perf_counter()
-    hutch = HutchEnvelope(args.k, args.d)
-    hpp = HutchPPEnvelope(args.k, args.d)
+    hutch = HutchEnvelope(k, d)
+    hpp = HutchPPEnvelope(k, d)
     x_plus = hutch.x_plus
     lo, hi = hutch.support_interval(1e-16)
     grid = np.linspace(lo, hi, args.grid)
     dist = pessimistic_discretization(hutch, grid)
     elapsed = time.perf_counter() - t0
-    print(f"Envelope of randomized clipping, k = {args.k} probes, d = {args.d} (widest layer)")
+    print(f"Envelope of randomized clipping, projection dim k = {k}, dim d = {d} (chi-square terms)")
     print(f"  x_minus = 1 (vertex extremal below), x_plus = {x_plus:.10f} (uniform extremal above);")
-    print(f"  paper 000's asymptotic x_plus = 1 + 2/(dk) = {1 + 2 / (args.d * args.k):.10f}")
+    print(f"  paper 000's asymptotic x_plus = 1 + 2/(dk) = {1 + 2 / (d * k):.10f}")
     print(f"  support (1e-16 quantiles): [{lo:.6f}, {hi:.6f}]")
     print()
     print(f"  {'x':>10} {'Hutch F(x)':>14} {'maximizer (i, j, lam)':>26} {'Hutch++ F(x)':>14}")
@@ -52,86 +139,127 @@ def _sampling(args: argparse.Namespace) -> tuple[float, int, str]:
     if args.dataset_size is not None or args.batch_size is not None or args.epochs is not None:
         if None in (args.dataset_size, args.batch_size, args.epochs):
             raise ValueError("--dataset-size, --batch-size and --epochs go together")
-        if args.q is not None or args.steps is not None:
-            raise ValueError("give either --q/--steps or --dataset-size/--batch-size/--epochs, not both")
+        if args.sample_rate is not None or args.steps is not None:
+            raise ValueError("give either --sample-rate/--steps or --dataset-size/--batch-size/--epochs, not both")
         if not 1 <= args.batch_size <= args.dataset_size:
             raise ValueError("--batch-size must lie in [1, dataset-size]")
         if args.epochs < 1:
             raise ValueError("--epochs must be a positive integer (>= 1)")
         q = args.batch_size / args.dataset_size
         steps = args.epochs * -(-args.dataset_size // args.batch_size)
-        return q, steps, f"q = {args.batch_size}/{args.dataset_size} = {q:.6g}, steps = {steps}"
-    if args.q is None or args.steps is None:
-        raise ValueError("give --q and --steps (or --dataset-size, --batch-size and --epochs)")
-    return args.q, args.steps, f"q = {args.q:g}, steps = {args.steps}"
+        return q, steps, f"sample rate = {args.batch_size}/{args.dataset_size} = {q:.6g}, steps = {steps}"
+    if args.sample_rate is None or args.steps is None:
+        raise ValueError("give --sample-rate and --steps (or --dataset-size, --batch-size and --epochs)")
+    return args.sample_rate, args.steps, f"sample rate = {args.sample_rate:g}, steps = {args.steps}"
 
 
 def _mechanism_line(args: argparse.Namespace) -> str:
     if args.estimator == "exact":
         return "DP-SGD (exact norms)"
     name = {"hutch": "Hutch", "hutchpp": "Hutch++"}[args.estimator]
-    return f"DP-SGD-RC with {name}, k = {args.k} probes, d = {args.d}"
+    return f"DP-SGD-RC with {name}, projection dim k = {args.projection_dim}, dim d = {args.dim}"
 
 
 def _epsilon(args: argparse.Namespace) -> int:
     q, steps, sampling = _sampling(args)
     t0 = time.perf_counter()
-    lo, hi = dpsgd_epsilon_bracket(args.sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
-                           dim=args.d, discretization=args.discretization)
-    print(f"{_mechanism_line(args)}: sigma = {args.sigma:g}, {sampling}, delta = {args.delta:g}")
+    lo, hi = dpsgd_epsilon_bracket(args.noise_multiplier, q, steps, args.delta, estimator=args.estimator,
+                                   projection_dim=args.projection_dim, dim=args.dim,
+                                   discretization=args.discretization)
+    print(f"{_mechanism_line(args)}: noise multiplier = {args.noise_multiplier:g}, {sampling}, "
+          f"delta = {args.delta:g}")
     print(f"  epsilon in [{lo:.6f}, {hi:.6f}]   (publish the upper bound {hi:.6f})")
     print(f"  PLD accountant, discretization {args.discretization:g}, add-or-remove neighbours; "
           f"time {time.perf_counter() - t0:.2f} s")
     return 0
 
 
-def _sigma(args: argparse.Namespace) -> int:
+def _noise_multiplier(args: argparse.Namespace) -> int:
     q, steps, sampling = _sampling(args)
     t0 = time.perf_counter()
-    env = estimator_envelope(args.estimator, args.k, args.d)
-    sigma = calibrate_noise_multiplier(args.epsilon, args.delta, q, steps, envelope=env,
+    env = estimator_envelope(args.estimator, args.projection_dim, args.dim)
+    sigma = calibrate_noise_multiplier(args.target_epsilon, args.target_delta, q, steps, envelope=env,
                                        discretization=args.discretization)
-    lo, hi = dpsgd_epsilon_bracket(sigma, q, steps, args.delta, estimator=args.estimator, projection_dim=args.k,
-                           dim=args.d, discretization=args.discretization)
-    print(f"{_mechanism_line(args)}: target epsilon = {args.epsilon:g}, delta = {args.delta:g}, {sampling}")
-    print(f"  noise multiplier sigma = {sigma:.6f}   (epsilon in [{lo:.6f}, {hi:.6f}])")
+    lo, hi = dpsgd_epsilon_bracket(sigma, q, steps, args.target_delta, estimator=args.estimator,
+                                   projection_dim=args.projection_dim, dim=args.dim,
+                                   discretization=args.discretization)
+    print(f"{_mechanism_line(args)}: target epsilon = {args.target_epsilon:g}, target delta = "
+          f"{args.target_delta:g}, {sampling}")
+    print(f"  noise multiplier = {sigma:.6f}   (epsilon in [{lo:.6f}, {hi:.6f}])")
     print(f"  PLD accountant, discretization {args.discretization:g}; time {time.perf_counter() - t0:.2f} s")
     return 0
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delta", type=float, required=True, help="delta, in (0, 1)")
-    p.add_argument("--q", type=float, help="sampling probability, in (0, 1]")
-    p.add_argument("--steps", type=int, help="number of steps")
-    p.add_argument("--dataset-size", type=int, help="training-set size (with --batch-size, --epochs)")
-    p.add_argument("--batch-size", type=int, help="expected batch size")
-    p.add_argument("--epochs", type=int, help="epochs; steps = epochs * ceil(size / batch)")
+    _add(p, "--sample-rate", _number, "Q", "q, the sampling probability, in (0, 1], e.g. 256/60000")
+    p.add_argument("--steps", type=_count, help="number of steps")
+    p.add_argument("--dataset-size", type=_count, help="training-set size (with --batch-size and --epochs)")
+    p.add_argument("--batch-size", type=_count, help="expected batch size")
+    p.add_argument("--epochs", type=_count, help="epochs; steps = epochs * ceil(dataset size / batch size)")
     p.add_argument("--estimator", choices=["exact", "hutch", "hutchpp"], default="exact",
-                   help="per-example norms: exact (DP-SGD) or randomized (DP-SGD-RC)")
-    p.add_argument("--k", type=int, default=32, help="projection dimension (default 32)")
-    p.add_argument("--d", type=int, default=2048, help="widest layer min(p, d) (default 2048)")
-    p.add_argument("--discretization", type=float, default=1e-4, help="PLD grid step (default 1e-4)")
+                   help="per-example norms: exact (DP-SGD, the default) or estimated by hutch or hutchpp "
+                        "(DP-SGD-RC, whose envelope --projection-dim and --dim describe)")
+    _add(p, "--projection-dim", _count, "K", PROJECTION_HELP + "; only with --estimator hutch or hutchpp")
+    _add(p, "--dim", _count, "D", DIM_HELP + "; only with --estimator hutch or hutchpp")
+    p.add_argument("--discretization", type=_number, default=1e-4, help="PLD grid step (default 1e-4)")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and each subcommand's own (for errors about its options)."""
+    plain = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=plain)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{envelope,epsilon,noise-multiplier}")
+    env = sub.add_parser(
+        "envelope", help="tabulate the Hutch and Hutch++ envelopes", formatter_class=plain,
+        description="Tabulate the Hutch and Hutch++ envelopes of randomized clipping for k projections and "
+                    "d chi-square terms,\nand the pessimistic discretization the accountant uses.",
+        epilog="example:\n  python -m dpmath envelope --projection-dim 32 --dim 2048")
+    _add(env, "--projection-dim", _count, "K", PROJECTION_HELP)
+    _add(env, "--dim", _count, "D", DIM_HELP)
+    env.add_argument("--grid", type=_count, default=10000, help="grid points for the discretization (default 10000)")
+    eps = sub.add_parser(
+        "epsilon", help="epsilon bracket of DP-SGD or DP-SGD-RC", formatter_class=plain,
+        description="The [lower, upper] bracket of epsilon at --delta of DP-SGD, or of DP-SGD-RC with "
+                    "--estimator hutch\nor hutchpp; publish the upper end.\n\n" + SAMPLING,
+        epilog="examples:\n"
+               "  python -m dpmath epsilon --noise-multiplier 1.1 --sample-rate 256/60000 --steps 14000 "
+               "--delta 1e-5\n"
+               "  python -m dpmath epsilon --noise-multiplier 4.073 --dataset-size 1139 --batch-size 64 --epochs 10 "
+               "--delta 1e-5 --estimator hutch --projection-dim 32 --dim 2048")
+    _add(eps, "--noise-multiplier", _number, "SIGMA",
+         "required: sigma, the noise standard deviation over the clipping norm, > 0")
+    _add(eps, "--delta", _number, "DELTA", "required: delta, in (0, 1)")
+    _add_common(eps)
+    cal = sub.add_parser(
+        "noise-multiplier", aliases=list(OLD_SUBCOMMANDS), formatter_class=plain,
+        help="calibrate the noise multiplier to a target epsilon (old name: sigma)",
+        description="The smallest noise multiplier whose upper-bound epsilon at --target-delta meets "
+                    "--target-epsilon,\nand its epsilon bracket.\n\n" + SAMPLING,
+        epilog="example:\n  python -m dpmath noise-multiplier --target-epsilon 0.7 --target-delta 1e-5 "
+               "--dataset-size 1139 --batch-size 64 --epochs 10")
+    _add(cal, "--target-epsilon", _number, "EPSILON", "required: the privacy budget epsilon, > 0")
+    _add(cal, "--target-delta", _number, "DELTA", "required: delta, in (0, 1)")
+    _add_common(cal)
+    return parser, {"envelope": env, "epsilon": eps, "noise-multiplier": cal}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpmath", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    env = sub.add_parser("envelope", help="tabulate the Hutch and Hutch++ envelopes")
-    env.add_argument("--k", type=int, default=32, help="projection dimension (default 32)")
-    env.add_argument("--d", type=int, default=2048, help="widest layer min(p, d) (default 2048)")
-    env.add_argument("--grid", type=int, default=10000, help="grid points for the discretization")
-    eps = sub.add_parser("epsilon", help="epsilon bracket of DP-SGD or DP-SGD-RC")
-    eps.add_argument("--sigma", type=float, required=True, help="noise multiplier, > 0")
-    _add_common(eps)
-    sig = sub.add_parser("sigma", help="calibrate the noise multiplier to a target epsilon")
-    sig.add_argument("--epsilon", type=float, required=True, help="target epsilon, > 0")
-    _add_common(sig)
+    parser, subparsers = _parser()
     args = parser.parse_args(argv)
+    if args.command in OLD_SUBCOMMANDS:
+        new = OLD_SUBCOMMANDS[args.command]
+        print(f"{PROG}: the subcommand {args.command} is deprecated and will be removed in dpmath {REMOVAL}; "
+              f"use {new}", file=sys.stderr)
+        args.command = new
+    sub = subparsers[args.command]
+    _resolve(sub, args)
+    _envelope_dims(sub, args, args.command == "envelope" or args.estimator != "exact")
+    _require(sub, args, *{"envelope": (), "epsilon": ("--noise-multiplier", "--delta"),
+                          "noise-multiplier": ("--target-epsilon", "--target-delta")}[args.command])
     try:
-        return {"envelope": _envelope, "epsilon": _epsilon, "sigma": _sigma}[args.command](args)
+        return {"envelope": _envelope, "epsilon": _epsilon, "noise-multiplier": _noise_multiplier}[args.command](args)
     except ValueError as exc:
-        parser.error(str(exc))
+        sub.error(str(exc))
     return 2
 
 

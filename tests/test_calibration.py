@@ -1,6 +1,7 @@
 """Noise calibration, the one-call helper, the paper's Table 4 and the command line."""
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -104,22 +105,80 @@ def test_bad_input(call, name):
 
 
 def test_cli_epsilon(capsys):
-    assert main(["epsilon", "--sigma", "4.073", "--dataset-size", "1139", "--batch-size", "64", "--epochs", "10",
-                 "--delta", "1e-5"]) == 0
+    assert main(["epsilon", "--noise-multiplier", "4.073", "--dataset-size", "1139", "--batch-size", "64", "--epochs",
+                 "10", "--delta", "1e-5"]) == 0
     out = capsys.readouterr().out
     assert "epsilon in [0.69998" in out and "steps = 180" in out
 
 
-def test_cli_sigma(capsys):
-    assert main(["sigma", "--epsilon", "1", "--q", "0.01", "--steps", "1000", "--delta", "1e-5"]) == 0
-    assert "sigma = 1.41" in capsys.readouterr().out
+def test_cli_noise_multiplier(capsys):
+    assert main(["noise-multiplier", "--target-epsilon", "1", "--sample-rate", "0.01", "--steps", "1000",
+                 "--target-delta", "1e-5"]) == 0
+    assert "noise multiplier = 1.41" in capsys.readouterr().out
+
+
+def test_cli_reads_fractions_and_exponents(capsys):
+    assert main(["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "256/60000", "--steps", "1e3",
+                 "--delta", "1e-5"]) == 0
+    fraction = capsys.readouterr().out
+    assert main(["epsilon", "--noise-multiplier", "1.1", "--sample-rate", str(256 / 60000), "--steps", "1000",
+                 "--delta", "0.00001"]) == 0
+    decimal = capsys.readouterr().out
+    assert fraction.splitlines()[:2] == decimal.splitlines()[:2] and "steps = 1000" in fraction
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    (["epsilon", "--sigma", "1.1", "--q", "0.01"], ["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.01"]),
+    (["sigma", "--epsilon", "1", "--q", "0.01", "--delta", "1e-5"],
+     ["noise-multiplier", "--target-epsilon", "1", "--sample-rate", "0.01", "--target-delta", "1e-5"]),
+    (["epsilon", "--sigma", "2", "--q", "0.01", "--estimator", "hutch", "--k", "8", "--d", "64"],
+     ["epsilon", "--noise-multiplier", "2", "--sample-rate", "0.01", "--estimator", "hutch", "--projection-dim", "8",
+      "--dim", "64"]),
+], ids=["epsilon", "sigma", "k-d"])
+def test_cli_old_spellings_say_so_on_stderr_and_give_the_same_number(capsys, old, new):
+    rest = ["--steps", "100"] + (["--delta", "1e-5"] if new[0] == "epsilon" else [])
+    assert main(new + rest) == 0
+    expected = capsys.readouterr()
+    assert not expected.err
+    assert main(old + rest) == 0
+    got = capsys.readouterr()
+    assert got.out.splitlines()[:2] == expected.out.splitlines()[:2]
+    for spelling in old:
+        if spelling.startswith("--") and spelling not in new:
+            assert f"{spelling} is deprecated" in got.err
+    assert ("the subcommand sigma is deprecated" in got.err) == (old[0] == "sigma")
+
+
+def test_cli_refuses_projection_dim_without_an_estimator(capsys):
+    for option in ("--projection-dim", "--dim", "--k"):
+        with pytest.raises(SystemExit) as exc:
+            main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "3", "--delta", "1e-5",
+                  option, "8"])
+        assert exc.value.code == 2
+        assert "give --estimator hutch or hutchpp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["envelope"], ["epsilon"], ["noise-multiplier"]])
+def test_cli_help_is_plain_text_with_an_example(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main(command + ["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"``|:(math|func|class|mod|meth|attr|data):`|\\", out), out
+    assert "python -m dpmath" in out and (not command or "example" in out)
 
 
 @pytest.mark.parametrize("argv", [
-    ["epsilon", "--sigma", "1", "--delta", "1e-5"],
-    ["epsilon", "--sigma", "1", "--q", "2", "--steps", "3", "--delta", "1e-5"],
-    ["epsilon", "--sigma", "1", "--q", "0.1", "--steps", "3", "--delta", "1e-5", "--dataset-size", "10"],
-    ["sigma", "--epsilon", "-1", "--q", "0.1", "--steps", "3", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--sample-rate", "2", "--steps", "3", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "3", "--delta", "1e-5",
+     "--dataset-size", "10"],
+    ["epsilon", "--sample-rate", "0.1", "--steps", "3", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--sigma", "1", "--sample-rate", "0.1", "--steps", "3", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--sample-rate", "1/0", "--steps", "3", "--delta", "1e-5"],
+    ["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "2.5", "--delta", "1e-5"],
+    ["noise-multiplier", "--target-epsilon", "-1", "--sample-rate", "0.1", "--steps", "3", "--target-delta", "1e-5"],
+    ["noise-multiplier", "--target-epsilon", "1", "--sample-rate", "0.1", "--steps", "3"],
 ])
 def test_cli_bad_input_exits_2(argv):
     with pytest.raises(SystemExit) as exc:

@@ -10,8 +10,9 @@ def test_dpmath_does_not_import_torch():
 
 
 def test_command_line_demo_runs_and_rejects_bad_input():
-    ok = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--k", "4", "--d", "8", "--grid", "200"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0 and "x_plus" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--k", "0"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--projection-dim", "4", "--dim", "8", "--grid",
+                         "200"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "x_plus" in ok.stdout and not ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--projection-dim", "0"], capture_output=True,
+                         text=True)
     assert bad.returncode == 2 and "projection_dim must be a positive integer" in bad.stderr
