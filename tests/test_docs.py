@@ -6,7 +6,9 @@ they print is compared, so printed values in the docs cannot go stale. ``bash`` 
 shell. A block preceded by an HTML comment changes how it runs:
 
 - ``<!-- docs-test: slow -->``: runs only under ``pytest -m slow`` (multi-process or long runs);
-- ``<!-- docs-test: skip REASON -->``: never runs here (installs packages); the reason is required.
+- ``<!-- docs-test: skip REASON -->``: never runs here (installs packages); the reason is required;
+- ``<!-- docs-test: file NAME -->``: a script the page's next commands run (``torchrun ... NAME``): written to
+  ``NAME``, not executed in the test's process.
 
 Other fences (``text``, directives such as ``{toctree}``) are not code.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import doctest
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE_LANGUAGES = {"python", "bash"}
-_MARKER = re.compile(r"<!--\s*docs-test:\s*(slow|skip)\s*(.*?)\s*-->")
+_MARKER = re.compile(r"<!--\s*docs-test:\s*(slow|skip|file)\s*(.*?)\s*-->")
 _FENCE = re.compile(r"^(`{3,})(\S*)")
 
 
@@ -36,8 +39,8 @@ class Block:
     line: int          # 1-based line of the opening fence
     language: str
     code: str
-    mode: str          # "run", "slow" or "skip"
-    reason: str
+    mode: str          # "run", "slow", "skip" or "file"
+    reason: str        # why it is skipped; the file name of a "file" block
 
 
 def code_blocks(page: Path) -> list[Block]:
@@ -73,6 +76,7 @@ def _run_python(block: Block, namespace: dict) -> None:
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         out: list[str] = []
         runner.run(test, out=out.append, clear_globs=False)
+        namespace.update(test.globs)   # a DocTest runs in a copy of the globals it is given
         if runner.failures:
             pytest.fail(f"{where}: the printed values differ from the page\n" + "".join(out), pytrace=False)
     else:
@@ -92,12 +96,16 @@ def _run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes
     """Run a page's blocks whose mode is in ``modes``; the number run."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    # the pages refer to the repository's scripts by relative path, as a user in a clone would
+    # the pages refer to the repository's scripts by relative path, as a user in a clone would; a copy, so
+    # that what they write stays out of the repository
     for folder in ("examples", "benchmarks"):
-        (tmp_path / folder).symlink_to(ROOT / folder)
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     namespace: dict = {"__name__": "__docs__"}
     ran = 0
     for block in code_blocks(page):
+        if block.mode == "file":
+            (tmp_path / block.reason).write_text(block.code)
+            continue
         if block.mode not in modes:
             continue
         if block.language == "python":
@@ -110,6 +118,15 @@ def _run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes
 
 def _pages_with(mode: str) -> list[Path]:
     return [p for p in PAGES if any(b.mode == mode for b in code_blocks(p))]
+
+
+def count_blocks() -> dict[str, int]:
+    """How many code blocks run by default, only under ``-m slow``, are scripts, or never run."""
+    counts = {"run": 0, "slow": 0, "file": 0, "skip": 0}
+    for p in PAGES:
+        for b in code_blocks(p):
+            counts[b.mode] += 1
+    return counts
 
 
 @pytest.mark.parametrize("page", _pages_with("run"), ids=lambda p: p.name)
@@ -126,6 +143,8 @@ def test_the_pages_long_code_blocks_run_as_written(page, tmp_path, monkeypatch):
 def test_every_code_block_is_run_or_says_why_not():
     blocks = [b for p in PAGES for b in code_blocks(p)]
     assert blocks, "no code blocks found: the collector's fence pattern is broken"
+    # a page whose only runnable commands are slow still has its scripts written and run under -m slow
+    assert all(b.reason for b in blocks if b.mode == "file")
     skipped = [b for b in blocks if b.mode == "skip"]
     assert all(b.reason for b in skipped)
     # installing packages is the only reason a block may never run here
