@@ -1,4 +1,4 @@
-"""The two-scale lower end (``dpmath/_two_scale.py``): why the grid's lower end collapses at tiny q, and the
+"""The two-scale lower end (``dpmath/pld/two_scale.py``): why the grid's lower end collapses at tiny q, and the
 two-scale bound against the referee.
 
 Run ``OMP_NUM_THREADS=1 python benchmarks/two_scale_bench.py`` (about 2 minutes; the referee takes most of it).
@@ -15,15 +15,15 @@ import time
 import numpy as np
 
 from dpmath import PLDAccountant, SubsampledGaussian
-from dpmath._two_scale import TwoScaleLower
-from dpmath.pld import _step_plds
+from dpmath.pld.steps import step_plds
+from dpmath.pld.two_scale import TwoScaleLower
 from dpmath.referee import referee_epsilon
 
 
 def step_means() -> None:
     print("one removal step at sigma = 0.5, q = 1e-6: mean loss of the upper and lower PLDs")
     for h in (1e-4, 1e-5, 1e-6):
-        up, lo = _step_plds(SubsampledGaussian(0.5, 1e-6), "remove", h, (True, False))
+        up, lo = step_plds(SubsampledGaussian(0.5, 1e-6), "remove", h, (True, False))
         means = [float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * h)) for p in (up, lo)]
         print(f"  h = {h:g}: upper {means[0]:.3e}, lower {means[1]:.3e} ({means[1] / h:+.3f} h)")
 

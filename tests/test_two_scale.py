@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dpmath import PLDAccountant, SubsampledGaussian
-from dpmath._pld_core import Pld
-from dpmath._two_scale import TwoScaleLower, tail_threshold
+from dpmath.pld.distribution import Pld
+from dpmath.pld.two_scale import TwoScaleLower, tail_threshold
 from dpmath.referee import referee_delta, referee_epsilon
 
 
@@ -25,7 +25,7 @@ def test_the_vectorized_hockey_stick_curve_is_the_sum_over_the_masses_everywhere
 
 def test_the_tail_threshold_keeps_the_expected_number_of_tail_steps_small():
     # n P(L > tau) <= 1e-3 at tau, and tau / 2 fails it (tau = h 2^j)
-    from dpmath._pld_core import pair_cdfs
+    from dpmath.pld.losses import pair_cdfs
 
     for mu, q, n in [(2.0, 1e-6, 10**4), (1.0, 1e-3, 2000), (0.5, 0.01, 500)]:
         tau = tail_threshold(mu, q, n, 1e-4)
