@@ -30,7 +30,7 @@ from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
-from .validation import open_probability, positive_int, positive_real, real_array
+from .validation import open_probability, positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
 __all__ = ["Bracket", "calibrate_noise", "calibrate_noise_multiplier", "calibrate_sigma", "dpsgd_epsilon",
@@ -147,7 +147,7 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
         raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
     if envelope is not None and not isinstance(envelope, Envelope):
         raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
-    rt = float(real_array(rtol, "rtol", allow_inf=False))
+    rt = real_number(rtol, "rtol", allow_inf=False)
     if not 1e-8 <= rt <= 0.1:
         raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
 
@@ -230,7 +230,7 @@ def calibrate_noise(epsilon: Callable[[float], float], target_epsilon: float, *,
         raise ValueError(f"epsilon must be a callable sigma -> epsilon, got {type(epsilon).__name__}")
     eps_t = positive_real(target_epsilon, "target_epsilon")
     start = positive_real(guess, "guess")
-    rt = float(real_array(rtol, "rtol", allow_inf=False))
+    rt = real_number(rtol, "rtol", allow_inf=False)
     if not 1e-8 <= rt <= 0.1:
         raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
 
@@ -385,7 +385,8 @@ def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: in
     (True, True)
     """
     env = estimator_envelope(estimator, projection_dim, dim)
-    acc = PLDAccountant(discretization).compose(_mechanism(noise_multiplier, sample_rate, env), steps)
+    n = positive_int(steps, "steps")   # checked here, so that an error names it (the accountant calls it count)
+    acc = PLDAccountant(discretization).compose(_mechanism(noise_multiplier, sample_rate, env), n)
     return Bracket(*acc.epsilon_bracket(delta))
 
 

@@ -55,7 +55,7 @@ from scipy import special
 
 from .chi2mix import two_block_cdf
 from .deprecation import renamed_arguments
-from .validation import positive_int, probability_array, real_array
+from .validation import positive_int, probability_array, real_array, real_number
 
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope",
            "ScaleDistribution", "pessimistic_discretization"]
@@ -595,7 +595,7 @@ class HutchEnvelope(Envelope):
         >>> (m.i, m.j, round(m.lam, 2))
         (1, 2, 0.7)
         """
-        xv = float(real_array(x, "x"))
+        xv = real_number(x, "x")
         if xv <= 1.0 or self.dim == 1:
             return Maximizer(1, 0, 1.0)
         if xv >= self.x_plus:
@@ -720,7 +720,7 @@ class HutchPPEnvelope(Envelope):
         >>> env.maximizer(0.5), env.maximizer(1.0)
         (Maximizer(i=1, j=0, lam=1.0), Maximizer(i=0, j=0, lam=1.0))
         """
-        xv = float(real_array(x, "x"))
+        xv = real_number(x, "x")
         return Maximizer(0, 0, 1.0) if (xv >= 1.0 or self.dim <= self.projection_dim) else Maximizer(1, 0, 1.0)
 
 
@@ -741,7 +741,7 @@ class PointMassEnvelope(Envelope):
     """
 
     def __init__(self, value: float = 1.0) -> None:
-        v = float(real_array(value, "value", allow_inf=False))
+        v = real_number(value, "value", allow_inf=False)
         if v <= 0:
             raise ValueError(f"value must be positive (> 0), got {value!r}")
         self.value = v

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .deprecation import renamed_arguments, warn_renamed
 from .envelope import Envelope
-from .validation import positive_real, real_array
+from .validation import positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
 __all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace"]
@@ -167,7 +167,7 @@ class RandomizedClipGaussian:
         object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
         if not isinstance(self.envelope, Envelope):
             raise ValueError(f"envelope must be a dpmath Envelope, got {type(self.envelope).__name__}")
-        r = float(real_array(self.scale_resolution, "scale_resolution", allow_inf=False))
+        r = real_number(self.scale_resolution, "scale_resolution", allow_inf=False)
         if not 0 < r <= 0.1 or math.isnan(r):
             raise ValueError(f"scale_resolution must lie in (0, 0.1], got {self.scale_resolution!r}")
         object.__setattr__(self, "scale_resolution", r)

@@ -1,13 +1,17 @@
 """Common PyTorch idioms that the trainer cannot take are refused with one sentence naming the module or call, the
-reason and the fix, before any error from inside torch; and a user run emits no warning of ours."""
+reason and the fix, before any error from inside torch; and a user run emits no warning of ours.  dpmath's inputs
+that its checks once let through to a Python or NumPy error are refused the same way."""
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import dpmath
+from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
 from dpsgd import PrivacyEngine
 from dpsgd.validator import UnsupportedModuleError
 
@@ -131,3 +135,32 @@ def test_the_leak_message_suggests_a_handler_that_exists():
     with pytest.raises(IncompleteGradientError, match=r"recursive = True.*register_handler") as err:
         crit(model(x), y).backward()
     assert "FunctionalHandler() with recursive" not in str(err.value)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: SubsampledGaussian(np.array([1.0, 2.0]), 0.01),
+     r"noise_multiplier must be a real number, got an array of shape \(2,\)"),
+    (lambda: SubsampledGaussian(1.0, np.array([0.01, 0.02])), r"sample_rate must be a real number, got an array"),
+    (lambda: PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), np.array([3])),
+     r"count must be a positive integer \(>= 1\), got an array of shape \(1,\).*count=int\(x\[0\]\)"),
+    (lambda: PLDAccountant().compose(SubsampledGaussian(1.0, 0.01)).epsilon(np.array([1e-5])),
+     r"delta must be a real number, got an array of shape \(1,\)"),
+    (lambda: PLDAccountant(np.array([1e-4, 1e-3])), r"discretization must be a real number"),
+    (lambda: dpmath.dpsgd_epsilon(1.0, 0.01, np.array([10, 20]), 1e-5), r"steps must be a positive integer"),
+    (lambda: HutchEnvelope(np.array([32, 64]), 2048), r"projection_dim must be a positive integer"),
+    (lambda: dpmath.calibrate_noise_multiplier([1.0, 2.0], 1e-5, 0.01, 10),
+     r"target_epsilon must be a real number, got a sequence of shape \(2,\)"),
+])
+def test_an_array_where_dpmath_takes_one_number_is_refused_naming_the_argument_and_its_shape(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_numpy_scalars_and_zero_dimensional_arrays_are_numbers_to_dpmath():
+    plain = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 3).epsilon(1e-5)
+    acc = PLDAccountant().compose(SubsampledGaussian(np.float32(1.0), np.array(0.01)), np.array(3))
+    assert acc.epsilon(np.array(1e-5)) == acc.epsilon(np.float64(1e-5)) == plain
+    assert acc.events[0][1] == 3 and type(acc.events[0][1]) is int
+    assert PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), np.int64(3)).epsilon(1e-5) == plain
+    with pytest.raises(ValueError, match="count must be a positive integer"):
+        PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), np.array(True))

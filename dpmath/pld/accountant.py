@@ -16,7 +16,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
-from ..validation import non_negative, open_probability, positive_int, probability_array, real_array
+from ..validation import non_negative, open_probability, positive_int, probability_array, real_number
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
 from .steps import Mechanism, step_plds
@@ -84,16 +84,16 @@ class PLDAccountant:
 
     def __init__(self, discretization: float = 1e-4, neighboring: str = "add_or_remove", *,
                  tail_mass: float = 1e-18, bracket_rtol: float | None = None) -> None:
-        h = float(real_array(discretization, "discretization", allow_inf=False))
+        h = real_number(discretization, "discretization", allow_inf=False)
         if not 0 < h <= 1:
             raise ValueError(f"discretization must lie in (0, 1], got {discretization!r}")
         if neighboring not in _NEIGHBORING:
             raise ValueError(f"neighboring must be one of {sorted(_NEIGHBORING)}, got {neighboring!r}")
-        tm = float(real_array(tail_mass, "tail_mass", allow_inf=False))
+        tm = real_number(tail_mass, "tail_mass", allow_inf=False)
         if not 0 < tm <= 1e-6:
             raise ValueError(f"tail_mass must lie in (0, 1e-6], got {tail_mass!r}")
         if bracket_rtol is not None:
-            r = float(real_array(bracket_rtol, "bracket_rtol", allow_inf=False))
+            r = real_number(bracket_rtol, "bracket_rtol", allow_inf=False)
             if not 0 < r < 1:
                 raise ValueError(f"bracket_rtol must lie in (0, 1) or be None, got {bracket_rtol!r}")
             bracket_rtol = r
