@@ -8,7 +8,9 @@ and a linear classification head on the last position.
 
 ``sigma`` is calibrated with the PLD accountant for the estimator's envelope so that the whole run spends
 at most ``--epsilon`` at ``--delta``; the script prints the calibrated sigma, the epsilon actually spent
-and the test accuracy.
+and the test accuracy.  Progress goes to stderr as log records of the ``"dpsgd"`` logger: the calibration's
+start and seconds, a line per epoch (mean training loss, test accuracy, epsilon spent), and within an epoch
+a line every 10 seconds.
 
     python -m dpsgd.demo                     # hutch, k = 32, epsilon 8
     python -m dpsgd.demo --estimator ghost   # the exact baseline
@@ -17,6 +19,7 @@ and the test accuracy.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import torch
@@ -24,9 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .privacy_engine import PrivacyEngine
+from .cli import show_progress
+from .privacy_engine import DPCriterion, DPOptimizer, PrivacyEngine
 
 MARKERS = 4
+PROGRESS_SECONDS = 10.0   # an epoch longer than this logs its progress this often
+
+logger = logging.getLogger("dpsgd")
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +97,52 @@ def marker_task(n: int, seq_len: int, vocab: int, copies: int, generator: torch.
     return TensorDataset(x, y)
 
 
+def train_epoch(model: nn.Module, optimizer: DPOptimizer, criterion: DPCriterion, loader: DataLoader,
+                label: str) -> float:
+    """One epoch of private steps; the mean of the batches' mean training losses.
+
+    Every :data:`PROGRESS_SECONDS` within the epoch it logs the batches done and the mean loss so far, so a long
+    epoch shows it is alive.
+
+    Parameters
+    ----------
+    model, optimizer, criterion, loader
+        What :meth:`dpsgd.PrivacyEngine.make_private` returned.
+    label : str
+        Names the epoch in the progress records (e.g. ``"epoch 1/3"``).
+
+    Returns
+    -------
+    float
+        ``nan`` if the loader drew no non-empty batch.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from dpsgd import PrivacyEngine
+    >>> from dpsgd.demo import train_epoch
+    >>> model = nn.Linear(4, 2)
+    >>> model, opt, crit, loader = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(
+    ...     model.parameters(), lr=0.1), data_loader=DataLoader(TensorDataset(torch.randn(40, 4),
+    ...     torch.randint(0, 2, (40,))), batch_size=10), max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    >>> 0 < train_epoch(model, opt, crit, loader, "epoch 1/1") < 5
+    True
+    """
+    start = last = time.perf_counter()
+    total, batches = 0.0, 0
+    for i, (xb, yb) in enumerate(loader, 1):
+        loss = criterion(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        total, batches = total + loss.item(), batches + 1
+        if time.perf_counter() - last >= PROGRESS_SECONDS:
+            last = time.perf_counter()
+            logger.info("%s: batch %d/%d, mean loss %.4f (%.0f s)", label, i, len(loader), total / batches,
+                        last - start)
+    return total / batches if batches else float("nan")
+
+
 def main(argv: list[str] | None = None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--estimator", default="hutch", choices=["hutch", "hutchpp", "ghost", "exact"])
@@ -123,18 +176,18 @@ def main(argv: list[str] | None = None) -> float:
     print(f"estimator {args.estimator} (k = {args.k}), envelope {engine.envelope}, q = {engine.sample_rate:.4g}, "
           f"{args.epochs * len(loader)} steps: sigma = {engine.noise_multiplier:.4f} for epsilon {args.epsilon:g}, "
           f"delta {args.delta:g}")
-    for epoch in range(args.epochs):
-        for xb, yb in loader:
-            crit(model(xb), yb).backward()
-            opt.step()
+    for epoch in range(1, args.epochs + 1):
+        label = f"epoch {epoch}/{args.epochs}"
+        loss = train_epoch(model, opt, crit, loader, label)
         with torch.no_grad():
             acc = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-        print(f"epoch {epoch + 1:>2}: test accuracy {acc:.3f}, epsilon spent {engine.get_epsilon(args.delta):.3f}",
-              flush=True)
+        logger.info("%s: training loss %.4f, test accuracy %.3f, epsilon spent %.3f (%.0f s)", label, loss, acc,
+                    engine.get_epsilon(args.delta), time.perf_counter() - t0)
     print(f"final: test accuracy {acc:.3f} (chance {1 / MARKERS:.2f}), epsilon {engine.get_epsilon(args.delta):.3f} "
           f"<= {args.epsilon:g}, {time.perf_counter() - t0:.0f} s")
     return acc
 
 
 if __name__ == "__main__":
+    show_progress()
     main()

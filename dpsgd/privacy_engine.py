@@ -46,8 +46,10 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
 import weakref
 
 import torch
@@ -78,6 +80,8 @@ from .validator import uncompiled
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
 
+
+logger = logging.getLogger("dpsgd")
 
 # the engine whose hooks each model carries (one at a time)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -458,7 +462,8 @@ class PrivacyEngine:
             (or ``ceil(epochs * len(data_loader))``, ``len`` counting the loader's Poisson batches, empty
             ones included) the upper bound on epsilon is at most ``target_epsilon``.  The engine then refuses a
             step beyond that count (:attr:`planned_steps`): the calibration holds for the steps that run, never
-            fewer.  Without a target, ``steps`` is ignored.
+            fewer.  Without a target, ``steps`` is ignored.  The calibration (seconds to a minute) logs its
+            start and its duration as INFO records of the ``"dpsgd"`` logger (:mod:`dpsgd.cli`).
         estimator : {"hutch", "hutchpp", "ghost", "exact"}
             Per-sample norm estimator.
         k : int
@@ -582,6 +587,11 @@ class PrivacyEngine:
                 raise ValueError(f"steps must be a positive integer, got {steps!r}")
             else:
                 planned = steps
+            # seconds to a minute (a randomized-clipping envelope composes its accountant per candidate sigma)
+            logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
+                        "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
+                        self.sample_rate, estimator, self.envelope)
+            start = time.perf_counter()
             try:
                 sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
                                            c, self._ranks, self.envelope)
@@ -589,6 +599,7 @@ class PrivacyEngine:
                 raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                                  f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
                                  f"{err}") from err
+            logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
         check_same_on_ranks(sigma, "noise_multiplier")
         self._noise_multiplier = sigma
         self.planned_steps = planned

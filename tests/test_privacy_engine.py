@@ -1,5 +1,7 @@
 """make_private end to end: training steps, calibration, the ledger, checkpoints, atomicity, sampling."""
 
+import logging
+import re
 import warnings
 
 import pytest
@@ -201,6 +203,24 @@ def test_demo_runs_within_budget(capsys):
     assert 0.0 <= acc <= 1.0 and "epsilon" in out
     spent = float(out.split("epsilon ")[-1].split(" <=")[0])
     assert spent <= 8.0
+
+
+def test_calibration_and_the_demo_epochs_are_logged_on_the_dpsgd_logger(caplog, monkeypatch):
+    """Library code only emits records: the calibration's start and seconds, the demo's epochs and, in an epoch
+    longer than PROGRESS_SECONDS (here 0), its batches."""
+    import dpsgd.demo
+
+    caplog.set_level(logging.INFO, logger="dpsgd")
+    monkeypatch.setattr(dpsgd.demo, "PROGRESS_SECONDS", 0.0)
+    dpsgd.demo.main(["--train", "64", "--batch-size", "32", "--epochs", "1", "--seq-len", "8", "--estimator",
+                     "ghost"])
+    messages = [r.getMessage() for r in caplog.records if r.name == "dpsgd"]
+    assert messages[0].startswith("calibrating noise_multiplier for target_epsilon=8 at target_delta=1e-05 over 2 "
+                                  "steps at sample rate 0.5 (estimator ghost")
+    assert re.fullmatch(r"noise_multiplier [0-9.]+ calibrated in [0-9.]+ s", messages[1])
+    assert any(re.fullmatch(r"epoch 1/1: batch 1/2, mean loss [0-9.]+ \([0-9]+ s\)", m) for m in messages)
+    assert re.fullmatch(r"epoch 1/1: training loss [0-9.]+, test accuracy [0-9.]+, epsilon spent [0-9.]+ "
+                        r"\([0-9]+ s\)", messages[-1])
 
 
 def test_ledger_file_survives_a_crash(tmp_path):

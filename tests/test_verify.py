@@ -1,7 +1,9 @@
 """The verify audits: the quick run passes on this library, every audit has power against a deliberately
 broken input, and bad arguments get clear errors."""
 
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -33,12 +35,18 @@ def test_quick_run_passes_and_writes_a_report_with_plots(tmp_path, capsys):
         assert f"({png})" in report
 
 
-def test_a_quick_run_of_some_audits_writes_the_verdict_and_a_report_with_plots(tmp_path, capsys):
+def test_a_quick_run_of_some_audits_writes_the_verdict_and_a_report_with_plots(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="verify")
     args = ["--quick", "--report", str(tmp_path)]
     for name in ("symbolic", "trainer", "claims"):
         args += ["--only", name]
     assert main(args) == 0
     out = capsys.readouterr().out
+    # each audit's start and end (with its seconds) are log records, which the command shows on stderr
+    progress = [r.getMessage() for r in caplog.records if r.name == "verify" and r.getMessage().startswith("[")]
+    assert progress[0] == "[1/3] symbolic ..." and progress[2] == "[2/3] trainer ..."
+    assert re.fullmatch(r"\[1/3\] symbolic \(check\): PASS - .* \([0-9.]+ s\)", progress[1])
+    assert len(progress) == 6 and "[1/3]" not in out
     assert "verdict: PASS" in out and "REFUTED published claims" in out and "paper 003 Thm III.7" in out
     report = (tmp_path / "report.md").read_text()
     assert "## Checks of this library's guarantees" in report and "## Findings about published claims" in report
@@ -147,7 +155,7 @@ def test_clopper_pearson_and_epsilon_bound():
     (lambda: estimator_audit(alpha=float("nan")), "alpha"),
     (lambda: envelope_audit(lambdas=0), "lambdas"),
     (lambda: envelope_audit(draws=10), "draws"),
-    (lambda: envelope_audit(cases=((0, 3),)), "k must be"),
+    (lambda: envelope_audit(cases=((0, 3),)), "projection_dim must be"),
     (lambda: envelope_claims(ks=(-1,)), "ks"),
     (lambda: divergence_audit(quad_points=5), "quad_points"),
     (lambda: divergence_audit(mc_draws=-1), "mc_draws"),
@@ -156,8 +164,8 @@ def test_clopper_pearson_and_epsilon_bound():
     (lambda: privacy_audit(delta=float("nan")), "delta"),
     (lambda: privacy_audit(confidence=1.5), "confidence"),
     (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": float("nan"), "q": 0.5}]),
-     "sigma"),
-    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": 1.0, "q": 1.5}]), "q"),
+     "noise_multiplier"),
+    (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": 1.0, "q": 1.5}]), "sample_rate"),
     (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "gaussian", "sigma": 1.0, "q": 0.5, "steps": 0}]),
      "steps"),
     (lambda: privacy_audit(samples=1000, mechanisms=[{"kind": "laplace?", "sigma": 1.0, "q": 0.5}]), "kind"),

@@ -1,5 +1,8 @@
 """``python -m verify``: run the audits, print a summary, write a report with plots; exit 1 on a failed check.
 
+Each audit's start and end (with its seconds) and the long audits' progress are log records of the
+``"verify"`` logger, shown on stderr when run as a command; the summary and the verdict go to stdout.
+
     python -m verify --quick                 # the README's main job (about 75 s on 2 cores)
     python -m verify --full --report out/    # more draws and cases
     python -m verify --only envelope --seed 3
@@ -9,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import pathlib
 import sys
 import time
 
+from dpsgd.cli import show_progress
+
 from .audits import AUDITS
 from .report import write_report
+
+logger = logging.getLogger("verify")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(full_kw if args.full else quick_kw)
         if "seed" in inspect.signature(fn).parameters:
             kw["seed"] = args.seed
-        print(f"[{i}/{len(names)}] {name} ...", flush=True)
+        logger.info("[%d/%d] %s ...", i, len(names), name)
         t0 = time.perf_counter()
         r = fn(**kw)
         seconds[r.name] = time.perf_counter() - t0
-        print(f"[{i}/{len(names)}] {name} ({r.kind}): {r.verdict} - {r.summary} ({seconds[r.name]:.1f} s)",
-              flush=True)
+        logger.info("[%d/%d] %s (%s): %s - %s (%.1f s)", i, len(names), name, r.kind, r.verdict, r.summary,
+                    seconds[r.name])
         results.append(r)
     print("\nsummary")
     print(f"{'audit':<16} {'kind':<8} {'verdict':<8} seconds")
@@ -69,4 +77,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    show_progress()
     sys.exit(main())

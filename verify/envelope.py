@@ -55,7 +55,7 @@ def _lambdas(d: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
 def envelope_member(env, x: float) -> np.ndarray:
     """The envelope's maximizing two-block member at ``x`` as a point of the simplex."""
     m = env.maximizer(x)
-    lam = np.zeros(env.d)
+    lam = np.zeros(env.dim)
     lam[: m.i] = m.lam / m.i
     if m.j:
         lam[m.i: m.i + m.j] = (1 - m.lam) / m.j
@@ -76,7 +76,7 @@ def _cdf(x: float, lam: np.ndarray, k: int) -> float:
 
 def _adversarial(env, x: float, rng: np.random.Generator, starts: int, evals: int) -> tuple[float, np.ndarray]:
     """Largest ``P(X(lam) <= x) - F_env(x)`` found by Nelder-Mead on softmax logits."""
-    k, d = env.k, env.d
+    k, d = env.projection_dim, env.dim
     bound = float(env.cdf(x))
 
     def lam_of(z):
@@ -141,7 +141,7 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
     envs = [HutchEnvelope(k, d) for k, d in cases]  # validates k and d before any work
     mc_sets = []
     for env in progress(envs, "envelope"):
-        k, d = env.k, env.d
+        k, d = env.projection_dim, env.dim
         xs = np.concatenate([np.linspace(0.2, 0.99, 8), env.x_plus + np.array([-1e-4, 0.0, 1e-4]),
                              np.linspace(1.01, 3.0, 8)])
         bound = env.cdf(xs)
@@ -160,7 +160,7 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
     tests = sum(len(xs) * len(lams) for _, xs, lams in mc_sets)
     tail = alpha / tests
     for env, xs, mc_lams in mc_sets:
-        k, d = env.k, env.d
+        k, d = env.projection_dim, env.dim
         bound, excess, samples = env.cdf(xs), -np.inf, {}
         for name, lam in mc_lams:
             x = rng.chisquare(k, (draws, lam.size)) @ lam / k
@@ -191,11 +191,11 @@ def _figure(env, samples: dict) -> Figure:
         ax.set_xlim(0.3, 2.0)
         ax.set_xlabel("x (x_- = 1 dotted, x_+ dashed)")
         ax.set_ylabel("P(X <= x)")
-        ax.set_title(f"HutchEnvelope(k = {env.k}, d = {env.d})")
+        ax.set_title(f"HutchEnvelope(k = {env.projection_dim}, d = {env.dim})")
         ax.legend(fontsize=6)
-    return Figure(f"envelope-k{env.k}-d{env.d}",
-                  f"Envelope CDF (k = {env.k}, d = {env.d}) above the sampled CDFs of the vertex, the centre, "
-                  "adversarial and random mixtures.", draw)
+    k, d = env.projection_dim, env.dim
+    return Figure(f"envelope-k{k}-d{d}", f"Envelope CDF (k = {k}, d = {d}) above the sampled CDFs of the vertex, the "
+                                         "centre, adversarial and random mixtures.", draw)
 
 
 def envelope_claims(ks: tuple[int, ...] = (1, 4, 32, 128), ds: tuple[int, ...] = (2, 8, 64, 512, 4096),
