@@ -3,7 +3,7 @@
 Each audit's start and end (with its seconds) and the long audits' progress are log records of the
 ``"verify"`` logger, shown on stderr when run as a command; the summary and the verdict go to stdout.
 
-    python -m verify --quick                 # the README's main job (about 75 s on 2 cores)
+    python -m verify --quick                 # the README's main job (about 45 s on 2 cores)
     python -m verify --full --report out/    # more draws and cases
     python -m verify --only envelope --seed 3
 """

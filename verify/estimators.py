@@ -27,7 +27,7 @@ from scipy import stats
 
 from dpmath.validation import open_probability, positive_int
 
-from .result import AuditResult, Figure, progress, slug
+from .result import AuditResult, Figure, progress, skipped_without, slug
 from .stats import bonferroni_z
 
 __all__ = ["estimator_audit"]
@@ -122,16 +122,18 @@ def estimator_audit(draws: int = 2000, k: int = 4, alpha: float = 1e-3, seed: in
     >>> estimator_audit(draws=300).holds
     True
     """
-    import torch
-
-    from dpsgd.engine import per_sample_sq_norms
-    from dpsgd.estimators import exact, hutch, hutchpp
-
     draws = positive_int(draws, "draws")
     if draws < 20:
         raise ValueError(f"draws must be at least 20, got {draws}")
     k = positive_int(k, "k")
     alpha = open_probability(alpha, "alpha")
+    if (missing := skipped_without("torch", "estimators")) is not None:
+        return missing
+    import torch
+
+    from dpsgd.engine import per_sample_sq_norms
+    from dpsgd.estimators import exact, hutch, hutchpp
+
     custom = estimators is not None
     estimators = {"hutch": hutch, "hutchpp": hutchpp} if estimators is None else dict(estimators)
     model_draws = positive_int(model_draws if model_draws is not None else max(draws // 4, 20), "model_draws")

@@ -1,7 +1,8 @@
 r"""Cross-checks of :class:`dpmath.PLDAccountant` against the peer accountants, when they are installed.
 
 dp_accounting (Google) and prv_accountant (Microsoft, Gopi et al. 2021) are optional: this module imports
-them only inside :func:`peer_audit` and skips what is missing (the test extra installs both).
+them only inside :func:`peer_audit` and skips what is missing (the verify, peers and test extras install
+both).
 
 On the subsampled Gaussian, for each configuration ``(sigma, q, steps, delta)``:
 
@@ -20,7 +21,7 @@ DP-SGD-RC step against :func:`dpmath.referee.referee_rc_epsilon` (closed-form cu
 
 from __future__ import annotations
 
-from .result import AuditResult, progress
+from .result import INSTALL, AuditResult, progress
 
 __all__ = ["PEER_CONFIGS", "QUICK_PEER_CONFIGS", "REFEREE_CONFIGS", "REFEREE_RC_CONFIGS", "peer_audit", "referee_audit",
            "dp_accounting_epsilon", "prv_bracket"]
@@ -125,8 +126,7 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
     have_dp = importlib.util.find_spec("dp_accounting") is not None
     have_prv = use_prv and importlib.util.find_spec("prv_accountant") is not None
     if not have_dp and not have_prv:
-        why = ("neither dp_accounting nor prv_accountant is installed; install them with "
-               "pip install dp-accounting prv-accountant (or pip install -e \".[peers]\")")
+        why = f"needs dp_accounting or prv_accountant, neither of which is installed: {INSTALL}"
         return AuditResult("peers", "check", True, f"skipped: {why}", skipped=why)
     rows = []
     for sigma, q, steps, delta in progress(configs or QUICK_PEER_CONFIGS, "peers"):

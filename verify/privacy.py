@@ -54,7 +54,7 @@ from scipy import special, stats
 
 from dpmath.validation import open_probability, positive_int, positive_real, sample_rate
 
-from .result import AuditResult, Figure, progress, slug
+from .result import AuditResult, Figure, progress, skipped_without, slug
 from .stats import epsilon_lower_bound
 
 __all__ = ["privacy_audit", "DEFAULT_MECHANISMS", "QUICK_MECHANISMS", "hockey_stick_on_grid", "twice_log_ratio",
@@ -326,7 +326,8 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
     mechanisms : list of dict, optional
         Defaults to :data:`DEFAULT_MECHANISMS`.  Keys: ``name``, ``kind`` (``"gaussian"``, ``"rc"``, ``"lap2"``,
         ``"twice"``) and the kind's parameters (module docstring); broken variants: ``noise_factor``,
-        ``account_steps``, ``account_as_dpsgd``.
+        ``account_steps``, ``account_as_dpsgd``.  Without torch the ``"rc"`` mechanisms are left out (they
+        draw the real estimator), which the summary says.
     y_pool : int
         Real estimator calls per randomized-clipping mechanism.
     pilot : int
@@ -358,6 +359,13 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
         spec.setdefault("kind", "gaussian")
         spec.setdefault("name", f"{spec['kind']} mechanism")
         spec.update(delta=delta, y_pool=y_pool)
+    left_out = []
+    if (missing := skipped_without("torch", "privacy")) is not None:
+        # a randomized-clipping mechanism draws the real estimator (torch); the other mechanisms need none
+        left_out = [spec["name"] for spec in specs if spec["kind"] == "rc"]
+        specs = [spec for spec in specs if spec["kind"] != "rc"]
+        if not specs:
+            return missing
     rng = np.random.default_rng(seed)
     level = 1 - (1 - confidence) / len(specs)
     half = samples // 2
@@ -381,6 +389,8 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
     holds = all(r["holds"] for r in rows)
     summary = (f"{sum(r['holds'] for r in rows)} of {len(rows)} mechanisms: audited lower bound <= our upper bound "
                f"({samples:,} samples, joint confidence {confidence:g}, delta {delta:g})")
+    if left_out:
+        summary += f"; SKIPPED the randomized-clipping mechanisms ({', '.join(left_out)}): {missing.skipped}"
     return AuditResult("privacy", "check", holds, summary, rows, figures)
 
 

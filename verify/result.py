@@ -1,7 +1,9 @@
-"""The result of an audit, its figures, and the progress records long audits log."""
+"""The result of an audit, its figures, the progress records long audits log, and the result of an audit
+whose optional dependency is missing."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import time
@@ -9,11 +11,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["AuditResult", "Figure", "progress", "slug"]
+__all__ = ["AuditResult", "Figure", "INSTALL", "progress", "skipped_without", "slug"]
 
 T = TypeVar("T")
 
 logger = logging.getLogger("verify")
+
+INSTALL = 'pip install torch==2.13.0 && pip install -e ".[verify]"'
+"""What every audit needs (torch, sympy, transformers, the peer accountants): the README's install line."""
 
 
 @dataclass(frozen=True)
@@ -119,3 +124,34 @@ def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterat
         if n and (q := 4 * i // n) not in marks and q > 0:
             marks.add(q)
             logger.info("  [%s] %d/%d (%.1f s)", label, i, n, time.perf_counter() - start)
+
+
+def skipped_without(module: str, name: str, kind: str = "check") -> AuditResult | None:
+    """``None`` if ``module`` is installed; else audit ``name``'s ``SKIPPED`` result, naming the module and
+    :data:`INSTALL`, so that ``python -m verify`` runs on ``pip install -e .`` alone instead of failing with a
+    ``ModuleNotFoundError``.
+
+    Parameters
+    ----------
+    module : str
+        The top-level module the audit imports (``"torch"``, ``"sympy"``).
+    name, kind
+        The audit's :class:`AuditResult` name and kind.
+
+    Returns
+    -------
+    AuditResult or None
+
+    Examples
+    --------
+    >>> from verify.result import skipped_without
+    >>> skipped_without("math", "demo") is None
+    True
+    >>> r = skipped_without("no_such_module", "demo")
+    >>> r.verdict, r.skipped
+    ('SKIPPED', 'needs no_such_module, which is not installed: pip install torch==2.13.0 && pip install -e ".[verify]"')
+    """
+    if importlib.util.find_spec(module) is not None:
+        return None
+    why = f"needs {module}, which is not installed: {INSTALL}"
+    return AuditResult(name, kind, True, f"skipped: {why}", skipped=why)

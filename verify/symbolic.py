@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .result import AuditResult
+from .result import AuditResult, skipped_without
 
 __all__ = ["symbolic_audit"]
 
@@ -39,6 +39,8 @@ def symbolic_audit() -> AuditResult:
     >>> symbolic_audit().holds
     True
     """
+    if (missing := skipped_without("sympy", "symbolic")) is not None:
+        return missing
     import sympy as sp
 
     from dpmath import Gaussian, PLDAccountant

@@ -38,7 +38,7 @@ from unittest import mock
 import numpy as np
 
 from .auditing import CanaryScoreAuditor
-from .result import AuditResult, Figure
+from .result import INSTALL, AuditResult, Figure, skipped_without
 
 __all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "BREAKS", "CONFIGS"]
 
@@ -320,8 +320,11 @@ def trainer_audit(configs: tuple[TrainerConfig, ...] = (CONFIGS[0], CONFIGS[3]),
     reported curve; a sound trainer satisfies its reported ``(epsilon(delta), delta)`` at every delta).  The
     sound configurations' check holds with probability ``>= confidence`` (the Clopper-Pearson bound is a
     valid lower bound with that probability); a broken step is "caught" when its lower bound, which holds
-    with the same probability, exceeds the reported epsilon.
+    with the same probability, exceeds the reported epsilon.  Without torch it is ``SKIPPED``; without
+    transformers its Hugging Face configurations are (the summary says so).
     """
+    if (missing := skipped_without("torch", "trainer")) is not None:
+        return missing
     rows, points = [], []
 
     def row(config, what, r, must_exceed):
@@ -363,7 +366,7 @@ def trainer_audit(configs: tuple[TrainerConfig, ...] = (CONFIGS[0], CONFIGS[3]),
                f"bound below the reported epsilon (delta = {delta:g}); {sum(r['holds'] for r in caught)}/"
                f"{len(caught)} deliberately broken steps caught")
     if skipped:
-        summary += (f"; SKIPPED {', '.join(skipped)}: transformers is not installed (pip install -e \".[verify]\")")
+        summary += f"; SKIPPED {', '.join(skipped)}: needs transformers, which is not installed: {INSTALL}"
 
     def draw(ax):
         top = max(max(p[0], p[1]) for p in points) * 1.15 + 0.1
