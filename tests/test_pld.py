@@ -336,6 +336,23 @@ def test_a_grid_over_the_size_limit_raises_the_typed_error_that_calibration_catc
     assert issubclass(GridTooLargeError, ValueError)   # code that caught ValueError keeps working
 
 
+@pytest.mark.parametrize(("sigma", "steps", "advice"), [
+    (1e-3, 1000, r"losses reach 5.1e\+05, so epsilon is huge: bound it with dpmath.RDPAccountant.*"
+                 r"discretization=0.03 for one step"),
+    (1.0, 10**12, r"losses reach 8.39e\+07, so epsilon is huge: bound it with dpmath.RDPAccountant.*"
+                  r"discretization=0.0089"),
+    (1.0, 10**18, r"no discretization up to 1 holds them: bound epsilon with dpmath.RDPAccountant.*fewer steps"),
+])
+def test_a_grid_too_large_says_what_to_do_and_names_no_private_module(sigma, steps, advice):
+    from dpmath import GridTooLargeError
+
+    with pytest.raises(GridTooLargeError, match=advice) as err:
+        PLDAccountant().compose(SubsampledGaussian(sigma, 0.01), steps).epsilon(1e-5)
+    for text in (str(err.value), repr(err.value)):
+        assert "dpmath.pld" not in text and "._" not in text and " _" not in text
+    assert err.type.__module__.split(".")[:2] == ["dpmath", "pld"]   # a public module's class
+
+
 @pytest.mark.parametrize("relation", ["remove", "add"])
 @pytest.mark.parametrize("upper", [True, False])
 def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation, upper):

@@ -18,7 +18,7 @@ import numpy as np
 from scipy import fft as sfft
 from scipy import special
 
-from .distribution import MAX_GRID, GridTooLargeError, Pld
+from .distribution import MAX_GRID, GridTooLargeError, Pld, grid_advice
 
 __all__ = ["Composition", "Factor", "EXTENDED", "chernoff", "tilted_product"]
 
@@ -342,10 +342,15 @@ class Composition:
                                                           self._cumulants)
         self.slack = sum(p.slack * n for p, n in events)
         if max(self.over, self.under) > _MAX_CUT:
+            # the step that would fit: the window's wider side, uncut, on half the points (its losses barely move
+            # with the step, which only rounds them)
+            mean = _tilted_stats(self.factors, 0.0)[0]
+            lo, hi = _window(self.factors, 0.0, tail, self.h, 1 << 62)[:2]
+            side = max(hi * self.h - mean, mean - lo * self.h)
             raise GridTooLargeError(
                 f"the composed privacy loss needs more than {MAX_GRID:,} grid points (that many leave a mass of "
-                f"{max(self.over, self.under):.1e} outside); use a coarser discretization (now {self.h:g}), "
-                f"e.g. discretization={10 * self.h:g}")
+                f"{max(self.over, self.under):.1e} outside); "
+                + grid_advice(self.h, 1.25 * side / (MAX_GRID // 2), max(abs(hi), abs(lo)) * self.h))
 
     def _pass(self, lam: float, extended: bool = False, trim: bool = False
               ) -> tuple[int, np.ndarray, np.ndarray] | None:

@@ -22,15 +22,35 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import signal
 
-__all__ = ["GridTooLargeError", "MAX_GRID", "Pld"]
+__all__ = ["GridTooLargeError", "HUGE_LOSS", "MAX_GRID", "Pld", "grid_advice"]
 
 
 class GridTooLargeError(ValueError):
     """The loss grid would need more points than :data:`MAX_GRID`: the discretization is too fine for the
-    losses at hand (a coarser one still gives valid, looser bounds)."""
+    losses at hand (a coarser one still gives valid, looser bounds), or the losses are too spread out for any
+    grid (tiny noise, or an enormous number of steps), where the message points to :class:`~dpmath.RDPAccountant`."""
 
 
 MAX_GRID = 1 << 25  # ~34M points: 270 MB per float64 array, the most one composition may use
+HUGE_LOSS = 1e3     # nats: losses beyond make epsilon huge, where a grid too large is best answered without one
+
+
+def grid_advice(h: float, needed: float, spread: float, one_step: bool = False) -> str:
+    """What to do about a grid over :data:`MAX_GRID` points, for a :class:`GridTooLargeError`: a coarser
+    discretization where ``needed`` (the step that would fit; ``one_step``: one step's grid, which a composition
+    widens) is at most 1, the accountant's limit, and the RDP accountant, which needs no grid, first where
+    ``spread`` (how far the losses reach, in nats) exceeds :data:`HUGE_LOSS`: epsilon is then huge, and a grid
+    that holds such losses is slow to compose, if it fits at all."""
+    rdp = "dpmath.RDPAccountant, which needs no grid (a looser bound, in milliseconds)"
+    coarser = (f"a coarser discretization (now {h:g}), e.g. discretization={needed:.2g}"
+               + (" for one step (a composition of many needs a coarser one still)" if one_step else ""))
+    if needed > 1.0:
+        return (f"the losses reach {spread:.3g}, so epsilon is huge and no discretization up to 1 holds them: bound "
+                f"epsilon with {rdp}, or use more noise or fewer steps")
+    if spread > HUGE_LOSS:
+        return (f"the losses reach {spread:.3g}, so epsilon is huge: bound it with {rdp}, or use more noise; "
+                f"{coarser}, fits too but is slow")
+    return f"use {coarser}, or bound epsilon with {rdp}"
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special
 
-from .distribution import MAX_GRID, GridTooLargeError
+from .distribution import MAX_GRID, GridTooLargeError, grid_advice
 
 __all__ = ["loss_range", "pair_cdfs", "StepMasses", "step_grid", "interval_masses", "MixtureSums", "mixture_sums",
            "mixture_masses", "sparse_points", "mix"]
@@ -137,8 +137,8 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
     k_hi = max(math.ceil(t_hi / h), k_lo + 1)
     if k_hi - k_lo + 1 > MAX_GRID:
         raise GridTooLargeError(
-            f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); use a coarser "
-            f"discretization (now {h:g}), e.g. discretization={h * 2 * (k_hi - k_lo) / MAX_GRID:.2g}")
+            f"one step's privacy loss spans {k_hi - k_lo + 1:,} grid points (limit {MAX_GRID:,}); "
+            + grid_advice(h, h * 2 * (k_hi - k_lo) / MAX_GRID, max(t_hi, -t_lo), one_step=True))
     if k_hi - k_lo + 1 <= max_points:
         return (-_bucket(-k_lo), _bucket(k_hi), None) if shared else (k_lo, k_hi, None)
     # round the sparse grid's ends outward and its size up to one of a few buckets: the scales of a
