@@ -1,4 +1,5 @@
-"""What the command-line tools share: showing the libraries' progress records (no torch needed).
+"""What the command-line tools share: showing the libraries' progress records, and the norm plan report of
+``python -m dpsgd plan`` (importing this module needs no torch).
 
 The packages only emit :mod:`logging` records, on the loggers ``"dpsgd"`` (calibration in ``make_private``,
 the demo's epochs), ``"dpmath"`` and ``"verify"`` (each audit as it starts and ends), and leave showing them
@@ -15,7 +16,7 @@ import logging
 import sys
 from typing import TextIO
 
-__all__ = ["LOGGERS", "show_progress"]
+__all__ = ["LOGGERS", "plan_report", "show_progress"]
 
 #: The loggers whose records the command-line tools show.
 LOGGERS = ("dpsgd", "dpmath", "verify")
@@ -55,3 +56,59 @@ def show_progress(level: int = logging.INFO, stream: TextIO | None = None) -> No
         for old in [h for h in logger.handlers if h.get_name() == _HANDLER]:
             logger.removeHandler(old)
         logger.addHandler(handler)
+
+
+def plan_report(model, estimator: str, projection_dim: int) -> str:
+    """The text ``python -m dpsgd plan`` prints after its first line: the table, ``D`` and the accounting.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    estimator : {"hutch", "hutchpp", "ghost", "exact"}
+    projection_dim : int
+        ``k`` of ``hutch``/``hutchpp``.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> from torch import nn
+    >>> from dpsgd.cli import plan_report
+    >>> print(plan_report(nn.Sequential(nn.Linear(8, 3), nn.ReLU(), nn.Linear(3, 2)), "hutch", 4))
+    parameter  module  shape  handler        norm   terms
+    ---------  ------  -----  -------------  -----  -----
+    0.weight   Linear  3x8    LinearHandler  hutch      3
+    0.bias     Linear  3      LinearHandler  hutch      1
+    2.weight   Linear  2x3    LinearHandler  hutch      2
+    2.bias     Linear  2      LinearHandler  hutch      1
+    <BLANKLINE>
+    envelope dimension D = 7: the terms column summed over all 4 trainable parameters
+      (min(rows, cols) per estimated weight, 1 per estimated bias; not the widest layer's)
+    accountant's envelope: HutchEnvelope(projection_dim=4, dim=7, family='heavy-light')
+    epsilon: python -m dpmath epsilon --estimator hutch --projection-dim 4 --dim 7 --noise-multiplier SIGMA ...
+    """
+    from dpmath import HutchPPEnvelope
+
+    from .engine import NormPlan
+
+    plan = NormPlan.build(model, estimator, projection_dim)
+    envelope = plan.envelope(projection_dim)
+    d, exact = plan.envelope_dimension()
+    lines = [str(plan.table()), ""]
+    sampling = "--noise-multiplier SIGMA --delta DELTA --sample-rate Q --steps STEPS"
+    if envelope is None:
+        lines += [f"estimator {estimator}: every per-example norm is exact; the accountant charges DP-SGD's "
+                  f"subsampled Gaussian (no envelope)",
+                  f"epsilon: python -m dpmath epsilon {sampling}"]
+        return "\n".join(lines)
+    form = "hutchpp" if isinstance(envelope, HutchPPEnvelope) else "hutch"
+    lines += [f"envelope dimension D = {d}: the terms column summed over all {len(plan.params)} trainable parameters",
+              "  (min(rows, cols) per estimated weight, 1 per estimated bias; not the widest layer's)",
+              f"accountant's envelope: {envelope!r}"]
+    if exact:
+        lines.append("  (exact parts are point masses, the d -> inf limit: the Hutch++ form with d = max(D, k + 1))")
+    lines.append(f"epsilon: python -m dpmath epsilon --estimator {form} --projection-dim {projection_dim} "
+                 f"--dim {envelope.dim} {sampling}")
+    return "\n".join(lines)

@@ -37,10 +37,13 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
+
+from dpmath import Envelope, estimator_envelope
 
 from .distributed import any_rank, check_sharding, is_sharded, local_part
 from .estimators import ESTIMATORS, check_k, gaussian_projection, hutchpp_operator
@@ -64,7 +67,8 @@ from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .shared import Share, SharedOutput, carrying_back, share_output
 from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
 
-__all__ = ["NormPlan", "Capture", "IncompleteGradientError", "ExampleMixingError", "StateChangedError",
+__all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientError", "ExampleMixingError",
+           "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
            "CLIPPING_PASSES", "check_clipping_pass",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
@@ -126,22 +130,78 @@ def _refuse_dropout(path: str, module: nn.Module) -> None:
                   f"nn.TransformerEncoderLayer(..., dropout=0.0)), or register a handler for the module")
 
 
+class PlanRow(NamedTuple):
+    """One trainable parameter of a :class:`NormPlan` (a row of :meth:`NormPlan.table`).
+
+    Attributes
+    ----------
+    parameter : str
+        Its qualified name.
+    module : str
+        The type of the module that covers it (several, comma-separated, for a tied parameter).
+    shape : tuple of int
+    handler : str
+        The handler class(es) that compute its per-example norm and clipped sum.
+    norm : str
+        How its per-example norm is found: ``"hutch"`` or ``"hutchpp"`` (estimated: a chi-square mixture in the
+        envelope), or ``"exact"`` / ``"ghost"`` (computed exactly: a point mass in the estimate's law).
+    terms : int
+        The chi-square terms it adds to the envelope's dimension (``min(rows, cols)`` of an estimated weight,
+        1 for an estimated bias; 0 when exact).
+    """
+
+    parameter: str
+    module: str
+    shape: tuple[int, ...]
+    handler: str
+    norm: str
+    terms: int
+
+
+class PlanTable(list):
+    """The rows of :meth:`NormPlan.table` (a list of :class:`PlanRow`), printed as an aligned text table."""
+
+    HEADER = ("parameter", "module", "shape", "handler", "norm", "terms")
+
+    def __str__(self) -> str:
+        cells = [self.HEADER] + [(r.parameter, r.module, "x".join(map(str, r.shape)) or "scalar", r.handler, r.norm,
+                                  str(r.terms)) for r in self]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.HEADER))]
+        lines = ["  ".join(c.rjust(w) if i == len(widths) - 1 else c.ljust(w)
+                           for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
 @dataclass
 class NormPlan:
     r"""Which modules are hooked, with which handler, and how many ``chi2(k)/k`` terms each parameter adds.
 
     Built once per model (:meth:`build`).  ``terms[name]`` is a parameter's term count under ``hutch``/
-    ``hutchpp`` (``None``: exact, a point mass in the estimate's law); :meth:`envelope_dimension` sums them.
+    ``hutchpp`` (``None``: exact, a point mass in the estimate's law).  The envelope's dimension ``D``
+    (:meth:`envelope_dimension`) is their **sum over every parameter of the model**, not the widest layer's:
+    the model's estimated squared norm is the sum of each parameter's independent estimate, a chi-square
+    mixture with one term per singular value of that parameter's per-example gradient, so the sum is one
+    mixture with all of them.
 
     Examples
     --------
     >>> from torch import nn
     >>> from dpsgd.engine import NormPlan
     >>> plan = NormPlan.build(nn.Sequential(nn.Linear(8, 3), nn.LayerNorm(3), nn.Linear(3, 2)), "hutch")
-    >>> plan.envelope_dimension()
+    >>> plan.envelope_dimension()   # (3 + 1) + (2 + 1): each Linear's min(rows, cols) and its bias
     (7, True)
-    >>> plan.table()[1]
-    ('1', 'LayerNorm', 'NormalizationHandler', 'exact')
+    >>> print(plan.table())
+    parameter  module     shape  handler               norm   terms
+    ---------  ---------  -----  --------------------  -----  -----
+    0.weight   Linear     3x8    LinearHandler         hutch      3
+    0.bias     Linear     3      LinearHandler         hutch      1
+    1.weight   LayerNorm  3      NormalizationHandler  exact      0
+    1.bias     LayerNorm  3      NormalizationHandler  exact      0
+    2.weight   Linear     2x3    LinearHandler         hutch      2
+    2.bias     Linear     2      LinearHandler         hutch      1
+    >>> plan.envelope(32)   # exact parts: the d -> inf limit (the Hutch++ envelope's form, d > k)
+    HutchPPEnvelope(projection_dim=32, dim=33)
     """
 
     model: nn.Module
@@ -205,27 +265,60 @@ class NormPlan:
         return plan
 
     def envelope_dimension(self) -> tuple[int, bool]:
-        """``(D, has_exact_parts)``: chi-square terms of the model's estimate and whether a part is exact."""
+        """``(D, has_exact_parts)``: the chi-square terms of the model's estimate, summed over every parameter
+        (at least 1), and whether a part is exact (a point mass)."""
         counted = [t for t in self.terms.values() if t is not None]
         return max(sum(counted), 1), len(counted) < len(self.terms)
 
-    def __str__(self) -> str:
-        """The :meth:`table` as aligned text (``print(engine.plan)``), with the envelope dimension."""
-        rows = [("module", "type", "handler", "norm")] + [(p or "<root>", t, h, n) for p, t, h, n in self.table()]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        d, exact = self.envelope_dimension()
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"estimator {self.estimator}: {d} chi-square terms" + (", some parts exact" if exact else ""))
-        return "\n".join(lines)
+    def envelope(self, k: int) -> Envelope | None:
+        """The envelope the accountant charges each step with, at projection dimension ``k``.
 
-    def table(self) -> list[tuple[str, str, str, str]]:
-        """One row per hooked module: path, type, handler, and ``exact`` or its chi-square terms."""
-        rows = []
-        for u in self.units:
-            ts = [self.terms[self.names[id(p)]] for p in u.params.values()]
-            how = "exact" if all(t is None for t in ts) else f"{sum(t or 0 for t in ts)} terms"
-            rows.append((u.path, module_type(u.module).__name__, type(u.handler).__name__, how))
+        ``None`` when every norm is exact (``exact``/``ghost``, or Hutch++ on matrices of rank at most ``k``):
+        DP-SGD's accounting.  With exact parts, their point masses are the ``d -> inf`` limit of the family,
+        so the envelope is that limit, ``max(F_{chi2(k)/k}, 1{x >= 1})``, the Hutch++ envelope's form with
+        ``d = max(D, k + 1)``; else the estimator's own envelope with ``d = D`` (:meth:`envelope_dimension`).
+
+        Parameters
+        ----------
+        k : int
+            The projection dimension of ``hutch``/``hutchpp``.
+
+        Returns
+        -------
+        dpmath.Envelope or None
+        """
+        if self.estimator in ("exact", "ghost") or all(t is None for t in self.terms.values()):
+            return None
+        d, exact = self.envelope_dimension()
+        if exact:
+            return estimator_envelope("hutchpp", k, max(d, k + 1))
+        return estimator_envelope(self.estimator, k, d)
+
+    def __str__(self) -> str:
+        """The :meth:`table` as aligned text (``print(engine.plan)``), with the envelope's dimension."""
+        d, exact = self.envelope_dimension()
+        if self.estimator in ("exact", "ghost") or all(t is None for t in self.terms.values()):
+            foot = f"estimator {self.estimator}: every norm exact, accounted as DP-SGD (no envelope)"
+        else:
+            foot = (f"estimator {self.estimator}: envelope dimension D = {d}, the terms column summed over every "
+                    f"parameter" + (" (some parts exact: the accountant uses the Hutch++ form with d = "
+                                    "max(D, k + 1))" if exact else ""))
+        return f"{self.table()}\n{foot}"
+
+    def table(self) -> PlanTable:
+        """One :class:`PlanRow` per trainable parameter, in model order; ``print`` it for an aligned table."""
+        rows = PlanTable()
+        for p in self.params:
+            name = self.names[id(p)]
+            owners = self.owners[id(p)]
+            t = self.terms[name]
+            if t is not None:
+                norm = self.estimator
+            else:
+                norm = "exact" if self.estimator in ("hutch", "hutchpp") else self.estimator
+            rows.append(PlanRow(name, ", ".join(dict.fromkeys(module_type(u.module).__name__ for u, _ in owners)),
+                                tuple(p.shape), ", ".join(dict.fromkeys(type(u.handler).__name__ for u, _ in owners)),
+                                norm, t or 0))
         return rows
 
 

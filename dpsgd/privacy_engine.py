@@ -31,8 +31,9 @@ Soundness checks, each a clear error rather than a silent under-count:
 
 The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
 q)`` for ``exact``/``ghost``, ``RandomizedClipGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
-The envelope's dimension ``D`` is the norm plan's sum of chi-square terms
-(:meth:`dpsgd.engine.NormPlan.envelope_dimension`).  Exactly-computed parts are point masses in that
+The envelope (:meth:`dpsgd.engine.NormPlan.envelope`) has dimension ``D``, the norm plan's chi-square
+terms summed over every parameter (:meth:`dpsgd.engine.NormPlan.envelope_dimension`; ``python -m dpsgd plan``
+prints it).  Exactly-computed parts are point masses in that
 mixture, the ``d -> inf`` limit of the family, so with ``hutch`` they switch the envelope to that limit,
 ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope` form).  Every step is recorded in
 the ledger *after* the optimizer's step succeeded.
@@ -56,11 +57,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import (
-    PLDAccountant,
-    RDPAccountant,
-    estimator_envelope,
-)
+from dpmath import PLDAccountant, RDPAccountant
 
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import all_sum, as_grad, broadcast_int, check_same_on_ranks, is_sharded, rank_world, reduce_sums
@@ -578,7 +575,7 @@ class PrivacyEngine:
         check_same_on_ranks(len(loader), "the number of batches per epoch")
         self.estimator, self.k, self.max_grad_norm = estimator, k, c
         self.clipping_pass = clipping_pass
-        self.envelope = self._envelope(plan)
+        self.envelope = plan.envelope(k)
         planned = None
         if noise_multiplier is None:
             if steps is None:
@@ -889,14 +886,6 @@ class PrivacyEngine:
                 fh.write(json.dumps({"step": self._steps, "settings": self._settings}) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-
-    def _envelope(self, plan: NormPlan):
-        if self.estimator in ("exact", "ghost") or all(t is None for t in plan.terms.values()):
-            return None   # every norm exact (Hutch++ on matrices of rank <= k): DP-SGD's accounting
-        d, exact = plan.envelope_dimension()
-        if exact:  # point masses: the d -> inf limit, which is the Hutch++ envelope's form with d > k
-            return estimator_envelope("hutchpp", self.k, max(d, self.k + 1))
-        return estimator_envelope(self.estimator, self.k, d)
 
     @property
     def steps(self) -> int:
