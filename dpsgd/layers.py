@@ -918,13 +918,20 @@ def quiet_batching():
 @contextlib.contextmanager
 def _rerun(call: Call):
     """The context of a call's exact functional re-run: the autocast its forward ran under
-    (``call.cache["autocast"]``: device type and dtype), and cuDNN off, since cuDNN's recurrent kernels read the
+    (``call.cache["autocast"]``: device type and dtype), cuDNN off, since cuDNN's recurrent kernels read the
     raw storage of their weights, which functorch's wrapped parameters do not have (the native kernels compute the
-    same function; the re-run's outputs are compared with the forward's)."""
+    same function; the re-run's outputs are compared with the forward's), and :func:`quiet_batching` (the vmap of
+    a module with attention or experts meets kernels without a batching rule, and would warn at every step)."""
     state = call.cache.get("autocast")
-    with torch.backends.cudnn.flags(enabled=False), \
-            (torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()):
-        yield
+    # cudnn.enabled itself, not torch.backends.cudnn.flags(): that context also reads the legacy TF32 switch, which
+    # torch 2.13 refuses to read (RuntimeError) inside full_float32's precision settings, where the norms are formed
+    enabled = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        with quiet_batching(), (torch.autocast(state[0], dtype=state[1]) if state else contextlib.nullcontext()):
+            yield
+    finally:
+        torch.backends.cudnn.enabled = enabled
 
 
 def _check_per_example(call: Call, outs: tuple, out_dims: list[int], keep: list[int] | None = None) -> None:

@@ -73,8 +73,12 @@ def test_dropout_in_a_module_on_the_exact_fallback_is_refused_at_make_private_wi
 def test_the_norm_plan_prints_as_a_table():
     engine, *_ = _private(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), torch.randn(16, 3))
     text = str(engine.plan)
-    assert text.splitlines()[0].split() == ["module", "type", "handler", "norm"]
-    assert "NormalizationHandler  exact" in text and "chi-square terms" in text
+    assert text.splitlines()[0].split() == ["parameter", "module", "shape", "handler", "norm", "terms"]
+    assert "1.weight   LayerNorm  4      NormalizationHandler  exact      0" in text
+    assert text.splitlines()[-1] == "estimator exact: every norm exact, accounted as DP-SGD (no envelope)"
+    rows = engine.plan.table()
+    assert rows[0] == ("0.weight", "Linear", (4, 3), "LinearHandler", "exact", 0) and rows[0].shape == (4, 3)
+    assert str(rows) == text.rsplit("\n", 1)[0]
 
 
 def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
@@ -95,6 +99,31 @@ def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
             engine.private_loss(lm_losses(model, x)).backward()
             opt.step()
     assert not [w for w in caught if "dpsgd" in w.filename]
+
+
+def test_an_exact_re_run_neither_warns_nor_trips_over_the_precision_settings():
+    """A module on the exact fallback (nn.MultiheadAttention: SDPA has no batching rule) is re-run per example with
+    cuDNN off inside the norms' full-float32 settings: torch 2.13 raised reading the legacy TF32 switch there, and
+    torch's notice of a kernel without a batching rule appeared at every step."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    engine, model, opt, crit, loader = _private(Attention(), torch.randn(16, 5, 8))
+    enabled = torch.backends.cudnn.enabled
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in loader:
+            crit(model(x), y).backward()
+            opt.step()
+    assert engine.steps == 4 and torch.backends.cudnn.enabled == enabled
+    assert not [w for w in caught if "batching rule" in str(w.message)]
 
 
 class _Teacher(nn.Module):
