@@ -171,10 +171,14 @@ def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders:
     if (a <= 1).any():
         raise ValueError("orders must all be > 1")
     flat = a.ravel()
+    if sigma < 1e-150:
+        # the k = 2 term alone puts the divergence near 1e300 / (alpha - 1) or above, and 1/sigma^2 soon overflows:
+        # inf, an upper bound that says the same
+        return np.full(a.shape, math.inf)
     out = np.empty(flat.shape)
     for idx, alpha in enumerate(flat):
         if q == 1.0:
-            out[idx] = alpha / (2 * sigma ** 2)
+            out[idx] = alpha / (2 * sigma * sigma)   # sigma * sigma overflows to inf (0 divergence), not an error
             continue
         with np.errstate(over="ignore"):
             log_a = (_log_a_int(q, sigma, int(alpha)) if float(alpha).is_integer()

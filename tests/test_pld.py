@@ -2,6 +2,7 @@
 
 import math
 
+import mpmath
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -38,18 +39,93 @@ def subsampled_delta(eps: float, mu: float, q: float, relation: str) -> float:
 
 
 # --------------------------------------------------------------------------- exact Gaussian composition
-@settings(max_examples=20)   # hypothesis' default 100 took 28 s, 40 took 12 s; prv's fixed cases follow
-@given(sigma=st.floats(0.3, 100.0), count=st.integers(1, 3000), eps=st.floats(0.0, 20.0))
-def test_gaussian_composition_upper_bound_never_undercuts_exact_delta(sigma, count, eps):
-    mu = math.sqrt(count) / sigma
-    assume(mu <= 12.0)   # larger shifts need grids of 10^7+ points: covered by the extreme-regime test
-    acc = PLDAccountant().compose(Gaussian(sigma), count)
-    exact = gaussian_delta(eps, mu)
-    lo, hi = acc.delta_bracket(eps)
-    # floating-point slack only: the reference itself is a difference of two rounded terms
-    assert hi >= exact * (1 - 1e-12) - 1e-300
-    assert lo <= exact * (1 + 1e-12) + 1e-300
-    assert hi - exact <= 1e-6 * exact + 1e-12   # connect-the-dots is tight for one Gaussian
+def gaussian_delta_mp(eps: float, sigmas_counts: list[tuple[float, int]], digits: int = 400) -> mpmath.mpf:
+    """delta(eps) of composed Gaussians in mpmath at ``digits`` digits (the difference cancels up to 300 of
+    them at mu = 1e-300), from the floats given: independent of dpmath's evaluation."""
+    with mpmath.workdps(digits):
+        mu = mpmath.sqrt(mpmath.fsum(mpmath.mpf(n) / mpmath.mpf(s) ** 2 for s, n in sigmas_counts))
+        e = mpmath.mpf(eps)
+        return mpmath.ncdf(mu / 2 - e / mu) - mpmath.exp(e) * mpmath.ncdf(-mu / 2 - e / mu)
+
+
+@settings(max_examples=40, deadline=None)
+@given(log_sigma=st.floats(-2.0, 3.0), count=st.integers(1, 3000), eps=st.floats(0.0, 30.0))
+def test_gaussian_composition_brackets_the_exact_delta_between_neighbouring_floats(log_sigma, count, eps):
+    sigma = 10.0 ** log_sigma
+    assume(eps * sigma / math.sqrt(count) < 500)   # the reference's mpmath ncdf is exact to arguments of 1e3
+    lo, hi = PLDAccountant().compose(Gaussian(sigma), count).delta_bracket(eps)
+    exact = gaussian_delta_mp(eps, [(sigma, count)])
+    assert lo <= exact <= hi
+    assert hi <= math.nextafter(math.nextafter(lo, 1.0), 1.0) or hi <= 5e-324   # at most two floats apart
+
+
+@pytest.mark.parametrize(("sigma", "count", "delta"), [
+    (1e-3, 1, 1e-5), (0.05, 7, 1e-10), (1.0, 1, 1e-5), (3.0, 1000, 0.3), (50.0, 10, 1e-12), (0.2, 3, 1 - 1e-9)])
+def test_a_gaussian_epsilon_bracket_is_two_neighbouring_floats_around_the_exact_root(sigma, count, delta):
+    lo, hi = PLDAccountant().compose(Gaussian(sigma), count).epsilon_bracket(delta)
+    # delta(eps) decreases: the exact root is above lo (delta(lo) > delta) and at most hi (delta(hi) <= delta)
+    assert gaussian_delta_mp(hi, [(sigma, count)]) <= delta
+    assert lo == 0.0 or gaussian_delta_mp(lo, [(sigma, count)]) > delta
+    assert hi <= math.nextafter(math.nextafter(lo, math.inf), math.inf)
+
+
+@pytest.mark.parametrize("sigma", [1e-150, 1e-100, 1e-20])
+def test_near_zero_gaussian_noise_gives_a_huge_finite_epsilon_in_closed_form(sigma):
+    import time
+
+    start = time.perf_counter()
+    lo, hi = PLDAccountant().compose(Gaussian(sigma), 4).epsilon_bracket(1e-5)
+    assert time.perf_counter() - start < 1.0
+    # mu = 2 / sigma: the root is mu^2/2 - mu Phi^-1(delta), less about 1 (the second term of delta is phi(a) / mu)
+    with mpmath.workdps(60):
+        mu = 2 / mpmath.mpf(sigma)
+        first = mu * mu / 2 - mu * mpmath.mpf(float(special.ndtri(1e-5)))
+        assert first - 2 <= hi and lo <= first
+    assert hi <= math.nextafter(math.nextafter(lo, math.inf), math.inf) and math.isfinite(hi)
+
+
+def test_gaussian_noise_too_small_for_a_float_epsilon_is_refused_and_its_delta_is_one():
+    acc = PLDAccountant().compose(Gaussian(1e-300))
+    with pytest.raises(ValueError, match=r"exceeds the largest float.*use a larger noise_multiplier"):
+        acc.epsilon(1e-5)
+    lo, hi = acc.delta_bracket(1.0)
+    assert hi == 1.0 and lo == math.nextafter(1.0, 0.0)   # exactly 1 - (below 1e-300): the float under 1
+    assert acc.tradeoff(1e-3) == 0.0
+
+
+@pytest.mark.parametrize("sigma", [1e10, 1e100, 1e300])
+def test_huge_gaussian_noise_gives_epsilon_zero_and_a_delta_that_is_never_rounded_to_zero(sigma):
+    acc = PLDAccountant().compose(Gaussian(sigma))
+    assert acc.epsilon_bracket(1e-5) == (0.0, 0.0)
+    lo, hi = acc.delta_bracket(0.0)   # 2 Phi(mu/2) - 1 = mu / sqrt(2 pi) (1 - mu^2/24 + ...), mu = 1/sigma
+    exact = 1 / mpmath.mpf(sigma) / mpmath.sqrt(2 * mpmath.pi)
+    assert 0 < lo <= exact <= hi
+    assert acc.delta_bracket(1.0)[1] > 0.0     # positive, if below every float: the smallest one
+
+
+def test_a_gaussian_tradeoff_is_a_lower_bound_one_float_below_the_exact_curve():
+    alpha = np.array([1e-300, 1e-12, 1e-3, 0.3, 1 - 1e-12])
+    for sigma, count in ((0.5, 1), (2.0, 50), (1e10, 1)):
+        beta = PLDAccountant().compose(Gaussian(sigma), count).tradeoff(alpha)
+        with mpmath.workdps(80):
+            mu = mpmath.sqrt(count / mpmath.mpf(sigma) ** 2)
+            for a, b in zip(alpha, beta, strict=True):
+                z = mpmath.findroot(lambda x, a=a: mpmath.ncdf(x) - a, float(special.ndtri(a)))
+                exact = mpmath.ncdf(-z - mu)
+                assert b <= exact and (exact == 0 or mpmath.mpf(math.nextafter(b, 2.0)) > exact * (1 - 1e-14))
+
+
+def test_an_rdp_or_grid_accountant_at_extreme_noise_answers_or_says_what_to_do():
+    from dpmath import GridTooLargeError, RDPAccountant
+
+    assert RDPAccountant().compose(SubsampledGaussian(1e-300, 0.01), 10).epsilon(1e-5) == math.inf
+    assert RDPAccountant().compose(Gaussian(1e-300), 10).epsilon(1e-5) == math.inf
+    assert 0 < RDPAccountant().compose(Gaussian(1e300), 10).epsilon(1e-5) < 0.01
+    mixed = PLDAccountant().compose(Gaussian(1e-300)).compose(SubsampledGaussian(1.0, 0.01), 10)
+    with pytest.raises(GridTooLargeError, match=r"passes the largest float.*RDPAccountant.*more noise"):
+        mixed.epsilon(1e-5)
+    lo, hi = PLDAccountant().compose(Gaussian(1e300)).compose(SubsampledGaussian(1.0, 0.01), 10).epsilon_bracket(1e-5)
+    assert 0 < lo <= hi < 0.4
 
 
 @pytest.mark.parametrize("count", [9999, 10000])
@@ -332,7 +408,7 @@ def test_a_grid_over_the_size_limit_raises_the_typed_error_that_calibration_catc
     from dpmath import GridTooLargeError
 
     with pytest.raises(GridTooLargeError, match="coarser discretization"):
-        PLDAccountant(1e-7).compose(SubsampledGaussian(0.05, 1.0), 1).epsilon(1e-5)
+        PLDAccountant(1e-7).compose(SubsampledGaussian(0.05, 0.5), 1).epsilon(1e-5)
     assert issubclass(GridTooLargeError, ValueError)   # code that caught ValueError keeps working
 
 

@@ -13,6 +13,7 @@ layer using only those listed before it:
   lower discrete PLD.
 * :mod:`dpmath.pld.compose`: FFT composition under exponential tilts, its floating-point error bounded.
 * :mod:`dpmath.pld.two_scale`: the lower end of a single subsampled Gaussian at tiny sampling rates.
+* :mod:`dpmath.pld.gaussian`: Gaussian steps alone in closed form, at any noise level (no grid).
 * :mod:`dpmath.pld.steps`: one step of each mechanism as upper and lower PLDs, with the envelope's scale
   atoms for randomized clipping.
 * :mod:`dpmath.pld.accountant`: :class:`PLDAccountant`.

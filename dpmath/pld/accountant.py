@@ -19,6 +19,7 @@ from ..mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, S
 from ..validation import non_negative, open_probability, positive_int, probability_array, real_number
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
+from .gaussian import GaussianCurve
 from .steps import Mechanism, step_plds
 from .two_scale import TwoScaleLower
 
@@ -46,7 +47,9 @@ class PLDAccountant:
         \beta(\alpha) = \min_{\text{direction}} \sup_\varepsilon \big(1 - \delta(\varepsilon)
         - e^{\varepsilon}\alpha\big),
 
-    exact for the discrete distributions (no root-finding error), with ``t_j = j h``.
+    exact for the discrete distributions (no root-finding error), with ``t_j = j h``.  An accountant that holds
+    only Gaussian steps (:class:`~dpmath.Gaussian`, or a sample rate of 1) has no grid: its curves are the composed
+    Gaussian's closed form (:mod:`dpmath.pld.gaussian`), bracketed by the nearest floats, at any noise level.
 
     Parameters
     ----------
@@ -104,6 +107,7 @@ class PLDAccountant:
         self._events: tuple[tuple[Mechanism, int], ...] = ()
         self._plds: dict[tuple[float, bool, float, tuple[str, ...]], Composition] = {}
         self._two_scale: list[TwoScaleLower | None] = []   # built at most once per composition
+        self._gaussian: list[GaussianCurve | None] = []    # likewise
 
     def __repr__(self) -> str:
         return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring!r}, "
@@ -154,6 +158,7 @@ class PLDAccountant:
         self._events = self._events + ((mechanism, n),)
         self._plds = {}
         self._two_scale = []
+        self._gaussian = []
         return self
 
     def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
@@ -292,14 +297,18 @@ class PLDAccountant:
                ) -> list[list[tuple[Pld, int]]]:
         """The step PLDs and their counts, one list per bound in ``bounds``."""
         events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
-        fixed = [m for m, _ in events if m.sample_rate == 1.0 and not isinstance(m, RandomizedClipGaussian)]
-        if len(fixed) == len(events):
-            # Gaussian steps compose in closed form: one Gaussian with 1/sigma^2 = sum_i n_i / sigma_i^2,
-            # discretized once (tighter and faster than composing discretized steps)
-            sigma = 1.0 / math.sqrt(sum(n / m.noise_multiplier ** 2 for m, n in events))
-            return [[(p, 1)] for p in step_plds(Gaussian(sigma), relations[0], h, bounds)]
         per_event = [step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
         return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
+
+    def _closed_form(self) -> GaussianCurve | None:
+        """The composed Gaussian (:mod:`dpmath.pld.gaussian`) where every event is a Gaussian step: a sample rate of
+        1 and a fixed scale (LAP2 as its dominating Gaussian); ``None`` otherwise."""
+        if not self._gaussian:
+            events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
+            plain = all(m.sample_rate == 1.0 and not isinstance(m, RandomizedClipGaussian) for m, _ in events)
+            self._gaussian.append(GaussianCurve([(m.noise_multiplier, n) for m, n in events],
+                                                2 if self.neighboring == "replace_one" else 1) if plain else None)
+        return self._gaussian[0]
 
     def _coarsely_below(self, direction: int, eps: float, delta: float) -> bool:
         """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps``, shown
@@ -333,7 +342,8 @@ class PLDAccountant:
         it is then reported as 0).  A lower end of 0 under a positive upper end tries one grid 8 times finer;
         for a single :class:`SubsampledGaussian`, a lower end still below half the upper end (or short of
         ``bracket_rtol``) is recomputed on two scales, which resolves steps whose losses sit far below the grid
-        (``q = 1e-6``; :mod:`dpmath.pld.two_scale`).
+        (``q = 1e-6``; :mod:`dpmath.pld.two_scale`).  Gaussian steps alone are read out in closed form
+        (:mod:`dpmath.pld.gaussian`), where an epsilon beyond the largest float raises :class:`ValueError`.
 
         Examples
         --------
@@ -345,6 +355,8 @@ class PLDAccountant:
         d = open_probability(delta, "delta")
         if not self._events:   # nothing composed: the output does not depend on the data
             return 0.0, 0.0
+        if (gaussian := self._closed_form()) is not None:
+            return gaussian.epsilon_bracket(d)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
@@ -412,6 +424,8 @@ class PLDAccountant:
         e = non_negative(epsilon, "epsilon")
         if not self._events:   # nothing composed: the output does not depend on the data
             return 0.0, 0.0
+        if (gaussian := self._closed_form()) is not None:
+            return gaussian.delta_bracket(e)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
@@ -438,6 +452,9 @@ class PLDAccountant:
             out = 1.0 - a
             return out[()] if out.ndim == 0 else out
         flat = a.ravel()
+        if (gaussian := self._closed_form()) is not None:
+            out = np.minimum(gaussian.tradeoff(flat), 1.0 - flat).reshape(a.shape)
+            return out[()] if out.ndim == 0 else out
         out = np.min([p.tradeoff(flat) for p in self._composed(True)], axis=0)
         out = np.where(flat >= 1, 0.0, np.where(flat <= 0, 1.0 - max(p.inf_mass for p in self._composed(True)), out))
         out = np.minimum(out, 1.0 - flat).reshape(a.shape)

@@ -130,7 +130,11 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
     ones beyond (connect-the-dots on a coarser partition is still an upper bound, and the greedy split on it
     still a lower bound, only less tight).  ``shared``: a dense range's ends are rounded outward too, so
     that the scales of a mixture whose ranges are close share one dense grid as well."""
-    t_lo, t_hi = loss_range(mu, q, relation, z)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t_lo, t_hi = loss_range(mu, q, relation, z)
+    if not (math.isfinite(t_lo) and math.isfinite(t_hi)):   # a shift near 1e154 or more: mu^2 overflows
+        raise GridTooLargeError(f"one step's privacy loss passes the largest float (shift mu = {mu:.3g} noise "
+                                f"standard deviations); " + grid_advice(h, math.inf, math.inf, one_step=True))
     t_lo = max(t_lo, t_floor)
     t_hi = min(t_hi, max(t_cap, t_lo + h))
     k_lo = math.floor(t_lo / h)
