@@ -800,7 +800,51 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     example's part in the parameter's group (one group for :class:`~dpsgd.sampling.TwiceSampling`), then
     l-infinity clipping and coordinate masks; bookkeeping pass and exact norms only.  ``weights`` are then
     the whole-gradient factors, reported only.
+
+    The stages, in order: :func:`_refuse_unsound_step` (nothing is consumed before it passes), the row check
+    (:func:`_row_check`), the one backward to every call's outputs (:func:`_output_gradients`: no trainable
+    parameter may receive gradient outside a recorded call), the per-example norms and clip weights
+    (:func:`_clip_weights`), and the clipped sums of one of three strategies (:func:`_two_pass_sums`,
+    :func:`_twice_sampled_sums`, :func:`_bookkeeping_sums`), each checked finite.
     """
+    two_pass = _refuse_unsound_step(capture, losses, clipping_pass, norms_only, twice, mask_generator)
+    plan, b = capture.plan, losses.shape[0]
+    model_params = [p for p in plan.model.parameters() if p.requires_grad]
+    calls = list(capture.calls)
+    _row_check(capture, calls, losses, model_params)
+    reached = _output_gradients(capture, calls, losses, model_params, two_pass)
+    capture.active = False
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(full_float32())
+        uses = _uses(plan, reached)
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
+        n, group_n = _sq_norms(plan, uses, k, generator, b, losses.device, twice, max_grad_norm)
+        weights = _clip_weights(n, max_grad_norm, dtype)
+        sums = {}
+        if two_pass:
+            sums = _two_pass_sums(capture, losses, weights, uses, reached)
+        elif twice is not None and not norms_only:
+            sums = _twice_sampled_sums(plan, uses, group_n, twice, max_grad_norm, dtype, losses.device,
+                                       mask_generator)
+        elif not norms_only:
+            sums = _bookkeeping_sums(uses, reached, weights, dtype)
+        if not all_finite(*sums.values()):   # one check for all of them
+            raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
+    finally:
+        stack.close()
+        capture.active = True
+        for c in reached:
+            c.cache.clear()
+    return ClippedGradients(sums, n.detach(), weights)
+
+
+def _refuse_unsound_step(capture: Capture, losses: torch.Tensor, clipping_pass: str, norms_only: bool,
+                         twice: TwiceSampling | HybridClipping | None, mask_generator: torch.Generator | None) -> bool:
+    """Raise, before anything is consumed, for a step that could not be taken soundly: bad arguments, a non-finite
+    loss, a unit that ran only under ``no_grad`` (its parameters would silently not train), a recorded call whose
+    inputs or parameters changed after its forward, losses that do not require grad, or the two-pass sums on
+    half-precision parameters.  Returns whether the second backward forms the sums (``"two-pass"``)."""
     check_clipping_pass(clipping_pass)
     two_pass = clipping_pass == "two-pass" and not norms_only
     if twice is not None and (two_pass or capture.plan.estimator not in ("exact", "ghost") or mask_generator is None):
@@ -811,7 +855,6 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                          f"{'shape ' + str(tuple(losses.shape)) if isinstance(losses, torch.Tensor) else type(losses)}")
     if not torch.isfinite(losses.detach()).all():
         raise FloatingPointError("a per-example loss is NaN or infinite; the step was not taken")
-    plan, b = capture.plan, losses.shape[0]
     # a unit run under no_grad that also ran with gradient (a teacher / pseudo-label pass) trains: only a unit
     # that never ran with gradient would silently not train
     recorded = {c.cache["unit"].path or type(c.module).__name__ for c in capture.calls}
@@ -823,27 +866,31 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
             f"parameters would silently not train (reentrant gradient checkpointing does this: use "
             f"use_reentrant=False, the default of Hugging Face's activation_checkpointing_enable()); or freeze "
             f"them with requires_grad_(False)")
-    model_params = [p for p in plan.model.parameters() if p.requires_grad]
-    calls = list(capture.calls)
-    for c in calls:
+    for c in capture.calls:
         _check_unchanged(c)
-    outputs = [o for c in calls for o in c.outputs]
-    if b and not losses.requires_grad:
+    if losses.shape[0] and not losses.requires_grad:
         raise IncompleteGradientError("the losses do not require grad: the forward that produced them was not "
                                       "recorded with gradients (torch.no_grad?)")
-    if two_pass and any(p.dtype in (torch.float16, torch.bfloat16) for p in plan.params):
+    if two_pass and any(p.dtype in (torch.float16, torch.bfloat16) for p in capture.plan.params):
         raise ValueError("clipping_pass='two-pass' sums clipped gradients in the parameters' dtype, which is half "
                          "precision here; rounding could let a clipped contribution exceed C. Use "
                          "clipping_pass='bookkeeping' (sums in float32)")
-    # the row check (_check_rows) runs on the first step with a new layout of calls, on probed forwards (every
-    # step, or the secret schedule), and sees the probed forwards' inputs
+    return two_pass
+
+
+def _row_check(capture: Capture, calls: list[Call], losses: torch.Tensor, model_params: list) -> None:
+    """The row check (:func:`_check_rows`: example ``i``'s loss depends on example ``i``'s rows alone) on a step
+    that needs it: a new layout of calls (with the row attribution too), a probed forward, or every step with
+    ``check_every_step``; it sees the probed forwards' inputs.  It runs before the step's own backward, which
+    then keeps no graph for it."""
+    b = losses.shape[0]
     probes, capture.probes = capture.probes, []
     layout = _layout(calls, losses, probes)
     new_layout = layout not in capture.checked_layouts
     check = b > 1 and (capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls))
     if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
         check = any_rank(check)
-    if check:   # before the step's own backward, which then keeps no graph for it
+    if check:
         capture.active = False
         try:
             with _keep_saved_buffers():   # a torch.compile'd backward is compiled at its first call
@@ -851,6 +898,20 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         finally:
             capture.active = True
         capture.checked_layouts.add(layout)
+
+
+def _output_gradients(capture: Capture, calls: list[Call], losses: torch.Tensor, model_params: list,
+                      two_pass: bool) -> list[Call]:
+    """The one backward, ``autograd.grad(sum_i L_i, outputs + real parameters)``: each call the losses reached gets
+    its output gradients (``call.grads``) and is consumed from ``capture``, resolved for its handler
+    (:func:`_handler_call`); returned in order.
+
+    Guarantees: no trainable parameter received gradient outside a recorded call (else
+    :class:`IncompleteGradientError` naming it; under FSDP2 also through a gathered copy), and every reached
+    call's tensors start with the losses' batch dimension (else ``ValueError``).  The lists of every output and
+    output gradient are this function's own, so each call's are freed once its sums are formed."""
+    plan, b = capture.plan, losses.shape[0]
+    outputs = [o for c in calls for o in c.outputs]
     _reset_shares(calls)
     with _keep_saved_buffers():
         grads = (_first_backward(capture, losses, outputs, model_params, retain_graph=two_pass) if b
@@ -869,9 +930,6 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         pos += len(c.outputs)
         if any(g is not None for g in c.grads):
             reached.append(c)
-    # the calls hold what is still needed; these lists would keep every output gradient and output (a head's
-    # B T V logits and their gradient) alive until the step ends, instead of until each call's sums are formed
-    del grads, outputs
     done = {id(c) for c in reached}
     capture.calls = [c for c in calls if id(c) not in done]
     reached = [_handler_call(c, b) for c in reached]
@@ -889,71 +947,89 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                              f"(positions from torch.arange, a bias table) or have one row for the whole batch; rows "
                              f"that flatten the batch ((B*T, d), example-major) are read by every handler but "
                              f"convolutions and GroupNorm")
-    capture.active = False
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(full_float32())
-        uses = _uses(plan, reached)
-        n = torch.zeros(b, dtype=torch.float64, device=losses.device)
-        bounds = None if twice is None else twice.bounds(max_grad_norm)
-        group = {} if twice is None else {id(p): twice.group_of(plan.names[id(p)]) for p, _ in uses}
-        group_n = None if twice is None else torch.zeros(len(bounds), b, dtype=torch.float64, device=losses.device)
-        for p, contributions in uses:
-            sq = _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
-            n = n + sq
-            if group_n is not None:
-                group_n[group[id(p)]] += sq.to(group_n.device)
-        if not torch.isfinite(n).all():
-            raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
-        c_eff = max_grad_norm * (1 - _margin(dtype))
-        weights = torch.clamp(c_eff / n.sqrt().clamp_min(1e-300), max=1.0)
-        sums = {}
-        if two_pass:
-            for c in reached:   # the output gradients are not needed any more: free them before the second pass
-                c.grads = []
-                c.cache.clear()
-            sums = _second_backward(capture, losses, weights, uses)
-        elif twice is not None and not norms_only:
-            # each group's l2 clipping factors, and its l-infinity bound kept below c_inf after rounding (float32's
-            # nearest value to 0.05 is above it)
-            group_w = [torch.clamp(c2 * (1 - _margin(dtype)) / group_n[j].sqrt().clamp_min(1e-300), max=1.0)
-                       for j, (c2, _) in enumerate(bounds)]
-            for p, contributions in uses:
-                per_example = None
-                for call, local in contributions:   # one parameter at a time: B x numel floats at most
-                    e = call.cache["unit"].handler.per_example(call, local, None)
-                    e = e.reshape(b, -1).to(torch.promote_types(e.dtype, dtype))
-                    per_example = e if per_example is None else per_example + e
-                j = group[id(p)]
-                c_inf = bounds[j][1] * (1 - _margin(dtype))
-                total = masked_clipped_sum(per_example.to(losses.device), group_w[j], c_inf, twice.coordinate_rate,
-                                           mask_generator)
-                sums[id(p)] = total.reshape(p.shape).to(p.device)
-        elif not norms_only:
-            # each call's inputs and output gradients are freed once its last parameter's sum is formed, and the
-            # sums are formed from the output end (the language-model head's B T V gradient first), so that the
-            # sums grow as the recorded tensors shrink
-            left = {id(c): len(c.aliases) for c in reached}
-            for p, contributions in reversed(uses):
-                total = None
-                for call, local in contributions:
-                    s = call.cache["unit"].handler.clipped_sum(call, local, weights.to(call.outputs[0].device))
-                    s = s.to(torch.promote_types(s.dtype, dtype))
-                    total = s if total is None else total + s
-                sums[id(p)] = total.reshape(p.shape)
-                for call, _ in contributions:
-                    left[id(call)] -= 1
-                    if left[id(call)] == 0:
-                        _release(call)
-        if not all_finite(*sums.values()):   # one check for all of them
-            raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
-    finally:
-        stack.close()
-        capture.active = True
-        for c in reached:
-            c.cache.clear()
-    return ClippedGradients(sums, n.detach(), weights)
+    return reached
+
+
+def _sq_norms(plan: NormPlan, uses: list, k: int, generator: torch.Generator | None, b: int, device: torch.device,
+              twice: TwiceSampling | HybridClipping | None, max_grad_norm: float
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(n, group_n)``: each example's squared norm ``n_i`` over every parameter the losses reached (float64,
+    finite, else ``FloatingPointError``), and with ``twice`` the same per sampling group (``None`` without)."""
+    n = torch.zeros(b, dtype=torch.float64, device=device)
+    group_n = None if twice is None else torch.zeros(len(twice.bounds(max_grad_norm)), b, dtype=torch.float64,
+                                                     device=device)
+    for p, contributions in uses:
+        sq = _param_sq_norms(plan, p, contributions, k, generator).to(torch.float64)
+        n = n + sq
+        if group_n is not None:
+            group_n[twice.group_of(plan.names[id(p)])] += sq.to(group_n.device)
+    if not torch.isfinite(n).all():
+        raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
+    return n, group_n
+
+
+def _clip_weights(n: torch.Tensor, max_grad_norm: float, dtype: torch.dtype) -> torch.Tensor:
+    """``c_i = min(1, C' / sqrt(n_i))`` with ``C' = C (1 - margin)``: the rounding of the sums in ``dtype`` cannot
+    lift a clipped contribution above ``C``."""
+    c_eff = max_grad_norm * (1 - _margin(dtype))
+    return torch.clamp(c_eff / n.sqrt().clamp_min(1e-300), max=1.0)
+
+
+def _two_pass_sums(capture: Capture, losses: torch.Tensor, weights: torch.Tensor, uses: list,
+                   reached: list[Call]) -> dict:
+    """``sum_i c_i g_i`` per parameter by a second backward of ``sum_i c_i L_i`` (:func:`_second_backward`); the
+    output gradients are freed first, since the second pass does not read them."""
+    for c in reached:
+        c.grads = []
+        c.cache.clear()
+    return _second_backward(capture, losses, weights, uses)
+
+
+def _twice_sampled_sums(plan: NormPlan, uses: list, group_n: torch.Tensor, twice: TwiceSampling | HybridClipping,
+                        max_grad_norm: float, dtype: torch.dtype, device: torch.device,
+                        mask_generator: torch.Generator) -> dict:
+    """Twice sampling's sums: each parameter's per-example gradients (summed over its calls, one parameter at a
+    time: ``B x numel`` floats at most), clipped to its group's l2 bound ``c2`` and to ``c_inf`` per coordinate,
+    masked coordinate-wise (:func:`dpsgd.sampling.masked_clipped_sum`)."""
+    bounds = twice.bounds(max_grad_norm)
+    b = group_n.shape[1]
+    # each group's l2 clipping factors, and its l-infinity bound kept below c_inf after rounding (float32's
+    # nearest value to 0.05 is above it)
+    group_w = [torch.clamp(c2 * (1 - _margin(dtype)) / group_n[j].sqrt().clamp_min(1e-300), max=1.0)
+               for j, (c2, _) in enumerate(bounds)]
+    sums = {}
+    for p, contributions in uses:
+        per_example = None
+        for call, local in contributions:
+            e = call.cache["unit"].handler.per_example(call, local, None)
+            e = e.reshape(b, -1).to(torch.promote_types(e.dtype, dtype))
+            per_example = e if per_example is None else per_example + e
+        j = twice.group_of(plan.names[id(p)])
+        c_inf = bounds[j][1] * (1 - _margin(dtype))
+        total = masked_clipped_sum(per_example.to(device), group_w[j], c_inf, twice.coordinate_rate, mask_generator)
+        sums[id(p)] = total.reshape(p.shape).to(p.device)
+    return sums
+
+
+def _bookkeeping_sums(uses: list, reached: list[Call], weights: torch.Tensor, dtype: torch.dtype) -> dict:
+    """``sum_i c_i g_i`` per parameter from each call's recorded inputs and output gradients (its handler's
+    ``clipped_sum``), in float32 or float64.  The sums are formed from the output end (the language-model head's
+    ``B T V`` gradient first) and each call is released once its last parameter's sum is formed, so that the sums
+    grow as the recorded tensors shrink."""
+    left = {id(c): len(c.aliases) for c in reached}
+    sums = {}
+    for p, contributions in reversed(uses):
+        total = None
+        for call, local in contributions:
+            s = call.cache["unit"].handler.clipped_sum(call, local, weights.to(call.outputs[0].device))
+            s = s.to(torch.promote_types(s.dtype, dtype))
+            total = s if total is None else total + s
+        sums[id(p)] = total.reshape(p.shape)
+        for call, _ in contributions:
+            left[id(call)] -= 1
+            if left[id(call)] == 0:
+                _release(call)
+    return sums
 
 
 def _layout(calls: list[Call], losses: torch.Tensor, probes: list) -> tuple:

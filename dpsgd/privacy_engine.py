@@ -344,6 +344,27 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
 
+def _refuse_hooked(module: nn.Module) -> None:
+    """``RuntimeError`` if ``module`` carries the live hooks of another engine: two engines would record its calls
+    twice."""
+    holder = _ENGINES.get(module)
+    if holder is not None and holder() is not None and holder()._capture is not None \
+            and holder()._capture._handles:
+        raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
+                           "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
+                           "or build the model again")
+
+
+def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int:
+    """The steps a target epsilon is calibrated for: ``steps``, or ``ceil(epochs x batches)`` (``ValueError``
+    unless positive)."""
+    if steps is None:
+        return math.ceil(check_positive(epochs, "epochs") * batches)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    return steps
+
+
 class _DeviceGenerators:
     """One torch generator per device, all seeded alike and made on first use: each draw happens on the device of
     the tensors it is for (a CUDA device without an index is the current one, so one device has one stream)."""
@@ -512,9 +533,51 @@ class PrivacyEngine:
         tuple
             ``(module, optimizer, criterion, data_loader)``: the same module with hooks, a
             :class:`DPOptimizer`, a :class:`DPCriterion` and a :class:`~dpsgd.data.DPDataLoader`.
+
+        Notes
+        -----
+        In order: the arguments are checked before anything is built; the norm plan must cover every parameter
+        the optimizer steps; the generators are seeded from one seed shared by all ranks; the Poisson loader
+        fixes the sampling rate; the noise is calibrated if a target is given; the settings are fixed (read-only
+        from then on) and matched against the ledger file; only then are the model hooked and the optimizer and
+        loss wrapped, so a refusal at any stage leaves the model untouched.
         """
         if self._capture is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
+        noise, sampling, c, sigma = self._checked_arguments(
+            optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator, k,
+            clipping_pass, gradient_projection, noise, sampling)
+        compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
+        _refuse_hooked(module)
+        plan = self._cover(module, optimizer, estimator, k, sampling, c)
+        rank, world = rank_world()
+        basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
+        seeds = self._seed_generators(seed, rank, world)
+        loader = self._private_loader(data_loader, poisson_sampling, world)
+        self.estimator, self.k, self.max_grad_norm = estimator, k, c
+        self.clipping_pass = clipping_pass
+        self.envelope = plan.envelope(k)
+        planned = None
+        if sigma is None:
+            planned = _planned_steps(epochs, steps, len(loader))
+            sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned)
+        check_same_on_ranks(sigma, "noise_multiplier")
+        self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
+        self._read_ledger()
+        optimizer, crit = self._attach(plan, module, optimizer, criterion)
+        return compiled, optimizer, crit, loader
+
+    @staticmethod
+    def _checked_arguments(optimizer: torch.optim.Optimizer, max_grad_norm: float, noise_multiplier: float | None,
+                           target_epsilon: float | None, target_delta: float | None, epochs: float | None,
+                           steps: int | None, estimator: str, k: int, clipping_pass: str,
+                           gradient_projection: torch.Tensor | None, noise: StepNoise | str,
+                           sampling: PoissonSampling | TwiceSampling | HybridClipping | None
+                           ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
+                                      float | None]:
+        """``make_private``'s arguments checked before anything is built (``ValueError`` naming the first one
+        wrong): ``(noise, sampling, max_grad_norm, noise_multiplier)``, the noise and sampling as objects and the
+        noise multiplier ``None`` when it is to be calibrated from the targets."""
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
         noise = as_noise(noise)
@@ -527,6 +590,7 @@ class PrivacyEngine:
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        sigma = None
         if noise_multiplier is not None:
             sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
             if target_epsilon is not None:
@@ -534,20 +598,21 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
-        compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
-        holder = _ENGINES.get(module)
-        if holder is not None and holder() is not None and holder()._capture is not None \
-                and holder()._capture._handles:
-            raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
-                               "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
-                               "or build the model again")
+        return noise, sampling, c, sigma
+
+    def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
+               sampling: PoissonSampling | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
+        """The model's norm plan (:attr:`plan`), its parameters' sampling groups, and the guarantee that every
+        trainable parameter the optimizer steps is one the plan clips (``ValueError`` otherwise)."""
         plan = NormPlan.build(module, estimator, k)
         self.plan = plan
-        self._ranks = self._sampling_ranks(sampling, plan, c)
+        self._ranks = self._sampling_ranks(sampling, plan, max_grad_norm)
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
-        rank, world = rank_world()
-        basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
-        # one seed for the whole run (rank 0's, or os.urandom's in secure mode), shared by all ranks
+        return plan
+
+    def _seed_generators(self, seed: int | None, rank: int, world: int) -> list[int]:
+        """Seed the sampling, projection and noise generators from one seed for the whole run (``seed``, rank 0's
+        draw, or ``os.urandom`` for the noise in secure mode), shared by all ranks; the seeds drawn from it."""
         root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
         base = torch.Generator().manual_seed(broadcast_int(root))
         seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
@@ -559,8 +624,13 @@ class PrivacyEngine:
         # coordinates, copied to the GPU, would cost seconds a step)
         self._noise_rngs = _DeviceGenerators(noise_seed)
         self._noise_checked = False
-        # one sampling rate for the whole data set, q = (expected batch over ranks) / (examples over ranks), on every
-        # rank: each rank drawing its own shard's examples independently at q is a Poisson sample of the union
+        return seeds
+
+    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, world: int) -> DPDataLoader:
+        """The Poisson loader, and the sampling rate and expected batch size the step and the accountant use: one
+        rate for the whole data set, ``q = (expected batch over ranks) / (examples over ranks)``, equal on every
+        rank (each rank drawing its own shard's examples independently at ``q`` is a Poisson sample of the
+        union; ``ValueError`` if it exceeds 1)."""
         n, batch = loader_size(data_loader)
         total = all_sum(float(n))
         q = all_sum(float(batch)) / total if world > 1 else None
@@ -573,38 +643,40 @@ class PrivacyEngine:
         self.expected_batch_size = self.sample_rate * total
         check_same_on_ranks(self.sample_rate, "the sampling rate")
         check_same_on_ranks(len(loader), "the number of batches per epoch")
-        self.estimator, self.k, self.max_grad_norm = estimator, k, c
-        self.clipping_pass = clipping_pass
-        self.envelope = plan.envelope(k)
-        planned = None
-        if noise_multiplier is None:
-            if steps is None:
-                planned = math.ceil(check_positive(epochs, "epochs") * len(loader))
-            elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-                raise ValueError(f"steps must be a positive integer, got {steps!r}")
-            else:
-                planned = steps
-            # seconds to a minute (a randomized-clipping envelope composes its accountant per candidate sigma)
-            logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
-                        "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
-                        self.sample_rate, estimator, self.envelope)
-            start = time.perf_counter()
-            try:
-                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
-                                           c, self._ranks, self.envelope)
-            except ValueError as err:
-                raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
-                                 f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
-                                 f"{err}") from err
-            logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
-        check_same_on_ranks(sigma, "noise_multiplier")
+        return loader
+
+    def _calibrate(self, noise: StepNoise, sampling: PoissonSampling | TwiceSampling | HybridClipping,
+                   target_epsilon: float, target_delta: float, planned: int) -> float:
+        """The noise multiplier whose epsilon after ``planned`` steps is at most ``target_epsilon`` at
+        ``target_delta`` (the sampling's and noise's own calibration, at this engine's rate and envelope),
+        logged as it starts and with its seconds; ``ValueError`` naming the targets if none reaches them."""
+        # seconds to a minute (a randomized-clipping envelope composes its accountant per candidate sigma)
+        logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
+                    "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
+                    self.sample_rate, self.estimator, self.envelope)
+        start = time.perf_counter()
+        try:
+            sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
+                                       self.max_grad_norm, self._ranks, self.envelope)
+        except ValueError as err:
+            raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
+                             f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
+                             f"{err}") from err
+        logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
+        return sigma
+
+    def _fix_settings(self, sigma: float, planned: int | None, noise: StepNoise,
+                      sampling: PoissonSampling | TwiceSampling | HybridClipping, basis: torch.Tensor | None,
+                      poisson: bool, seeds: list[int]) -> None:
+        """Fix the settings the step and the accountant share (read-only from here on) and the ledger's record of
+        them, which a resumed run or a ledger file must match."""
         self._noise_multiplier = sigma
         self.planned_steps = planned
         self._noise = noise
         self._sampling = sampling
         self._basis = basis
-        self._settings = {"estimator": estimator, "k": k, "max_grad_norm": c, "noise_multiplier": sigma,
-                          "sample_rate": self.sample_rate, "poisson": bool(poisson_sampling)}
+        self._settings = {"estimator": self.estimator, "k": self.k, "max_grad_norm": self.max_grad_norm,
+                          "noise_multiplier": sigma, "sample_rate": self.sample_rate, "poisson": poisson}
         if noise.name != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
             self._settings["noise"] = noise.name
         if sampling.per_coordinate:
@@ -612,14 +684,17 @@ class PrivacyEngine:
             # the masks are sampling randomness: from os.urandom in secure mode, like the noise
             self._mask_rngs = _DeviceGenerators(
                 (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1)
-        self._read_ledger()
+
+    def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
+                criterion: nn.Module | None) -> tuple[DPOptimizer, DPCriterion]:
+        """Hook the model (recording from here on; the model then belongs to this engine) and wrap the optimizer
+        and the loss."""
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
         _ENGINES[module] = weakref.ref(self)
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)
-        crit = DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
-        return compiled, self._optimizer, crit, loader
+        return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
 
     # fixed by make_private: the step and the accountant both read them, and the accountant charges every step
     # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the
