@@ -42,10 +42,13 @@ from scipy import optimize
 from .compose import Composition
 from .discretize import assemble, split
 from .distribution import Pld
-from .losses import mixture_masses, pair_cdfs, step_grid
+from .losses import loss_range, mixture_masses, pair_cdfs, step_grid
 
 _TAIL_EVENTS = 1e-3    # n p at most this: the terms with two or more tail steps are dropped
-_FINE_POINTS = 1 << 17  # the bulk's fine grid has about this many points between log(1 - q) and tau
+_FINE_LOG = 17         # the bulk's fine grid has 2^17 points between 0 and tau ...
+_FINE_TOTAL = 5 << 15   # ... fewer where it would have more than 1.25 times as many in all (at most 1.06 on the
+                        # benchmarks' tiny-q cases, 3.25 at q = 0.5, sigma = 1e4) ...
+_COARSEST_LOG = 10      # ... and no fewer than 2^10 (else there is no two-scale curve)
 
 
 def tail_threshold(mu: float, q: float, n: int, h: float) -> float:
@@ -78,12 +81,21 @@ class TwoScaleLower:
         j_tau = round(tau / h) if math.isfinite(tau) else k_top
         if n < 2 or q >= 1.0 or k_top <= j_tau + 1:
             return None
-        # the bulk: the fine grid's intervals from below log(1 - q) up to tau (h_f = tau / 2^17 exactly, so both
-        # pieces meet at the same loss), and nothing above: that is T's
-        h_f = tau / _FINE_POINTS
-        k_lo = math.floor(math.log1p(-q) / h_f) - 1
+        # the bulk: the fine grid's intervals from 9 standard deviations of the output below (or from below
+        # log(1 - q), the least loss, if that is higher; the lower bound drops the mass below its grid, Phi(-9) =
+        # 1e-19 a step) up to tau, and nothing above: that is T's.  h_f = tau / 2^m exactly, so both pieces meet
+        # at the same loss: m = 17 where the bulk's losses sit mostly above 0 (tiny q), less where they reach far
+        # below, so that the grid has at most _FINE_TOTAL points (at q = 0.5, sigma = 1e4, 10 steps log(1 - q)
+        # alone was 454M points at m = 17, 12 GB; 9 standard deviations take m = 15), and no curve where m would
+        # fall below 10
+        t_lo = max(math.log1p(-q), loss_range(mu, q, "remove", 9.0)[0])
+        m = min(_FINE_LOG, math.floor(math.log2(_FINE_TOTAL * tau / (tau - t_lo))))
+        if m < _COARSEST_LOG:
+            return None
+        h_f = tau / 2.0 ** m
+        k_lo = math.floor(t_lo / h_f) - 1
         one = np.ones((1, 1))
-        bulk = mixture_masses(np.array([mu]), one, q, "remove", h_f, (False,), k_lo, _FINE_POINTS, None)[0]
+        bulk = mixture_masses(np.array([mu]), one, q, "remove", h_f, (False,), k_lo, 1 << m, None)[0]
         bulk.atoms[-1] = 0.0
         b_low = assemble([split(bulk, h_f, False)], h_f, False)
         # the tail: the coarse grid's intervals above tau (a lower bound drops the mass below its grid) and the
