@@ -108,7 +108,7 @@ def run(method: str, seed: int, eps: float, train: torch.Tensor, test: torch.Ten
                 "s": time.perf_counter() - start}
     kw = dict(estimator="ghost")
     if method == "dp-sgd-rc":
-        kw = dict(estimator="hutch", k=16)
+        kw = dict(estimator="hutch", projection_dim=16)
     elif method == "lap2":
         kw["noise"] = LaplaceNoise()
     elif method == "twice":

@@ -89,7 +89,7 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
         engine = PrivacyEngine()
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
-            noise_multiplier=1.0, estimator=method, k=32, poisson_sampling=False, seed=0)
+            noise_multiplier=1.0, estimator=method, projection_dim=32, poisson_sampling=False, seed=0)
     lm = LM(model)
     batches = endless(loader)
 

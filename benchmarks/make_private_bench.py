@@ -32,7 +32,7 @@ def make_private(estimator: str) -> tuple[float, float]:
     engine = PrivacyEngine()
     engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
                         max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, epochs=3, estimator=estimator,
-                        k=32, criterion=torch.nn.CrossEntropyLoss())
+                        projection_dim=32, criterion=torch.nn.CrossEntropyLoss())
     return time.perf_counter() - t, engine.noise_multiplier
 
 

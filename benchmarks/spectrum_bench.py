@@ -38,7 +38,8 @@ def train_and_record(noise_multiplier: float, steps: int = 200):
     engine = PrivacyEngine()
     m, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=loader, max_grad_norm=1.0,
-        noise_multiplier=noise_multiplier, estimator="hutchpp", k=8, criterion=torch.nn.CrossEntropyLoss(), seed=0)
+        noise_multiplier=noise_multiplier, estimator="hutchpp", projection_dim=8,
+        criterion=torch.nn.CrossEntropyLoss(), seed=0)
     rec = GradientRecorder(model.parameters())
     rec.attach(opt)          # records inside step(), when .grad is the released noisy gradient
     done, losses = 0, []

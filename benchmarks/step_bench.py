@@ -198,7 +198,7 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
         engine = PrivacyEngine()
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
-            noise_multiplier=1.0, estimator=estimator, k=32, poisson_sampling=False, seed=0,
+            noise_multiplier=1.0, estimator=estimator, projection_dim=32, poisson_sampling=False, seed=0,
             clipping_pass="two-pass" if two_pass else "bookkeeping")
         if method.endswith("-every-step"):
             engine.check_every_step = True

@@ -146,7 +146,7 @@ def train_epoch(model: nn.Module, optimizer: DPOptimizer, criterion: DPCriterion
 def main(argv: list[str] | None = None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--estimator", default="hutch", choices=["hutch", "hutchpp", "ghost", "exact"])
-    ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--projection-dim", type=int, default=32, help="k: random projections per layer")
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> float:
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         data_loader=DataLoader(train, batch_size=args.batch_size), criterion=nn.CrossEntropyLoss(),
         max_grad_norm=args.max_grad_norm, target_epsilon=args.epsilon, target_delta=args.delta,
-        epochs=args.epochs, estimator=args.estimator, k=args.k, seed=args.seed)
-    print(f"estimator {args.estimator} (k = {args.k}), envelope {engine.envelope}, q = {engine.sample_rate:.4g}, "
+        epochs=args.epochs, estimator=args.estimator, projection_dim=args.projection_dim, seed=args.seed)
+    print(f"estimator {args.estimator} (projection_dim = {args.projection_dim}), envelope {engine.envelope}, "
+          f"q = {engine.sample_rate:.4g}, "
           f"{args.epochs * len(loader)} steps: sigma = {engine.noise_multiplier:.4f} for epsilon {args.epsilon:g}, "
           f"delta {args.delta:g}")
     for epoch in range(1, args.epochs + 1):

@@ -52,7 +52,7 @@ def _prepare(activations: torch.Tensor, output_grads: torch.Tensor) -> tuple[tor
 
 def check_k(k: object) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer (>= 1), got {k!r}")
+        raise ValueError(f"projection_dim (k) must be a positive integer (>= 1), got {k!r}")
     return k
 
 

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
+from dpmath.deprecation import renamed_arguments
+
 from .data import EmptyBatch, private_data_loader
 from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
@@ -48,6 +50,7 @@ __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 PRIVACY_STATE_NAME = "privacy_engine.pt"
 
 
+@renamed_arguments({"k": "projection_dim"})
 @dataclass(frozen=True)
 class PrivacyArguments:
     """The privacy settings of a :class:`DPTrainer` (see :meth:`dpsgd.PrivacyEngine.make_private`).
@@ -67,7 +70,7 @@ class PrivacyArguments:
     Examples
     --------
     >>> from dpsgd.hf import PrivacyArguments
-    >>> PrivacyArguments(target_epsilon=8.0, estimator="hutch", k=16).epsilon_overcount
+    >>> PrivacyArguments(target_epsilon=8.0, estimator="hutch", projection_dim=16).epsilon_overcount
     0.25
     """
 
@@ -76,7 +79,7 @@ class PrivacyArguments:
     target_epsilon: float | None = None
     target_delta: float = 1e-5
     estimator: str = "hutch"
-    k: int = 32
+    projection_dim: int = 32
     clipping_pass: str = "bookkeeping"
     seed: int | None = None
     secure_mode: bool = False
@@ -159,7 +162,8 @@ class DPTrainer(Trainer):
         self.model, self.optimizer, _, loader = self.privacy_engine.make_private(
             module=self.model, optimizer=self.optimizer, data_loader=logical, max_grad_norm=p.max_grad_norm,
             noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if steps is not None else None,
-            target_delta=p.target_delta if steps is not None else None, steps=steps, estimator=p.estimator, k=p.k,
+            target_delta=p.target_delta if steps is not None else None, steps=steps, estimator=p.estimator,
+            projection_dim=p.projection_dim,
             seed=p.seed, clipping_pass=p.clipping_pass)
         self._dp_loader = loader.in_chunks(accumulation)
 

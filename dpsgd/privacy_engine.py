@@ -4,7 +4,7 @@ An Opacus user with ghost clipping writes::
 
     model, optimizer, criterion, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, criterion=nn.CrossEntropyLoss(),
-        max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5, epochs=3, estimator="hutch", k=32)
+        max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5, epochs=3, estimator="hutch", projection_dim=32)
     for x, y in loader:
         optimizer.zero_grad()
         loss = criterion(model(x), y)   # a DPLoss: per-example losses, reduced only for display
@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpmath import PLDAccountant, RDPAccountant
+from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import all_sum, as_grad, broadcast_int, check_same_on_ranks, is_sharded, rank_world, reduce_sums
@@ -389,6 +390,7 @@ class _DeviceGenerators:
             self(d).set_state(s)
 
 
+@renamed_arguments({"k": "projection_dim"})   # the attribute's old name reads, with a warning
 class PrivacyEngine:
     r"""Makes a model, optimizer, loss and data loader private with DP-SGD-RC, and keeps the privacy ledger.
 
@@ -413,7 +415,7 @@ class PrivacyEngine:
     >>> engine = PrivacyEngine()
     >>> model, opt, crit, loader = engine.make_private(module=model, optimizer=opt,
     ...     data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
-    ...     noise_multiplier=1.0, estimator="hutch", k=32, seed=0)
+    ...     noise_multiplier=1.0, estimator="hutch", projection_dim=32, seed=0)
     >>> for x, y in loader:
     ...     opt.zero_grad()
     ...     crit(model(x), y).backward()
@@ -452,10 +454,12 @@ class PrivacyEngine:
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
 
+    @renamed_arguments({"k": "projection_dim"})
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
-                     epochs: float | None = None, steps: int | None = None, estimator: str = "hutch", k: int = 32,
+                     epochs: float | None = None, steps: int | None = None, estimator: str = "hutch",
+                     projection_dim: int = 32,
                      poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
@@ -484,8 +488,9 @@ class PrivacyEngine:
             start and its duration as INFO records of the ``"dpsgd"`` logger (:mod:`dpsgd.cli`).
         estimator : {"hutch", "hutchpp", "ghost", "exact"}
             Per-sample norm estimator.
-        k : int
-            Projection dimension.
+        projection_dim : int
+            ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"`` (the old name
+            ``k`` works, with a ``DeprecationWarning``, until 0.3).
         poisson_sampling : bool
             Poisson batches (default); ``False`` warns that the accounting assumes Poisson sampling.
         seed : int, optional
@@ -545,18 +550,18 @@ class PrivacyEngine:
         if self._capture is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         noise, sampling, c, sigma = self._checked_arguments(
-            optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator, k,
-            clipping_pass, gradient_projection, noise, sampling)
+            optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
+            projection_dim, clipping_pass, gradient_projection, noise, sampling)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
-        plan = self._cover(module, optimizer, estimator, k, sampling, c)
+        plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
         loader = self._private_loader(data_loader, poisson_sampling, world)
-        self.estimator, self.k, self.max_grad_norm = estimator, k, c
+        self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
-        self.envelope = plan.envelope(k)
+        self.envelope = plan.envelope(projection_dim)
         planned = None
         if sigma is None:
             planned = _planned_steps(epochs, steps, len(loader))
@@ -675,7 +680,7 @@ class PrivacyEngine:
         self._noise = noise
         self._sampling = sampling
         self._basis = basis
-        self._settings = {"estimator": self.estimator, "k": self.k, "max_grad_norm": self.max_grad_norm,
+        self._settings = {"estimator": self.estimator, "k": self.projection_dim, "max_grad_norm": self.max_grad_norm,
                           "noise_multiplier": sigma, "sample_rate": self.sample_rate, "poisson": poisson}
         if noise.name != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
             self._settings["noise"] = noise.name
@@ -825,7 +830,8 @@ class PrivacyEngine:
         self._require_private()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
-        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.k, self._projection_rngs(device),
+        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.projection_dim,
+                                  self._projection_rngs(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
                                   mask_generator=None if twice is None else self._mask_rngs(device))
         for p in self.plan.params:

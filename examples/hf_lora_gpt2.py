@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> float:
                                       use_cpu=True, disable_tqdm=True)
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train,
                         privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon,
-                                                 target_delta=1e-5, estimator="hutch", k=16, seed=0))
+                                                 target_delta=1e-5, estimator="hutch", projection_dim=16, seed=0))
     result = trainer.train()
     engine = trainer.privacy_engine
     print(f"mean training loss {result.training_loss:.3f} (a uniform guess scores ln {VOCAB} = "

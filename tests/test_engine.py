@@ -163,7 +163,7 @@ def test_refusals_and_bad_arguments():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
     for bad, match in [(dict(max_grad_norm=0.0), "max_grad_norm"), (dict(noise_multiplier=-1.0), "noise_multiplier"),
-                       (dict(expected_batch_size=0), "expected_batch_size"), (dict(k=0), "k must be"),
+                       (dict(expected_batch_size=0), "expected_batch_size"), (dict(k=0), "projection_dim"),
                        (dict(estimator="jl"), "estimator")]:
         with pytest.raises(ValueError, match=match):
             private_step(model, opt, _loss_fn(idx, tgt), **{**kw, **bad})

@@ -105,8 +105,8 @@ def test_generator_makes_estimates_reproducible():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda a, g: hutch(a, g, 0), "k must be a positive integer"),
-    (lambda a, g: hutchpp(a, g, 2.5), "k must be a positive integer"),
+    (lambda a, g: hutch(a, g, 0), "projection_dim .k. must be a positive integer"),
+    (lambda a, g: hutchpp(a, g, 2.5), "projection_dim .k. must be a positive integer"),
     (lambda a, g: exact(a[:2], g), "agree in batch"),
     (lambda a, g: ghost(a[0, 0], g), "shapes"),
     (lambda a, g: exact(a.numpy(), g), "torch tensors"),

@@ -66,7 +66,8 @@ def _train(shard: bool, data, sigma: float, leak: bool = False):
     engine = PrivacyEngine()
     m, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=DataLoader(data, batch_size=6),
-        criterion=nn.CrossEntropyLoss(), max_grad_norm=0.1, noise_multiplier=sigma, estimator="hutch", k=4, seed=11)
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=0.1, noise_multiplier=sigma, estimator="hutch",
+        projection_dim=4, seed=11)
     for _, (x, y) in zip(range(2), loader, strict=False):
         opt.zero_grad()
         crit(m(x), y).backward()

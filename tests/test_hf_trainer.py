@@ -42,7 +42,8 @@ def test_trainer_takes_one_private_step_per_logical_batch_and_logs_epsilon(tmp_p
                              num_train_epochs=1, learning_rate=1e-2, logging_steps=6, save_strategy="no",
                              report_to=[], use_cpu=True, disable_tqdm=True, max_grad_norm=1.0)
     trainer = DPTrainer(model=model, args=args, train_dataset=_Ids(48), callbacks=[logs],
-                        privacy=PrivacyArguments(max_grad_norm=0.5, noise_multiplier=1.0, estimator="hutch", k=32,
+                        privacy=PrivacyArguments(max_grad_norm=0.5, noise_multiplier=1.0, estimator="hutch",
+                                                 projection_dim=32,
                                                  seed=0))
     assert trainer.args.max_grad_norm == 0.0
     trainer.train()
@@ -93,7 +94,7 @@ def _resumable(tmp_path, max_steps, **privacy):
     torch.manual_seed(0)
     args = _args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=max_steps,
                  save_strategy="steps", save_steps=4)
-    settings = {"max_grad_norm": 0.5, "noise_multiplier": 1.0, "estimator": "hutch", "k": 8, "seed": 0}
+    settings = {"max_grad_norm": 0.5, "noise_multiplier": 1.0, "estimator": "hutch", "projection_dim": 8, "seed": 0}
     return DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48),
                      privacy=PrivacyArguments(**(settings | privacy)))
 

@@ -21,7 +21,7 @@ def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     engine = PrivacyEngine(ledger_path=ledger_path)
     args = dict(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
-                criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, k=32, seed=seed)
+                criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, estimator=estimator, projection_dim=32, seed=seed)
     args.update(kw if any(k_ in kw for k_ in ("noise_multiplier", "target_epsilon")) else
                 {"noise_multiplier": 1.5, **kw})
     return engine, *engine.make_private(**args)
@@ -108,7 +108,7 @@ def test_envelope_choice():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3), nn.LayerNorm(3))
     assert NormPlan.build(model, "hutch").envelope_dimension() == (4 + 3 + 1, True)
     assert NormPlan.build(model, "hutchpp").envelope_dimension() == (3 + 1, True)
-    engine, *_ = _setup("hutchpp", k=1)
+    engine, *_ = _setup("hutchpp", projection_dim=1)
     assert isinstance(engine.envelope, HutchPPEnvelope)
     engine, *_ = _setup("hutchpp")         # k = 32 >= every matrix's rank: Hutch++ is exact
     assert engine.envelope is None
@@ -158,7 +158,7 @@ def test_sampling_modes_and_bad_arguments():
         _setup(poisson_sampling=False, noise_multiplier=1.0)
     assert any("Poisson" in str(x.message) for x in w)
     for bad, match in [(dict(noise_multiplier=-1.0), "noise_multiplier"), (dict(max_grad_norm=0.0), "max_grad_norm"),
-                       (dict(k=0, noise_multiplier=1.0), "k must be"),
+                       (dict(projection_dim=0, noise_multiplier=1.0), "projection_dim"),
                        (dict(target_epsilon=1.0), "one of epochs or steps are required")]:
         with pytest.raises(ValueError, match=match):
             _setup(**bad)
@@ -190,7 +190,7 @@ def test_modules_without_a_handler_train_through_the_wrapper():
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=10), criterion=nn.CrossEntropyLoss(),
-        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=1)
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", projection_dim=8, seed=1)
     _epoch(model, opt, crit, loader)
     assert engine.steps == 6 and isinstance(engine.envelope, HutchPPEnvelope)  # exact parts: the d -> inf limit
 
@@ -276,5 +276,5 @@ def test_hutchpp_on_matrices_of_rank_at_most_k_is_accounted_as_exact_dp_sgd():
     engine, small = PrivacyEngine(), nn.Sequential(nn.Linear(40, 8), nn.Tanh(), nn.Linear(8, 2))
     engine.make_private(module=small, optimizer=torch.optim.SGD(small.parameters(), lr=0.1),
                         data_loader=DataLoader(TensorDataset(x, y), batch_size=10), criterion=nn.CrossEntropyLoss(),
-                        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutchpp", k=8, seed=0)
+                        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutchpp", projection_dim=8, seed=0)
     assert engine.envelope is None

@@ -119,7 +119,7 @@ def test_parameters_of_the_model_itself_get_their_own_handler_and_train_without_
     model, opt, _, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
-        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=4, seed=0)
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", projection_dim=4, seed=0)
     assert any(isinstance(u.handler, RootParameterHandler) and not u.path for u in engine.plan.units)
     assert "RootParameterHandler" in str(engine.plan)
     before = model.pos.detach().clone()

@@ -160,3 +160,34 @@ def test_the_old_bracket_uses_of_dpsgd_epsilon_still_work_with_a_warning():
         assert eps.lower == bracket.lower
     with pytest.warns(DeprecationWarning, match=r"dpsgd_epsilon\(\.\.\.\)\.upper"):
         assert eps.upper == bracket.upper
+
+
+def test_the_trainers_old_projection_argument_warns_and_means_projection_dim():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+
+    data = TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,)))
+    model = nn.Linear(3, 2)
+    engine = PrivacyEngine()
+    with pytest.warns(DeprecationWarning, match=r"make_private\(projection_dim=...\)"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(data, batch_size=5), max_grad_norm=1.0, noise_multiplier=1.0,
+                            k=7)
+    assert engine.projection_dim == 7
+    with pytest.warns(DeprecationWarning, match="projection_dim"):
+        assert engine.k == 7
+    with pytest.raises(TypeError, match="both 'k'"):
+        PrivacyEngine().make_private(module=nn.Linear(3, 2), optimizer=None, data_loader=None, max_grad_norm=1.0,
+                                     k=3, projection_dim=3)
+
+
+def test_the_hf_privacy_arguments_old_k_warns():
+    pytest.importorskip("transformers")
+    from dpsgd.hf import PrivacyArguments
+
+    with pytest.warns(DeprecationWarning, match="projection_dim"):
+        args = PrivacyArguments(k=16)
+    assert args.projection_dim == 16

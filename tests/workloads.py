@@ -194,7 +194,8 @@ def private_lora_run(device: str = "cpu", autocast: bool = False):
     engine = PrivacyEngine()
     same, opt, crit, loader = engine.make_private(
         module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
-        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", k=8, seed=0)
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch",
+        projection_dim=8, seed=0)
     assert same is model
     for x, y in loader:
         x, y = x.to(device), y.to(device)

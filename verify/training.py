@@ -254,7 +254,7 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=base_opt, data_loader=DataLoader(TensorDataset(ids, label, slot, is_canary),
                                                                  batch_size=batch),
-        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, k=k,
+        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, projection_dim=k,
         seed=int(rng.integers(2**62)))
     scale = 1e3 * max_grad_norm   # a canary's gradient norm: far above C, clipped to about C
     with _broken(broken, engine):

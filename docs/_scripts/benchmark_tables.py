@@ -91,9 +91,12 @@ TASKS = [
          "python benchmarks/step_bench.py --models cnn --batch 64 --steps 5 --rounds 4 "
          "--methods non-private exact ghost hutch", CPU,
          "step_bench_cnn_b64_ghost_exact.txt"),
-    Task("Trainer", "A mixture of experts", "A Hugging Face `MixtralForCausalLM` from a config (hidden 128, 4 experts, top 2, 2 layers), T = 512, B = 4.",
-         "python benchmarks/step_bench.py --models mixtral --methods non-private hutch exact --rounds 3", CPU, "step_bench_mixtral_512.txt"),
-    Task("Trainer", "`torch.compile`", "The long-context decoder compiled with `torch.compile` (inductor, CPU) before `make_private`, T = 2048; "
+    Task("Trainer", "A mixture of experts",
+         "A Hugging Face `MixtralForCausalLM` from a config (hidden 128, 4 experts, top 2, 2 layers), T = 512, B = 4.",
+         "python benchmarks/step_bench.py --models mixtral --methods non-private hutch exact --rounds 3", CPU,
+         "step_bench_mixtral_512.txt"),
+    Task("Trainer", "`torch.compile`",
+         "The long-context decoder compiled with `torch.compile` (inductor, CPU) before `make_private`, T = 2048; "
          "compilation is in the untimed warm-up steps.",
          "python benchmarks/step_bench.py --models llama-long --seq-len 2048 --batch 2 --steps 3 --rounds 3 "
          "--methods non-private hutch compiled-non-private compiled-hutch", CPU,
