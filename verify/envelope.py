@@ -106,8 +106,8 @@ def envelope_audit(cases: tuple[tuple[int, int], ...] = ((4, 6), (32, 8)), lambd
 
     Parameters
     ----------
-    cases : tuple of (k, d)
-        Envelopes :class:`dpmath.HutchEnvelope` ``(k, d)`` to audit.
+    cases : tuple of tuple of int
+        ``(projection_dim, dim)`` pairs: the envelopes :class:`dpmath.HutchEnvelope` to audit.
     lambdas : int
         Random points of the simplex per case (exact CDFs; a fifth of them also by Monte Carlo).
     draws : int

@@ -35,7 +35,8 @@ def schur_audit(cases: tuple[tuple[int, int, float], ...] = ((4, 2, 1.0), (4, 3,
 
     Parameters
     ----------
-    cases : tuple of (k, d, t)
+    cases : tuple of tuple
+        ``(k, d, t)`` triples:
         ``g_t`` on the simplex of dimension ``d - 1`` with ``k`` probes; ``t <= 1`` tests B.12 (convex),
         ``t >= 2`` tests B.11 (concave).
     seed : int
