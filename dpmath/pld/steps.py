@@ -154,7 +154,7 @@ def step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool,
     :func:`scale_sums`; the others on one grid of up to :data:`MAX_GRID` points."""
     q = mechanism.sample_rate
     fine: list[list[StepMasses]] = [[] for _ in bounds]
-    pieces: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in bounds]
+    pieces: list[list[tuple[np.ndarray, np.ndarray, float, float]]] = [[] for _ in bounds]
     unbounded = [0.0] * len(bounds)
     point = mechanism.envelope.point_mass() if isinstance(mechanism, RandomizedClipGaussian) else 1.0
     if point is None:
