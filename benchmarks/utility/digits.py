@@ -149,7 +149,7 @@ def private_kwargs(method: str, c: float) -> dict:
         return {"estimator": method, "max_grad_norm": c}
     if method.startswith("hutch"):
         estimator, k = method.split("-k")
-        return {"estimator": estimator, "k": int(k), "max_grad_norm": c}
+        return {"estimator": estimator, "projection_dim": int(k), "max_grad_norm": c}
     if method == "lap2":
         return {"estimator": "exact", "noise": "laplace", "max_grad_norm": c}
     if method == "twice":

@@ -95,8 +95,8 @@ LORA_TARGETS = r".*\.attn\.(c_attn|c_proj)"
 DP_METHODS: dict[str, dict] = {
     "exact": {"estimator": "exact"},
     "ghost": {"estimator": "ghost"},
-    "hutch": {"estimator": "hutch", "k": K},
-    "hutchpp": {"estimator": "hutchpp", "k": K},
+    "hutch": {"estimator": "hutch", "projection_dim": K},
+    "hutchpp": {"estimator": "hutchpp", "projection_dim": K},
     "lap2": {"estimator": "ghost", "noise": "laplace"},
 }
 METHODS = ("non-private", *DP_METHODS)
