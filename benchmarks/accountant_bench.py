@@ -1,14 +1,14 @@
 """Accountant benchmarks: epsilon brackets and time against dp_accounting and prv_accountant, a referee, and
 the randomized-clipping accountant.
 
-Table 1 (DP-SGD, Poisson-subsampled Gaussian, add-or-remove): for each configuration of issue 16 and the
+Table 1 (DP-SGD, Poisson-subsampled Gaussian, add-or-remove): for each configuration of the reference set and the
 peer disagreements, our ``[lower, upper]`` bracket at discretization 1e-4, dp_accounting's pessimistic PLD
 epsilon at 1e-4 and prv_accountant's ``[lower, upper]`` at ``eps_error = 0.01``, each timed in this run
 (ours and dp_accounting alternate, median of 3; prv once), and the referee's enclosure of the true epsilon
 (:mod:`dpmath.referee`, Laplace inversion with an error bound, independent of any loss grid).
 Table 2: randomized clipping (Hutch, k = 32, d = 2048): our bracket and warm time per epsilon.
 Table 3: calibrate_noise_multiplier for DP-SGD-RC in the Table 4 setting of paper 000, cold and warm.
-Table 4: one randomized-clipping step (Hutch) at issue 16's three cases: the referee's enclosure of the truth
+Table 4: one randomized-clipping step (Hutch) at three cases: the referee's enclosure of the truth
 (:func:`dpmath.referee.referee_rc_epsilon`) beside our default and refined (``bracket_rtol=5e-3``) brackets; not
 in the default run (``--tables 4``, about a minute).
 
@@ -30,7 +30,7 @@ from dpmath import (
 )
 from dpmath.referee import referee_epsilon, referee_rc_epsilon
 
-CONFIGS = [   # (sigma, q, steps, delta): issue 16's list, then the peer disagreement at (0.9, 0.1, 3000)
+CONFIGS = [   # (sigma, q, steps, delta): the reference configurations, then the peer disagreement at (0.9, 0.1, 3000)
     (1.1, 256 / 60000, 14063, 1e-5),
     (0.8, 1e-3, 50000, 1e-6),
     (1.5, 0.05, 1000, 1e-6),
@@ -148,7 +148,7 @@ ONE_STEP = [(8, 200, 0.8, 0.3, 1e-8), (4, 8, 3.0, 0.1, 1e-6), (32, 2048, 1.0, 0.
 
 def table4() -> None:
     print()
-    print("Table 4: one randomized-clipping step (Hutch) at issue 16's three cases, against the referee's enclosure "
+    print("Table 4: one randomized-clipping step (Hutch) at three cases, against the referee's enclosure "
           "of the truth (dpmath.referee.referee_rc_epsilon)")
     print(f"{'k':>3} {'d':>5} {'sigma':>5} {'q':>5} {'delta':>6} | {'referee [low, high]':>24} {'s':>5} | "
           f"{'ours [lower, upper]':>22} {'width%':>7} {'s':>5} | {'refined [lower, upper]':>22} {'width%':>7} {'s':>5}")

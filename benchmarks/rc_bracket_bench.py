@@ -3,7 +3,7 @@
 Run ``OMP_NUM_THREADS=1 python benchmarks/rc_bracket_bench.py LABEL cal`` and ``... LABEL rc`` from each
 checkout in turn (alternate them: the machines are shared and noisy).  ``cal``: ``calibrate_noise_multiplier`` for Hutch
 (k = 32, d = 2048) at epsilon 0.7, delta 1e-5, q = 64/1139, 180 steps, cold (the first call in the process)
-and warm (median of 2).  ``rc``: for each of issue 16's three randomized-clipping configurations, the bracket
+and warm (median of 2).  ``rc``: for each of three randomized-clipping configurations, the bracket
 at ``bracket_rtol=5e-3`` and the default bracket (warm), after one default query has warmed the envelope.
 """
 
