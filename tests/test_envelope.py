@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import optimize, special, stats
 
-from dpmath import HutchEnvelope, HutchPPEnvelope, chi2_mixture_cdf, two_block_cdf
+from dpmath import HutchEnvelope, HutchPPEnvelope, chi2_mixture_cdf, pessimistic_discretization, two_block_cdf
 
 
 def _full_family_brute_force(x, k, d, n_lambda=201):
@@ -325,3 +325,29 @@ def test_envelopes_compare_and_hash_by_value_and_survive_pickling():
 
     c = Custom()
     assert c == c and c != Custom() and hash(c) == hash(c)
+
+
+def test_just_above_one_at_huge_d_the_search_finds_the_heavy_light_bump():
+    """At (k, d) = (32, 1e9) and x = 1 + 9e-8 the lam interval starts at 0; searched linearly, the bump at
+    lam = 6.92e-4 was found at 6.95e-4 and the envelope read 2e-9 below that member (the accountant charges
+    1e-11).  It is searched on a geometric grid from 1/(8d) now."""
+    k, d, x = 32, 10**9, 1.000000090029
+    env = HutchEnvelope(projection_dim=k, dim=d)
+    lam = np.geomspace(6.8e-4, 7.05e-4, 251)
+    members = two_block_cdf(np.full(lam.size, x), lam, 1, d - 1, k)
+    assert float(env.cdf(x)) >= members.max() - 1e-11
+    assert env.maximizer(x).lam == pytest.approx(lam[np.argmax(members)], rel=2e-3)
+
+
+def test_both_discretizations_move_the_envelope_cdf_by_its_tolerance_toward_their_side():
+    env = HutchEnvelope(projection_dim=4, dim=64)
+    grid = np.linspace(0.05, 3.0, 60)
+    F = env.cdf(grid)
+    allowance = np.minimum(1e-11, 1e-9 * F)
+    high = pessimistic_discretization(env, grid)
+    low = pessimistic_discretization(env, grid, optimistic=True)
+    # G(y) = mass at atoms <= y (the pessimistic one's mass below the grid sits below y_0)
+    g_high = high.below_mass + np.cumsum(high.weights)
+    g_low = np.array([low.weights[low.y <= y].sum() for y in grid])
+    assert np.all(g_high >= np.minimum(np.maximum.accumulate(F) + allowance, 1.0) * (1 - 1e-15))
+    assert np.all(g_low <= F - allowance + 1e-16)
