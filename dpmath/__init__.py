@@ -28,7 +28,7 @@ from .envelope import (
     pessimistic_discretization,
 )
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
-from .pld import GridTooLargeError, PLDAccountant
+from .pld import EpsilonSchedule, GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "RandomizedClipGaussian",
     "SubsampledL2Laplace",
     "PLDAccountant",
+    "EpsilonSchedule",
     "GridTooLargeError",
     "RDPAccountant",
     "Bracket",

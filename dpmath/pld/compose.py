@@ -20,7 +20,7 @@ from scipy import special
 
 from .distribution import MAX_GRID, GridTooLargeError, Pld, grid_advice
 
-__all__ = ["Composition", "Factor", "EXTENDED", "chernoff", "tilted_product"]
+__all__ = ["Composition", "Factor", "EXTENDED", "Spectra", "chernoff", "tilted_product"]
 
 _F64_EPS = float(np.finfo(np.float64).eps)
 _FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per log2 N (scaled by eps in extended)
@@ -33,6 +33,7 @@ _TILT_FLOOR = 1e-15    # ... that exceeds this mass (delta is supported down to 
 _MAX_TILTS = 64
 _LOG_TINY = -700.0     # log of the smallest spectrum modulus worth a complex power (exp(-700) ~ 1e-304)
 _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta) before it is an error
+_SPECTRA_MAX = 1 << 23   # largest FFT whose steps' transforms :class:`Spectra` keeps (8M points: 200 MB a step)
 
 
 class Factor:
@@ -221,8 +222,69 @@ def _tilt_for_mean(factors: list[Factor], target: float, lam0: float, direction:
     return hi
 
 
+class Spectra:
+    r"""The steps' Fourier transforms for the untilted pass, kept across compositions of the same step PLDs at
+    different counts.
+
+    An untilted pass of ``n_i`` copies of the steps ``p_i`` is ``irfft(prod_i rfft(p_i)^{n_i})`` on ``N`` points,
+    any ``N`` at least its window's width (wider only leaves more room before mass wraps around, and the mass
+    beyond the window is charged as before).  That width never grows when a count shrinks: each side of the
+    window is a Chernoff distance from the mean, ``min_theta (n K(theta) + level) / theta`` with the centred
+    cumulant ``K >= 0`` (Jensen), so it is non-decreasing in ``n``, and so are the clips to the support
+    ``[n k_min, n k_max]``.  So the window of the largest counts fixes one ``N`` (:attr:`size`) for every smaller
+    count, and each step's transform at that size is computed once (the first pass) and reused: a later pass
+    costs the power, one inverse FFT and the error bound.  Float64 passes only; tilted ones (whose window and
+    weights change with the tilt) and windows wider than :attr:`size` are computed afresh.
+
+    Parameters
+    ----------
+    size : int
+        Width of the widest untilted window the compositions may have (that of the largest counts); the FFT
+        size is the next fast length.  Above ``2^23`` points nothing is kept (each transform would take
+        about 200 MB) and every pass is computed afresh.
+
+    Examples
+    --------
+    >>> import math
+    >>> from dpmath import SubsampledGaussian
+    >>> from dpmath.pld.compose import Composition, Spectra
+    >>> from dpmath.pld.steps import step_plds
+    >>> step, = step_plds(SubsampledGaussian(1.0, 0.01), "remove", 1e-4, (True,))
+    >>> largest = Composition([(step, 1000)], 1e-18)
+    >>> shared = Spectra(largest.hi - largest.lo + 1)
+    >>> eps = [Composition([(step, n)], 1e-18, spectra=shared).pass_epsilon(1e-6)[0] for n in (10, 100, 1000)]
+    >>> [round(e, 4) for e in eps]
+    [0.5924, 0.9542, 2.1245]
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = sfft.next_fast_len(int(size), real=True)
+        self.transforms: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}   # step index -> X, log|X|, rel
+
+    def transform(self, i: int, f: Factor) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """``(rfft, log |rfft|, relative rounding per copy)`` of step ``i`` (the factor ``f``) at :attr:`size`,
+        untilted; ``None`` where the size is over the limit."""
+        if self.size > _SPECTRA_MAX:
+            return None
+        if i not in self.transforms:
+            self.transforms[i] = _transform(f, 0.0, self.size, np.float64)
+        return self.transforms[i]
+
+
+def _transform(f: Factor, lam: float, nfft: int, dtype) -> tuple[np.ndarray, np.ndarray, float]:
+    """The tilted step's ``rfft`` on ``nfft`` points, its ``log |.|`` and the inputs' relative rounding per copy
+    (:func:`tilted_product`)."""
+    w, log_norm, _, _ = f.tilted(lam)
+    x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft).astype(dtype, copy=False))
+    rel = (4.0 + float(np.max(np.abs(f.logp + lam * f.t - log_norm)))) * _F64_EPS
+    with np.errstate(divide="ignore"):
+        la = np.log(np.abs(x)).astype(np.float64)
+    return x, la, rel
+
+
 def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: int, b: int, h: float,
-                    extended: bool = False, trim: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+                    extended: bool = False, trim: bool = False, spectra: Spectra | None = None
+                    ) -> tuple[int, np.ndarray, np.ndarray]:
     """``(first index, values, error bounds)`` at grid indices ``first..b`` of the composition, computed on
     the FFT window ``w_lo..w_hi`` under the tilt ``e^{lam t}`` and untilted; ``first = a``, or with ``trim``
     the first index whose value is not noise (error bound at most half the value; the error and the value
@@ -236,8 +298,15 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
     relative error from rounding, charged too: at most ``n (4 + max |log w|) eps`` from ``n`` steps of
     float64 tilted weights ``w`` (a composition is a sum of products of ``n`` inputs, all ``>= 0``), and
     ``(4 + 2 (|log c| + |lam| max |t|)) eps`` from untilting by ``c e^{-lam t}`` (the rounding of the exponent's
-    two terms, then of ``exp``).  Overflowing values and bounds are ``inf`` (or NaN where ``0 * inf``)."""
+    two terms, then of ``exp``).  Overflowing values and bounds are ``inf`` (or NaN where ``0 * inf``).
+
+    ``spectra``: an untilted float64 pass whose window fits :attr:`Spectra.size` runs on that many points, with
+    the steps' transforms kept there (the same numbers as computed here, at that size)."""
     nfft = sfft.next_fast_len(w_hi - w_lo + 1, real=True)
+    shared = (spectra is not None and lam == 0.0 and not extended and w_hi - w_lo + 1 <= spectra.size
+              and spectra.size <= _SPECTRA_MAX)
+    if shared:
+        nfft = spectra.size
     dtype = np.longdouble if extended else np.float64
     eps = float(np.finfo(dtype).eps)
     xs, log_abs = [], []
@@ -245,12 +314,10 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
     log_scale = 0.0
     offset = 0
     rel = 0.0   # relative error of each value from the inputs' rounding
-    for f in factors:
-        w, log_norm, _, _ = f.tilted(lam)
-        x = sfft.rfft(np.bincount((f.k - f.k[0]) % nfft, weights=w, minlength=nfft).astype(dtype, copy=False))
-        rel += f.n * (4.0 + float(np.max(np.abs(f.logp + lam * f.t - log_norm)))) * _F64_EPS
-        with np.errstate(divide="ignore"):
-            la = np.log(np.abs(x)).astype(np.float64)
+    for i, f in enumerate(factors):
+        _, log_norm, _, _ = f.tilted(lam)
+        x, la, rel_one = spectra.transform(i, f) if shared else _transform(f, lam, nfft, dtype)
+        rel += f.n * rel_one
         xs.append(x)
         log_abs.append(la)
         log_spec += f.n * la
@@ -258,14 +325,22 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
         offset += f.n * int(f.k[0])
     # the power is taken only where the product's modulus is representable (after many steps, few
     # frequencies); the others are left at 0 and their moduli are charged to the error below
-    keep = log_spec > _LOG_TINY
+    scale = _FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
+    tiny = _LOG_TINY
+    if shared:
+        # a shared transform is reused at many counts, where the power of every frequency would cost about as
+        # much as the inverse FFT: it also drops the moduli below 1e-3 of the rounding bound's least value,
+        # scale / nfft (the largest output is at least the mean, 1 / nfft: the tilted masses sum to 1), so the
+        # charge for them is at most 0.1 % of the bound's
+        tiny = max(tiny, math.log(1e-3 * scale / nfft))
+    keep = log_spec > tiny
     cdtype = np.clongdouble if extended else np.complex128
     spec = np.zeros(nfft // 2 + 1, dtype=cdtype)
     part = np.ones(int(keep.sum()), dtype=cdtype)
     for x, f in zip(xs, factors, strict=True):
         part *= x[keep] ** f.n
     spec[keep] = part
-    dropped = float(spec.size - part.size) * math.exp(_LOG_TINY)   # each dropped modulus is below this
+    dropped = float(spec.size - part.size) * math.exp(tiny)   # each dropped modulus is below this
     # |d prod X_i^n_i| <= sum_i n_i |dX_i| |X_i|^(n_i - 1) prod_{j != i} |X_j|^n_j, |dX| <= _FFT_ERR log2 N
     sens = 0.0
     for i, f in enumerate(factors):
@@ -276,7 +351,6 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
         # exp underflows to exactly 0 below -746: only the other terms are summed (the same sum, faster)
         sens += f.n * float(np.exp(log_term[log_term > -746.0]).sum())
     circ = sfft.irfft(spec, nfft)
-    scale = _FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
     peak = max(float(circ.max()), -float(circ.min()))
     err_t = scale * ((2.0 / nfft) * (sens + float(np.sum(np.abs(part)))) + peak)
     err_t += (2.0 / nfft) * dropped   # each output moves by at most 2/N times the dropped moduli
@@ -325,11 +399,15 @@ class Composition:
         Step PLDs (all upper or all lower bounds, one grid) and their counts.
     tail : float
         Mass left outside the untilted window on each side (charged to ``inf`` / ``slack``).
+    spectra : Spectra, optional
+        The steps' transforms for the untilted pass, shared with compositions of the same steps (in the same
+        order) at other counts (:class:`Spectra`).
     """
 
-    def __init__(self, events: list[tuple[Pld, int]], tail: float) -> None:
+    def __init__(self, events: list[tuple[Pld, int]], tail: float, *, spectra: Spectra | None = None) -> None:
         first = events[0][0]
         self.h, self.upper = first.h, first.upper
+        self.spectra = spectra
         self.single = first if (len(events) == 1 and events[0][1] == 1) else None
         self._full: Pld | None = None
         self._local: dict[tuple[float, bool], Pld] = {}
@@ -360,7 +438,7 @@ class Composition:
         a, b = max(self.lo, w_lo), min(self.hi, w_hi)
         if a > b or w_hi - w_lo + 1 > MAX_GRID:
             return None
-        return tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended, trim)
+        return tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended, trim, self.spectra)
 
     def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
         if self.upper:
@@ -474,6 +552,18 @@ class Composition:
             return 1.0
         log_c = theta * math.log(theta) - (theta + 1.0) * math.log1p(theta)
         return min(1.0, self.inf + math.exp(min(0.0, k0 - theta * dist + log_c)))
+
+    def pass_epsilon(self, delta: float, lam: float = 0.0) -> tuple[float, bool]:
+        """``(epsilon, resolved)``: ``epsilon(delta)`` read from the one pass under the tilt ``lam`` (default: the
+        untilted pass), a bound on this composition's side like every pass's, and whether that pass resolves it
+        as :meth:`epsilon` asks of its passes (above the lumped first point, the error bounds above it at most
+        ``_TILT_RTOL`` of ``delta``).  Where it does not, the bound may be loose and :meth:`epsilon` searches the
+        tilts."""
+        if self.single is not None:
+            return self.single.epsilon(delta), True
+        pld = self.local(lam)
+        eps = pld.epsilon(delta)
+        return eps, eps == math.inf or self._good(pld, eps, delta)
 
     def epsilon(self, delta: float) -> float:
         if self.single is not None:
