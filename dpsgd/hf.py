@@ -12,10 +12,10 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
   (``args.max_grad_norm = 0``) and its gradient-norm log is suppressed (it would be a non-private statistic
   of the clipped sum);
 * ``epsilon`` (the accountant's upper bound at ``target_delta``, :meth:`dpsgd.PrivacyEngine.get_epsilon`) is
-  added to every log line: the step is built once per run and each log costs one FFT pass (about 0.1 s for
-  ``hutch``), so frequent logging stays cheap; ``PrivacyArguments.epsilon_overcount`` (default 0) may charge up
-  to that fraction more steps than taken before the last step (pessimistic, never below the value at the
-  steps taken);
+  added to every log line: the step is built once per run and each log costs one FFT pass (tens of
+  milliseconds for ``hutch``), so frequent logging stays cheap; ``PrivacyArguments.epsilon_overcount``
+  (default 0) may charge up to that fraction more steps than taken before the last step (pessimistic, never
+  below the value at the steps taken);
 * ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` for exactly the optimizer steps the
   Trainer will take (``args.max_steps``, or ``num_train_epochs`` times the Poisson batches of an epoch,
   rounded up as the Trainer rounds); the engine refuses a step beyond them;
@@ -63,8 +63,8 @@ class PrivacyArguments:
     ``check_every_step`` and ``check_rate`` set the engine's row check (example isolation; see
     :attr:`dpsgd.PrivacyEngine.check_rate`).  ``epsilon_overcount`` is the ``overcount`` of the logs'
     epsilon (:meth:`dpsgd.PrivacyEngine.get_epsilon`) before the last step: ``0`` (default) logs the epsilon of
-    the steps taken (one FFT pass a log, about 0.1 s for ``hutch``); ``> 0`` charges the first count at or above
-    them on a grid about ``1 + epsilon_overcount`` apart, so a run computes about
+    the steps taken (one FFT pass a log, tens of milliseconds for ``hutch``); ``> 0`` charges the first count at
+    or above them on a grid about ``1 + epsilon_overcount`` apart, so a run computes about
     ``log(steps) / log(1 + epsilon_overcount)`` values however small ``logging_steps`` is (pessimistic, never
     below the value at the steps taken; of use only where each value is costly, as with twice sampling's RDP
     accountant).
