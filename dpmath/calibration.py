@@ -340,7 +340,10 @@ class _BracketedEpsilon(float):
 
     __slots__ = ("_lower",)
 
-    def __new__(cls, bracket: Bracket) -> _BracketedEpsilon:
+    def __new__(cls, bracket: Bracket | float) -> _BracketedEpsilon | float:
+        if not isinstance(bracket, Bracket):
+            # a number: what float's own machinery (statistics, copy) builds through type(x)(value)
+            return float(bracket)
         self = super().__new__(cls, bracket.upper)
         self._lower = bracket.lower
         return self

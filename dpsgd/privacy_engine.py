@@ -706,9 +706,11 @@ class PrivacyEngine:
     # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the
     # steps already taken (a lower sample_rate, a higher noise_multiplier, a larger k, "exact" for an estimator
     # or a narrower envelope would under-charge them)
-    # "k" is projection_dim's deprecated name: refused here too, with this message
+    # "k" is projection_dim's deprecated name: refused here too, with this message.  planned_steps bounds the
+    # steps the calibration holds for; secure_mode decides whether checkpoints hold the noise generators' states;
+    # ledger_path is where every step is recorded, so a resumed run counts them all
     FIXED_SETTINGS = frozenset({"noise_multiplier", "sample_rate", "expected_batch_size", "estimator", "projection_dim",
-                                "k", "max_grad_norm", "envelope"})
+                                "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path"})
 
     def __setattr__(self, name: str, value) -> None:
         if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:

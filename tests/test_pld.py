@@ -820,3 +820,15 @@ def test_an_accountant_with_nothing_composed_reports_no_privacy_loss():
     assert acc.tradeoff(0.25) == 0.75 and acc.tradeoff([0.0, 1.0]).tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match="delta"):
         acc.epsilon(0.0)
+
+
+@pytest.mark.parametrize("name, value", [("neighboring", "replace_one"), ("discretization", 1e-3),
+                                         ("tail_mass", 1e-10), ("bracket_rtol", 1e-3)])
+def test_an_accountants_settings_cannot_change_after_it_is_built(name, value):
+    # the cached curves were built at the old value: a change would be read against them (a replace-one
+    # epsilon off the add-or-remove curve of a Gaussian, 7.51 where the truth is 17.86)
+    acc = PLDAccountant().compose(Gaussian(1.0), 10)
+    before = acc.epsilon(1e-5)
+    with pytest.raises(AttributeError):
+        setattr(acc, name, value)
+    assert acc.epsilon(1e-5) == before

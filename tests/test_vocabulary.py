@@ -191,3 +191,11 @@ def test_the_hf_privacy_arguments_old_k_warns():
     with pytest.warns(DeprecationWarning, match="projection_dim"):
         args = PrivacyArguments(k=16)
     assert args.projection_dim == 16
+
+
+def test_dpsgd_epsilon_works_where_python_rebuilds_a_float_from_its_type():
+    import statistics
+
+    e = dpsgd_epsilon(1.1, 0.01, 100, 1e-5)
+    assert statistics.mean([e, e]) == float(e)
+    assert type(e)(2.5) == 2.5 and type(type(e)(2.5)) is float

@@ -100,14 +100,37 @@ class PLDAccountant:
             if not 0 < r < 1:
                 raise ValueError(f"bracket_rtol must lie in (0, 1) or be None, got {bracket_rtol!r}")
             bracket_rtol = r
-        self.discretization = h
-        self.neighboring = neighboring
-        self.tail_mass = tm
-        self.bracket_rtol = bracket_rtol
+        # read-only (properties below): the cached compositions and curves were built at these values, and
+        # compose() refused the mechanisms a relation does not cover, so a later change would be read against
+        # stale caches (replace-one read off an add-or-remove curve, a refused mechanism let through)
+        self._discretization = h
+        self._neighboring = neighboring
+        self._tail_mass = tm
+        self._bracket_rtol = bracket_rtol
         self._events: tuple[tuple[Mechanism, int], ...] = ()
         self._plds: dict[tuple[float, bool, float, tuple[str, ...]], Composition] = {}
         self._two_scale: list[TwoScaleLower | None] = []   # built at most once per composition
         self._gaussian: list[GaussianCurve | None] = []    # likewise
+
+    @property
+    def discretization(self) -> float:
+        """The loss grid's step h (read-only: make a new accountant to change it)."""
+        return self._discretization
+
+    @property
+    def neighboring(self) -> str:
+        """``"add_or_remove"`` or ``"replace_one"`` (read-only)."""
+        return self._neighboring
+
+    @property
+    def tail_mass(self) -> float:
+        """The probability mass each step may leave beyond its grid, charged to δ (read-only)."""
+        return self._tail_mass
+
+    @property
+    def bracket_rtol(self) -> float | None:
+        """The relative width ``epsilon_bracket`` refines to, or ``None`` (read-only)."""
+        return self._bracket_rtol
 
     def __repr__(self) -> str:
         return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring!r}, "
