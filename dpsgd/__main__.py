@@ -28,7 +28,11 @@ PROG = "python -m dpsgd"
 
 
 def _value(text: str) -> object:
-    """A ``--set`` value: JSON (``2``, ``0.1``, ``true``, ``null``, ``[1, 2]``), else the text itself."""
+    """A ``--set`` value: JSON (``2``, ``0.1``, ``true``, ``null``, ``[1, 2]``), Python's ``True``/``False``/``None``,
+    else the text itself (a lax config would read the text ``"False"`` as true)."""
+    python = {"True": True, "False": False, "None": None}
+    if text in python:
+        return python[text]
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -48,6 +52,7 @@ def _overrides(items: list[str], parser: argparse.ArgumentParser) -> dict:
 def _hf_model(args: argparse.Namespace, overrides: dict):
     """The Hugging Face model of ``--hf-model-type`` or ``--config-json``, on the meta device; its description."""
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -59,10 +64,16 @@ def _hf_model(args: argparse.Namespace, overrides: dict):
         config = AutoConfig.from_pretrained(args.config_json)
         config.update(overrides)
     with torch.device("meta"):   # shapes and module types are all a plan reads
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:   # not a causal LM (an encoder, a vision model): its base model
-            model = AutoModel.from_config(config)
+        if args.model_class is not None:   # the head must be the one trained: its parameters are counted
+            cls = getattr(transformers, args.model_class, None)
+            if not isinstance(cls, type):
+                raise SystemExit(f"{PROG} plan: error: --model-class {args.model_class!r} is not a transformers class")
+            model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError:   # not a causal LM (an encoder, a vision model): its base model
+                model = AutoModel.from_config(config)
     return model, f"{type(model).__name__} (model type {config.model_type}, random weights on the meta device)"
 
 
@@ -79,14 +90,16 @@ def _factory_model(spec: str, parser: argparse.ArgumentParser):
     return model, f"{type(model).__name__} (from {spec}())"
 
 
-def _with_lora(model, rank: int):
-    """``model`` with LoRA adapters of rank ``rank`` on peft's default target modules for its type (the
-    base weights frozen, the adapters trainable, no dropout)."""
+def _with_lora(model, rank: int, targets: list[str] | None):
+    """``model`` with LoRA adapters of rank ``rank`` on ``targets`` (default: peft's target modules for its
+    type; the base weights frozen, the adapters trainable, no dropout), and the targets used."""
     from peft import LoraConfig, get_peft_model
 
     with warnings.catch_warnings():   # peft's notice that it sets fan_in_fan_out for GPT-2's Conv1D itself
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out")
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0))
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                 target_modules=targets))
+    return model, sorted(model.peft_config["default"].target_modules)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--projection-dim", type=int, default=32, metavar="K",
                       help="k, the random projections of hutch or hutchpp (default 32)")
     plan.add_argument("--lora", type=int, metavar="RANK",
-                      help="add LoRA adapters of this rank on peft's default target modules (needs peft)")
+                      help="add LoRA adapters of this rank (needs peft); on --lora-target-modules, else on peft's "
+                           "default targets for the model type (c_attn only for gpt2)")
+    plan.add_argument("--lora-target-modules", nargs="+", metavar="NAME",
+                      help="the module names LoRA adapts, as in peft's LoraConfig(target_modules=...): "
+                           "give the ones your training uses")
+    plan.add_argument("--model-class", metavar="CLASS",
+                      help="the transformers class to build (e.g. BertForSequenceClassification); default: the "
+                           "causal LM of the model type, else its base model. The head counts: plan the one you train")
     args = parser.parse_args(argv)
     if args.set and args.module is not None:
         parser.error("--set overrides a Hugging Face config: use it with --hf-model-type or --config-json")
@@ -124,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         model, what = _factory_model(args.module, parser)
     else:
         model, what = _hf_model(args, _overrides(args.set, parser))
+    if args.lora_target_modules and args.lora is None:
+        parser.error("--lora-target-modules needs --lora RANK")
+    if args.model_class is not None and args.module is not None:
+        parser.error("--model-class builds a Hugging Face model: use it with --hf-model-type or --config-json")
     if args.lora is not None:
-        model, what = _with_lora(model, args.lora), f"{what}, LoRA rank {args.lora}"
+        model, targets = _with_lora(model, args.lora, args.lora_target_modules)
+        what = f"{what}, LoRA rank {args.lora} on {', '.join(targets)}"
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"model: {what}; {trainable:,} trainable parameter entries; estimator {args.estimator}, "
           f"k = {args.projection_dim}")

@@ -85,3 +85,21 @@ def test_config_json_lora_exact_estimators_and_refusals(tmp_path, capsys, monkey
             main(["plan", *argv])
         assert message in capsys.readouterr().err
     assert json.loads(path.read_text())["n_layer"] == 2   # --set changes the plan's config, never the file
+
+
+def test_lora_targets_and_the_model_class_are_the_ones_planned(capsys):
+    pytest.importorskip("peft")
+    # the LoRA example adapts c_attn and c_fc: planning peft's default (c_attn alone) would count half the terms
+    assert main(["plan", "--hf-model-type", "gpt2", "--set", *TINY_GPT2, "--lora", "8",
+                 "--lora-target-modules", "c_attn", "c_fc"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 8 on c_attn, c_fc" in out and "envelope dimension D = 32:" in out
+    # a classifier's head is counted, not the causal-LM head a model type defaults to
+    bert = ["num_hidden_layers=1", "hidden_size=32", "num_attention_heads=2", "intermediate_size=64"]
+    assert main(["plan", "--hf-model-type", "bert", "--set", *bert, "--model-class",
+                 "BertForSequenceClassification"]) == 0
+    assert "model: BertForSequenceClassification" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--hf-model-type", "bert", "--model-class", "NoSuchModel"])
+    with pytest.raises(SystemExit):
+        main(["plan", "--hf-model-type", "gpt2", "--lora-target-modules", "c_attn"])   # needs --lora

@@ -103,8 +103,12 @@ TASKS = [
          "step_bench_compile_llama_long_2048.txt"),
     Task("Trainer", "Drawing the noise", "Gaussian noise for 192 M coordinates.",
          "python benchmarks/noise_bench.py", CPU, "noise_bench.txt"),
-    Task("Trainer", "ε at every log", "What `get_epsilon` costs when a trainer logs often.",
-         "python benchmarks/epsilon_logging_bench.py", CPU, "epsilon_logging_bench.txt"),
+    Task("Trainer", "ε at every log", "What `get_epsilon` costs when a trainer logs often: the LoRA example's "
+         "run at several `logging_steps`.", "python benchmarks/epsilon_logging_bench.py", CPU,
+         "epsilon_logging_bench.txt"),
+    Task("Trainer", "One ε query after the first", "The time of each `get_epsilon` after the first, against a "
+         "fresh accountant per call.", "python benchmarks/epsilon_schedule_bench.py", CPU,
+         "epsilon_schedule_bench.txt"),
     Task("Trainer", "On a GPU: Llama-3.2-1B's shape",
          "16 layers at Llama-3.2-1B's widths under bf16 autocast, per method (measured before the step's "
          "real-width optimizations; see the CPU tables for the current step).",
