@@ -13,14 +13,16 @@ Importing this package does not need torch until one of these names is used.
 
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
            "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
-           "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise"]
+           "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise", "UnsupportedSamplerError",
+           "UnaccountedSamplingError"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
           "ExampleMixingError": "engine", "StateChangedError": "engine",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
           "HybridClipping": "sampling",
-          "GaussianNoise": "noise", "LaplaceNoise": "noise"}
+          "GaussianNoise": "noise", "LaplaceNoise": "noise", "UnsupportedSamplerError": "data",
+          "UnaccountedSamplingError": "privacy_engine"}
 
 
 def __getattr__(name: str):

@@ -3,23 +3,45 @@ r"""Batch sampling for DP-SGD: Poisson sampling (what the accountant assumes) an
 With Poisson sampling each example joins each batch independently with probability ``q``; batch sizes
 vary (an empty batch is possible and still takes a noise-only step), and gradients are normalized by the
 expected batch size ``q N``.  :func:`private_data_loader` rebuilds a ``DataLoader`` around
-:class:`PoissonBatchSampler` (a :class:`DPDataLoader`); ``poisson=False`` keeps fixed-size shuffled batches
-and warns that the accounting then does not match the sampling.  :class:`BatchMemoryManager` splits each
+:class:`PoissonBatchSampler` (a :class:`DPDataLoader`); ``poisson=False`` keeps fixed-size shuffled batches,
+which no accountant here covers.  It keeps the loader's dataset and ``collate_fn`` only, so it accepts only a
+loader whose batching means "this dataset, batched by ``batch_size``" (the default sequential sampler or
+``shuffle=True``, ``drop_last=False``) and refuses any other sampler, batch sampler or ``drop_last`` with
+:class:`UnsupportedSamplerError` rather than drop it.  :class:`BatchMemoryManager` splits each
 logical batch into physical micro-batches (gradient accumulation with one noise draw per logical batch).
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections import deque
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "BatchMemoryManager", "EmptyBatch", "private_data_loader",
-           "loader_size"]
+           "loader_size", "UnsupportedSamplerError"]
+
+
+class UnsupportedSamplerError(ValueError):
+    """A data loader whose choice of examples the private loader would not keep: a sampler other than the default
+    or ``shuffle=True``, a ``batch_sampler``, ``drop_last=True`` or an iterable dataset.
+
+    The private loader keeps only the loader's dataset and ``collate_fn`` and draws Poisson batches of expected
+    size ``batch_size`` from the whole dataset, which is what the accountant charges.  Any other choice of
+    examples (weights, a rank's shard, a subset, fixed batches) would be dropped without a word, or charged as
+    Poisson sampling when it is not, so it is refused, naming what was found and what to pass instead.
+    """
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -179,10 +201,81 @@ class DPDataLoader(DataLoader):
                             on_empty=self.on_empty, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
 
+# the way out every UnsupportedSamplerError names
+_POISSON_HINT = ("Pass DataLoader(dataset, batch_size=B) (shuffle=True is accepted too): the engine draws Poisson "
+                 "batches of expected size B from the whole dataset, each example independently at rate q = B / N, "
+                 "which is what the accountant charges")
+
+
+def _sampler_refusal(sampler: Sampler, dataset) -> str | None:
+    """Why the private loader cannot keep ``sampler`` (what it draws that Poisson sampling of ``dataset`` would
+    not), or ``None`` for the two samplers that mean "every example of ``dataset``": the default sequential one
+    and ``shuffle=True``'s permutation (exact types: a subclass may draw otherwise)."""
+    if type(sampler) is SequentialSampler and sampler.data_source is dataset:
+        return None
+    if type(sampler) is RandomSampler and sampler.data_source is dataset and not sampler.replacement \
+            and sampler.num_samples == len(dataset):
+        return None
+    if isinstance(sampler, WeightedRandomSampler):
+        return ("draws examples with the probabilities of its weights, while the engine draws every example at "
+                "one rate q: the weights would be dropped, and no accountant here charges per-example rates. To "
+                "weight examples or classes, weight their losses instead (nn.CrossEntropyLoss(weight=...), or "
+                "PrivacyEngine.private_loss(w * losses)): each example's clipped gradient stays within "
+                "max_grad_norm, so the accounting holds")
+    if isinstance(sampler, DistributedSampler):
+        return ("gives this rank a shard of the dataset, while the engine would sample the whole dataset on every "
+                "rank. Under torch.distributed give each rank a plain loader over its own shard, e.g. "
+                "DataLoader(torch.utils.data.Subset(dataset, range(rank, N, world_size)), batch_size=B_rank): the "
+                "engine samples every rank's shard at one global rate q = (sum of the batch sizes) / (sum of the "
+                "shard sizes) and checks that it is the same on all ranks")
+    if isinstance(sampler, SubsetRandomSampler):
+        return ("draws from a subset of the dataset, while the engine would sample all of it; to train on a subset, "
+                "pass DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=B)")
+    if type(sampler) in (RandomSampler, SequentialSampler):
+        if sampler.data_source is not dataset:
+            return "orders a data_source other than the loader's dataset, which the engine would sample instead"
+        if sampler.replacement:
+            return "draws with replacement (replacement=True), which the engine would replace by Poisson sampling"
+        return (f"draws num_samples={sampler.num_samples} of the {len(dataset)} examples, while the engine would "
+                f"sample all of them")
+    return ("is not one the engine knows: it can neither keep it (the accountant charges Poisson sampling of the "
+            "whole dataset) nor drop it silently")
+
+
+def _check_batching(data_loader: DataLoader) -> None:
+    """:class:`UnsupportedSamplerError` unless ``data_loader``'s batches are ``batch_size`` examples at a time of
+    its whole dataset (the only batching the private loader replaces by Poisson sampling without losing a
+    choice the user made)."""
+    dataset = data_loader.dataset
+    if isinstance(data_loader, DPDataLoader):
+        raise UnsupportedSamplerError("data_loader is already a private loader (a DPDataLoader that make_private "
+                                      "returned): its batches are drawn for that engine's accountant. Pass the "
+                                      "original DataLoader(dataset, batch_size=B) to a new engine")
+    if isinstance(dataset, IterableDataset):
+        raise UnsupportedSamplerError(f"data_loader's dataset is an IterableDataset ({type(dataset).__name__}): "
+                                      f"Poisson sampling draws examples by index, so it needs a map-style dataset "
+                                      f"(__getitem__ and __len__). {_POISSON_HINT}")
+    batch_sampler = data_loader.batch_sampler
+    if data_loader.batch_size is None and batch_sampler is not None:
+        raise UnsupportedSamplerError(f"data_loader's batch_sampler ({type(batch_sampler).__name__}) is not "
+                                      f"supported: it chooses the batches itself, and the engine, which draws "
+                                      f"Poisson batches, would drop it. {_POISSON_HINT}")
+    if data_loader.drop_last:
+        raise UnsupportedSamplerError(f"data_loader's drop_last=True is not supported: Poisson batches have random "
+                                      f"sizes and every one is a step (an empty one a noise-only step), so none is "
+                                      f"dropped (drop_last=False, the default). {_POISSON_HINT}")
+    reason = _sampler_refusal(data_loader.sampler, dataset)
+    if reason is not None:
+        raise UnsupportedSamplerError(f"data_loader's sampler ({type(data_loader.sampler).__name__}) is not "
+                                      f"supported: it {reason}. {_POISSON_HINT}")
+
+
 def loader_size(data_loader: DataLoader) -> tuple[int, int]:
-    """``(N, batch_size)`` of a loader the private loader can be built from, or ``ValueError`` saying why not."""
+    """``(N, batch_size)`` of a loader the private loader can be built from, or ``ValueError`` saying why not
+    (:class:`UnsupportedSamplerError` for a sampler, batch sampler or ``drop_last`` it would not keep)."""
     if not isinstance(data_loader, DataLoader):
         raise ValueError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+    _check_batching(data_loader)
     if data_loader.batch_size is None:
         raise ValueError("data_loader must have a fixed batch_size (its expected batch size under Poisson sampling)")
     try:
@@ -201,10 +294,12 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
     Parameters
     ----------
     data_loader : torch.utils.data.DataLoader
-        A loader with a fixed ``batch_size`` (at most the dataset size) over a sized, non-empty dataset.
+        A loader with a fixed ``batch_size`` (at most the dataset size) over a sized, non-empty, map-style
+        dataset, with the default sampler or ``shuffle=True`` and ``drop_last=False``; any other sampler, a
+        ``batch_sampler`` or ``drop_last=True`` raises :class:`UnsupportedSamplerError` (it would be dropped).
     poisson : bool
-        ``False`` keeps fixed-size shuffled batches and emits a ``UserWarning``: the accountant assumes
-        Poisson sampling, so the reported epsilon is then not a proven bound for the sampling used.
+        ``False`` keeps fixed-size shuffled batches (a new permutation each epoch), which no accountant here
+        covers: :class:`~dpsgd.PrivacyEngine` then refuses to report an epsilon.
     generator : torch.Generator, optional
         Source of the sampling.
     on_batch, on_empty : callable, optional
@@ -217,15 +312,28 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
     -------
     DPDataLoader
 
+    Raises
+    ------
+    UnsupportedSamplerError
+        For a loader whose sampler, batch sampler or ``drop_last`` the Poisson loader would drop.
+    ValueError
+        For a loader without a fixed ``batch_size`` or over an unsized or empty dataset, or a rate outside
+        ``(0, 1]``.
+
     Examples
     --------
     >>> import torch
-    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
     >>> from dpsgd.data import private_data_loader
     >>> dl = DataLoader(TensorDataset(torch.arange(100.0)), batch_size=10)
     >>> pl = private_data_loader(dl, generator=torch.Generator().manual_seed(1))
     >>> len(pl), pl.sample_rate
     (10, 0.1)
+    >>> private_data_loader(DataLoader(TensorDataset(torch.arange(100.0)), batch_size=10,
+    ...                                sampler=WeightedRandomSampler(torch.ones(100), 100)))
+    Traceback (most recent call last):
+    ...
+    dpsgd.data.UnsupportedSamplerError: data_loader's sampler (WeightedRandomSampler) is not supported: ...
     """
     n, batch = loader_size(data_loader)
     if sample_rate is None and batch > n:
@@ -236,9 +344,7 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
         raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
     if poisson:
         sampler = PoissonBatchSampler(n, q, generator=generator)
-    else:
-        warnings.warn("fixed-size batches: the privacy accounting assumes Poisson sampling, so the reported epsilon "
-                      "is not a proven bound for this sampling", UserWarning, stacklevel=2)
+    else:   # no accountant here covers it: the engine warns at make_private and refuses every epsilon
         shuffled = torch.utils.data.RandomSampler(data_loader.dataset, generator=generator)
         sampler = torch.utils.data.BatchSampler(shuffled, data_loader.batch_size, drop_last=False)
     return DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=q, on_batch=on_batch,

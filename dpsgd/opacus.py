@@ -23,6 +23,7 @@ Requires the ``opacus`` extra.  Nothing in dpsgd imports this module.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from opacus.accountants import IAccountant
@@ -31,6 +32,28 @@ from opacus.accountants.registry import register_accountant
 from dpmath import Bracket, Envelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
 
 __all__ = ["BracketAccountant", "register"]
+
+
+def _checked_step(noise_multiplier: object, sample_rate: object, where: str) -> tuple[float, float]:
+    """``(sigma, q)`` as floats, or ``ValueError`` naming ``where`` and the value unless ``sigma`` is finite and
+    positive and ``q`` lies in ``(0, 1]``: the step's mechanism is only defined there, so a value outside is
+    refused where it enters the history, not at the first epsilon."""
+    try:
+        sigma = float(noise_multiplier) if not isinstance(noise_multiplier, bool) else math.nan
+    except (TypeError, ValueError):
+        sigma = math.nan
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"{where}: noise_multiplier must be finite and positive (> 0), got {noise_multiplier!r}; "
+                         f"a step without noise (0) has no finite epsilon, and a negative, infinite or NaN value is "
+                         f"not a noise level (check the optimizer's noise_multiplier or the noise scheduler)")
+    try:
+        q = float(sample_rate) if not isinstance(sample_rate, bool) else math.nan
+    except (TypeError, ValueError):
+        q = math.nan
+    if not 0 < q <= 1:   # NaN fails too
+        raise ValueError(f"{where}: sample_rate must lie in (0, 1] (the Poisson sampling probability, expected "
+                         f"batch size / dataset size), got {sample_rate!r}")
+    return sigma, q
 
 
 class BracketAccountant(IAccountant):
@@ -72,7 +95,15 @@ class BracketAccountant(IAccountant):
         return "dpmath"
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        """Record one step; consecutive steps with the same parameters share one history entry."""
+        """Record one step; consecutive steps with the same parameters share one history entry.
+
+        Raises
+        ------
+        ValueError
+            Unless ``noise_multiplier`` is finite and positive and ``sample_rate`` lies in ``(0, 1]``; nothing
+            is recorded then (the first epsilon would otherwise fail, or be asked of a step with no bound).
+        """
+        noise_multiplier, sample_rate = _checked_step(noise_multiplier, sample_rate, "BracketAccountant.step()")
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]
             self.history[-1] = (sigma, q, n + 1)
@@ -88,6 +119,11 @@ class BracketAccountant(IAccountant):
         key = tuple(self.history)
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
+        for i, (sigma, q, n) in enumerate(key):   # a history set wholesale (load_state_dict) skipped step()
+            _checked_step(sigma, q, f"BracketAccountant.history[{i}]")
+            if isinstance(n, bool) or int(n) != n or n < 1:
+                raise ValueError(f"BracketAccountant.history[{i}]: the step count must be a positive integer, "
+                                 f"got {n!r}")
         acc = PLDAccountant(self.discretization, bracket_rtol=self.bracket_rtol)
         for sigma, q, n in key:
             step = (SubsampledGaussian(sigma, q) if self.envelope is None

@@ -51,6 +51,7 @@ import logging
 import math
 import os
 import time
+import warnings
 import weakref
 
 import torch
@@ -76,13 +77,31 @@ from .noise import GaussianNoise, StepNoise, as_noise
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .validator import uncompiled
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion", "UnaccountedSamplingError"]
 
 
 logger = logging.getLogger("dpsgd")
 
 # the engine whose hooks each model carries (one at a time)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class UnaccountedSamplingError(ValueError):
+    """An epsilon asked of a run whose sampling no accountant here covers: ``poisson_sampling=False``.
+
+    Fixed-size shuffled batches (each example in exactly one batch per epoch) are not Poisson sampling, and the
+    privacy amplification of shuffling needs a different analysis, which this library does not implement; an
+    epsilon charged as Poisson sampling would not be a proven bound.  Raised by
+    :meth:`PrivacyEngine.get_epsilon` and :meth:`PrivacyEngine.accountant` of such a run, and by
+    ``make_private`` for ``poisson_sampling=False`` with ``target_epsilon`` (the calibration would be for
+    another mechanism).  The run itself trains.
+    """
+
+
+# what every refusal of an epsilon for shuffled batches says
+_SHUFFLED = ("poisson_sampling=False draws fixed-size shuffled batches, and no accountant here covers them: the "
+             "accountants charge Poisson sampling, and the epsilon of shuffling needs a different analysis, so a "
+             "Poisson epsilon would not be a proven bound for this run")
 
 
 class DPLoss:
@@ -437,6 +456,7 @@ class PrivacyEngine:
         self._noise_multiplier: float | None = None   # make_private's; read-only afterwards (see noise_multiplier)
         self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
         self._sampling: PoissonSampling | TwiceSampling | HybridClipping = PoissonSampling()   # read-only too
+        self._poisson = True   # make_private's poisson_sampling; False: no epsilon (UnaccountedSamplingError)
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs = _DeviceGenerators()   # twice sampling's masks; seeded by make_private
         self._epsilons: dict[tuple[int, float], float] = {}   # (steps charged, delta) -> epsilon
@@ -493,7 +513,10 @@ class PrivacyEngine:
             ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"`` (the old name
             ``k`` works, with a ``DeprecationWarning``, until 0.3).
         poisson_sampling : bool
-            Poisson batches (default); ``False`` warns that the accounting assumes Poisson sampling.
+            Poisson batches (default), the sampling every accountant here assumes.  ``False`` draws fixed-size
+            shuffled batches (for benchmarks that need fixed shapes): the run trains, with a ``UserWarning``,
+            but no accountant here covers shuffling, so :meth:`get_epsilon` and :meth:`accountant` raise
+            :class:`UnaccountedSamplingError`, and so does ``make_private`` with ``target_epsilon``.
         seed : int, optional
             Seeds the sampling, projection and noise generators (noise from ``os.urandom`` in secure mode).
         clipping_pass : {"bookkeeping", "two-pass"}
@@ -552,7 +575,7 @@ class PrivacyEngine:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         noise, sampling, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
-            projection_dim, clipping_pass, gradient_projection, noise, sampling)
+            projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
         plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
@@ -571,6 +594,10 @@ class PrivacyEngine:
         self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion)
+        if not poisson_sampling:   # stacklevel 3: past renamed_arguments' wrapper, at the caller's line
+            warnings.warn(f"{_SHUFFLED}. The model trains, but get_epsilon() and accountant() will raise "
+                          f"UnaccountedSamplingError; for an epsilon, keep poisson_sampling=True (the default)",
+                          UserWarning, stacklevel=3)
         return compiled, optimizer, crit, loader
 
     @staticmethod
@@ -578,7 +605,8 @@ class PrivacyEngine:
                            target_epsilon: float | None, target_delta: float | None, epochs: float | None,
                            steps: int | None, estimator: str, k: int, clipping_pass: str,
                            gradient_projection: torch.Tensor | None, noise: StepNoise | str,
-                           sampling: PoissonSampling | TwiceSampling | HybridClipping | None
+                           sampling: PoissonSampling | TwiceSampling | HybridClipping | None,
+                           poisson_sampling: bool,
                            ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
                                       float | None]:
         """``make_private``'s arguments checked before anything is built (``ValueError`` naming the first one
@@ -604,6 +632,13 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
+        if not isinstance(poisson_sampling, bool):   # a truthy string would silently mean Poisson
+            raise ValueError(f"poisson_sampling must be True or False, got {poisson_sampling!r}")
+        if not poisson_sampling and target_epsilon is not None:
+            raise UnaccountedSamplingError(f"target_epsilon with poisson_sampling=False is refused: the noise would "
+                                           f"be calibrated for Poisson sampling, which this run does not use; "
+                                           f"{_SHUFFLED}. Keep poisson_sampling=True (the default) to calibrate, or "
+                                           f"give noise_multiplier for a run without an epsilon")
         return noise, sampling, c, sigma
 
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
@@ -677,6 +712,7 @@ class PrivacyEngine:
         """Fix the settings the step and the accountant share (read-only from here on) and the ledger's record of
         them, which a resumed run or a ledger file must match."""
         self._noise_multiplier = sigma
+        self._poisson = poisson
         self.planned_steps = planned
         self._noise = noise
         self._sampling = sampling
@@ -767,6 +803,12 @@ class PrivacyEngine:
         return self._noise
 
     @property
+    def poisson_sampling(self) -> bool:
+        """``make_private``'s ``poisson_sampling`` (read-only); ``False``: fixed-size shuffled batches, for which
+        every epsilon is refused (:class:`UnaccountedSamplingError`)."""
+        return self._poisson
+
+    @property
     def sampling(self) -> PoissonSampling | TwiceSampling | HybridClipping:
         """The sampling chosen in ``make_private`` (:class:`~dpsgd.sampling.PoissonSampling` by default); the
         step and the accountant both follow it, so it cannot be changed afterwards."""
@@ -829,6 +871,12 @@ class PrivacyEngine:
     def _require_private(self) -> None:
         if self._capture is None:
             raise RuntimeError("call make_private(...) on this PrivacyEngine first")
+
+    def _require_accounted(self) -> None:
+        """:class:`UnaccountedSamplingError` unless an accountant here covers this run's sampling (Poisson)."""
+        if not self._poisson:
+            raise UnaccountedSamplingError(f"no epsilon for this run: {_SHUFFLED}. Train with "
+                                           f"poisson_sampling=True (the default) for an epsilon")
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
@@ -989,12 +1037,20 @@ class PrivacyEngine:
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
-        sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only)."""
+        sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only).
+
+        Raises
+        ------
+        UnaccountedSamplingError
+            For a run made with ``poisson_sampling=False`` (no accountant here covers shuffled batches).
+        """
         self._require_private()
+        self._require_accounted()
         return self._composed(self.spent_steps)
 
     def _composed(self, steps: int) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding ``steps`` steps of this run's mechanism."""
+        self._require_accounted()   # every epsilon passes here or through get_epsilon
         acc = self._sampling.accountant()
         if steps:
             if self.noise_multiplier == 0:
@@ -1034,6 +1090,12 @@ class PrivacyEngine:
         -------
         float
 
+        Raises
+        ------
+        UnaccountedSamplingError
+            For a run made with ``poisson_sampling=False`` (no accountant here covers shuffled batches), even
+            before its first step.
+
         Examples
         --------
         >>> import torch
@@ -1059,6 +1121,7 @@ class PrivacyEngine:
         True
         """
         self._require_private()
+        self._require_accounted()
         steps = self.spent_steps
         if not steps:
             return 0.0

@@ -206,3 +206,30 @@ def test_opacus_bad_configuration_is_refused_at_construction():
         register("")
     assert BracketAccountant().get_epsilon(1e-5) == 0.0
     assert np.isfinite(BracketAccountant().get_epsilon_bracket(1e-5).upper)
+
+
+@pytest.mark.parametrize("noise_multiplier, sample_rate, named", [
+    (-1.0, 0.1, "noise_multiplier"), (0.0, 0.1, "noise_multiplier"), (math.nan, 0.1, "noise_multiplier"),
+    (math.inf, 0.1, "noise_multiplier"), (True, 0.1, "noise_multiplier"), ("1.0x", 0.1, "noise_multiplier"),
+    (1.0, 0.0, "sample_rate"), (1.0, -0.1, "sample_rate"), (1.0, 1.5, "sample_rate"), (1.0, math.nan, "sample_rate"),
+    (1.0, math.inf, "sample_rate")])
+def test_opacus_accountant_refuses_a_step_it_cannot_account_and_records_nothing(noise_multiplier, sample_rate,
+                                                                                 named):
+    _, BracketAccountant, _ = _opacus()
+    acc = BracketAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.1)
+    with pytest.raises(ValueError, match=rf"BracketAccountant.step\(\): {named} must"):
+        acc.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    assert acc.history == [(1.0, 0.1, 1)]
+    assert acc.get_epsilon(1e-5) == PLDAccountant().compose(SubsampledGaussian(1.0, 0.1), 1).epsilon(1e-5)
+
+
+def test_opacus_accountant_refuses_a_history_set_wholesale_that_it_cannot_account():
+    _, BracketAccountant, _ = _opacus()
+    for history, match in [([(1.0, 0.1, 5), (-2.0, 0.1, 3)], r"history\[1\]: noise_multiplier"),
+                           ([(1.0, 2.0, 5)], r"history\[0\]: sample_rate"),
+                           ([(1.0, 0.1, 0)], r"history\[0\]: the step count")]:
+        acc = BracketAccountant()
+        acc.load_state_dict({"history": history, "mechanism": "dpmath"})
+        with pytest.raises(ValueError, match=match):
+            acc.get_epsilon(1e-5)
