@@ -55,6 +55,8 @@ def _number(text: str) -> float:
         return float(Fraction(text.strip()))
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"not a number or a fraction: {text!r}") from None
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"beyond the largest float (about 1.8e308): {text!r}") from None
 
 
 def _count(text: str) -> int:

@@ -179,6 +179,15 @@ def test_cli_refuses_projection_dim_without_an_estimator(capsys):
         assert "give --estimator hutch or hutchpp" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("option", "value", "says"), [("--noise-multiplier", "1e400", "beyond the largest float"),
+                                                     ("--steps", "1e400", "count must be at most")])
+def test_cli_refuses_numbers_beyond_a_floats_range_with_a_usage_error(capsys, option, value, says):
+    args = {"--noise-multiplier": "1", "--sample-rate": "0.01", "--steps": "10", "--delta": "1e-5"} | {option: value}
+    with pytest.raises(SystemExit) as exc:
+        main(["epsilon", *[x for kv in args.items() for x in kv]])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [[], ["envelope"], ["epsilon"], ["noise-multiplier"]])
 def test_cli_help_is_plain_text_with_an_example(capsys, command):
     with pytest.raises(SystemExit) as exc:

@@ -193,3 +193,10 @@ def test_numpy_scalars_and_zero_dimensional_arrays_are_numbers_to_dpmath():
     assert PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), np.int64(3)).epsilon(1e-5) == plain
     with pytest.raises(ValueError, match="count must be a positive integer"):
         PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), np.array(True))
+
+
+def test_an_accountant_refuses_a_count_beyond_a_floats_range_by_name():
+    from dpmath import PLDAccountant, SubsampledGaussian
+
+    with pytest.raises(ValueError, match="count must be at most 1e"):
+        PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 10**400)

@@ -29,6 +29,9 @@ _RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts o
 _NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
 
 
+#: The most runs of one mechanism :meth:`PLDAccountant.compose` takes (its counts are used as floats).
+MAX_COUNT = 10**18
+
 class PLDAccountant:
     r"""Privacy-loss-distribution accountant with FFT composition and a [lower, upper] bracket.
 
@@ -169,6 +172,9 @@ class PLDAccountant:
             raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, RandomizedClipGaussian or "
                              f"SubsampledL2Laplace, got {type(mechanism).__name__}")
         n = positive_int(count, "count")
+        if n > MAX_COUNT:   # the composed tail mass and the loss range are floats: beyond this they overflow
+            raise ValueError(f"count must be at most {MAX_COUNT:.0e} (a float's range of steps), got a count of "
+                             f"{len(str(n))} digits; no training run takes that many steps")
         if self.neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
             raise ValueError(
                 "neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
