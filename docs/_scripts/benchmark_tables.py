@@ -8,6 +8,7 @@ its last ``# `` header line), so the page is always the newest measurement and n
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -146,8 +147,27 @@ def current(lines: list[str], prefixes: tuple[str, ...]) -> list[str]:
     return shown
 
 
+def noise_tables(out_dir: str) -> None:
+    """The noise multiplier against k and against d (``benchmarks/noise_curves.py``'s committed JSON) as two
+    markdown tables, for the accountants page."""
+    with open(os.path.join(RESULTS, "noise_curves.json")) as f:
+        curves = json.load(f)
+    parts = [f"DP-SGD needs σ = {curves['dpsgd']:.4f}.\n"]
+    for key, axis, fixed in (("by_k", "k", "d"), ("by_d", "d", "k")):
+        table = curves[key]
+        order = sorted(range(len(table[axis])), key=lambda i: table[axis][i])
+        head = f"| {axis} ({fixed} = {table[fixed]}) | " + " | ".join(str(table[axis][i]) for i in order) + " |"
+        rows = [head, "|---" * (len(order) + 1) + "|"]
+        for estimator, name in (("hutch", "Hutch"), ("hutchpp", "Hutch++")):
+            rows.append(f"| {name} | " + " | ".join(f"{table[estimator][i]:#.4g}" for i in order) + " |")
+        parts.append("\n".join(rows) + "\n")
+    with open(os.path.join(out_dir, "noise_curves.md"), "w") as f:
+        f.write("\n".join(parts))
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
+    noise_tables(out_dir)
     parts, section = [], None
     for task in TASKS:
         path = os.path.join(RESULTS, task.file)
