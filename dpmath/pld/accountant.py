@@ -20,7 +20,7 @@ from ..validation import non_negative, open_probability, positive_int, probabili
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
 from .gaussian import GaussianCurve
-from .steps import Mechanism, step_plds
+from .steps import Mechanism, accounted_step, is_gaussian_step, step_plds
 from .two_scale import TwoScaleLower
 
 __all__ = ["PLDAccountant"]
@@ -325,7 +325,7 @@ class PLDAccountant:
     def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
                ) -> list[list[tuple[Pld, int]]]:
         """The step PLDs and their counts, one list per bound in ``bounds``."""
-        events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
+        events = [(accounted_step(m), n) for m, n in self._events]
         per_event = [step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
         return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
 
@@ -333,8 +333,8 @@ class PLDAccountant:
         """The composed Gaussian (:mod:`dpmath.pld.gaussian`) where every event is a Gaussian step: a sample rate of
         1 and a fixed scale (LAP2 as its dominating Gaussian); ``None`` otherwise."""
         if not self._gaussian:
-            events = [(m.dominating() if isinstance(m, SubsampledL2Laplace) else m, n) for m, n in self._events]
-            plain = all(m.sample_rate == 1.0 and not isinstance(m, RandomizedClipGaussian) for m, _ in events)
+            events = [(accounted_step(m), n) for m, n in self._events]
+            plain = all(is_gaussian_step(m) for m, _ in events)
             self._gaussian.append(GaussianCurve([(m.noise_multiplier, n) for m, n in events],
                                                 2 if self.neighboring == "replace_one" else 1) if plain else None)
         return self._gaussian[0]

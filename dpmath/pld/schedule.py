@@ -37,12 +37,11 @@ import math
 
 import numpy as np
 
-from ..mechanisms import RandomizedClipGaussian, SubsampledL2Laplace
 from ..validation import open_probability, positive_int
 from .accountant import PLDAccountant
 from .compose import Composition, Spectra
 from .distribution import GridTooLargeError, Pld
-from .steps import Mechanism, step_plds
+from .steps import Mechanism, accounted_step, is_gaussian_step, step_plds
 
 __all__ = ["EpsilonSchedule"]
 
@@ -129,10 +128,8 @@ class EpsilonSchedule:
         self.discretization = checked.discretization
         self.neighboring = checked.neighboring
         self.tail_mass = checked.tail_mass
-        step = mechanism.dominating() if isinstance(mechanism, SubsampledL2Laplace) else mechanism
-        self._step = step
-        # the accountant's closed form: a sample rate of 1 and a fixed scale is a Gaussian step, no grid
-        self._closed = step.sample_rate == 1.0 and not isinstance(step, RandomizedClipGaussian)
+        step = self._step = accounted_step(mechanism)
+        self._closed = is_gaussian_step(step)   # the accountant's closed form, no grid
         if neighboring == "replace_one":
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both

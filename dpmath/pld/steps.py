@@ -29,6 +29,17 @@ __all__ = ["Mechanism", "scale_atoms", "scale_sums", "step_plds"]
 
 Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace
 
+
+def accounted_step(mechanism: Mechanism) -> Gaussian | SubsampledGaussian | RandomizedClipGaussian:
+    """The step composed for ``mechanism``: LAP2 as the subsampled Gaussian that dominates it, any other as itself."""
+    return mechanism.dominating() if isinstance(mechanism, SubsampledL2Laplace) else mechanism
+
+
+def is_gaussian_step(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian) -> bool:
+    """Whether an accounted step is a Gaussian mechanism (sample rate 1, a fixed scale): it is read out in
+    closed form (:mod:`dpmath.pld.gaussian`), no grid."""
+    return step.sample_rate == 1.0 and not isinstance(step, RandomizedClipGaussian)
+
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
