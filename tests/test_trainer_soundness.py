@@ -459,7 +459,7 @@ def test_two_logical_batches_before_one_step_are_refused():
 # each change would have the accountant charge the steps already taken (or to come) less than they spend
 _UNDER_CHARGING = [("sample_rate", 0.01), ("noise_multiplier", 100.0), ("projection_dim", 4096), ("estimator", "exact"),
                    ("envelope", None), ("max_grad_norm", 10.0), ("expected_batch_size", 1e6),
-                   ("planned_steps", 10**9), ("secure_mode", True), ("ledger_path", "elsewhere.jsonl")]
+                   ("planned_steps", 10**9), ("secure_mode", True), ("ledger_path", "elsewhere.jsonl"), ("k", 4096)]
 
 
 @pytest.mark.parametrize(("name", "value"), _UNDER_CHARGING)
