@@ -122,6 +122,13 @@ class _ChunkSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.logical:
+            split = getattr(batch, "split_rows", None)
+            if split is not None:   # a batch of users (dpsgd.users): whole users per chunk, with each row's user
+                logical = next(_LOGICAL_IDS)
+                for piece, groups, last in split(self.max_size, self.chunks):
+                    self.fifo.append((len(piece), last, logical, groups))
+                    yield piece
+                continue
             batch = list(batch)
             logical = next(_LOGICAL_IDS)
             if self.chunks:  # exactly `chunks` pieces (some possibly empty), every one ends a step's share
@@ -147,7 +154,8 @@ class DPDataLoader(DataLoader):
 
     Each batch is reported to ``on_batch(size, last, logical)`` as it reaches the user (``last`` is false for
     all but the final physical chunk of a logical batch split by ``max_physical_batch_size``; ``logical``
-    identifies the logical batch it belongs to); an empty
+    identifies the logical batch it belongs to; a sampler of users, :mod:`dpsgd.users`, adds ``groups``, each
+    row's user within the chunk, and chunks hold whole users); an empty
     Poisson batch is not yielded: ``on_empty()`` takes its noise-only step, so the user's forward never sees
     an empty tensor.  ``len(loader)`` counts logical batches, empty ones included.
 
@@ -174,13 +182,13 @@ class DPDataLoader(DataLoader):
     def __iter__(self):
         self._fifo.clear()
         for batch in super().__iter__():
-            size, last, logical = self._fifo.popleft()
+            size, last, logical, *groups = self._fifo.popleft()
             if size == 0 and not self.chunks:
                 if self.on_empty is not None:
                     self.on_empty()
                 continue
-            if self.on_batch is not None:
-                self.on_batch(size, last, logical)
+            if self.on_batch is not None:   # a batch of users also says which user each row belongs to
+                self.on_batch(size, last, logical, *groups)
             yield batch
 
     def in_chunks(self, chunks: int) -> DPDataLoader:
@@ -196,6 +204,9 @@ class DPDataLoader(DataLoader):
         if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
                 or max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        check = getattr(self.logical_sampler, "check_physical_batch_size", None)
+        if check is not None:   # a sampler of users: a user's rows must fit one physical batch
+            check(max_physical_batch_size)
         return DPDataLoader(self.dataset, self.logical_sampler, self._collate, sample_rate=self.sample_rate,
                             max_physical_batch_size=max_physical_batch_size, on_batch=self.on_batch,
                             on_empty=self.on_empty, num_workers=self.num_workers, pin_memory=self.pin_memory)

@@ -70,7 +70,7 @@ from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
 __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientError", "ExampleMixingError",
            "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
-           "CLIPPING_PASSES", "check_clipping_pass",
+           "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "segment_sum", "unit_sq_norms",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
 
 
@@ -752,9 +752,10 @@ class ClippedGradients:
     sums : dict
         ``id(param) -> sum_i c_i g_i`` (float32 or float64).
     sq_norms : torch.Tensor
-        ``(B,)`` per-example squared norms (estimated), float64.
+        ``(B,)`` per-example squared norms (estimated), float64; with ``groups``, ``(U,)`` one per unit (the
+        squared norm of the unit's summed gradient).
     weights : torch.Tensor
-        ``(B,)`` clip weights ``c_i``.
+        ``(B,)`` clip weights ``c_i``; with ``groups``, ``(U,)`` one per unit (each of its rows was weighted by it).
     """
 
     sums: dict
@@ -780,7 +781,8 @@ def check_clipping_pass(clipping_pass: object) -> str:
 def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: float, k: int,
                      generator: torch.Generator | None, *, norms_only: bool = False,
                      clipping_pass: str = "bookkeeping", twice: TwiceSampling | HybridClipping | None = None,
-                     mask_generator: torch.Generator | None = None) -> ClippedGradients:
+                     mask_generator: torch.Generator | None = None,
+                     groups: torch.Tensor | None = None) -> ClippedGradients:
     r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
 
     Consumes the calls the losses reached; raises :class:`IncompleteGradientError` if any trainable
@@ -801,6 +803,11 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     l-infinity clipping and coordinate masks; bookkeeping pass and exact norms only.  ``weights`` are then
     the whole-gradient factors, reported only.
 
+    ``groups`` (user-level privacy, :mod:`dpsgd.users`) is a ``(B,)`` integer tensor giving each row's unit
+    ``0 .. U-1`` (every unit present): the norm is that of each unit's **summed** gradient ``G_u = sum_{i in u}
+    g_i`` (:func:`unit_sq_norms`), its weight ``w_u = min(1, C' / ||G_u||)`` is given to every row of the unit,
+    and the handlers' clipped sums ``sum_i w_{u(i)} g_i = sum_u w_u G_u`` follow unchanged.  Not with ``twice``.
+
     The stages, in order: :func:`_refuse_unsound_step` (nothing is consumed before it passes), the row check
     (:func:`_row_check`), the one backward to every call's outputs (:func:`_output_gradients`: no trainable
     parameter may receive gradient outside a recorded call), the per-example norms and clip weights
@@ -809,6 +816,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     """
     two_pass = _refuse_unsound_step(capture, losses, clipping_pass, norms_only, twice, mask_generator)
     plan, b = capture.plan, losses.shape[0]
+    units = None if groups is None else check_groups(groups, b, twice)
     model_params = [p for p in plan.model.parameters() if p.requires_grad]
     calls = list(capture.calls)
     _row_check(capture, calls, losses, model_params)
@@ -819,16 +827,21 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         stack.enter_context(full_float32())
         uses = _uses(plan, reached)
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in plan.params) else torch.float32
-        n, group_n = _sq_norms(plan, uses, k, generator, b, losses.device, twice, max_grad_norm)
+        if units is None:
+            n, group_n = _sq_norms(plan, uses, k, generator, b, losses.device, twice, max_grad_norm)
+        else:
+            n, group_n = unit_sq_norms(plan, uses, k, generator, groups.to(losses.device), units), None
         weights = _clip_weights(n, max_grad_norm, dtype)
+        # every row gets its unit's weight: sum_i w_u(i) g_i = sum_u w_u G_u, each unit's sum clipped once
+        row_weights = weights if units is None else weights[groups.to(weights.device)]
         sums = {}
         if two_pass:
-            sums = _two_pass_sums(capture, losses, weights, uses, reached)
+            sums = _two_pass_sums(capture, losses, row_weights, uses, reached)
         elif twice is not None and not norms_only:
             sums = _twice_sampled_sums(plan, uses, group_n, twice, max_grad_norm, dtype, losses.device,
                                        mask_generator)
         elif not norms_only:
-            sums = _bookkeeping_sums(uses, reached, weights, dtype)
+            sums = _bookkeeping_sums(uses, reached, row_weights, dtype)
         if not all_finite(*sums.values()):   # one check for all of them
             raise FloatingPointError("a clipped gradient sum is not finite; the step was not taken")
     finally:
@@ -966,6 +979,62 @@ def _sq_norms(plan: NormPlan, uses: list, k: int, generator: torch.Generator | N
     if not torch.isfinite(n).all():
         raise FloatingPointError("a per-example gradient norm is NaN or infinite; the step was not taken")
     return n, group_n
+
+
+def check_groups(groups: object, b: int, twice: object = None) -> int:
+    """The number of units ``U`` of a ``groups`` vector (:func:`clipped_backward`), or ``ValueError`` unless it is a
+    ``(B,)`` integer tensor whose values are exactly ``0 .. U-1`` (a unit without rows would be a user the loader
+    never drew; a value out of range would index another unit's weight)."""
+    if twice is not None:
+        raise ValueError("groups (user-level privacy) cannot be combined with twice sampling or hybrid clipping: "
+                         "their accounting clips and masks each example's gradient, not each user's")
+    if not isinstance(groups, torch.Tensor) or groups.dim() != 1 or groups.shape[0] != b \
+            or groups.is_floating_point() or groups.dtype == torch.bool:
+        raise ValueError(f"groups must be a ({b},) integer tensor giving each row's unit, got "
+                         f"{tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__}")
+    if b == 0:
+        return 0
+    units = int(groups.max()) + 1
+    if int(groups.min()) < 0 or torch.unique(groups).numel() != units:
+        raise ValueError("groups must number the units 0 .. U-1, each with at least one row")
+    return units
+
+
+def segment_sum(t: torch.Tensor, groups: torch.Tensor, units: int) -> torch.Tensor:
+    """``out[u] = sum_{i : groups[i] = u} t[i]``: per-row tensors summed per unit (``(U, *t.shape[1:])``)."""
+    out = torch.zeros(units, *t.shape[1:], device=t.device, dtype=t.dtype)
+    return out.index_add_(0, groups.to(t.device), t)
+
+
+def unit_sq_norms(plan: NormPlan, uses: list, k: int, generator: torch.Generator | None, groups: torch.Tensor,
+                  units: int) -> torch.Tensor:
+    r"""Each unit's squared norm ``||sum_{i in u} g_i||^2`` over every parameter the losses reached (float64,
+    ``(U,)``; ``FloatingPointError`` if not finite): the norm of the unit's *summed* gradient, cross terms included.
+
+    Per parameter, as for a parameter with several calls (:func:`_param_sq_norms`): exactly from the per-example
+    gradients summed per unit (materialized: ``B x numel`` for one parameter at a time); under ``hutch`` one
+    Gaussian ``P`` per parameter, so a unit's estimate ``||sum_{i in u} M_i P||^2`` is a chi-square mixture of its
+    summed gradient with the parameter's ``min(rows, cols)`` terms, the envelope the plan already counts; under
+    ``hutchpp`` the sketch through each unit's summed products.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> from dpsgd.engine import Capture, NormPlan, clipped_backward
+    >>> model = nn.Linear(3, 1)
+    >>> capture = Capture(NormPlan.build(model, "exact"))
+    >>> x = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0], [0, 1.0, 0]])
+    >>> out = clipped_backward(capture, model(x).sum(1), 10.0, 1, None, groups=torch.tensor([0, 0, 1]))
+    >>> out.sq_norms.tolist()   # unit 0's two weight gradients cancel: only its two bias gradients remain
+    [4.0, 2.0]
+    """
+    n = torch.zeros(units, dtype=torch.float64, device=groups.device)
+    for p, contributions in uses:
+        n = n + _param_sq_norms(plan, p, contributions, k, generator, groups, units).to(n.device, torch.float64)
+    if not torch.isfinite(n).all():
+        raise FloatingPointError("a per-user gradient norm is NaN or infinite; the step was not taken")
+    return n
 
 
 def _clip_weights(n: torch.Tensor, max_grad_norm: float, dtype: torch.dtype) -> torch.Tensor:
@@ -1434,24 +1503,30 @@ def _uses(plan: NormPlan, calls: list[Call]) -> list[tuple[nn.Parameter, list[tu
     return [(p, by_param[id(p)]) for p in plan.params if id(p) in by_param]
 
 
-def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int, generator) -> torch.Tensor:
+def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int, generator,
+                    groups: torch.Tensor | None = None, units: int = 0) -> torch.Tensor:
+    """One parameter's squared norms: per example, or with ``groups`` per unit (of the unit's summed gradient)."""
     estimator = plan.estimator
     if estimator == "hutchpp" and plan.terms[plan.names[id(p)]] is None:
         estimator = "ghost"   # exact in the plan (and so in the accounting): computed exactly, the cheaper way
-    if len(contributions) == 1:
+    if len(contributions) == 1 and groups is None:
         call, local = contributions[0]
         return call.cache["unit"].handler.sq_norms(call, local, estimator, k, generator)
-    # several calls: the norm of the summed per-example gradient M = sum_u M_u, from each use's products
+    # several calls, or several rows per unit: the norm of the summed gradient M = sum_u M_u (over calls, then
+    # over a unit's rows), from each use's products
     estimated = plan.terms[plan.names[id(p)]] is not None
 
     def summed(product: str, x: torch.Tensor | None) -> torch.Tensor:
         """``sum_u`` of each use's ``product`` (a handler method: ``per_example`` gives ``M_u x``, or ``M_u`` for
-        ``x = None``; ``transposed_product`` gives ``M_u^T x``)."""
+        ``x = None``; ``transposed_product`` gives ``M_u^T x``), summed per unit with ``groups``: a unit's ``x``
+        (``U x ... x k``) is then given to each of its rows."""
+        if groups is not None and x is not None and x.dim() == 3:
+            x = x[groups.to(x.device)]
         total = None
         for call, local in contributions:
             s = getattr(call.cache["unit"].handler, product)(call, local, x)
             total = s if total is None else total + s.to(total.dtype)
-        return total
+        return total if groups is None else segment_sum(total, groups, units)
 
     if not estimated:
         m = summed("per_example", None)

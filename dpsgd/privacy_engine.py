@@ -75,6 +75,7 @@ from .engine import (
 )
 from .noise import GaussianNoise, StepNoise, as_noise
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import uncompiled
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion", "UnaccountedSamplingError"]
@@ -463,6 +464,9 @@ class PrivacyEngine:
         self._schedule: EpsilonSchedule | None = None   # get_epsilon's steps and transforms, built once
         self.plan: NormPlan | None = None
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
+        self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
+        self.max_examples_per_user: int | None = None
+        self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
         self._reset_step_state()
 
     def _reset_step_state(self) -> None:
@@ -474,6 +478,8 @@ class PrivacyEngine:
         self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
+        if self._user_rows is not None:
+            self._user_rows.clear()
 
     @renamed_arguments({"k": "projection_dim"})
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -485,6 +491,7 @@ class PrivacyEngine:
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
+                     privacy_unit: str = "example", user_ids=None, max_examples_per_user: int | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``target_epsilon``, ``target_delta`` and one of
         ``epochs`` or ``steps``.
@@ -556,6 +563,21 @@ class PrivacyEngine:
             their own bounds with Thm 4.6's noise shape, accounted by
             :class:`dpmath.twice_sampling.HybridTwiceSampledGaussian`; ``max_grad_norm`` must then be its
             overall bound ``sqrt(sum_j c2_j^2)``.
+        privacy_unit : {"example", "user"}
+            Whose privacy epsilon is about.  ``"user"`` (:mod:`dpsgd.users`): users are Poisson-sampled at
+            ``q_u = batch_size / U`` (``U`` distinct labels in ``user_ids``; **the loader's** ``batch_size`` **is
+            then the expected number of users per batch**), a drawn user brings all its examples (or
+            ``max_examples_per_user`` of them), the sum of a user's per-example gradients is clipped once to
+            ``max_grad_norm``, and the accountant charges ``q_u``: :meth:`get_epsilon` is an epsilon per user.
+            Each physical batch holds whole users and is backpropagated by one backward.  Not with twice
+            sampling, hybrid clipping, ``poisson_sampling=False`` or torch.distributed.  ``exact`` / ``ghost``
+            norms materialize each parameter's per-example gradients (``B x numel``, one parameter at a time).
+        user_ids : sequence or 1-D tensor, optional
+            With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
+            dataset, in its index order.
+        max_examples_per_user : int, optional
+            With ``privacy_unit="user"``: a drawn user brings a uniformly random subset of at most this many of
+            its examples (``None``: all of them); bounds a physical batch's rows per user.
 
         Returns
         -------
@@ -576,13 +598,16 @@ class PrivacyEngine:
         noise, sampling, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
             projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
+        users = user_level(privacy_unit, user_ids, max_examples_per_user, per_coordinate=sampling.per_coordinate,
+                           poisson_sampling=poisson_sampling)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
         plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
-        loader = self._private_loader(data_loader, poisson_sampling, world)
+        loader = (self._private_loader(data_loader, poisson_sampling, world) if users is None
+                  else self._user_loader(data_loader, users, world))
         self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
@@ -592,6 +617,8 @@ class PrivacyEngine:
             sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned)
         check_same_on_ranks(sigma, "noise_multiplier")
         self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
+        if users is not None:   # example-level runs keep the ledger format of earlier versions
+            self._settings.update(users.settings())
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion)
         if not poisson_sampling:   # stacklevel 3: past renamed_arguments' wrapper, at the caller's line
@@ -686,6 +713,20 @@ class PrivacyEngine:
         check_same_on_ranks(len(loader), "the number of batches per epoch")
         return loader
 
+    def _user_loader(self, data_loader: DataLoader, users: UserLevel, world: int) -> DPDataLoader:
+        """The loader of users (:func:`dpsgd.users.user_data_loader`): the rate charged is the user rate ``q_u``, and
+        the step divides by the expected number of users ``q_u U``; single process only."""
+        if world > 1:
+            raise ValueError("privacy_unit='user' is supported in a single process only: under torch.distributed a "
+                             "user's examples on different ranks would be clipped separately")
+        loader = user_data_loader(data_loader, users, generator=self._sampling_rng, on_batch=self._on_batch,
+                                  on_empty=self._empty_step)
+        self.sample_rate = loader.sample_rate
+        self.expected_batch_size = self.sample_rate * users.num_users
+        self.privacy_unit, self.max_examples_per_user = "user", users.max_examples_per_user
+        self._user_rows = UserRows()
+        return loader
+
     def _calibrate(self, noise: StepNoise, sampling: PoissonSampling | TwiceSampling | HybridClipping,
                    target_epsilon: float, target_delta: float, planned: int) -> float:
         """The noise multiplier whose epsilon after ``planned`` steps is at most ``target_epsilon`` at
@@ -746,7 +787,8 @@ class PrivacyEngine:
     # steps the calibration holds for; secure_mode decides whether checkpoints hold the noise generators' states;
     # ledger_path is where every step is recorded, so a resumed run counts them all
     FIXED_SETTINGS = frozenset({"noise_multiplier", "sample_rate", "expected_batch_size", "estimator", "projection_dim",
-                                "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path"})
+                                "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
+                                "privacy_unit", "max_examples_per_user"})
 
     def __setattr__(self, name: str, value) -> None:
         if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:
@@ -882,10 +924,12 @@ class PrivacyEngine:
         self._require_private()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
+        # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
+        groups = None if self._user_rows is None else self._user_rows.take(losses)
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.projection_dim,
                                   self._projection_rngs(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
-                                  mask_generator=None if twice is None else self._mask_rngs(device))
+                                  mask_generator=None if twice is None else self._mask_rngs(device), groups=groups)
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:
@@ -897,9 +941,11 @@ class PrivacyEngine:
         self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
         self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
 
-    def _on_batch(self, size: int, last: bool, logical: int) -> None:
+    def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None) -> None:
         if self._pending is not None and logical != self._pending:
             raise RuntimeError(self._drawn_twice)
+        if self._user_rows is not None:
+            self._user_rows.drawn(groups)
         self._pending = logical
         self._drawn += size
         self._skip_next = not last
