@@ -27,7 +27,16 @@ from .envelope import (
     ScaleDistribution,
     pessimistic_discretization,
 )
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from .mechanisms import (
+    FixedSizeSubsampledGaussian,
+    Gaussian,
+    RandomAllocationGaussian,
+    RandomizedClipGaussian,
+    ShuffledGaussian,
+    SubsampledGaussian,
+    SubsampledL2Laplace,
+    TruncatedSubsampledGaussian,
+)
 from .pld import EpsilonSchedule, GridTooLargeError, PLDAccountant
 from .rdp import RDPAccountant
 
@@ -47,6 +56,10 @@ __all__ = [
     "SubsampledGaussian",
     "RandomizedClipGaussian",
     "SubsampledL2Laplace",
+    "TruncatedSubsampledGaussian",
+    "FixedSizeSubsampledGaussian",
+    "RandomAllocationGaussian",
+    "ShuffledGaussian",
     "PLDAccountant",
     "EpsilonSchedule",
     "GridTooLargeError",

@@ -16,6 +16,15 @@ at most ``a / sigma`` noise standard deviations, where ``a`` is the example's *s
 * :class:`SubsampledL2Laplace`: LAP2, Laplace noise instead of Gaussian; accounted through the
   subsampled Gaussian that dominates it (:mod:`dpmath.lap2`).
 
+How examples are chosen is part of the mechanism too (:doc:`/sampling`):
+
+* :class:`TruncatedSubsampledGaussian`: Poisson sampling with at most ``max_batch_size`` examples a step; the
+  overflow probability is charged to delta.
+* :class:`FixedSizeSubsampledGaussian`: batches of exactly ``B`` examples without replacement, replacing one
+  example (``a = 2`` against the other example's gradient).
+* :class:`RandomAllocationGaussian` (balls in bins) and :class:`ShuffledGaussian`: one epoch in which every
+  example is in exactly one step, bounded by one Gaussian step (no amplification is certified for them).
+
 A mechanism validates its arguments once, at construction; accountants never see an invalid one.  The
 paper's names (``sigma``, ``q``) still work as keywords and attributes until dpmath 0.3, with a
 :class:`DeprecationWarning` (:mod:`dpmath.deprecation`).
@@ -31,7 +40,8 @@ from .envelope import Envelope
 from .validation import positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace"]
+__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace",
+           "FixedSizeSubsampledGaussian", "TruncatedSubsampledGaussian", "RandomAllocationGaussian", "ShuffledGaussian"]
 
 
 @renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
@@ -238,3 +248,265 @@ class SubsampledL2Laplace:
         """Deprecated name of :meth:`for_noise_multiplier` (warns; removed in dpmath 0.3)."""
         warn_renamed("SubsampledL2Laplace.for_sigma", "SubsampledL2Laplace.for_noise_multiplier")
         return cls.for_noise_multiplier(sigma, q)
+
+
+def _count(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _optional_envelope(envelope: object) -> Envelope | None:
+    if envelope is not None and not isinstance(envelope, Envelope):
+        raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
+    return envelope
+
+
+@dataclass(frozen=True)
+class FixedSizeSubsampledGaussian:
+    r"""One step on a batch of exactly ``B`` examples drawn uniformly without replacement from ``N``.
+
+    The batch size is public and constant, so the data-set size is too: the neighbouring relation is
+    **replacing** one example (``neighboring="replace_one"``; adding one is not covered).  With
+    ``q = B / N`` and ``mu = 1 / sigma``, replacing example ``x`` by ``x'`` moves the clipped sum by at most
+    ``2 C``, and the step's worst pair is (Zhu, Dong and Wang 2022, Thm. 10; Balle, Barthe and Gaboardi 2018)
+
+    .. math::
+
+        \big(q\,\mathcal N(2\mu, 1) + (1-q)\,\mathcal N(0, 1),\; \mathcal N(0, 1)\big)
+
+    and its swap: the pairs of :class:`SubsampledGaussian` at noise ``sigma / 2`` (:meth:`dominating`).  Both
+    are reached (every other example's gradient equal to ``x'``'s, ``x``'s opposite), so the bound is tight.
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        ``sigma > 0``, noise standard deviation over the clipping norm.
+    batch_size : int
+        ``B >= 1``.
+    dataset_size : int
+        ``N >= B``.
+
+    Examples
+    --------
+    >>> from dpmath import FixedSizeSubsampledGaussian
+    >>> FixedSizeSubsampledGaussian(2.0, batch_size=100, dataset_size=10_000).dominating()
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
+    """
+
+    noise_multiplier: float
+    batch_size: int
+    dataset_size: int
+
+    neighboring = "replace_one"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "batch_size", _count(self.batch_size, "batch_size"))
+        object.__setattr__(self, "dataset_size", _count(self.dataset_size, "dataset_size"))
+        if self.batch_size > self.dataset_size:
+            raise ValueError(f"batch_size must be at most dataset_size ({self.dataset_size}), got {self.batch_size}")
+
+    @property
+    def sample_rate(self) -> float:
+        """``q = B / N``, the probability that a given example is in a batch."""
+        return self.batch_size / self.dataset_size
+
+    def dominating(self) -> SubsampledGaussian:
+        """The Poisson pair whose adding and removing directions are this step's replacing pairs."""
+        return SubsampledGaussian(self.noise_multiplier / 2.0, self.sample_rate)
+
+
+@dataclass(frozen=True)
+class TruncatedSubsampledGaussian:
+    r"""Poisson sampling at rate ``q`` with at most ``max_batch_size`` examples a step (a larger draw keeps a
+    uniformly random ``max_batch_size`` of them), then the Gaussian (or randomized-clipping) step.
+
+    Accounted by coupling with untruncated Poisson sampling: both read the same draws, and their outputs differ
+    only in a step whose draw overflows, so for every event ``S`` and data set ``D`` of at most ``N + 1``
+    examples ``|M_trunc(D)(S) - M_Poisson(D)(S)| <= eta`` with ``eta = P(Binomial(N + 1, q) > max_batch_size)``
+    a step (``N`` replaced examples keep ``N``).  Over ``n`` steps the union bound gives ``n eta``, and
+
+    .. math::
+
+        \delta_{\mathrm{trunc}}(\varepsilon) \le \delta_{\mathrm{Poisson}}(\varepsilon)
+        + n\,\eta\,(1 + e^{\varepsilon}),\qquad
+        \delta_{\mathrm{trunc}}(\varepsilon) \ge \delta_{\mathrm{Poisson}}(\varepsilon)
+        - n\,\eta\,(1 + e^{\varepsilon}),
+
+    which :class:`~dpmath.PLDAccountant` applies to its bracket (:meth:`overflow_probability`).  It holds for any
+    handling of an overflowing draw, and with a ``max_batch_size`` a few binomial standard deviations above
+    ``q N`` the charge is far below ``delta`` (:meth:`max_batch_size_for`).
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        ``sigma > 0``.
+    sample_rate : float
+        ``q`` in ``(0, 1)``.
+    max_batch_size : int
+        The most examples a step takes, ``>= 1``.
+    dataset_size : int
+        ``N``, the number of examples sampled from, ``>= 1``.
+    envelope : Envelope, optional
+        Randomized clipping's envelope (the step is then :class:`RandomizedClipGaussian`'s).
+
+    Examples
+    --------
+    >>> from dpmath import TruncatedSubsampledGaussian
+    >>> m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=180, dataset_size=10_000)   # q N = 100
+    >>> m.dominating()
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
+    >>> f"{m.overflow_probability():.2e}"
+    '1.63e-13'
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    max_batch_size: int
+    dataset_size: int
+    envelope: Envelope | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        q = checked_sample_rate(self.sample_rate, "sample_rate")
+        if q == 1.0:
+            raise ValueError("sample_rate must be below 1 for truncated Poisson sampling (at q = 1 every step takes "
+                             "every example: use FixedSizeSubsampledGaussian or Gaussian)")
+        object.__setattr__(self, "sample_rate", q)
+        object.__setattr__(self, "max_batch_size", _count(self.max_batch_size, "max_batch_size"))
+        object.__setattr__(self, "dataset_size", _count(self.dataset_size, "dataset_size"))
+        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
+
+    def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
+        """The untruncated Poisson step the accountant composes (the overflow is charged to delta)."""
+        if self.envelope is None:
+            return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
+        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+
+    def overflow_probability(self, neighboring: str = "add_or_remove") -> float:
+        """``eta``: an upper bound on the probability that a step's Poisson draw exceeds ``max_batch_size``, over
+        the data sets of the relation (``N + 1`` examples when adding one, ``N`` when replacing one); the
+        binomial tail is computed in float64 and rounded up by a relative ``1e-9`` (its error is far smaller)."""
+        from scipy import stats
+
+        n = self.dataset_size + (1 if neighboring == "add_or_remove" else 0)
+        tail = float(stats.binom.sf(self.max_batch_size, n, self.sample_rate))
+        return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
+
+    @staticmethod
+    def max_batch_size_for(sample_rate: float, dataset_size: int, steps: int, budget: float) -> int:
+        """The smallest ``max_batch_size`` whose total overflow ``steps * eta`` is at most ``budget`` (a part of
+        delta to give up, e.g. ``delta / 100``).
+
+        Examples
+        --------
+        >>> from dpmath import TruncatedSubsampledGaussian
+        >>> TruncatedSubsampledGaussian.max_batch_size_for(256 / 60000, 60000, 10_000, 1e-8)   # q N = 256
+        376
+        """
+        from scipy import stats
+
+        q = checked_sample_rate(sample_rate, "sample_rate")
+        n = _count(dataset_size, "dataset_size") + 1
+        t = _count(steps, "steps")
+        b = positive_real(budget, "budget")
+        cap = int(stats.binom.isf(b / t, n, q))
+        while cap < n and float(stats.binom.sf(cap, n, q)) * (1.0 + 1e-9) * t > b:
+            cap += 1
+        while cap > 1 and float(stats.binom.sf(cap - 1, n, q)) * (1.0 + 1e-9) * t <= b:
+            cap -= 1
+        return max(cap, 1)
+
+
+@dataclass(frozen=True)
+class RandomAllocationGaussian:
+    r"""One **epoch** of balls-in-bins sampling (random allocation): each example is put in exactly one of the
+    epoch's ``steps`` steps, uniformly and independently.
+
+    Accounted by a certified bound without amplification: adding (or replacing) one example changes one step
+    of the epoch, whichever it is, and the other examples' steps do not depend on it, so the epoch is
+    dominated by one Gaussian step (:meth:`dominating`: :class:`Gaussian`, or :class:`RandomizedClipGaussian`
+    at rate 1 with an envelope).  The true epsilon is smaller (random allocation amplifies privacy about as
+    Poisson sampling at rate ``1/steps`` does); the accountant's bracket brackets this bound, not that value.
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        ``sigma > 0``.
+    steps : int
+        Steps per epoch, ``>= 1`` (the batches' expected size is ``N / steps``).
+    envelope : Envelope, optional
+        Randomized clipping's envelope.
+
+    Examples
+    --------
+    >>> from dpmath import RandomAllocationGaussian
+    >>> RandomAllocationGaussian(4.0, steps=100).dominating()
+    Gaussian(noise_multiplier=4.0)
+    """
+
+    noise_multiplier: float
+    steps: int
+    envelope: Envelope | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "steps", _count(self.steps, "steps"))
+        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
+
+    @property
+    def sample_rate(self) -> float:
+        """1: the bound charges the epoch as a step every example is in."""
+        return 1.0
+
+    def dominating(self) -> Gaussian | RandomizedClipGaussian:
+        """The one step that dominates the epoch."""
+        if self.envelope is None:
+            return Gaussian(self.noise_multiplier)
+        return RandomizedClipGaussian(self.noise_multiplier, 1.0, self.envelope)
+
+
+@dataclass(frozen=True)
+class ShuffledGaussian:
+    r"""One **epoch** of shuffled fixed-size batches: a uniformly random permutation of the ``N`` examples cut
+    into ``steps`` consecutive batches.
+
+    Adding an example would shift every later batch's boundaries, so only **replacing** one is covered
+    (``neighboring="replace_one"``).  Given the permutation, the replaced example sits in one batch, which moves
+    by at most ``2 C``, and the others are unchanged: the epoch is dominated by one Gaussian step under
+    replacement, which is :class:`Gaussian` at noise ``sigma / 2`` adding or removing an example
+    (:meth:`dominating`).  This is the only bound known to hold for shuffling; it keeps no amplification, so at
+    the same noise it costs far more epsilon than Poisson sampling (see the sampling page of the docs).
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        ``sigma > 0``.
+    steps : int
+        Batches per epoch, ``>= 1``.
+
+    Examples
+    --------
+    >>> from dpmath import ShuffledGaussian
+    >>> ShuffledGaussian(4.0, steps=100).dominating()
+    Gaussian(noise_multiplier=2.0)
+    """
+
+    noise_multiplier: float
+    steps: int
+
+    neighboring = "replace_one"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "steps", _count(self.steps, "steps"))
+
+    @property
+    def sample_rate(self) -> float:
+        """1: the bound charges the epoch as a step every example is in."""
+        return 1.0
+
+    def dominating(self) -> Gaussian:
+        """The Gaussian whose adding/removing pair is the epoch's replacing pair."""
+        return Gaussian(self.noise_multiplier / 2.0)

@@ -78,7 +78,7 @@ def test_dp_accountings_own_accountants_refuse_the_randomized_clipping_event():
 
 @pytest.mark.parametrize("event", [dp_accounting.LaplaceDpEvent(1.0),
                                    Poisson(0.1, dp_accounting.LaplaceDpEvent(1.0)),
-                                   dp_accounting.SampledWithoutReplacementDpEvent(100, 10, GaussianEvent(1.0)),
+                                   dp_accounting.SampledWithReplacementDpEvent(100, 10, GaussianEvent(1.0)),
                                    dp_accounting.ComposedDpEvent([GaussianEvent(1.0),
                                                                   dp_accounting.LaplaceDpEvent(1.0)])])
 def test_unsupported_events_are_refused_with_nothing_composed(event):

@@ -15,18 +15,31 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from ..mechanisms import RandomizedClipGaussian, SubsampledGaussian, TruncatedSubsampledGaussian
 from ..validation import non_negative, open_probability, positive_int, probability_array, real_number
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
 from .gaussian import GaussianCurve
-from .steps import Mechanism, accounted_step, is_gaussian_step, step_plds
+from .steps import MECHANISMS, Mechanism, accounted_step, is_gaussian_step, reads_replacement, refusal, step_plds
 from .two_scale import TwoScaleLower
 
 __all__ = ["PLDAccountant"]
 
 _RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a finer grid (_refined)
-_NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("replace",)}
+#: ``bracket_rtol``'s default: refine to 0.1 % (0.5 % with randomized clipping) within :data:`AUTO_BUDGET`.
+AUTO = "auto"
+_AUTO_RTOL = 1e-3       # the default's target width, DP-SGD-type mechanisms ...
+_AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid makes each grid dearer)
+#: The grid points the default's refinement may spend per query, all grids counted (``_refined``): about a second on
+#: the project's 2-core machine.
+AUTO_BUDGET = 1 << 23
+_ATOM_POINTS = 4096     # a randomized-clipping step's cost per scale atom, in composition grid points
+_FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
+_COARSER = 64.0         # an infinite upper end retries on a loss grid this much coarser, up to a step of 1 ...
+_COARSER_TRIES = 3      # ... this many times
+# directions read: replacing one example reads most steps once ("replace"), but fixed-size and shuffled batches
+# as their dominating step's removing and adding pairs (steps.reads_replacement), so it has two directions too
+_NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("remove", "add")}
 
 
 #: The most runs of one mechanism :meth:`PLDAccountant.compose` takes (its counts are used as floats).
@@ -64,20 +77,24 @@ class PLDAccountant:
     tail_mass : float
         Mass cut from each side whenever a composition is truncated, in ``(0, 1e-6]`` (default
         ``1e-18``); the upper bound charges it to delta.
-    bracket_rtol : float, optional
-        Refine the grid until ``upper - lower <= bracket_rtol * upper`` for each query: the discretization
-        shrinks by the factor the bracket's width asks for (errors fall about like ``h^2``; each grid is
-        composed afresh and cached) down to ``discretization / 64``, or until a finer grid would exceed the
-        grid-size limit; the tightest bracket reached is returned.  A randomized-clipping mechanism's scale
-        grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for; a
-        target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
+    bracket_rtol : float, "auto" or None
+        How tight each query's bracket is.  ``"auto"`` (default): refine the grid until ``upper - lower <=
+        1e-3 * upper`` (``5e-3`` where a :class:`RandomizedClipGaussian` is composed) while the finer grids fit a
+        budget of :data:`AUTO_BUDGET` grid points, about a second here (a cost model in grid points, never
+        wall-clock time: the same inputs give the same bracket on every machine); where the budget runs out,
+        the tightest bracket reached is returned.  A float in ``(0, 1)``: refine until that width, with no
+        budget: the discretization shrinks by the factor the width asks for (errors fall about like ``h^2``;
+        each grid is composed afresh and cached) down to ``discretization / 64`` (further, down to
+        ``discretization / 65536``, only while a grid costs at most the budget: tiny sample rates and tiny
+        epsilons), or until a finer grid would exceed the grid-size limit.  A randomized-clipping mechanism's
+        scale grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for;
+        a float target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
         quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
-        :class:`SubsampledGaussian`, a lower end short of the target is recomputed on two scales (see
-        :meth:`epsilon_bracket`).  ``None`` (default): one grid.  ``1e-3`` makes the published upper end at most
-        0.1 % above the truth wherever the refinement reaches its target; it costs the finer grids' time (about
-        1 to 8 times, measured on the benchmarks page).
+        :class:`SubsampledGaussian`, a lower end short of a float target is recomputed on two scales (see
+        :meth:`epsilon_bracket`).  ``None``: the coarse single grid (what the default was before it refined).
+        Every grid's bracket holds the truth, so the refined upper end is never above the coarse grid's.
 
-    Examples
+        Examples
     --------
     >>> from dpmath import PLDAccountant, SubsampledGaussian
     >>> acc = PLDAccountant().compose(SubsampledGaussian(1.1, 256 / 60000), count=14040)
@@ -89,7 +106,7 @@ class PLDAccountant:
     """
 
     def __init__(self, discretization: float = 1e-4, neighboring: str = "add_or_remove", *,
-                 tail_mass: float = 1e-18, bracket_rtol: float | None = None) -> None:
+                 tail_mass: float = 1e-18, bracket_rtol: float | str | None = AUTO) -> None:
         h = real_number(discretization, "discretization", allow_inf=False)
         if not 0 < h <= 1:
             raise ValueError(f"discretization must lie in (0, 1], got {discretization!r}")
@@ -98,10 +115,13 @@ class PLDAccountant:
         tm = real_number(tail_mass, "tail_mass", allow_inf=False)
         if not 0 < tm <= 1e-6:
             raise ValueError(f"tail_mass must lie in (0, 1e-6], got {tail_mass!r}")
-        if bracket_rtol is not None:
+        if isinstance(bracket_rtol, str):
+            if bracket_rtol != AUTO:
+                raise ValueError(f"bracket_rtol must be {AUTO!r}, None or a float in (0, 1), got {bracket_rtol!r}")
+        elif bracket_rtol is not None:
             r = real_number(bracket_rtol, "bracket_rtol", allow_inf=False)
             if not 0 < r < 1:
-                raise ValueError(f"bracket_rtol must lie in (0, 1) or be None, got {bracket_rtol!r}")
+                raise ValueError(f"bracket_rtol must be {AUTO!r}, None or a float in (0, 1), got {bracket_rtol!r}")
             bracket_rtol = r
         # read-only (properties below): the cached compositions and curves were built at these values, and
         # compose() refused the mechanisms a relation does not cover, so a later change would be read against
@@ -131,8 +151,9 @@ class PLDAccountant:
         return self._tail_mass
 
     @property
-    def bracket_rtol(self) -> float | None:
-        """The relative width ``epsilon_bracket`` refines to, or ``None`` (read-only)."""
+    def bracket_rtol(self) -> float | str | None:
+        """The relative width each query refines to, ``"auto"`` (the default's budgeted target) or ``None`` (the
+        coarse single grid); read-only."""
         return self._bracket_rtol
 
     def __repr__(self) -> str:
@@ -156,8 +177,9 @@ class PLDAccountant:
 
         Parameters
         ----------
-        mechanism : Gaussian, SubsampledGaussian, RandomizedClipGaussian or SubsampledL2Laplace
-            The mechanism (LAP2 is composed as the subsampled Gaussian that dominates it).
+        mechanism : Mechanism
+            Any of :mod:`dpmath.mechanisms` (LAP2 and the sampling schemes are composed as the step that dominates
+            them; fixed-size and shuffled batches only with ``neighboring="replace_one"``).
         count : int
             How many times it runs (``>= 1``).
 
@@ -168,22 +190,15 @@ class PLDAccountant:
         >>> len(acc.events)
         2
         """
-        if not isinstance(mechanism, (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace)):
-            raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, RandomizedClipGaussian or "
-                             f"SubsampledL2Laplace, got {type(mechanism).__name__}")
+        if not isinstance(mechanism, MECHANISMS):
+            raise ValueError(f"mechanism must be one of {', '.join(m.__name__ for m in MECHANISMS)}, got "
+                             f"{type(mechanism).__name__}")
         n = positive_int(count, "count")
         if n > MAX_COUNT:   # the composed tail mass and the loss range are floats: beyond this they overflow
             raise ValueError(f"count must be at most {MAX_COUNT:.0e} (a float's range of steps), got a count of "
                              f"{len(str(n))} digits; no training run takes that many steps")
-        if self.neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
-            raise ValueError(
-                "neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
-                "is proved for adding or removing one example; use neighboring='add_or_remove'")
-        if self.neighboring == "replace_one" and isinstance(mechanism, RandomizedClipGaussian):
-            raise ValueError(
-                "neighboring='replace_one' is not supported for RandomizedClipGaussian: the two differing "
-                "examples carry independent random scales, whose joint pair this accountant does not "
-                "discretize; use neighboring='add_or_remove'")
+        if (reason := refusal(mechanism, self.neighboring)) is not None:
+            raise ValueError(reason)
         self._events = self._events + ((mechanism, n),)
         self._plds = {}
         self._two_scale = []
@@ -209,7 +224,7 @@ class PLDAccountant:
         leaves it at 0, finer ones rarely help)."""
         h0 = self.discretization
         rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
-        scaled = any(isinstance(m, RandomizedClipGaussian) for m, _ in self._events)
+        scaled = any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events)
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
 
@@ -295,6 +310,7 @@ class PLDAccountant:
         """
         gaps = [0.0]
         for m, _ in self._events:
+            m = accounted_step(m)
             if isinstance(m, RandomizedClipGaussian):
                 up, lo = step_plds(SubsampledGaussian(m.noise_multiplier, m.sample_rate), "remove", h, (True, False))
                 means = [float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * h)) for p in (up, lo)]
@@ -320,7 +336,10 @@ class PLDAccountant:
 
     def _relations(self, direction: int) -> tuple[str, ...]:
         relation = _NEIGHBORING[self.neighboring][direction]
-        return tuple("remove" if (relation == "add" and m.sample_rate == 1.0) else relation for m, _ in self._events)
+        # with q = 1 adding and removing an example are the same pair
+        return tuple("replace" if reads_replacement(m, self.neighboring) else
+                     "remove" if (relation == "add" and accounted_step(m).sample_rate == 1.0) else relation
+                     for m, _ in self._events)
 
     def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
                ) -> list[list[tuple[Pld, int]]]:
@@ -333,10 +352,11 @@ class PLDAccountant:
         """The composed Gaussian (:mod:`dpmath.pld.gaussian`) where every event is a Gaussian step: a sample rate of
         1 and a fixed scale (LAP2 as its dominating Gaussian); ``None`` otherwise."""
         if not self._gaussian:
-            events = [(accounted_step(m), n) for m, n in self._events]
-            plain = all(is_gaussian_step(m) for m, _ in events)
-            self._gaussian.append(GaussianCurve([(m.noise_multiplier, n) for m, n in events],
-                                                2 if self.neighboring == "replace_one" else 1) if plain else None)
+            events = [(accounted_step(m), n, reads_replacement(m, self.neighboring)) for m, n in self._events]
+            plain = all(is_gaussian_step(m) for m, _, _ in events)
+            # replacing one example moves a Gaussian step's mean by 2 mu: the Gaussian at noise sigma / 2
+            self._gaussian.append(GaussianCurve([(m.noise_multiplier / (2.0 if r else 1.0), n) for m, n, r in events])
+                                  if plain else None)
         return self._gaussian[0]
 
     def _coarsely_below(self, direction: int, eps: float, delta: float) -> bool:
@@ -344,7 +364,7 @@ class PLDAccountant:
         by its upper bound on a coarse grid (10 times the loss step, up to ``1e-2``, and 4 times the scale
         step), which costs a fraction of a step built on the query's grid.  Always ``False`` without
         randomized clipping, whose steps are cheap enough to build and bound on the query's grid."""
-        if not any(isinstance(m, RandomizedClipGaussian) for m, _ in self._events):
+        if not any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events):
             return False
         try:
             coarse = self._composed(True, min(10.0 * self.discretization, 1e-2), 4.0, (direction,))[0]
@@ -386,6 +406,7 @@ class PLDAccountant:
             return 0.0, 0.0
         if (gaussian := self._closed_form()) is not None:
             return gaussian.epsilon_bracket(d)
+        eta = self._overflow()
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
@@ -397,17 +418,34 @@ class PLDAccountant:
             def comp(j: int, upper: bool) -> Composition:
                 return self._composed(upper, h, s, (j,), together)[0]
 
-            first = comp(0, upper).epsilon(d)
+            def direction(j: int) -> float:
+                if not eta:
+                    return comp(j, upper).epsilon(d)
+                top = _charged_epsilon(comp(j, True), d, eta)
+                if upper:
+                    return top
+                # the truth is at most top, where the charge is at most eta (1 + e^top)
+                widened = d + eta * (1.0 + math.exp(top)) if top < 700.0 else 1.0
+                return min(top, comp(j, False).epsilon(widened) if widened < 1.0 else 0.0)
+
+            first = direction(0)
             out = [first]
             for j in range(1, len(_NEIGHBORING[self.neighboring]) if first < math.inf else 1):
-                if self._relations(j) == self._relations(0) or self._coarsely_below(j, first, d):
+                if self._relations(j) == self._relations(0) or (not eta and self._coarsely_below(j, first, d)):
                     continue
-                if comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
-                    out.append(comp(j, upper).epsilon(d))
+                if eta or comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
+                    out.append(direction(j))
             return max(out)
         lo, hi = self._refined(query, lower, True)
         curve = self._two_scale_lower(lower, lo, hi)
         return (curve.epsilon(d, hi, lo), hi) if curve is not None else (lo, hi)
+
+    def _overflow(self) -> float:
+        """``sum n eta``: the probability that some truncated step's Poisson draw overflows, charged to delta as
+        ``eta (1 + e^epsilon)`` (:class:`~dpmath.TruncatedSubsampledGaussian`), rounded up."""
+        total = math.fsum(n * m.overflow_probability(self.neighboring) for m, n in self._events
+                          if isinstance(m, TruncatedSubsampledGaussian))
+        return min(1.0, total * (1.0 + 1e-12))
 
     def _two_scale_lower(self, lower: bool, lo: float, hi: float) -> TwoScaleLower | None:
         """The two-scale lower curve (:mod:`dpmath.pld.two_scale`) where a bracket's lower end is far from its upper
@@ -456,8 +494,12 @@ class PLDAccountant:
         if (gaussian := self._closed_form()) is not None:
             return gaussian.delta_bracket(e)
 
+        eta = self._overflow()
+        charge = eta * (1.0 + math.exp(e)) if e < 700.0 else (math.inf if eta else 0.0)
+
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
-            return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
+            d = max(p.delta(e) for p in self._composed(upper, h, s, None, together))
+            return min(1.0, d + charge) if upper else max(0.0, d - charge)
         lo, hi = self._refined(query, lower)
         curve = self._two_scale_lower(lower, lo, hi)
         return (max(lo, curve.delta(e)), hi) if curve is not None else (lo, hi)
@@ -480,6 +522,10 @@ class PLDAccountant:
         if not self._events:   # nothing composed: no test beats chance
             out = 1.0 - a
             return out[()] if out.ndim == 0 else out
+        if self._overflow():
+            raise ValueError("tradeoff is not available with TruncatedSubsampledGaussian: its overflow is charged to "
+                             "delta(epsilon) as eta (1 + e^epsilon), which the trade-off curve does not carry; use "
+                             "delta() or epsilon()")
         flat = a.ravel()
         if (gaussian := self._closed_form()) is not None:
             out = np.minimum(gaussian.tradeoff(flat), 1.0 - flat).reshape(a.shape)
@@ -488,3 +534,22 @@ class PLDAccountant:
         out = np.where(flat >= 1, 0.0, np.where(flat <= 0, 1.0 - max(p.inf_mass for p in self._composed(True)), out))
         out = np.minimum(out, 1.0 - flat).reshape(a.shape)
         return out[()] if out.ndim == 0 else out
+
+
+def _charged_epsilon(composition: Composition, delta: float, eta: float) -> float:
+    """An ``epsilon`` with ``delta_PLD(epsilon) + eta (1 + e^epsilon) <= delta``, the PLD's ``delta`` read from
+    ``composition`` (an upper bound): the fixed point of ``e <- epsilon_PLD(delta - eta (1 + e^e (1 + 1e-9)))``,
+    which increases from 0 and stops once a step moves ``e^e`` by less than the ``1e-9`` allowed for; ``inf``
+    where the charge alone reaches ``delta``."""
+    eps = 0.0
+    for _ in range(200):
+        budget = delta - eta * (1.0 + math.exp(eps) * (1.0 + 1e-9))
+        if budget <= 0.0:
+            return math.inf
+        nxt = composition.epsilon(budget)
+        if nxt >= 700.0:
+            return math.inf if nxt == math.inf else nxt if math.exp(nxt - eps) <= 1.0 + 1e-9 else math.inf
+        if math.exp(nxt) <= math.exp(eps) * (1.0 + 1e-9):
+            return nxt
+        eps = nxt
+    return math.inf

@@ -37,11 +37,12 @@ import math
 
 import numpy as np
 
+from ..mechanisms import TruncatedSubsampledGaussian
 from ..validation import open_probability, positive_int
 from .accountant import PLDAccountant
 from .compose import Composition, Spectra
 from .distribution import GridTooLargeError, Pld
-from .steps import Mechanism, accounted_step, is_gaussian_step, step_plds
+from .steps import Mechanism, accounted_step, is_gaussian_step, reads_replacement, step_plds
 
 __all__ = ["EpsilonSchedule"]
 
@@ -129,8 +130,9 @@ class EpsilonSchedule:
         self.neighboring = checked.neighboring
         self.tail_mass = checked.tail_mass
         step = self._step = accounted_step(mechanism)
-        self._closed = is_gaussian_step(step)   # the accountant's closed form, no grid
-        if neighboring == "replace_one":
+        # the accountant's closed form, no grid; a truncated step's overflow charge is the accountant's read-out
+        self._closed = is_gaussian_step(step) or isinstance(mechanism, TruncatedSubsampledGaussian)
+        if reads_replacement(mechanism, neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
             self._relations = ("remove",) if step.sample_rate == 1.0 else ("remove", "add")

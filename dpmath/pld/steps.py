@@ -20,19 +20,65 @@ import numpy as np
 from scipy import special
 
 from ..envelope import Envelope, pessimistic_discretization
-from ..mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from ..mechanisms import (
+    FixedSizeSubsampledGaussian,
+    Gaussian,
+    RandomAllocationGaussian,
+    RandomizedClipGaussian,
+    ShuffledGaussian,
+    SubsampledGaussian,
+    SubsampledL2Laplace,
+    TruncatedSubsampledGaussian,
+)
 from .discretize import assemble, split
 from .distribution import Pld
 from .losses import MixtureSums, StepMasses, mix, mixture_masses, mixture_sums, pair_cdfs, sparse_points, step_grid
 
-__all__ = ["Mechanism", "scale_atoms", "scale_sums", "step_plds"]
+__all__ = ["Mechanism", "MECHANISMS", "accounted_step", "is_gaussian_step", "reads_replacement", "refusal",
+           "scale_atoms", "scale_sums", "step_plds"]
 
-Mechanism = Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace
+Mechanism = (Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace | FixedSizeSubsampledGaussian
+             | TruncatedSubsampledGaussian | RandomAllocationGaussian | ShuffledGaussian)
+
+#: every mechanism the PLD accountant composes
+MECHANISMS = (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace, FixedSizeSubsampledGaussian,
+              TruncatedSubsampledGaussian, RandomAllocationGaussian, ShuffledGaussian)
+
+# composed as the step their dominating() names
+_DOMINATED = (SubsampledL2Laplace, FixedSizeSubsampledGaussian, TruncatedSubsampledGaussian, RandomAllocationGaussian,
+              ShuffledGaussian)
+# their dominating() step's adding and removing pairs are their pairs for replacing one example
+_REPLACED_AS_ADD_REMOVE = (FixedSizeSubsampledGaussian, ShuffledGaussian)
 
 
 def accounted_step(mechanism: Mechanism) -> Gaussian | SubsampledGaussian | RandomizedClipGaussian:
-    """The step composed for ``mechanism``: LAP2 as the subsampled Gaussian that dominates it, any other as itself."""
-    return mechanism.dominating() if isinstance(mechanism, SubsampledL2Laplace) else mechanism
+    """The step composed for ``mechanism``: LAP2 as the subsampled Gaussian that dominates it, a sampling scheme as the
+    step its :meth:`dominating` names, any other as itself."""
+    return mechanism.dominating() if isinstance(mechanism, _DOMINATED) else mechanism
+
+
+def reads_replacement(mechanism: Mechanism, neighboring: str) -> bool:
+    """Whether the accounted step's pair is read for replacing one example (the "replace" pair), rather than in
+    the adding and removing directions: under ``neighboring="replace_one"``, except for fixed-size and shuffled
+    batches, whose replacing pairs are their dominating step's adding and removing pairs."""
+    return neighboring == "replace_one" and not isinstance(mechanism, _REPLACED_AS_ADD_REMOVE)
+
+
+def refusal(mechanism: Mechanism, neighboring: str) -> str | None:
+    """Why ``mechanism`` cannot be accounted under ``neighboring``, or ``None``."""
+    name = type(mechanism).__name__
+    if neighboring == "add_or_remove" and isinstance(mechanism, _REPLACED_AS_ADD_REMOVE):
+        return (f"{name} is accounted for replacing one example only: its batches have a fixed size, so a data "
+                f"set with one example more or less is not a neighbour it covers; use "
+                f"PLDAccountant(neighboring='replace_one')")
+    if neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
+        return ("neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
+                "is proved for adding or removing one example; use neighboring='add_or_remove'")
+    if reads_replacement(mechanism, neighboring) and isinstance(accounted_step(mechanism), RandomizedClipGaussian):
+        return (f"neighboring='replace_one' is not supported for {name} with randomized clipping: the two "
+                f"differing examples carry independent random scales, whose joint pair this accountant does not "
+                f"discretize; use neighboring='add_or_remove'")
+    return None
 
 
 def is_gaussian_step(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian) -> bool:

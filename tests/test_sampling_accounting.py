@@ -1,0 +1,218 @@
+"""The sampling schemes' mechanisms (truncated Poisson, fixed-size, balls in bins, shuffling) in the PLD accountant:
+each against an independent computation (the referee, a closed form, a direct integration of a realized pair) and
+against dp_accounting where it has the event."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import integrate, stats
+
+from dpmath import (
+    FixedSizeSubsampledGaussian,
+    Gaussian,
+    HutchEnvelope,
+    PLDAccountant,
+    RandomAllocationGaussian,
+    RandomizedClipGaussian,
+    ShuffledGaussian,
+    SubsampledGaussian,
+    TruncatedSubsampledGaussian,
+)
+from dpmath.pld import EpsilonSchedule
+from dpmath.referee import referee_epsilon
+
+
+def _hockey_stick(p_pdf, q_pdf, alpha: float, lo: float = -40.0, hi: float = 40.0) -> float:
+    """``int (p - alpha q)_+`` by adaptive quadrature (1-D densities)."""
+    value, _ = integrate.quad(lambda x: max(p_pdf(x) - alpha * q_pdf(x), 0.0), lo, hi, limit=400, points=[0.0])
+    return value
+
+
+def _mixture(q: float, a: float, b: float):
+    """``(1-q) N(a, 1) + q N(b, 1)``."""
+    return lambda x: (1 - q) * stats.norm.pdf(x - a) + q * stats.norm.pdf(x - b)
+
+
+# ------------------------------------------------------------------------------------------------ fixed-size batches
+def test_fixed_size_batches_are_accounted_as_the_poisson_pair_at_half_the_noise():
+    fixed = PLDAccountant(neighboring="replace_one").compose(FixedSizeSubsampledGaussian(1.0, 100, 10_000), 1000)
+    poisson = PLDAccountant().compose(SubsampledGaussian(0.5, 0.01), 1000)
+    assert fixed.epsilon_bracket(1e-6) == poisson.epsilon_bracket(1e-6)
+
+
+def test_fixed_size_upper_end_lies_above_the_referee():
+    lo, hi = PLDAccountant(neighboring="replace_one").compose(
+        FixedSizeSubsampledGaussian(2.0, 64, 6400), 2000).epsilon_bracket(1e-5)
+    r_lo, r_hi = referee_epsilon([(1.0, 0.01, 2000)], 1e-5)
+    assert lo <= r_hi and hi >= r_lo
+    assert hi - lo <= 1e-3 * hi
+
+
+def test_one_fixed_size_step_is_reached_by_two_neighbouring_data_sets():
+    # every other example's clipped gradient C e, x' = C e, x = -C e: the batch sums differ by 2 C with probability q,
+    # so the step's curve is the accountant's (not only below it)
+    sigma, b, n = 1.5, 10, 200
+    q = b / n
+    mu = 1 / sigma
+    acc = PLDAccountant(neighboring="replace_one").compose(FixedSizeSubsampledGaussian(sigma, b, n))
+    for eps in (0.0, 0.05, 0.2):
+        realized = _hockey_stick(_mixture(q, 0.0, -2 * mu), _mixture(0.0, 0.0, 0.0), math.exp(eps))
+        lo, hi = acc.delta_bracket(eps)
+        assert lo - 1e-9 <= realized <= hi + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_no_configuration_of_three_gradients_beats_the_fixed_size_pair(seed):
+    # the coupling that keeps the batch's other examples: x in it (probability q) or an example y instead, so a
+    # replaced step is ((1-q) N(g_y) + q N(g_x), (1-q) N(g_y) + q N(g_x')) with every |g| <= mu; in one dimension no
+    # such pair exceeds the accountant's curve (24 random configurations per seed, 3 epsilons each)
+    rng = np.random.default_rng(seed)
+    sigma, q = 1.0, 0.05
+    mu = 1 / sigma
+    acc = PLDAccountant(neighboring="replace_one").compose(FixedSizeSubsampledGaussian(sigma, 5, 100))
+    bound = {eps: acc.delta(eps) for eps in (0.0, 0.1, 0.3)}
+    for _ in range(24):
+        gy, gx, gx2 = rng.uniform(-mu, mu, 3)
+        for eps, top in bound.items():
+            value = _hockey_stick(_mixture(q, gy, gx), _mixture(q, gy, gx2), math.exp(eps))
+            assert value <= top + 1e-9
+
+
+def test_fixed_size_batches_are_refused_for_adding_or_removing_an_example():
+    with pytest.raises(ValueError, match="replace_one"):
+        PLDAccountant().compose(FixedSizeSubsampledGaussian(1.0, 10, 100))
+
+
+def test_fixed_size_batch_larger_than_the_data_set_is_refused():
+    with pytest.raises(ValueError, match="batch_size must be at most dataset_size"):
+        FixedSizeSubsampledGaussian(1.0, 101, 100)
+
+
+# ------------------------------------------------------------------------------------------------ truncated Poisson
+def test_overflow_probability_is_the_binomial_tail_of_the_largest_neighbour():
+    m = TruncatedSubsampledGaussian(1.0, 0.05, max_batch_size=12, dataset_size=100)
+    exact = math.fsum(math.comb(101, k) * 0.05 ** k * 0.95 ** (101 - k) for k in range(13, 102))
+    assert exact <= m.overflow_probability() <= exact * (1 + 1e-8)
+    exact_replace = math.fsum(math.comb(100, k) * 0.05 ** k * 0.95 ** (100 - k) for k in range(13, 101))
+    assert exact_replace <= m.overflow_probability("replace_one") <= exact_replace * (1 + 1e-8)
+
+
+def test_truncated_bracket_holds_the_poisson_value_widened_by_the_charge():
+    steps, delta = 1000, 1e-6
+    cap = TruncatedSubsampledGaussian.max_batch_size_for(0.01, 10_000, steps, 1e-8)
+    m = TruncatedSubsampledGaussian(1.0, 0.01, cap, 10_000)
+    eta = steps * m.overflow_probability()
+    assert eta <= 1e-8
+    lo, hi = PLDAccountant().compose(m, steps).epsilon_bracket(delta)
+    p_lo, p_hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).epsilon_bracket(delta)
+    assert lo <= p_lo <= p_hi <= hi
+    # the upper end: delta_Poisson(hi) + eta (1 + e^hi) <= delta
+    assert PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).delta(hi) + eta * (1 + math.exp(hi)) <= delta
+    d_lo, d_hi = PLDAccountant().compose(m, steps).delta_bracket(2.0)
+    pd_lo, pd_hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).delta_bracket(2.0)
+    assert d_hi == pytest.approx(pd_hi + eta * (1 + math.e ** 2), rel=1e-12)
+    assert d_lo == pytest.approx(max(0.0, pd_lo - eta * (1 + math.e ** 2)), rel=1e-12)
+
+
+def test_max_batch_size_for_is_the_smallest_that_meets_the_budget():
+    cap = TruncatedSubsampledGaussian.max_batch_size_for(0.01, 10_000, 1000, 1e-8)
+    fits = [1000 * TruncatedSubsampledGaussian(1.0, 0.01, c, 10_000).overflow_probability() for c in (cap - 1, cap)]
+    assert fits[0] > 1e-8 >= fits[1]
+
+
+def test_a_charge_above_delta_gives_infinite_epsilon_and_tradeoff_is_refused():
+    m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=100, dataset_size=10_000)   # overflows half the time
+    acc = PLDAccountant().compose(m, 10)
+    assert acc.epsilon(1e-6) == math.inf
+    with pytest.raises(ValueError, match="tradeoff is not available"):
+        acc.tradeoff(0.1)
+
+
+def test_truncated_randomized_clipping_charges_the_envelope_step():
+    env = HutchEnvelope(projection_dim=16, dim=1000)
+    m = TruncatedSubsampledGaussian(2.0, 0.01, 300, 10_000, envelope=env)
+    assert m.dominating() == RandomizedClipGaussian(2.0, 0.01, env)
+    lo, hi = PLDAccountant().compose(m, 100).epsilon_bracket(1e-5)
+    r_lo, r_hi = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, env), 100).epsilon_bracket(1e-5)
+    assert lo <= r_lo and hi >= r_hi and hi <= r_hi * (1 + 1e-6)
+
+
+def test_the_schedule_reads_truncated_steps_as_the_accountant_does():
+    m = TruncatedSubsampledGaussian(1.0, 0.01, 174, 10_000)
+    schedule = EpsilonSchedule(m, 1000)
+    assert schedule.epsilon_bracket(500, 1e-6) == PLDAccountant().compose(m, 500).epsilon_bracket(1e-6)
+
+
+# --------------------------------------------------------------------------------- balls in bins and shuffling
+def test_balls_in_bins_epochs_are_bounded_by_one_gaussian_step_each():
+    acc = PLDAccountant().compose(RandomAllocationGaussian(2.0, steps=50), 9)
+    assert acc.epsilon_bracket(1e-6) == PLDAccountant().compose(Gaussian(2.0 / 3.0)).epsilon_bracket(1e-6)
+
+
+def test_balls_in_bins_with_randomized_clipping_is_the_envelope_step_at_rate_one():
+    env = HutchEnvelope(projection_dim=16, dim=1000)
+    a = PLDAccountant().compose(RandomAllocationGaussian(3.0, 20, env), 4).epsilon_bracket(1e-5)
+    b = PLDAccountant().compose(RandomizedClipGaussian(3.0, 1.0, env), 4).epsilon_bracket(1e-5)
+    assert a == b
+
+
+def test_shuffled_epochs_are_the_gaussian_at_half_the_noise_and_need_replace_one():
+    acc = PLDAccountant(neighboring="replace_one").compose(ShuffledGaussian(4.0, steps=100), 16)
+    assert acc.epsilon(1e-5) == PLDAccountant().compose(Gaussian(2.0), 16).epsilon(1e-5)
+    assert acc.epsilon(1e-5) == PLDAccountant(neighboring="replace_one").compose(Gaussian(4.0), 16).epsilon(1e-5)
+    with pytest.raises(ValueError, match="replace_one"):
+        PLDAccountant().compose(ShuffledGaussian(4.0, steps=100))
+
+
+def test_replace_one_mixes_poisson_and_fixed_size_events_direction_by_direction():
+    acc = PLDAccountant(neighboring="replace_one")
+    acc.compose(SubsampledGaussian(1.0, 0.01), 500).compose(FixedSizeSubsampledGaussian(2.0, 100, 10_000), 500)
+    lo, hi = acc.epsilon_bracket(1e-6)
+    alone = [PLDAccountant(neighboring="replace_one").compose(m, 500).epsilon(1e-6)
+             for m in (SubsampledGaussian(1.0, 0.01), FixedSizeSubsampledGaussian(2.0, 100, 10_000))]
+    assert max(alone) < hi < sum(alone)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: TruncatedSubsampledGaussian(1.0, 1.0, 10, 100),
+    lambda: TruncatedSubsampledGaussian(1.0, 0.1, 0, 100),
+    lambda: TruncatedSubsampledGaussian(1.0, 0.1, 10, 100, envelope="hutch"),
+    lambda: RandomAllocationGaussian(1.0, 0),
+    lambda: ShuffledGaussian(-1.0, 10),
+    lambda: FixedSizeSubsampledGaussian(1.0, 2.5, 10),
+])
+def test_bad_sampling_arguments_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="must"):
+        bad()
+
+
+# ------------------------------------------------------------------------------------------------ dp_accounting
+dp_accounting = pytest.importorskip("dp_accounting")
+
+
+def test_dp_events_convert_both_ways():
+    from dpmath.interop.dp_accounting import to_dp_event, to_mechanisms
+
+    for m in (TruncatedSubsampledGaussian(1.0, 0.01, 174, 10_000), FixedSizeSubsampledGaussian(1.0, 100, 10_000)):
+        assert to_mechanisms(to_dp_event(m, 7)) == [(m, 7)]
+
+
+def test_dp_accounting_rdp_of_the_same_fixed_size_event_lies_above_our_upper_end():
+    from dpmath.interop.dp_accounting import to_dp_event
+
+    m = FixedSizeSubsampledGaussian(2.0, 100, 10_000)
+    rdp = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    rdp.compose(to_dp_event(m, 1000))
+    ours = PLDAccountant(neighboring="replace_one").compose(m, 1000).epsilon(1e-6)
+    assert ours <= rdp.get_epsilon(1e-6)
+
+
+def test_the_dp_accounting_adapter_takes_fixed_size_events_only_for_replacing_one_example():
+    from dpmath.interop.dp_accounting import BracketPLDAccountant
+
+    event = dp_accounting.SampledWithoutReplacementDpEvent(10_000, 100, dp_accounting.GaussianDpEvent(0.5))
+    assert not BracketPLDAccountant().supports(event)
+    replace = BracketPLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE).compose(event, 1000)
+    assert replace.get_epsilon(1e-6) == PLDAccountant(neighboring="replace_one").compose(
+        FixedSizeSubsampledGaussian(1.0, 100, 10_000), 1000).epsilon(1e-6)
