@@ -61,6 +61,7 @@ from .layers import (
     module_type,
     per_leaf,
     secret_seed,
+    segment_sum,
 )
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
@@ -70,7 +71,7 @@ from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
 __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientError", "ExampleMixingError",
            "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
-           "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "segment_sum", "unit_sq_norms",
+           "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "unit_sq_norms",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
 
 
@@ -1000,18 +1001,15 @@ def check_groups(groups: object, b: int, twice: object = None) -> int:
     return units
 
 
-def segment_sum(t: torch.Tensor, groups: torch.Tensor, units: int) -> torch.Tensor:
-    """``out[u] = sum_{i : groups[i] = u} t[i]``: per-row tensors summed per unit (``(U, *t.shape[1:])``)."""
-    out = torch.zeros(units, *t.shape[1:], device=t.device, dtype=t.dtype)
-    return out.index_add_(0, groups.to(t.device), t)
-
-
 def unit_sq_norms(plan: NormPlan, uses: list, k: int, generator: torch.Generator | None, groups: torch.Tensor,
                   units: int) -> torch.Tensor:
     r"""Each unit's squared norm ``||sum_{i in u} g_i||^2`` over every parameter the losses reached (float64,
     ``(U,)``; ``FloatingPointError`` if not finite): the norm of the unit's *summed* gradient, cross terms included.
 
-    Per parameter, as for a parameter with several calls (:func:`_param_sq_norms`): exactly from the per-example
+    Per parameter with one call, by its handler's :meth:`~dpsgd.layers.Handler.unit_sq_norms` where it has one
+    (linear layers: the estimator on each unit's rows laid end to end along the token dimension; embeddings: rows
+    summed per unit and token id); otherwise, and for a parameter with several calls, as
+    :func:`_param_sq_norms` sums several calls: exactly from the per-example
     gradients summed per unit (materialized: ``B x numel`` for one parameter at a time); under ``hutch`` one
     Gaussian ``P`` per parameter, so a unit's estimate ``||sum_{i in u} M_i P||^2`` is a chi-square mixture of its
     summed gradient with the parameter's ``min(rows, cols)`` terms, the envelope the plan already counts; under
@@ -1509,9 +1507,14 @@ def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int
     estimator = plan.estimator
     if estimator == "hutchpp" and plan.terms[plan.names[id(p)]] is None:
         estimator = "ghost"   # exact in the plan (and so in the accounting): computed exactly, the cheaper way
-    if len(contributions) == 1 and groups is None:
+    if len(contributions) == 1:
         call, local = contributions[0]
-        return call.cache["unit"].handler.sq_norms(call, local, estimator, k, generator)
+        handler = call.cache["unit"].handler
+        if groups is None:
+            return handler.sq_norms(call, local, estimator, k, generator)
+        n = handler.unit_sq_norms(call, local, estimator, k, generator, groups, units)
+        if n is not None:   # the handler's own per-unit path (never a per-example gradient)
+            return n
     # several calls, or several rows per unit: the norm of the summed gradient M = sum_u M_u (over calls, then
     # over a unit's rows), from each use's products
     estimated = plan.terms[plan.names[id(p)]] is not None

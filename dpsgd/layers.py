@@ -54,7 +54,7 @@ from .validator import UnsupportedModuleError
 
 __all__ = ["Call", "Handler", "is_parameter_container", "LinearHandler", "EmbeddingHandler", "FunctionalHandler",
            "HANDLERS", "register_handler", "handler_for", "is_conv1d", "compute_dtype", "flat_tensors", "matrix_view",
-           "ConvHandler", "NormalizationHandler",
+           "ConvHandler", "NormalizationHandler", "segment_sum",
            "RootParameterHandler", "ROOT_PARAMETERS", "MaterializedHandler", "quiet_batching", "per_leaf",
            "secret_seed", "full_float32", "weighted_products", "wide_kernel_available",
            "ParametrizedHandler", "ScaledRMSNormHandler", "is_scaled_rmsnorm", "module_type"]
@@ -211,6 +211,14 @@ class Handler:
         (:func:`matrix_view`), times ``projection`` (``cols x k``, or ``B x cols x k``: one per example) when given."""
         raise NotImplementedError
 
+    def unit_sq_norms(self, call: Call, name: str, estimator: str, k: int, generator, groups: torch.Tensor,
+                      units: int) -> torch.Tensor | None:
+        """User-level privacy: the (estimated) squared norm of each unit's summed gradient ``sum_{i in u} M_i``
+        (``(U,)``; ``groups[i]`` is row ``i``'s unit), for a parameter with this one call; ``None`` (the default)
+        lets the engine sum each unit's per-example products (:meth:`per_example`) instead.  An override must keep
+        the estimate's law (the chi-square terms :meth:`terms` counts) for the summed gradient."""
+        return None
+
     def transposed_product(self, call: Call, name: str, y: torch.Tensor) -> torch.Tensor:
         """``M_i^T y_i`` for ``y`` of shape ``B x rows x k`` (Hutch++ on a parameter with several calls).  By default
         from the materialized ``M_i``; handlers that can, override it with products that never form ``M_i``."""
@@ -303,6 +311,38 @@ def _bias_sq_norms(s: torch.Tensor, estimator: str, k: int, generator) -> torch.
     return fn(ones, s.unsqueeze(1)) if estimator in ("exact", "ghost") else fn(ones, s.unsqueeze(1), k, generator)
 
 
+def segment_sum(t: torch.Tensor, groups: torch.Tensor, units: int) -> torch.Tensor:
+    """``out[u] = sum_{i : groups[i] = u} t[i]``: per-row tensors summed per unit (``(U, *t.shape[1:])``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpsgd.layers import segment_sum
+    >>> segment_sum(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 0, 1]), 2)
+    tensor([2., 5.])
+    """
+    out = torch.zeros(units, *t.shape[1:], device=t.device, dtype=t.dtype)
+    return out.index_add_(0, groups.to(t.device), t)
+
+
+def _regrouped(x: torch.Tensor, groups: torch.Tensor, units: int) -> torch.Tensor | None:
+    """``(B, T, d)`` rows regrouped as ``(U, R T, d)``: each unit's rows laid end to end along the token dimension
+    (zero rows pad a unit to the largest one's ``R``), so a unit's summed gradient ``sum_i A_i^T G_i`` is one
+    example's ``A_u^T G_u``; ``None`` when padding would more than double the rows (very uneven units)."""
+    b = x.shape[0]
+    counts = torch.bincount(groups, minlength=units)
+    most = int(counts.max()) if b else 0
+    if units * most > 2 * b:
+        return None
+    order = torch.argsort(groups, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(groups)
+    pos[order] = torch.arange(b, device=groups.device) - starts[groups[order]]
+    out = torch.zeros(units, most, *x.shape[1:], device=x.device, dtype=x.dtype)
+    out[groups, pos] = x
+    return out.reshape(units, -1, x.shape[-1])
+
+
 def _as_btd(x: torch.Tensor, b: int) -> torch.Tensor:
     """``(B, ..., d)`` as ``(B, T, d)`` (every middle dimension is a token dimension of a linear map)."""
     return x.reshape(b, -1, x.shape[-1])
@@ -384,6 +424,20 @@ class LinearHandler(Handler):
         fn = ESTIMATORS[estimator]
         return fn(a, g) if estimator in ("exact", "ghost") else fn(a, g, k, generator)
 
+    def unit_sq_norms(self, call, name, estimator, k, generator, groups, units):
+        """The estimator on each unit's rows regrouped along the token dimension (``A_u^T G_u`` is the unit's
+        summed gradient, so ghost clipping never materializes it, and ``hutch`` keeps its ``min(d_in, d_out)``
+        terms); the bias from each unit's summed output gradients."""
+        a, g = self._ag(call)
+        dtype = compute_dtype(a, g)
+        if name == "bias":
+            return _bias_sq_norms(segment_sum(g.to(dtype).sum(1), groups, units), estimator, k, generator)
+        a_u, g_u = _regrouped(a.to(dtype), groups, units), _regrouped(g.to(dtype), groups, units)
+        if a_u is None:
+            return None
+        fn = ESTIMATORS[estimator]
+        return fn(a_u, g_u) if estimator in ("exact", "ghost") else fn(a_u, g_u, k, generator)
+
     def per_example(self, call, name, projection):
         a, g = self._ag(call)
         dtype = compute_dtype(a, g)
@@ -447,11 +501,13 @@ class EmbeddingHandler(Handler):
     def terms(self, module, name, estimator):
         return min(module.weight.shape) if estimator == "hutch" else None
 
-    def _rows(self, call: Call, g: torch.Tensor):
-        """Per (example, token id) sums of ``g``'s rows: the nonzero rows of every per-example gradient."""
+    def _rows(self, call: Call, g: torch.Tensor, owner: torch.Tensor | None = None):
+        """Per (example, token id) sums of ``g``'s rows: the nonzero rows of every per-example gradient (per
+        (unit, token id) with ``owner``, each row's unit: the nonzero rows of every unit's summed gradient)."""
         idx, _ = self._ig(call)
         b, v = idx.shape[0], call.module.num_embeddings
-        keys = idx + v * torch.arange(b, device=idx.device).unsqueeze(1)
+        owner = torch.arange(b, device=idx.device) if owner is None else owner.to(idx.device)
+        keys = idx + v * owner.unsqueeze(1)
         uniq, inverse = torch.unique(keys.flatten(), return_inverse=True)
         rows = torch.zeros(uniq.numel(), g.shape[-1], device=g.device, dtype=g.dtype)
         rows.index_add_(0, inverse, g.reshape(-1, g.shape[-1]))
@@ -463,6 +519,15 @@ class EmbeddingHandler(Handler):
             g = g @ gaussian_projection(g.shape[-1], k, g, generator)
         uniq, rows = self._rows(call, g)
         out = torch.zeros(call.batch_size, device=g.device, dtype=g.dtype)
+        return out.index_add_(0, uniq // call.module.num_embeddings, rows.square().sum(1))
+
+    def unit_sq_norms(self, call, name, estimator, k, generator, groups, units):
+        """As :meth:`sq_norms`, with rows summed per (unit, token id): never a ``V x p`` matrix per unit."""
+        _, g = self._ig(call)
+        if estimator == "hutch":
+            g = g @ gaussian_projection(g.shape[-1], k, g, generator)
+        uniq, rows = self._rows(call, g, groups)
+        out = torch.zeros(units, device=g.device, dtype=g.dtype)
         return out.index_add_(0, uniq // call.module.num_embeddings, rows.square().sum(1))
 
     def per_example(self, call, name, projection):
@@ -767,6 +832,11 @@ class ConvHandler(LinearHandler):
         ap = F.conv2d(x, filters, None, stride, padding, dilation)          # (B, k', H', W') = A_i P
         mp = torch.bmm(g, ap.reshape(ap.shape[0], k, -1).transpose(1, 2))   # (B, C_out, k') = M_i P
         return mp.square().sum((1, 2))
+
+    def unit_sq_norms(self, call, name, estimator, k, generator, groups, units):
+        if self._grouped(call.module):   # not a linear map on patches: per-example gradients summed per unit
+            return None
+        return super().unit_sq_norms(call, name, estimator, k, generator, groups, units)
 
     def per_example(self, call, name, projection):
         if self._grouped(call.module):

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccountant
+from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccountant, calibrate_noise
 from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
@@ -74,6 +74,7 @@ from .engine import (
     noisy_gradients,
 )
 from .noise import GaussianNoise, StepNoise, as_noise
+from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import uncompiled
@@ -460,13 +461,15 @@ class PrivacyEngine:
         self._poisson = True   # make_private's poisson_sampling; False: no epsilon (UnaccountedSamplingError)
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs = _DeviceGenerators()   # twice sampling's masks; seeded by make_private
-        self._epsilons: dict[tuple[int, float], float] = {}   # (steps charged, delta) -> epsilon
+        self._epsilons: dict[tuple[int, int, float], float] = {}   # (steps, events charged, delta) -> epsilon
         self._schedule: EpsilonSchedule | None = None   # get_epsilon's steps and transforms, built once
         self.plan: NormPlan | None = None
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
         self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
         self.max_examples_per_user: int | None = None
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
+        self._bound: BoundSampling | None = None   # a non-Poisson batch sampling (dpsgd.samplers), bound to the data
+        self._stream = None   # its sampler (an epoch sampler's position decides the epochs charged)
         self._reset_step_state()
 
     def _reset_step_state(self) -> None:
@@ -492,6 +495,7 @@ class PrivacyEngine:
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
                      privacy_unit: str = "example", user_ids=None, max_examples_per_user: int | None = None,
+                     batch_sampling: BatchSampling | str = "poisson",
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``target_epsilon``, ``target_delta`` and one of
         ``epochs`` or ``steps``.
@@ -572,6 +576,14 @@ class PrivacyEngine:
             Each physical batch holds whole users and is backpropagated by one backward.  Not with twice
             sampling, hybrid clipping, ``poisson_sampling=False`` or torch.distributed.  ``exact`` / ``ghost``
             norms materialize each parameter's per-example gradients (``B x numel``, one parameter at a time).
+        batch_sampling : BatchSampling or str
+            How each step's examples are chosen, and so how they are accounted (:mod:`dpsgd.samplers`):
+            ``"poisson"`` (default), :class:`~dpsgd.samplers.TruncatedPoisson` ``(max_batch_size)`` (at most that
+            many a step, the overflow charged to delta), ``"fixed_size"`` (exactly ``batch_size``, epsilon for
+            replacing one example), ``"balls_in_bins"`` (each example once per epoch, one Gaussian step per epoch)
+            or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
+            one example).  Anything but Poisson: single process, example-level, no twice sampling, Gaussian noise;
+            fixed size and shuffling need exact norms; balls in bins and shuffling no ``ledger_path``.
         user_ids : sequence or 1-D tensor, optional
             With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
             dataset, in its index order.
@@ -600,14 +612,17 @@ class PrivacyEngine:
             projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
         users = user_level(privacy_unit, user_ids, max_examples_per_user, per_coordinate=sampling.per_coordinate,
                            poisson_sampling=poisson_sampling)
+        scheme = self._checked_batch_sampling(batch_sampling, estimator, noise, sampling, users is not None,
+                                              poisson_sampling)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
         plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
-        loader = (self._private_loader(data_loader, poisson_sampling, world) if users is None
-                  else self._user_loader(data_loader, users, world))
+        loader = (self._user_loader(data_loader, users, world) if users is not None
+                  else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
+                  else self._scheme_loader(data_loader, scheme, world))
         self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
@@ -619,6 +634,8 @@ class PrivacyEngine:
         self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
         if users is not None:   # example-level runs keep the ledger format of earlier versions
             self._settings.update(users.settings())
+        if self._bound is not None:   # so do Poisson runs
+            self._settings["batch_sampling"] = scheme.settings()
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion)
         if not poisson_sampling:   # stacklevel 3: past renamed_arguments' wrapper, at the caller's line
@@ -667,6 +684,47 @@ class PrivacyEngine:
                                            f"{_SHUFFLED}. Keep poisson_sampling=True (the default) to calibrate, or "
                                            f"give noise_multiplier for a run without an epsilon")
         return noise, sampling, c, sigma
+
+    def _checked_batch_sampling(self, batch_sampling: object, estimator: str, noise: StepNoise,
+                                sampling: PoissonSampling | TwiceSampling | HybridClipping, users: bool,
+                                poisson_sampling: bool) -> BatchSampling:
+        """``make_private``'s ``batch_sampling`` as an object, or ``ValueError`` naming what it does not cover."""
+        scheme = as_batch_sampling(batch_sampling)
+        if type(scheme) is Poisson:
+            return scheme
+        what = f"batch_sampling={scheme!r}"
+        if not poisson_sampling:
+            raise ValueError(f"{what} with poisson_sampling=False: give one of them (batch_sampling chooses the "
+                             f"batches, and is accounted)")
+        if sampling.per_coordinate:
+            raise ValueError(f"{what} with sampling={type(sampling).__name__}(...) is refused: twice sampling is "
+                             f"accounted for Poisson batches only")
+        if users:
+            raise ValueError(f"{what} with privacy_unit='user' is refused: users are Poisson-sampled")
+        if rank_world()[1] > 1:
+            raise ValueError(f"{what} is supported in a single process only: under torch.distributed the engine "
+                             f"samples each rank's shard by Poisson sampling")
+        if scheme.per_epoch and self.ledger_path is not None:
+            raise ValueError(f"{what} with ledger_path is refused: its epochs are charged from the sampler's stream "
+                             f"of batches, which a resumed run would restart")
+        scheme.check(estimator, noise)
+        return scheme
+
+    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, world: int) -> DPDataLoader:
+        """The loader of a non-Poisson :mod:`dpsgd.samplers` scheme, bound to the data set: its sampler and the
+        mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`."""
+        n, batch = loader_size(data_loader)
+        if batch > n:
+            raise ValueError(f"data_loader's batch_size ({batch}) exceeds the dataset size ({n})")
+        bound = scheme.bind(n, batch)
+        sampler = bound.sampler(self._sampling_rng)
+        loader = DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=bound.sample_rate,
+                              on_batch=self._on_batch, on_empty=self._empty_step,
+                              num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
+        self._bound, self._stream = bound, sampler
+        self.sample_rate = bound.sample_rate
+        self.expected_batch_size = bound.sample_rate * n
+        return loader
 
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
                sampling: PoissonSampling | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
@@ -738,8 +796,13 @@ class PrivacyEngine:
                     self.sample_rate, self.estimator, self.envelope)
         start = time.perf_counter()
         try:
-            sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
-                                       self.max_grad_norm, self._ranks, self.envelope)
+            if self._bound is not None:   # the scheme's mechanism over its events (epochs for an epoch sampler)
+                bound, events, delta = self._bound, self._bound.events(planned), float(target_delta)
+                sigma = calibrate_noise(lambda s: bound.accountant().compose(
+                    bound.mechanism(s, noise, self.envelope), events).epsilon(delta), target_epsilon)
+            else:
+                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
+                                           self.max_grad_norm, self._ranks, self.envelope)
         except ValueError as err:
             raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                              f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
@@ -983,6 +1046,11 @@ class PrivacyEngine:
             raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
                                f"target_delta) and they have all been taken; another step would spend more than "
                                f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
+        if self.planned_steps is not None and self._bound is not None \
+                and self._events(self.spent_steps) > self._bound.events(self.planned_steps):
+            raise RuntimeError(f"the noise was calibrated for {self._bound.events(self.planned_steps)} epochs of "
+                               f"{self._bound.scheme!r} and this step's batch begins another (batches were drawn "
+                               f"without a step); another step would spend more than the target")
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
         if self._backpropagated > self._drawn:
@@ -1077,9 +1145,22 @@ class PrivacyEngine:
         return max(self._steps, self._recorded + self._steps - self._resumed)
 
     def _mechanism(self):
-        """The dpmath mechanism of one step: the one place that maps the step's settings to its accounting."""
+        """The dpmath mechanism of one accounted event (a step; an epoch for an epoch sampler): the one place that
+        maps the run's settings to its accounting."""
+        if self._bound is not None:
+            return self._bound.mechanism(self.noise_multiplier, self._noise, self.envelope)
         return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks,
                                         noise=self._noise, envelope=self.envelope)
+
+    def _events(self, steps: int) -> int:
+        """How many of :meth:`_mechanism`'s events ``steps`` steps charge (an epoch sampler: the epochs its stream
+        has begun, counted from the batches drawn when ``steps`` are the steps taken)."""
+        if self._bound is None:
+            return steps
+        return self._bound.events(steps, self._stream if steps == self.spent_steps else None)
+
+    def _new_accountant(self) -> PLDAccountant | RDPAccountant:
+        return self._bound.accountant() if self._bound is not None else self._sampling.accountant()
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
@@ -1097,11 +1178,11 @@ class PrivacyEngine:
     def _composed(self, steps: int) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding ``steps`` steps of this run's mechanism."""
         self._require_accounted()   # every epsilon passes here or through get_epsilon
-        acc = self._sampling.accountant()
+        acc = self._new_accountant()
         if steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")
-            acc.compose(self._mechanism(), steps)
+            acc.compose(self._mechanism(), self._events(steps))
         return acc
 
     def get_epsilon(self, delta: float, *, overcount: float = 0.0) -> float:
@@ -1181,7 +1262,7 @@ class PrivacyEngine:
             if self.planned_steps is not None:
                 charged = max(steps, min(charged, self.planned_steps))
             steps = charged
-        key = (steps, float(delta))
+        key = (steps, self._events(steps), float(delta))   # an epoch sampler's epochs move with its batches drawn
         if key not in self._epsilons:
             self._epsilons[key] = self._epsilon_at(steps, delta)
         return self._epsilons[key]
@@ -1189,8 +1270,8 @@ class PrivacyEngine:
     def _epsilon_at(self, steps: int, delta: float) -> float:
         """The epsilon of ``steps`` steps: the run's :class:`dpmath.EpsilonSchedule`, or a fresh accountant at the
         calibrated count and where the accountant is not a plain :class:`dpmath.PLDAccountant`."""
-        accountant = self._sampling.accountant()
-        if (not isinstance(accountant, PLDAccountant) or accountant.bracket_rtol is not None
+        accountant = self._new_accountant()
+        if (not isinstance(accountant, PLDAccountant) or accountant.bracket_rtol is not None or self._bound is not None
                 or steps == self.planned_steps or self.noise_multiplier == 0):
             # only the number is kept: the composed accountant holds hundreds of MB of loss grids
             return self._composed(steps).epsilon(delta)
@@ -1226,7 +1307,9 @@ class PrivacyEngine:
         self._require_private()
         if state["settings"] != self._settings:
             saved = state["settings"]
-            diff = {k: (saved.get(k), v) for k, v in self._settings.items() if saved.get(k) != v}
+            # keys of either side: a setting only one of them records (privacy_unit) is a difference too
+            diff = {k: (saved.get(k), self._settings.get(k)) for k in sorted(saved.keys() | self._settings.keys())
+                    if saved.get(k) != self._settings.get(k)}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
         self._sampling_rng.set_state(state["sampling_rng"])

@@ -25,6 +25,13 @@ the one-run bound of Steinke, Nasr and Jagielski (2023) on the first run alone.
 left unclipped), ``"half-noise"`` (the noise's standard deviation halved, the accounting unchanged),
 ``"microbatch-rate"`` (the accountant charged at a micro-batch's sampling rate, a quarter of the logical
 batch's).  :func:`trainer_audit` runs the configurations and the broken variants.
+
+**Users.**  A configuration with ``examples_per_user = m > 1`` audits user-level privacy
+(``make_private(privacy_unit="user")``): every slot is a user of ``m`` rows (copies of its example), users are
+sampled at ``q``, and a canary is a whole user whose ``m`` examples all carry the canary's probe.  The score is
+the same, at the user rate; the reported epsilon is per user.  Its broken variants (:data:`USER_BREAKS`) are
+``"example-rate"`` (the accountant charged at the example rate ``q / m``) and ``"per-example-clipping"`` (each
+example clipped alone, so a user moves the sum by up to ``m C``); :func:`user_audit` runs them.
 """
 
 from __future__ import annotations
@@ -40,10 +47,17 @@ import numpy as np
 from .auditing import CanaryScoreAuditor
 from .result import INSTALL, AuditResult, Figure, skipped_without
 
-__all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "BREAKS", "CONFIGS"]
+__all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "user_audit", "BREAKS", "USER_BREAKS",
+           "CONFIGS", "USER_CONFIGS"]
 
 BREAKS = ("unclipped", "half-noise", "microbatch-rate")
 """The deliberately broken steps that the audit must catch."""
+
+USER_BREAKS = ("example-rate", "per-example-clipping")
+"""The deliberately broken user-level steps that the audit of a configuration with users must catch."""
+
+# breaks of the accounting: the reported epsilon is not the sound run's
+_ACCOUNTING_BREAKS = ("microbatch-rate", "example-rate")
 
 
 @dataclass(frozen=True)
@@ -60,12 +74,16 @@ class TrainerConfig:
     accumulation : int
         Micro-batches per logical batch (:class:`dpsgd.BatchMemoryManager`; 1: none).  The per-example losses
         (cross-entropy, or the canary's probe term) go through :meth:`dpsgd.PrivacyEngine.private_loss`.
+    examples_per_user : int
+        ``1``: example-level privacy.  ``m > 1``: user-level (``privacy_unit="user"``), every slot a user of
+        ``m`` rows, a canary a whole user.
     """
 
     name: str
     backbone: str = "tiny"
     estimator: str = "hutch"
     accumulation: int = 1
+    examples_per_user: int = 1
 
 
 CONFIGS = (
@@ -74,6 +92,12 @@ CONFIGS = (
     TrainerConfig("tiny decoder, exact", "tiny", "exact"),
     TrainerConfig("HF Llama, ghost", "hf-llama", "ghost"),
     TrainerConfig("HF Llama, hutch, 4 micro-batches", "hf-llama", "hutch", accumulation=4),
+)
+
+USER_CONFIGS = (
+    TrainerConfig("tiny decoder, exact, users of 4 examples", "tiny", "exact", examples_per_user=4),
+    TrainerConfig("tiny decoder, hutch, users of 4 examples, 2 micro-batches", "tiny", "hutch", accumulation=2,
+                  examples_per_user=4),
 )
 
 _VOCAB, _LEN, _CLASSES = 32, 8, 4
@@ -158,12 +182,29 @@ def _losses(logits, probe, ids, label, is_canary, scale):
 
 
 @contextlib.contextmanager
-def _broken(kind: str | None, engine):
+def _broken(kind: str | None, engine, examples_per_user: int = 1):
     """The deliberately broken step ``kind`` (see the module docstring), or nothing."""
     import dpsgd.privacy_engine as pe
 
+    if kind in USER_BREAKS and examples_per_user == 1:
+        raise ValueError(f"break {kind!r} needs a configuration with users (examples_per_user > 1)")
     if kind is None:
         yield
+    elif kind == "per-example-clipping":
+        original = pe.clipped_backward
+
+        def per_example(capture, losses, max_grad_norm, k, generator, groups=None, **kw):
+            return original(capture, losses, max_grad_norm, k, generator, **kw)   # the users' rows forgotten
+        with mock.patch.object(pe, "clipped_backward", per_example):
+            yield
+    elif kind == "example-rate":
+        cls = type(engine.sampling)
+
+        def example_rate(self, noise_multiplier, sample_rate, *a, **kw):
+            return original(self, noise_multiplier, sample_rate / examples_per_user, *a, **kw)
+        original = cls.mechanism
+        with mock.patch.object(cls, "mechanism", example_rate):
+            yield
     elif kind == "unclipped":
         original = pe.clipped_backward
 
@@ -188,7 +229,7 @@ def _broken(kind: str | None, engine):
         with mock.patch.object(cls, "mechanism", microbatch):
             yield
     else:
-        raise ValueError(f"break must be one of {BREAKS} or None, got {kind!r}")
+        raise ValueError(f"break must be one of {BREAKS + USER_BREAKS} or None, got {kind!r}")
 
 
 def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries: int = 200, ordinary: int = 64,
@@ -244,6 +285,11 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     is_canary = torch.zeros(n, dtype=torch.bool)                # probe loss (zero for row 0: an empty slot)
     is_canary[ordinary + u:] = True
     is_canary[ordinary + np.flatnonzero(~typed)] = True         # an empty input-canary slot
+    per = config.examples_per_user
+    # users: slot i becomes user i, with per copies of its row (a canary user: per rows carrying its canary)
+    users = torch.arange(n).repeat_interleave(per)
+    data = TensorDataset(ids[users], label[users], slot[users], is_canary[users])
+    by_user = {} if per == 1 else {"privacy_unit": "user", "user_ids": users}
     model = _model(config.backbone, m)
     lr = 1.0
     base_opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -252,13 +298,12 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     engine = PrivacyEngine()
     batch = max(1, round(sample_rate * n))
     model, opt, crit, loader = engine.make_private(
-        module=model, optimizer=base_opt, data_loader=DataLoader(TensorDataset(ids, label, slot, is_canary),
-                                                                 batch_size=batch),
+        module=model, optimizer=base_opt, data_loader=DataLoader(data, batch_size=batch),
         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, projection_dim=k,
-        seed=int(rng.integers(2**62)))
+        seed=int(rng.integers(2**62)), **by_user)
     scale = 1e3 * max_grad_norm   # a canary's gradient norm: far above C, clipped to about C
-    with _broken(broken, engine):
-        micro = max(1, math.ceil(batch / config.accumulation))
+    with _broken(broken, engine, per):
+        micro = max(per, math.ceil(batch * per / config.accumulation))
         manager = (BatchMemoryManager(data_loader=loader, max_physical_batch_size=micro, optimizer=opt)
                    if config.accumulation > 1 else contextlib.nullcontext(loader))
         with manager as batches:
@@ -355,7 +400,7 @@ def trainer_audit(configs: tuple[TrainerConfig, ...] = (CONFIGS[0], CONFIGS[3]),
             row(break_config, "as shipped", sound, False)
         for b in breaks:
             # the noise and clipping breaks do not change the accounting: reuse the reported epsilon
-            known = None if b == "microbatch-rate" else sound["reported"]
+            known = None if b in _ACCOUNTING_BREAKS else sound["reported"]
             r = audit_config(break_config, runs=runs, delta=delta, confidence=confidence, seed=seed, broken=b,
                              reported=known, **kw)
             row(break_config, f"BROKEN: {b}", r, True)
@@ -388,3 +433,21 @@ def trainer_audit(configs: tuple[TrainerConfig, ...] = (CONFIGS[0], CONFIGS[3]),
                        [Figure("trainer-canary-audit", "Each trainer configuration's audited epsilon lower bound "
                                "against the epsilon its engine reports; broken steps must land above the diagonal.",
                                draw)])
+
+
+def user_audit(config: TrainerConfig = USER_CONFIGS[0], *, breaks: tuple[str, ...] = USER_BREAKS, **kw) -> AuditResult:
+    """The audit of user-level privacy: ``config`` (a configuration with users) as shipped, whose lower bound must
+    stay below the epsilon per user that its engine reports, and each of ``breaks`` (:data:`USER_BREAKS`), which
+    must be caught; ``kw`` as for :func:`trainer_audit` and :func:`canary_scores` (``canaries=`` sets the number
+    of canary users).
+
+    Examples
+    --------
+    >>> from verify.training import user_audit
+    >>> result = user_audit(canaries=1000, input_canaries=0, ordinary=16)   # doctest: +SKIP
+    >>> result.holds                                                        # doctest: +SKIP
+    True
+    """
+    if config.examples_per_user < 2:
+        raise ValueError(f"config must have users (examples_per_user > 1), got {config.examples_per_user}")
+    return trainer_audit((), breaks=breaks, break_config=config, **kw)

@@ -1,0 +1,378 @@
+"""User-level privacy (make_private(privacy_unit="user")): each user's summed gradient clipped once, users
+Poisson-sampled at q_u = batch_size / U, epsilon per user, and the canary audit with whole users as canaries."""
+
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+from dpsgd import BatchMemoryManager, PrivacyEngine
+from dpsgd.engine import Capture, NormPlan, clipped_backward
+from dpsgd.sampling import TwiceSampling
+from dpsgd.users import UserBatch, UserPoissonSampler
+
+from .workloads import data, lm_losses, make
+
+C = 0.2   # small enough that some users are clipped and others not
+GROUPS = torch.tensor([0, 0, 1, 2, 2, 2])   # six rows: users of 2, 1 and 3 examples
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def _mlp_losses(model, x, y):
+    return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+
+def _mlp_data(b=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (b,), generator=gen)
+
+
+def _engine_sums(model, losses_of, estimator, groups, k=1, seed=0, norms_only=False):
+    """``(clipped sums by parameter name, per-user squared norms)`` from the engine's user-level backward."""
+    capture = Capture(NormPlan.build(model, estimator, k))
+    try:
+        result = clipped_backward(capture, losses_of(model), C, k, torch.Generator().manual_seed(seed),
+                                  groups=groups, norms_only=norms_only)
+    finally:
+        capture.remove()
+    sums = {n: result.sums[id(p)] for n, p in model.named_parameters() if id(p) in result.sums}
+    return sums, result.sq_norms
+
+
+def _brute_force(model, losses_of, groups):
+    """Per user: autograd of the user's summed loss, clipped to C once; ``(sums by name, per-user sq norms)``."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = {n: torch.zeros_like(p) for n, p in zip(names, params, strict=True)}
+    norms = []
+    for u in range(int(groups.max()) + 1):
+        losses = losses_of(model)
+        grads = torch.autograd.grad(losses[groups == u].sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        sq = sum(g.square().sum() for g in grads)
+        norms.append(sq)
+        w = min(1.0, C / float(sq.sqrt()))
+        for n, g in zip(names, grads, strict=True):
+            total[n] += w * g
+    return total, torch.stack(norms)
+
+
+def _models(b=6):
+    ids = data(b, seed=3)
+    x, y = _mlp_data(b)
+    return {
+        "sequential": (_mlp(), lambda m: _mlp_losses(m, x, y)),
+        "gpt2_tied": (make("gpt2_tied"), lambda m: lm_losses(m, ids)),
+        "llama_untied": (make("llama_untied"), lambda m: lm_losses(m, ids)),
+        "module_called_twice": (make("module_called_twice"), lambda m: lm_losses(m, ids)),
+        "cnn_groupnorm": (make("cnn_groupnorm"), lambda m: lm_losses(m, ids)),
+    }
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ghost"])
+@pytest.mark.parametrize("name", ["sequential", "gpt2_tied", "llama_untied", "module_called_twice",
+                                  "cnn_groupnorm"])
+def test_exact_per_user_clipped_sum_equals_brute_force(name, estimator):
+    model, losses_of = _models()[name]
+    sums, norms = _engine_sums(model, losses_of, estimator, GROUPS)
+    want, want_norms = _brute_force(model, losses_of, GROUPS)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-9, atol=1e-12)
+    assert set(sums) == set(want)   # every trainable parameter counted
+    for n in want:
+        torch.testing.assert_close(sums[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert (norms.sqrt() > C).any()   # some user is clipped: the weights matter
+
+
+@pytest.mark.parametrize("name", ["sequential", "llama_untied"])
+def test_very_uneven_users_take_the_per_example_path_to_the_same_clipped_sum(name):
+    # one user of five rows and two of one: regrouping along tokens would pad 15 rows for 7, so linear layers sum
+    # their per-example gradients per user instead
+    model, losses_of = _models(7)[name]
+    groups = torch.tensor([1, 0, 0, 0, 0, 0, 2])
+    sums, norms = _engine_sums(model, losses_of, "ghost", groups)
+    want, want_norms = _brute_force(model, losses_of, groups)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-9, atol=1e-12)
+    for n in want:
+        torch.testing.assert_close(sums[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("name", ["sequential", "gpt2_tied"])
+def test_hutchpp_with_k_above_every_rank_is_the_exact_per_user_clipped_sum(name):
+    # Hutch++ is exact when min(rows, cols) <= k: a check of the sketch through each user's summed products
+    # (GPT-2's tied embedding: several calls) and of the regrouped linear layers
+    model, losses_of = _models()[name]
+    sums, norms = _engine_sums(model, losses_of, "hutchpp", GROUPS, k=40)
+    want, want_norms = _brute_force(model, losses_of, GROUPS)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-7, atol=1e-10)
+    for n in want:
+        torch.testing.assert_close(sums[n], want[n], rtol=1e-7, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("name", ["sequential", "module_called_twice"])
+def test_hutch_per_user_norm_is_unbiased_and_exact_as_k_grows(name):
+    model, losses_of = _models()[name]
+    _, exact = _engine_sums(model, losses_of, "exact", GROUPS, norms_only=True)
+    draws = torch.stack([_engine_sums(model, losses_of, "hutch", GROUPS, k=4, seed=s, norms_only=True)[1]
+                         for s in range(300)])
+    sem = draws.std(0) / 300 ** 0.5
+    assert ((draws.mean(0) - exact).abs() < 4.5 * sem).all(), (draws.mean(0), exact)
+    _, huge = _engine_sums(model, losses_of, "hutch", GROUPS, k=20000, norms_only=True)
+    torch.testing.assert_close(huge, exact, rtol=0.05, atol=0)
+
+
+def test_single_example_users_are_the_example_level_step():
+    model, losses_of = _models()["gpt2_tied"]
+    per_user, _ = _engine_sums(model, losses_of, "ghost", torch.arange(6))
+    capture = Capture(NormPlan.build(model, "ghost"))
+    try:
+        plain = clipped_backward(capture, losses_of(model), C, 1, None)
+    finally:
+        capture.remove()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(per_user[n], plain.sums[id(p)], rtol=1e-10, atol=1e-13)
+
+
+def _user_run(users, **kw):
+    """An MLP on 60 float64 examples whose third column is the example's user; make_private(privacy_unit='user')."""
+    model = _mlp()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(users), 5, generator=gen, dtype=torch.float64) * 3
+    y = torch.randint(0, 3, (len(users),), generator=gen)
+    ds = TensorDataset(x, y, torch.as_tensor(users))
+    engine = PrivacyEngine()
+    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                data_loader=DataLoader(ds, batch_size=4), max_grad_norm=C, noise_multiplier=0.0, estimator="ghost",
+                privacy_unit="user", user_ids=users, seed=1)
+    args.update(kw)
+    return engine, *engine.make_private(**args)
+
+
+def _reference_update(state, batches, expected_users):
+    """The noise-free update of one logical batch (its physical ``batches``) by brute force on an unhooked copy of
+    the model at ``state``: -(sum over the drawn users of w_u G_u) / (q_u U)."""
+    x, y, u = (torch.cat([b[j] for b in batches]) for j in range(3))
+    _, groups = torch.unique(u, return_inverse=True)
+    fresh = _mlp()
+    fresh.load_state_dict(state)
+    want, _ = _brute_force(fresh, lambda m: _mlp_losses(m, x, y), groups)
+    return {n: -g / expected_users for n, g in want.items()}
+
+
+def _assert_update(model, state, want):
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - state[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_trainer_step_clips_each_drawn_user_once():
+    users = [i % 12 for i in range(60)]   # 12 users of 5 examples, interleaved in the dataset
+    engine, model, opt, crit, loader = _user_run(users)
+    assert engine.sample_rate == 4 / 12 and engine.expected_batch_size == pytest.approx(4.0)
+    clipped = 0.0
+    for batch in loader:
+        state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+        opt.zero_grad()
+        crit(model(batch[0]), batch[1]).backward()
+        clipped = max(clipped, engine.last_clipped_fraction)   # the fraction of the batch's users clipped
+        opt.step()
+        _assert_update(model, state, _reference_update(state, [batch], engine.expected_batch_size))
+    assert engine.steps == len(loader) == 3 and clipped > 0
+
+
+def test_physical_batches_hold_whole_users_and_accumulate_to_their_logical_step():
+    users = [i // 3 for i in range(60)]   # 20 users of 3 examples, capped at 2
+    ds = TensorDataset(torch.randn(60, 5, dtype=torch.float64) * 3, torch.randint(0, 3, (60,)),
+                       torch.as_tensor(users))
+    engine, model, opt, crit, loader = _user_run(users, max_examples_per_user=2,
+                                                 data_loader=DataLoader(ds, batch_size=10))
+    chunks, state, split = [], None, False
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=5, optimizer=opt) as small:
+        for batch in small:
+            assert len(batch[0]) <= 5
+            if not chunks:
+                state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+            chunks.append(batch)
+            steps = engine.steps
+            opt.zero_grad()
+            crit(model(batch[0]), batch[1]).backward()
+            opt.step()
+            if engine.steps == steps:
+                continue   # accumulated only: the logical batch goes on
+            split |= len(chunks) > 1
+            ids = [set(c[2].tolist()) for c in chunks]
+            assert all(a.isdisjoint(b) for i, a in enumerate(ids) for b in ids[i + 1:])   # no user split
+            assert all((torch.bincount(c[2]) <= 2).all() for c in chunks)                # the cap
+            _assert_update(model, state, _reference_update(state, chunks, engine.expected_batch_size))
+            chunks = []
+    assert engine.steps == len(loader) and split
+
+
+def test_user_larger_than_the_physical_batch_is_refused_by_name():
+    users = [0] * 10 + list(range(1, 11))
+    engine, model, opt, crit, loader = _user_run(users[:20], data_loader=DataLoader(TensorDataset(
+        torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,)), torch.as_tensor(users[:20])),
+        batch_size=4))
+    with pytest.raises(ValueError, match="max_physical_batch_size=8.*max_examples_per_user"):
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt)
+    # with the cap the user fits
+    _, _, opt, _, loader = _user_run(users[:20], max_examples_per_user=8, data_loader=DataLoader(TensorDataset(
+        torch.randn(20, 5, dtype=torch.float64), torch.randint(0, 3, (20,)), torch.as_tensor(users[:20])),
+        batch_size=4))
+    BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt)
+
+
+def test_sampler_draws_each_user_at_rate_q():
+    # 200 users, q = 0.3, 400 batches: each user's count is Binomial(400, 0.3); the chi-square statistic over
+    # users is checked at 99.9% confidence (fixed seed)
+    users = torch.arange(200).repeat_interleave(torch.arange(200) % 3 + 1)
+    s = UserPoissonSampler(users, 0.3, steps=400, generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(200)
+    for b in s:
+        drawn = torch.unique(users[torch.tensor(b, dtype=torch.long)]) if len(b) else torch.zeros(0, dtype=torch.long)
+        counts[drawn] += 1
+        assert sum(b.sizes) == len(b) and len(b.sizes) == len(drawn)   # each drawn user brings all its examples
+    n, q = 400, 0.3
+    chi2 = float(((counts - n * q) ** 2 / (n * q * (1 - q))).sum())
+    assert stats.chi2.sf(chi2, 200) > 1e-3 and stats.chi2.cdf(chi2, 200) > 1e-3
+
+
+def test_sampler_caps_each_user_with_a_uniform_subset():
+    users = torch.tensor([0] * 6 + [1])
+    s = UserPoissonSampler(users, 1.0, max_examples_per_user=2, steps=3000,
+                           generator=torch.Generator().manual_seed(1))
+    counts = torch.zeros(7)
+    for b in s:
+        assert b.sizes == [2, 1]
+        assert b[2] == 6 and b[0] < b[1] < 6   # user 0's two rows (a subset, in order), then user 1's
+        counts[torch.tensor(b)] += 1
+    # each of user 0's six examples is kept with probability 1/3: chi-square over them at 99.9% confidence
+    expected = 3000 * 2 / 6
+    chi2 = float(((counts[:6] - expected) ** 2 / expected).sum())
+    assert stats.chi2.sf(chi2, 5) > 1e-3
+
+
+def test_split_rows_keeps_users_whole_and_numbers_them_per_piece():
+    b = UserBatch([4, 5, 9, 1, 2, 3], [2, 1, 3])
+    pieces = list(b.split_rows(3, None))
+    assert [(p, g.tolist(), last) for p, g, last in pieces] == [([4, 5, 9], [0, 0, 1], False),
+                                                                 ([1, 2, 3], [0, 0, 0], True)]
+    fixed = list(b.split_rows(None, 2))
+    assert [p for p, _, _ in fixed] == [[4, 5], [9, 1, 2, 3]]
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        list(b.split_rows(2, None))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"user_ids": list(range(59))}, "user_ids has 59 labels"),
+    ({"privacy_unit": "users"}, "privacy_unit must be one of"),
+    ({"privacy_unit": "example"}, "user_ids is given but privacy_unit='example'"),
+    ({"max_examples_per_user": 0}, "max_examples_per_user must be a positive integer"),
+    ({"user_ids": None}, "needs user_ids"),
+    ({"user_ids": torch.zeros(60, 2, dtype=torch.long)}, "1-D tensor"),
+    ({"sampling": TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)}, "twice sampling"),
+    ({"poisson_sampling": False}, "poisson_sampling=True"),
+    ({"user_ids": [i % 3 for i in range(60)]}, "exceeds the 3 users"),
+])
+def test_bad_user_level_arguments_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _user_run([i % 12 for i in range(60)], **kw)
+
+
+def test_max_examples_per_user_without_users_is_refused():
+    from .workloads import private_classifier
+
+    with pytest.raises(ValueError, match="max_examples_per_user is given"):
+        private_classifier(max_examples_per_user=3, noise_multiplier=1.0)
+
+
+def test_batches_not_from_the_loader_are_refused():
+    engine, model, opt, crit, loader = _user_run([i % 12 for i in range(60)])
+    x, y, _ = next(iter(loader))
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="one whole physical batch"):
+        crit(model(x[:-1]), y[:-1]).backward()   # a part of the drawn batch: rows no longer match users
+    engine2, model2, opt2, crit2, loader2 = _user_run([i % 12 for i in range(60)])
+    with pytest.raises(RuntimeError, match="without a batch drawn"):
+        crit2(model2(x), y).backward()   # rows that no private loader yielded
+
+
+def test_epsilon_is_per_user_at_the_user_rate():
+    users = [i // 5 for i in range(60)]   # 12 users; batch_size 4: q_u = 1/3, the example rate would be 1/15
+    engine, model, opt, crit, loader = _user_run(users, noise_multiplier=1.2)
+    for x, y, _ in loader:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    by_hand = PLDAccountant().compose(SubsampledGaussian(noise_multiplier=1.2, sample_rate=4 / 12), 3)
+    lo, hi = by_hand.epsilon_bracket(1e-5)
+    eps = engine.get_epsilon(1e-5)
+    assert lo <= eps <= hi * (1 + 1e-6)
+    example_rate = PLDAccountant().compose(SubsampledGaussian(noise_multiplier=1.2, sample_rate=4 / 60), 3)
+    assert eps > 2 * example_rate.epsilon(1e-5)
+
+
+def test_hutch_epsilon_charges_the_user_rate_with_the_plans_envelope():
+    engine, *_ = _user_run([i // 5 for i in range(60)], noise_multiplier=1.2, estimator="hutch", projection_dim=8)
+    rc = RandomizedClipGaussian(noise_multiplier=1.2, sample_rate=4 / 12, envelope=engine.envelope)
+    assert engine._mechanism() == rc
+
+
+def test_target_epsilon_calibrates_for_the_user_rate():
+    engine, model, opt, crit, loader = _user_run([i // 5 for i in range(60)], noise_multiplier=None,
+                                                 target_epsilon=3.0, target_delta=1e-5, epochs=2)
+    assert engine.planned_steps == 6
+    for _ in range(2):
+        for x, y, _ in loader:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    eps = engine.get_epsilon(1e-5)
+    assert 2.5 < eps <= 3.0
+    sigma = engine.noise_multiplier
+    by_hand = PLDAccountant().compose(SubsampledGaussian(noise_multiplier=sigma, sample_rate=1 / 3), 6)
+    assert by_hand.epsilon(1e-5) == pytest.approx(eps, rel=1e-9)
+
+
+def test_privacy_unit_is_a_fixed_setting_recorded_in_checkpoints():
+    users = [i % 12 for i in range(60)]
+    engine, *_ = _user_run(users, max_examples_per_user=3)
+    assert engine.state_dict()["settings"]["privacy_unit"] == "user"
+    assert engine.state_dict()["settings"]["max_examples_per_user"] == 3
+    for name, value in (("privacy_unit", "example"), ("max_examples_per_user", 10)):
+        with pytest.raises(AttributeError, match="fixed by make_private"):
+            setattr(engine, name, value)
+    other, *_ = _user_run(users, max_examples_per_user=4)
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        other.load_state_dict(engine.state_dict())
+    from .workloads import private_classifier
+
+    example, *_ = private_classifier(noise_multiplier=1.0)
+    assert "privacy_unit" not in example.state_dict()["settings"]   # example-level ledgers keep their format
+    with pytest.raises(ValueError, match="privacy_unit"):
+        example.load_state_dict(engine.state_dict())
+
+
+def test_user_level_canary_audit_holds_and_catches_both_broken_variants():
+    """Canary users of 4 examples (tiny decoder, exact, 4000 canary users, q_u = 0.5, 2 steps, sigma = 1): the
+    audited bound (95% confidence) stays below the reported per-user epsilon at delta = 0.05; charging the
+    example rate or clipping each example alone lands above it."""
+    from verify.training import USER_BREAKS, USER_CONFIGS, user_audit
+
+    result = user_audit(USER_CONFIGS[0])
+    assert result.holds, result.rows
+    rows = {r["step"]: r for r in result.rows}
+    assert rows["as shipped"]["lower bound (Clopper-Pearson)"] <= rows["as shipped"]["reported epsilon"]
+    for b in USER_BREAKS:
+        assert rows[f"BROKEN: {b}"]["lower bound (Clopper-Pearson)"] > rows[f"BROKEN: {b}"]["reported epsilon"], b
+
+
+@pytest.mark.slow
+def test_user_level_canary_audit_with_hutch_and_micro_batches():
+    from verify.training import USER_CONFIGS, user_audit
+
+    assert user_audit(USER_CONFIGS[1]).holds
