@@ -1,0 +1,407 @@
+r"""How examples are chosen for each step, and the dpmath mechanism that accounts each choice.
+
+``make_private(batch_sampling=...)`` takes one of these; each *is* its accounting, so the sampler that draws the
+batches and the mechanism the accountant composes come from one object and cannot disagree:
+
+* :class:`Poisson` (default): each example independently at ``q = B / N``; accounted as
+  ``SubsampledGaussian`` (``RandomizedClipGaussian`` with estimated norms).
+* :class:`TruncatedPoisson`: Poisson with at most ``max_batch_size`` examples a step (static memory; an
+  overflowing draw keeps a random ``max_batch_size`` of it); ``TruncatedSubsampledGaussian``, the overflow's
+  probability charged to delta.
+* :class:`FixedSize`: exactly ``B`` examples without replacement, afresh each step (static shapes);
+  ``FixedSizeSubsampledGaussian``, for **replacing** one example.
+* :class:`BallsInBins`: each epoch, every example in one uniformly random of its ``T = round(N / B)`` steps;
+  ``RandomAllocationGaussian``, one Gaussian step per epoch (no amplification claimed).
+* :class:`Shuffling`: each epoch, a permutation cut into batches of ``B``; ``ShuffledGaussian``, one Gaussian
+  step per epoch for **replacing** one example (``sigma / 2``).
+
+``B`` is the loader's ``batch_size`` and ``N`` its dataset's size.  Fixed-size batches and shuffling keep ``N``
+fixed, so their epsilon is for **replacing** one example (``neighboring="replace_one"``), which costs more than
+adding or removing one; randomized clipping (``hutch``, ``hutchpp``) is covered with Poisson, truncated Poisson
+and balls in bins, whose step moves by one example's random scale.
+
+Balls in bins and shuffling are accounted per **epoch**: the samplers below keep their epoch across loops over
+the loader (a loop stopped early resumes the same epoch's remaining batches), and the engine charges
+``ceil(batches drawn / T)`` epochs, every batch drawn counted whether or not it was stepped on, so no example can
+be in two charged steps of one charged epoch.
+
+Examples
+--------
+>>> import torch
+>>> from dpsgd.samplers import FixedSize
+>>> bound = FixedSize().bind(num_samples=100, batch_size=10)
+>>> bound.sample_rate, bound.steps_per_epoch
+(0.1, 10)
+>>> batches = list(bound.sampler(torch.Generator().manual_seed(0)))
+>>> {len(b) for b in batches}
+{10}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch.utils.data import Sampler
+
+from dpmath import (
+    Envelope,
+    FixedSizeSubsampledGaussian,
+    PLDAccountant,
+    RandomAllocationGaussian,
+    ShuffledGaussian,
+    TruncatedSubsampledGaussian,
+)
+
+from .data import PoissonBatchSampler
+from .noise import GaussianNoise, StepNoise
+
+__all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
+           "TruncatedPoissonBatchSampler", "FixedSizeBatchSampler", "EpochBatchSampler", "as_batch_sampling"]
+
+
+class TruncatedPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson batches at rate ``q`` with at most ``max_batch_size`` examples: a larger draw keeps a uniformly random
+    ``max_batch_size`` of its examples.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = TruncatedPoissonBatchSampler(1000, 0.5, 300, generator=torch.Generator().manual_seed(0))
+    >>> max(len(b) for b in s)
+    300
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, max_batch_size: int, steps: int | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__(num_samples, sample_rate, steps, generator)
+        self.max_batch_size = max_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in super().__iter__():
+            if len(batch) > self.max_batch_size:
+                keep = torch.randperm(len(batch), generator=self.generator)[:self.max_batch_size]
+                batch = sorted(batch[i] for i in keep.tolist())
+            yield batch
+
+
+class FixedSizeBatchSampler(Sampler[list[int]]):
+    """``steps`` batches per epoch, each ``batch_size`` examples drawn uniformly without replacement, independently
+    of the other steps.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = FixedSizeBatchSampler(50, 5, generator=torch.Generator().manual_seed(0))
+    >>> len(s), {len(b) for b in s}
+    (10, {5})
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, steps: int | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.num_samples, self.batch_size, self.generator = num_samples, batch_size, generator
+        self.steps = max(1, round(num_samples / batch_size)) if steps is None else steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            yield sorted(torch.randperm(self.num_samples, generator=self.generator)[:self.batch_size].tolist())
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """The batches of epochs in which every example is in exactly one step: balls in bins (``"allocate"``: each
+    example's step uniform among ``steps``) or shuffling (``"shuffle"``: a permutation cut into batches of
+    ``batch_size``).
+
+    The epoch is kept across loops: a loop that stops early leaves the rest of the epoch to the next one, so the
+    batches drawn form one stream of whole epochs, and :attr:`drawn` (batches drawn so far) says how many epochs
+    the stream has begun: ``ceil(drawn / steps)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = EpochBatchSampler(20, "shuffle", batch_size=5, generator=torch.Generator().manual_seed(0))
+    >>> sorted(i for b in s for i in b) == list(range(20)), s.drawn
+    (True, 4)
+    """
+
+    def __init__(self, num_samples: int, kind: str, *, batch_size: int | None = None, steps: int | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.num_samples, self.kind, self.generator = num_samples, kind, generator
+        if kind == "shuffle":
+            self.batch_size = batch_size
+            self.steps = math.ceil(num_samples / batch_size)
+        else:
+            self.steps = steps
+        self.drawn = 0
+        self._epoch: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def _new_epoch(self) -> list[list[int]]:
+        if self.kind == "shuffle":
+            order = torch.randperm(self.num_samples, generator=self.generator)
+            return [sorted(order[i:i + self.batch_size].tolist()) for i in range(0, self.num_samples, self.batch_size)]
+        bins = torch.randint(self.steps, (self.num_samples,), generator=self.generator)
+        return [(bins == t).nonzero().flatten().tolist() for t in range(self.steps)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            if not self._epoch:
+                self._epoch = self._new_epoch()[::-1]   # popped from the end: in step order
+            self.drawn += 1
+            yield self._epoch.pop()
+
+
+@dataclass(frozen=True)
+class BoundSampling:
+    """A :class:`BatchSampling` for a data set of ``num_samples`` examples and loader batch size ``batch_size``:
+    the sampler the loader draws with and the mechanism the accountant composes, from the same numbers."""
+
+    scheme: BatchSampling
+    num_samples: int
+    batch_size: int
+    sample_rate: float
+    steps_per_epoch: int
+
+    def sampler(self, generator: torch.Generator | None) -> Sampler[list[int]]:
+        """A fresh sampler of index batches (one per run: an epoch sampler carries its position)."""
+        return self.scheme.make_sampler(self, generator)
+
+    def mechanism(self, noise_multiplier: float, noise: StepNoise, envelope: Envelope | None):
+        """The dpmath mechanism of one accounted event (a step, or an epoch for epoch samplers)."""
+        return self.scheme.make_mechanism(self, noise_multiplier, noise, envelope)
+
+    def events(self, steps: int, sampler: Sampler | None = None) -> int:
+        """How many events ``steps`` steps charge: ``steps``, or for an epoch sampler the epochs its stream has begun
+        (``ceil(drawn / T)``, at least ``ceil(steps / T)``)."""
+        if not self.scheme.per_epoch:
+            return steps
+        drawn = max(steps, getattr(sampler, "drawn", 0))
+        return math.ceil(drawn / self.steps_per_epoch)
+
+    def accountant(self) -> PLDAccountant:
+        """A fresh accountant of the scheme's neighbouring relation."""
+        return PLDAccountant(neighboring=self.scheme.neighboring)
+
+
+class BatchSampling:
+    """How the private loader chooses each step's examples (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    #: the relation its epsilon is for: ``"add_or_remove"`` or ``"replace_one"``
+    neighboring: ClassVar[str] = "add_or_remove"
+    #: the accounted event is an epoch, not a step
+    per_epoch: ClassVar[bool] = False
+    #: it covers randomized clipping (estimated norms)
+    estimated_norms: ClassVar[bool] = True
+
+    def bind(self, num_samples: int, batch_size: int) -> BoundSampling:
+        """The scheme for ``num_samples`` examples, ``batch_size`` a step (``1 <= batch_size <= num_samples``)."""
+        q = batch_size / num_samples
+        return BoundSampling(self, num_samples, batch_size, q, max(1, round(1 / q)))
+
+    def check(self, estimator: str, noise: StepNoise) -> None:
+        """``ValueError`` with the reason where this scheme's accounting does not cover the run."""
+        if not self.estimated_norms and estimator not in ("exact", "ghost"):
+            raise ValueError(f"batch_sampling={self!r} needs exact norms (estimator 'ghost' or 'exact'), got "
+                             f"estimator={estimator!r}: replacing one example brings two independent random scales, "
+                             f"whose pair the accountant does not cover; use Poisson(), TruncatedPoisson(...) or "
+                             f"BallsInBins() with randomized clipping")
+        if type(self) is not Poisson and type(noise) is not GaussianNoise:
+            raise ValueError(f"batch_sampling={self!r} is accounted for Gaussian noise only, got noise={noise!r}")
+
+    def make_sampler(self, bound: BoundSampling, generator: torch.Generator | None) -> Sampler[list[int]]:
+        raise NotImplementedError
+
+    def make_mechanism(self, bound: BoundSampling, noise_multiplier: float, noise: StepNoise,
+                       envelope: Envelope | None):
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        """What the ledger records (a resumed run must match)."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Poisson(BatchSampling):
+    """Poisson sampling (the default): each example in each step independently at ``q = B / N``.
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> Poisson().bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
+    """
+
+    name = "poisson"
+
+    def make_sampler(self, bound, generator):
+        return PoissonBatchSampler(bound.num_samples, bound.sample_rate, generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return noise.mechanism(noise_multiplier, bound.sample_rate, envelope)
+
+
+@dataclass(frozen=True, repr=True)
+class TruncatedPoisson(BatchSampling):
+    """Poisson sampling with at most ``max_batch_size`` examples a step: memory (and, padded, shapes) bounded.
+
+    The probability that a step's draw overflows is charged to delta as ``eta (1 + e^epsilon)``
+    (:class:`dpmath.TruncatedSubsampledGaussian`); :meth:`dpmath.TruncatedSubsampledGaussian.max_batch_size_for`
+    gives the smallest ``max_batch_size`` that keeps the charge below a budget (a few binomial standard deviations
+    above ``B``).
+
+    Parameters
+    ----------
+    max_batch_size : int
+        ``>= 1``; at least the loader's ``batch_size``.
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> TruncatedPoisson(40).bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
+    TruncatedSubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01, max_batch_size=40, dataset_size=1000,
+                                envelope=None)
+    """
+
+    max_batch_size: int
+    name: ClassVar[str] = "truncated_poisson"
+
+    def __post_init__(self) -> None:
+        b = self.max_batch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {b!r}")
+
+    def bind(self, num_samples, batch_size):
+        if self.max_batch_size < batch_size:
+            raise ValueError(f"TruncatedPoisson(max_batch_size={self.max_batch_size}) is below the loader's "
+                             f"batch_size {batch_size} (the expected batch): most steps would overflow")
+        return super().bind(num_samples, batch_size)
+
+    def make_sampler(self, bound, generator):
+        return TruncatedPoissonBatchSampler(bound.num_samples, bound.sample_rate, self.max_batch_size,
+                                            generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return TruncatedSubsampledGaussian(noise_multiplier, bound.sample_rate, self.max_batch_size,
+                                           bound.num_samples, envelope)
+
+    def settings(self):
+        return {"name": self.name, "max_batch_size": self.max_batch_size}
+
+
+class FixedSize(BatchSampling):
+    """Batches of exactly ``B`` examples, drawn without replacement afresh each step (static shapes, no empty
+    batch).  Its epsilon is for **replacing** one example; exact norms and Gaussian noise only.
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> FixedSize().bind(1000, 10).mechanism(2.0, GaussianNoise(), None)
+    FixedSizeSubsampledGaussian(noise_multiplier=2.0, batch_size=10, dataset_size=1000)
+    """
+
+    name = "fixed_size"
+    neighboring = "replace_one"
+    estimated_norms = False
+
+    def bind(self, num_samples, batch_size):
+        b = super().bind(num_samples, batch_size)
+        return BoundSampling(self, num_samples, batch_size, b.sample_rate, max(1, round(num_samples / batch_size)))
+
+    def make_sampler(self, bound, generator):
+        return FixedSizeBatchSampler(bound.num_samples, bound.batch_size, generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return FixedSizeSubsampledGaussian(noise_multiplier, bound.batch_size, bound.num_samples)
+
+
+class BallsInBins(BatchSampling):
+    """Balls in bins (random allocation): each epoch puts every example in one uniformly random of its
+    ``T = round(N / B)`` steps.  Accounted per epoch by one Gaussian step (certified; the amplification random
+    allocation has is not claimed).
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> BallsInBins().bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
+    RandomAllocationGaussian(noise_multiplier=1.0, steps=100, envelope=None)
+    """
+
+    name = "balls_in_bins"
+    per_epoch = True
+
+    def bind(self, num_samples, batch_size):
+        steps = max(1, round(num_samples / batch_size))
+        return BoundSampling(self, num_samples, batch_size, 1.0 / steps, steps)
+
+    def make_sampler(self, bound, generator):
+        return EpochBatchSampler(bound.num_samples, "allocate", steps=bound.steps_per_epoch, generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return RandomAllocationGaussian(noise_multiplier, bound.steps_per_epoch, envelope)
+
+
+class Shuffling(BatchSampling):
+    """Shuffled fixed-size batches: each epoch a permutation of the examples cut into batches of ``B`` (the last
+    one shorter when ``B`` does not divide ``N``).  Accounted per epoch by the only bound known to hold for it, one
+    Gaussian step for **replacing** one example (``sigma / 2`` adding or removing one): no amplification, so far
+    more epsilon than Poisson sampling at the same noise.  Exact norms and Gaussian noise only.
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> Shuffling().bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
+    ShuffledGaussian(noise_multiplier=1.0, steps=100)
+    """
+
+    name = "shuffling"
+    neighboring = "replace_one"
+    per_epoch = True
+    estimated_norms = False
+
+    def bind(self, num_samples, batch_size):
+        return BoundSampling(self, num_samples, batch_size, batch_size / num_samples,
+                             math.ceil(num_samples / batch_size))
+
+    def make_sampler(self, bound, generator):
+        return EpochBatchSampler(bound.num_samples, "shuffle", batch_size=bound.batch_size, generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return ShuffledGaussian(noise_multiplier, bound.steps_per_epoch)
+
+
+_BY_NAME = {"poisson": Poisson, "fixed_size": FixedSize, "balls_in_bins": BallsInBins, "shuffling": Shuffling}
+
+
+def as_batch_sampling(value: object) -> BatchSampling:
+    """``make_private``'s ``batch_sampling``: a :class:`BatchSampling`, or the name of one without arguments
+    (``"poisson"``, ``"fixed_size"``, ``"balls_in_bins"``, ``"shuffling"``).
+
+    Examples
+    --------
+    >>> as_batch_sampling("fixed_size")
+    FixedSize()
+    >>> as_batch_sampling("truncated_poisson")
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_sampling='truncated_poisson' needs its max_batch_size: pass TruncatedPoisson(max_batch_size=...)
+    """
+    if isinstance(value, BatchSampling):
+        return value
+    if value == "truncated_poisson":
+        raise ValueError("batch_sampling='truncated_poisson' needs its max_batch_size: pass "
+                         "TruncatedPoisson(max_batch_size=...)")
+    if isinstance(value, str) and value in _BY_NAME:
+        return _BY_NAME[value]()
+    raise ValueError(f"batch_sampling must be a dpsgd.samplers.BatchSampling or one of {sorted(_BY_NAME)}, "
+                     f"got {value!r}")
