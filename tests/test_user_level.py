@@ -169,9 +169,10 @@ def _assert_update(model, state, want):
         torch.testing.assert_close(p.detach() - state[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
-def test_trainer_step_clips_each_drawn_user_once():
+@pytest.mark.parametrize("clipping_pass", ["bookkeeping", "two-pass"])
+def test_trainer_step_clips_each_drawn_user_once(clipping_pass):
     users = [i % 12 for i in range(60)]   # 12 users of 5 examples, interleaved in the dataset
-    engine, model, opt, crit, loader = _user_run(users)
+    engine, model, opt, crit, loader = _user_run(users, clipping_pass=clipping_pass)
     assert engine.sample_rate == 4 / 12 and engine.expected_batch_size == pytest.approx(4.0)
     clipped = 0.0
     for batch in loader:
@@ -182,6 +183,23 @@ def test_trainer_step_clips_each_drawn_user_once():
         opt.step()
         _assert_update(model, state, _reference_update(state, [batch], engine.expected_batch_size))
     assert engine.steps == len(loader) == 3 and clipped > 0
+
+
+def test_an_epoch_with_empty_user_batches_takes_every_step():
+    # one user per batch expected among 12: about a third of the batches draw nobody (a noise-only step each)
+    engine, model, opt, crit, loader = _user_run([i % 12 for i in range(60)], noise_multiplier=1.0,
+                                                 data_loader=DataLoader(TensorDataset(
+                                                     torch.randn(60, 5, dtype=torch.float64),
+                                                     torch.randint(0, 3, (60,)), torch.arange(60) % 12),
+                                                     batch_size=1))
+    seen = 0
+    for x, y, u in loader:
+        assert len(x) and len(torch.unique(u)) >= 1
+        seen += 1
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    assert engine.steps == len(loader) == 12 and seen < 12
 
 
 def test_physical_batches_hold_whole_users_and_accumulate_to_their_logical_step():
