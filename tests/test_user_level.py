@@ -389,7 +389,6 @@ def test_user_level_canary_audit_holds_and_catches_both_broken_variants():
         assert rows[f"BROKEN: {b}"]["lower bound (Clopper-Pearson)"] > rows[f"BROKEN: {b}"]["reported epsilon"], b
 
 
-@pytest.mark.slow
 def test_user_level_canary_audit_with_hutch_and_micro_batches():
     from verify.training import USER_CONFIGS, user_audit
 
