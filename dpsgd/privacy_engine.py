@@ -914,6 +914,11 @@ class PrivacyEngine:
         return self._poisson
 
     @property
+    def batch_sampling(self) -> BatchSampling:
+        """``make_private``'s ``batch_sampling`` (read-only): how each step's examples are chosen and accounted."""
+        return Poisson() if self._bound is None else self._bound.scheme
+
+    @property
     def sampling(self) -> PoissonSampling | TwiceSampling | HybridClipping:
         """The sampling chosen in ``make_private`` (:class:`~dpsgd.sampling.PoissonSampling` by default); the
         step and the accountant both follow it, so it cannot be changed afterwards."""

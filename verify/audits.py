@@ -18,7 +18,7 @@ from .privacy import QUICK_MECHANISMS, privacy_audit
 from .result import AuditResult
 from .schur_claims import schur_audit
 from .symbolic import symbolic_audit
-from .training import CONFIGS, trainer_audit
+from .training import CONFIGS, sampler_audit, trainer_audit
 
 __all__ = ["AUDITS"]
 
@@ -32,6 +32,7 @@ AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
                 {"samples": 2_000_000, "y_pool": 400_000, "pilot": 20_000}),
     "symbolic": (symbolic_audit, {}, {}),
     "trainer": (trainer_audit, {}, {"configs": CONFIGS, "runs": 3}),
+    "samplers": (sampler_audit, {}, {"runs": 3}),
     "peers": (peer_audit, {"configs": [PEER_CONFIGS[i] for i in (0, 7, 15)]}, {"configs": PEER_CONFIGS}),
     "referee": (referee_audit, {}, {"configs": REFEREE_CONFIGS, "rc_configs": REFEREE_RC_CONFIGS}),
     "envelope_claims": (envelope_claims, {"ks": (32, 128), "ds": (2, 8, 64)}, {"ks": (1, 4, 32, 128, 512)}),

@@ -47,8 +47,8 @@ import numpy as np
 from .auditing import CanaryScoreAuditor
 from .result import INSTALL, AuditResult, Figure, skipped_without
 
-__all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "user_audit", "BREAKS", "USER_BREAKS",
-           "CONFIGS", "USER_CONFIGS"]
+__all__ = ["TrainerConfig", "canary_scores", "audit_config", "trainer_audit", "user_audit", "sampler_audit", "BREAKS",
+           "USER_BREAKS", "SAMPLER_BREAKS", "CONFIGS", "USER_CONFIGS", "SAMPLER_CONFIGS"]
 
 BREAKS = ("unclipped", "half-noise", "microbatch-rate")
 """The deliberately broken steps that the audit must catch."""
@@ -56,8 +56,15 @@ BREAKS = ("unclipped", "half-noise", "microbatch-rate")
 USER_BREAKS = ("example-rate", "per-example-clipping")
 """The deliberately broken user-level steps that the audit of a configuration with users must catch."""
 
+SAMPLER_BREAKS = {"truncated_poisson": "quarter-rate", "fixed_size": "as-poisson", "balls_in_bins": "one-epoch",
+                  "shuffling": "as-poisson"}
+"""The deliberately wrong accounting the audit of each non-Poisson ``batch_sampling`` must catch: ``"as-poisson"``
+(the run charged as Poisson sampling at the loader's rate for adding or removing one example, Opacus' silent
+mismatch), ``"one-epoch"`` (the epochs begun forgotten: the whole run charged as one epoch), ``"quarter-rate"``
+(the truncated steps charged at a quarter of their rate)."""
+
 # breaks of the accounting: the reported epsilon is not the sound run's
-_ACCOUNTING_BREAKS = ("microbatch-rate", "example-rate")
+_ACCOUNTING_BREAKS = ("microbatch-rate", "example-rate", "as-poisson", "one-epoch", "quarter-rate")
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,9 @@ class TrainerConfig:
     examples_per_user : int
         ``1``: example-level privacy.  ``m > 1``: user-level (``privacy_unit="user"``), every slot a user of
         ``m`` rows, a canary a whole user.
+    batch_sampling : str
+        ``make_private``'s ``batch_sampling`` by name (:mod:`dpsgd.samplers`; a canary slot's example and its empty
+        twin keep the data-set size, so the run audits both neighbouring relations).
     """
 
     name: str
@@ -84,6 +94,7 @@ class TrainerConfig:
     estimator: str = "hutch"
     accumulation: int = 1
     examples_per_user: int = 1
+    batch_sampling: str = "poisson"
 
 
 CONFIGS = (
@@ -99,6 +110,14 @@ USER_CONFIGS = (
     TrainerConfig("tiny decoder, hutch, users of 4 examples, 2 micro-batches", "tiny", "hutch", accumulation=2,
                   examples_per_user=4),
 )
+
+SAMPLER_CONFIGS = (
+    TrainerConfig("tiny decoder, hutch, truncated Poisson", "tiny", "hutch", batch_sampling="truncated_poisson"),
+    TrainerConfig("tiny decoder, exact, fixed-size batches", "tiny", "exact", batch_sampling="fixed_size"),
+    TrainerConfig("tiny decoder, hutch, balls in bins", "tiny", "hutch", batch_sampling="balls_in_bins"),
+    TrainerConfig("tiny decoder, exact, shuffling", "tiny", "exact", batch_sampling="shuffling"),
+)
+"""One configuration per non-Poisson batch sampling (:mod:`dpsgd.samplers`)."""
 
 _VOCAB, _LEN, _CLASSES = 32, 8, 4
 _DIGIT_CLASSES = 10
@@ -181,6 +200,17 @@ def _losses(logits, probe, ids, label, is_canary, scale):
     return torch.where(is_canary, scale * probe, ce)
 
 
+def _scheme(name: str, batch: int, n: int, steps: int, delta: float):
+    """``make_private``'s ``batch_sampling`` for ``name``: truncated Poisson at the smallest ``max_batch_size`` whose
+    overflow costs at most ``delta / 1000``."""
+    if name != "truncated_poisson":
+        return name
+    from dpmath import TruncatedSubsampledGaussian
+    from dpsgd.samplers import TruncatedPoisson
+
+    return TruncatedPoisson(TruncatedSubsampledGaussian.max_batch_size_for(batch / n, n, steps, delta / 1000))
+
+
 @contextlib.contextmanager
 def _broken(kind: str | None, engine, examples_per_user: int = 1):
     """The deliberately broken step ``kind`` (see the module docstring), or nothing."""
@@ -196,6 +226,31 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
         def per_example(capture, losses, max_grad_norm, k, generator, groups=None, **kw):
             return original(capture, losses, max_grad_norm, k, generator, **kw)   # the users' rows forgotten
         with mock.patch.object(pe, "clipped_backward", per_example):
+            yield
+    elif kind in ("one-epoch", "quarter-rate"):
+        from dpsgd.samplers import BoundSampling, TruncatedPoisson
+
+        if kind == "one-epoch":
+            patch = mock.patch.object(BoundSampling, "events", lambda self, steps, sampler=None: 1)
+        else:
+            original = TruncatedPoisson.make_mechanism
+
+            def quarter(self, bound, s, noise, env):
+                m = original(self, bound, s, noise, env)
+                return type(m)(m.noise_multiplier, m.sample_rate / 4, m.max_batch_size, m.dataset_size, m.envelope)
+            patch = mock.patch.object(TruncatedPoisson, "make_mechanism", quarter)
+        with patch:
+            yield
+    elif kind == "as-poisson":
+        from dpmath import PLDAccountant
+        from dpsgd.samplers import BoundSampling
+
+        if engine.batch_sampling.name == "poisson":
+            raise ValueError("break 'as-poisson' needs a configuration with a non-Poisson batch_sampling")
+        with mock.patch.object(BoundSampling, "mechanism",
+                               lambda self, s, noise, env: noise.mechanism(s, self.sample_rate, env)), \
+                mock.patch.object(BoundSampling, "events", lambda self, steps, sampler=None: steps), \
+                mock.patch.object(BoundSampling, "accountant", lambda self: PLDAccountant()):
             yield
     elif kind == "example-rate":
         cls = type(engine.sampling)
@@ -229,7 +284,8 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
         with mock.patch.object(cls, "mechanism", microbatch):
             yield
     else:
-        raise ValueError(f"break must be one of {BREAKS + USER_BREAKS} or None, got {kind!r}")
+        raise ValueError(f"break must be one of {BREAKS + USER_BREAKS + tuple(SAMPLER_BREAKS.values())} or None, "
+                         f"got {kind!r}")
 
 
 def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries: int = 200, ordinary: int = 64,
@@ -270,6 +326,7 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     from torch.utils.data import DataLoader, TensorDataset
 
     from dpsgd import BatchMemoryManager, PrivacyEngine
+    from dpsgd.samplers import as_batch_sampling
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -280,15 +337,25 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     ids, label = _examples(config.backbone, n, gen)
     if config.backbone == "digits-cnn":   # input canaries: real images with random labels (mislabeled examples)
         label[ordinary:ordinary + u] = torch.randint(0, _DIGIT_CLASSES, (u,), generator=gen)
+    batch = max(1, round(sample_rate * n))
+    scheme = _scheme(config.batch_sampling, batch, n, steps, delta)
+    # a scheme accounted for replacing one example: an empty slot holds the canary's opposite (its probe's gradient
+    # -C where the canary's is +C), so the two neighbours differ by 2 C, as replacing one example can
+    replace = as_batch_sampling(scheme).neighboring == "replace_one"
+    sign = torch.ones(n)
     slot = torch.zeros(n, dtype=torch.long)                     # ordinary examples and empty slots: row 0
-    slot[ordinary + u + np.flatnonzero(included)] = torch.as_tensor(np.flatnonzero(included) + 1)
+    if replace:
+        slot[ordinary + u:] = torch.arange(1, m + 1)
+        sign[ordinary + u + np.flatnonzero(~included)] = -1.0
+    else:
+        slot[ordinary + u + np.flatnonzero(included)] = torch.as_tensor(np.flatnonzero(included) + 1)
     is_canary = torch.zeros(n, dtype=torch.bool)                # probe loss (zero for row 0: an empty slot)
     is_canary[ordinary + u:] = True
     is_canary[ordinary + np.flatnonzero(~typed)] = True         # an empty input-canary slot
     per = config.examples_per_user
     # users: slot i becomes user i, with per copies of its row (a canary user: per rows carrying its canary)
     users = torch.arange(n).repeat_interleave(per)
-    data = TensorDataset(ids[users], label[users], slot[users], is_canary[users])
+    data = TensorDataset(ids[users], label[users], slot[users], is_canary[users], sign[users])
     by_user = {} if per == 1 else {"privacy_unit": "user", "user_ids": users}
     model = _model(config.backbone, m)
     lr = 1.0
@@ -296,11 +363,10 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     track = [model.probe.weight.detach()[1:, 0].clone()]
     base_opt.register_step_post_hook(lambda *_: track.append(model.probe.weight.detach()[1:, 0].clone()))
     engine = PrivacyEngine()
-    batch = max(1, round(sample_rate * n))
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=base_opt, data_loader=DataLoader(data, batch_size=batch),
         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, projection_dim=k,
-        seed=int(rng.integers(2**62)), **by_user)
+        seed=int(rng.integers(2**62)), batch_sampling=scheme, **by_user)
     scale = 1e3 * max_grad_norm   # a canary's gradient norm: far above C, clipped to about C
     with _broken(broken, engine, per):
         micro = max(per, math.ceil(batch * per / config.accumulation))
@@ -308,10 +374,10 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
                    if config.accumulation > 1 else contextlib.nullcontext(loader))
         with manager as batches:
             while engine.steps < steps:
-                for x, y, s, c in batches:
+                for x, y, s, c, g in batches:
                     opt.zero_grad()
                     logits, probe = model(x, s)
-                    losses = _losses(logits, probe, x, y, c, scale)
+                    losses = _losses(logits, probe, x, y, c, scale * g)
                     engine.private_loss(losses).backward()
                     opt.step()
                     if engine.steps >= steps:
@@ -325,11 +391,14 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     model.train()
     input_score = -nll.double().numpy()
     w = torch.stack(track).double().numpy()[: steps + 1]       # (steps + 1, m)
-    sigma, q = noise_multiplier, sample_rate
+    sigma, q = noise_multiplier, engine.sample_rate
     x = -np.diff(w, axis=0) * engine.expected_batch_size / (lr * sigma * max_grad_norm)   # (steps, m)
     llr = x / sigma - 1 / (2 * sigma ** 2)
     if q < 1:
         llr = np.logaddexp(np.log1p(-q), np.log(q) + llr)
+    if replace:   # the canary's step (+1) against its opposite's (-1): the replaced pair's log-likelihood ratio
+        out = -x / sigma - 1 / (2 * sigma ** 2)
+        llr = llr - (np.logaddexp(np.log1p(-q), np.log(q) + out) if q < 1 else out)
     score = llr.sum(0)
     return {"in_scores": score[included], "out_scores": score[~included], "input_in": input_score[typed],
             "input_out": input_score[~typed], "epsilon": eps, "steps": engine.steps}
@@ -451,3 +520,52 @@ def user_audit(config: TrainerConfig = USER_CONFIGS[0], *, breaks: tuple[str, ..
     if config.examples_per_user < 2:
         raise ValueError(f"config must have users (examples_per_user > 1), got {config.examples_per_user}")
     return trainer_audit((), breaks=breaks, break_config=config, **kw)
+
+
+def sampler_audit(configs: tuple[TrainerConfig, ...] = SAMPLER_CONFIGS, *, steps: int = 8, **kw) -> AuditResult:
+    """The audit of each non-Poisson batch sampling (:mod:`dpsgd.samplers`): each configuration as shipped, whose
+    lower bound must stay below the epsilon its engine reports, and its deliberately wrong accounting
+    (:data:`SAMPLER_BREAKS`), which must be caught; ``kw`` as for :func:`trainer_audit` and :func:`canary_scores`.
+
+    Eight steps at the default ``q = 1/2`` are four epochs of balls in bins, so that charging one epoch is caught;
+    a scheme accounted for replacing one example is audited with canaries whose empty twin is their opposite.
+
+    Examples
+    --------
+    >>> from verify.training import sampler_audit
+    >>> sampler_audit(canaries=1000, input_canaries=0, ordinary=16).holds   # doctest: +SKIP
+    True
+    """
+    if (missing := skipped_without("torch", "samplers")) is not None:
+        return missing
+    parts = [trainer_audit((), breaks=(SAMPLER_BREAKS[c.batch_sampling],), break_config=c, steps=steps, **kw)
+             for c in configs]
+    rows = [row for p in parts for row in p.rows]
+    shipped = [r for r in rows if r["step"] == "as shipped"]
+    caught = [r for r in rows if r["step"] != "as shipped"]
+    summary = (f"{sum(r['holds'] for r in shipped)}/{len(shipped)} batch samplings keep the audited lower bound "
+               f"below the reported epsilon; {sum(r['holds'] for r in caught)}/{len(caught)} wrong accountings "
+               f"caught")
+
+    def draw(ax):
+        top = max(max(r["reported epsilon"], r["lower bound (Clopper-Pearson)"]) for r in rows) * 1.15 + 0.1
+        ax.plot([0, top], [0, top], color="0.4", lw=1)
+        ax.fill_between([0, top], [0, top], [top, top], color="tab:red", alpha=0.08, label="violation region")
+        for r in rows:
+            broken = r["step"] != "as shipped"
+            ax.scatter(r["reported epsilon"], r["lower bound (Clopper-Pearson)"], marker="x" if broken else "o",
+                       color="tab:red" if broken else "tab:blue", zorder=3)
+            ax.annotate(r["configuration"].split(", ")[-1] + (" (wrong accounting)" if broken else ""),
+                        (r["reported epsilon"], r["lower bound (Clopper-Pearson)"]), fontsize=6,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("epsilon reported by PrivacyEngine")
+        ax.set_ylabel("audited lower bound")
+        ax.set_title("batch samplings: o as shipped (must be below), x wrong accounting (must be above)", fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+
+    return AuditResult("samplers", "check", all(r["holds"] for r in rows), summary, rows,
+                       [Figure("sampler-canary-audit", "Each batch sampling's audited epsilon lower bound against "
+                               "the epsilon its engine reports; its wrong accounting must land above the diagonal.",
+                               draw)])

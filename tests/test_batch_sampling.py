@@ -1,0 +1,204 @@
+"""make_private(batch_sampling=...): each scheme draws what its mechanism says (chi-square tests at stated
+confidence, fixed seeds), the engine accounts it with that mechanism, and the canary audit passes with it and catches
+its deliberately wrong accounting."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpmath import (
+    FixedSizeSubsampledGaussian,
+    PLDAccountant,
+    RandomAllocationGaussian,
+    ShuffledGaussian,
+    TruncatedSubsampledGaussian,
+)
+from dpsgd import PrivacyEngine
+from dpsgd.samplers import (
+    BallsInBins,
+    EpochBatchSampler,
+    FixedSize,
+    FixedSizeBatchSampler,
+    Poisson,
+    Shuffling,
+    TruncatedPoisson,
+    TruncatedPoissonBatchSampler,
+    as_batch_sampling,
+)
+
+N, B = 200, 20
+ALPHA = 1e-3   # each chi-square test rejects a correct sampler with probability 1e-3
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _uniform_counts_ok(counts: np.ndarray) -> bool:
+    """Chi-square test of equal expected counts, at level ALPHA."""
+    return stats.chisquare(counts).pvalue > ALPHA
+
+
+# ------------------------------------------------------------------------------------------------ what they draw
+def test_fixed_size_batches_have_b_distinct_examples_each_equally_often():
+    s = FixedSizeBatchSampler(N, B, steps=2000, generator=_gen())
+    counts = np.zeros(N)
+    for batch in s:
+        assert len(batch) == B == len(set(batch))
+        counts[batch] += 1
+    assert _uniform_counts_ok(counts)
+
+
+def test_truncated_poisson_sizes_follow_the_binomial_capped_at_max_batch_size():
+    q, cap, steps = 0.1, 22, 4000
+    s = TruncatedPoissonBatchSampler(N, q, cap, steps=steps, generator=_gen(1))
+    sizes = np.array([len(b) for b in s])
+    assert sizes.max() <= cap
+    # the capped binomial: sizes below the cap as Binomial(N, q), the rest at the cap
+    expected = np.array([stats.binom.pmf(k, N, q) for k in range(12, cap)])
+    expected = np.concatenate([[stats.binom.cdf(11, N, q)], expected, [stats.binom.sf(cap - 1, N, q)]]) * steps
+    observed = np.array([np.sum(sizes <= 11)] + [np.sum(sizes == k) for k in range(12, cap)] + [np.sum(sizes == cap)])
+    assert stats.chisquare(observed, expected).pvalue > ALPHA
+
+
+def test_balls_in_bins_puts_every_example_in_exactly_one_uniform_step_per_epoch():
+    steps = 10
+    s = EpochBatchSampler(N, "allocate", steps=steps, generator=_gen(2))
+    position = np.zeros((N, steps))
+    for _ in range(100):
+        epoch = list(s)
+        assert sorted(i for b in epoch for i in b) == list(range(N))
+        for t, batch in enumerate(epoch):
+            position[batch, t] += 1
+    assert _uniform_counts_ok(position.sum(0)) and _uniform_counts_ok(position[0] + position[1])
+
+
+def test_shuffling_cuts_a_permutation_into_batches_of_b():
+    s = EpochBatchSampler(N + 5, "shuffle", batch_size=B, generator=_gen(3))
+    first = np.zeros(math.ceil((N + 5) / B))
+    for _ in range(200):
+        epoch = list(s)
+        assert [len(b) for b in epoch] == [B] * (len(epoch) - 1) + [(N + 5) % B]
+        assert sorted(i for b in epoch for i in b) == list(range(N + 5))
+        first[[t for t, b in enumerate(epoch) if 0 in b]] += 1
+    # example 0's batch is uniform over the full batches (the short last one holds it B/5 times less often)
+    assert _uniform_counts_ok(first[:-1])
+
+
+def test_an_epoch_stopped_early_resumes_where_it_stopped():
+    s = EpochBatchSampler(N, "shuffle", batch_size=B, generator=_gen(4))
+    it = iter(s)
+    head = [next(it) for _ in range(3)]
+    rest = list(s)[:7]   # the next loop starts with the same epoch's remaining 7 batches
+    assert sorted(i for b in head + rest for i in b) == list(range(N))
+    assert s.drawn == 3 + 10
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+def _train(batch_sampling, estimator="exact", steps=None, sigma=1.5, loops=1, stop=None, **kw):
+    data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    model = nn.Linear(4, 2)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=B),
+        max_grad_norm=1.0, noise_multiplier=None if kw else sigma, estimator=estimator, seed=0,
+        batch_sampling=batch_sampling, **kw)
+    for _ in range(loops):
+        # stopping early: before drawing the next batch (a drawn batch must be stepped on)
+        for x, y in (loader if stop is None else itertools.islice(loader, stop)):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            if steps is not None and engine.steps >= steps:
+                break
+    return engine
+
+
+@pytest.mark.parametrize("scheme, mechanism, relation", [
+    (TruncatedPoisson(40), TruncatedSubsampledGaussian(1.5, 0.1, 40, N), "add_or_remove"),
+    (FixedSize(), FixedSizeSubsampledGaussian(1.5, B, N), "replace_one"),
+])
+def test_the_engine_composes_the_schemes_mechanism_once_a_step(scheme, mechanism, relation):
+    engine = _train(scheme, steps=7)
+    assert engine.steps == 7
+    assert engine.get_epsilon(1e-3) == PLDAccountant(neighboring=relation).compose(mechanism, 7).epsilon(1e-3)
+
+
+@pytest.mark.parametrize("scheme, mechanism, relation", [
+    ("balls_in_bins", RandomAllocationGaussian(1.5, 10), "add_or_remove"),
+    ("shuffling", ShuffledGaussian(1.5, 10), "replace_one"),
+])
+def test_epoch_schemes_charge_every_epoch_their_stream_began(scheme, mechanism, relation):
+    # three loops stopped after 4 batches each: 12 steps, but the stream drew 4 + 4 + 4 batches of epochs 1 and 2
+    engine = _train(scheme, loops=3, stop=4)
+    assert engine.steps == 12
+    expected = PLDAccountant(neighboring=relation).compose(mechanism, 2).epsilon(1e-5)
+    assert engine.get_epsilon(1e-5) == expected
+    assert engine.accountant().events == ((mechanism, 2),)
+
+
+def test_calibration_meets_the_target_over_the_schemes_events():
+    engine = _train("balls_in_bins", target_epsilon=3.0, target_delta=1e-5, epochs=2)
+    assert engine.planned_steps == 20
+    eps = PLDAccountant().compose(RandomAllocationGaussian(engine.noise_multiplier, 10), 2).epsilon(1e-5)
+    assert 2.95 <= eps <= 3.0
+    with pytest.raises(RuntimeError, match="calibrated for 20 steps"):
+        _train("balls_in_bins", target_epsilon=3.0, target_delta=1e-5, epochs=2, loops=3)
+
+
+def test_randomized_clipping_runs_with_poisson_truncated_and_balls_in_bins():
+    for scheme in (Poisson(), TruncatedPoisson(60), BallsInBins()):
+        engine = _train(scheme, estimator="hutch", steps=3)
+        assert 0 < engine.get_epsilon(1e-5) < math.inf
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_sampling": "fixed_size", "estimator": "hutch"}, "needs exact norms"),
+    ({"batch_sampling": "shuffling", "estimator": "hutchpp"}, "needs exact norms"),
+    ({"batch_sampling": "fixed_size", "noise": "laplace"}, "Gaussian noise only"),
+    ({"batch_sampling": "fixed_size", "poisson_sampling": False}, "give one of them"),
+    ({"batch_sampling": "truncated_poisson"}, "needs its max_batch_size"),
+    ({"batch_sampling": TruncatedPoisson(10)}, "below the loader's batch_size"),
+    ({"batch_sampling": "uniform"}, "batch_sampling must be"),
+    ({"batch_sampling": "fixed_size", "privacy_unit": "user", "user_ids": list(range(N))}, "users are Poisson"),
+])
+def test_unsupported_combinations_are_refused_with_the_reason(kwargs, match):
+    data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    model = nn.Linear(4, 2)
+    kwargs.setdefault("estimator", "exact")
+    with pytest.raises(ValueError, match=match):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(data, batch_size=B), max_grad_norm=1.0,
+                                     noise_multiplier=1.0, **kwargs)
+
+
+def test_epoch_schemes_refuse_a_ledger(tmp_path):
+    data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="ledger_path"):
+        PrivacyEngine(ledger_path=tmp_path / "ledger").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=B), max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact",
+            batch_sampling="shuffling")
+
+
+def test_batch_sampling_names_and_the_engines_record():
+    assert as_batch_sampling("shuffling") == Shuffling() or isinstance(as_batch_sampling("shuffling"), Shuffling)
+    engine = _train(TruncatedPoisson(40), steps=1)
+    assert engine.batch_sampling == TruncatedPoisson(40)
+    assert engine.state_dict()["settings"]["batch_sampling"] == {"name": "truncated_poisson", "max_batch_size": 40}
+
+
+# ------------------------------------------------------------------------------------------------ the audit
+def test_the_sampler_audit_passes_and_catches_each_schemes_wrong_accounting():
+    from verify.training import SAMPLER_BREAKS, sampler_audit
+
+    result = sampler_audit()   # 4000 canaries a run, delta 0.05, 95 % confidence
+    assert result.holds, result.rows
+    assert {r["step"] for r in result.rows} == {"as shipped"} | {f"BROKEN: {b}" for b in SAMPLER_BREAKS.values()}
