@@ -53,6 +53,7 @@ import os
 import time
 import warnings
 import weakref
+import zlib
 
 import torch
 from torch import nn
@@ -622,7 +623,7 @@ class PrivacyEngine:
         seeds = self._seed_generators(seed, rank, world)
         loader = (self._user_loader(data_loader, users, world) if users is not None
                   else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
-                  else self._scheme_loader(data_loader, scheme, world))
+                  else self._scheme_loader(data_loader, scheme, seeds))
         self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
@@ -701,29 +702,48 @@ class PrivacyEngine:
                              f"accounted for Poisson batches only")
         if users:
             raise ValueError(f"{what} with privacy_unit='user' is refused: users are Poisson-sampled")
-        if rank_world()[1] > 1:
-            raise ValueError(f"{what} is supported in a single process only: under torch.distributed the engine "
-                             f"samples each rank's shard by Poisson sampling")
         if scheme.per_epoch and self.ledger_path is not None:
             raise ValueError(f"{what} with ledger_path is refused: its epochs are charged from the sampler's stream "
                              f"of batches, which a resumed run would restart")
         scheme.check(estimator, noise)
         return scheme
 
-    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, world: int) -> DPDataLoader:
+    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, seeds: list[int]) -> DPDataLoader:
         """The loader of a non-Poisson :mod:`dpsgd.samplers` scheme, bound to the data set: its sampler and the
-        mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`."""
+        mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`.
+
+        Under torch.distributed the scheme is bound to the global data set, the ranks' shards concatenated in rank
+        order (``N`` and ``B`` the sums over ranks of the shard sizes and loader batch sizes): every rank draws the
+        same stream of global batches and keeps its shard's part (:class:`~dpsgd.samplers.ShardOf`), so the union
+        of the ranks' batches is the batch the accountant charges at ``N`` and ``B``."""
         n, batch = loader_size(data_loader)
-        if batch > n:
-            raise ValueError(f"data_loader's batch_size ({batch}) exceeds the dataset size ({n})")
-        bound = scheme.bind(n, batch)
-        sampler = bound.sampler(self._sampling_rng)
+        rank, world = rank_world()
+        # every rank's shard size, in rank order (one all-reduce per rank, once per run)
+        sizes = [n] if world == 1 else [round(all_sum(float(n) if r == rank else 0.0)) for r in range(world)]
+        total, offset = sum(sizes), sum(sizes[:rank])
+        batch = round(all_sum(float(batch)))
+        over = " over ranks" if world > 1 else ""
+        if batch > total:
+            raise ValueError(f"data_loader's batch_size ({batch}{over}) exceeds the dataset size ({total}{over})")
+        # before bind, which may refuse the scheme: a refusal on some ranks only would leave the others waiting
+        check_same_on_ranks(zlib.crc32(json.dumps(scheme.settings(), sort_keys=True).encode()),
+                            f"the batch sampling ({scheme!r} on this rank)")
+        bound = scheme.bind(total, batch)
+        # rank 0's sampling seed on every rank, derived from the seed all ranks share: one stream of global batches,
+        # the same as a single-process run with this seed draws (a rank-local seed would give each rank other
+        # batches than the one charged)
+        self._sampling_rng.manual_seed(seeds[3])
+        sampler = bound.sampler(self._sampling_rng, offset=offset, size=n if world > 1 else None)
         loader = DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=bound.sample_rate,
                               on_batch=self._on_batch, on_empty=self._empty_step,
                               num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
         self._bound, self._stream = bound, sampler
         self.sample_rate = bound.sample_rate
-        self.expected_batch_size = bound.sample_rate * n
+        self.expected_batch_size = bound.sample_rate * total
+        check_same_on_ranks(total, "the number of examples over ranks")
+        check_same_on_ranks(batch, "the batch size over ranks")
+        check_same_on_ranks(self.sample_rate, "the sampling rate")
+        check_same_on_ranks(len(loader), "the number of batches per epoch")
         return loader
 
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,

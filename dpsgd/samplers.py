@@ -60,7 +60,7 @@ from .data import PoissonBatchSampler
 from .noise import GaussianNoise, StepNoise
 
 __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
-           "TruncatedPoissonBatchSampler", "FixedSizeBatchSampler", "EpochBatchSampler", "as_batch_sampling"]
+           "TruncatedPoissonBatchSampler", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf", "as_batch_sampling"]
 
 
 class TruncatedPoissonBatchSampler(PoissonBatchSampler):
@@ -159,6 +159,45 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield self._epoch.pop()
 
 
+class ShardOf(Sampler[list[int]]):
+    """The part of each batch of ``sampler`` (over a global index set) that falls in the shard
+    ``[offset, offset + size)``, renumbered from 0: one rank's share of a stream that every rank draws alike.
+
+    Under torch.distributed every rank runs the same sampler over the global indices (the ranks' shards
+    concatenated in rank order) from a generator seeded alike on all ranks, and keeps its shard's part; the
+    union of the ranks' batches is then exactly the global batch the accountant charges.  A rank's part may
+    be empty (the private loader takes a noise-only step for it).  :attr:`drawn` is the global sampler's, the
+    same on every rank.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpsgd.samplers import FixedSize
+    >>> bound = FixedSize().bind(num_samples=10, batch_size=4)
+    >>> whole = list(bound.sampler(torch.Generator().manual_seed(0)))
+    >>> low = list(bound.sampler(torch.Generator().manual_seed(0), offset=0, size=6))
+    >>> high = list(bound.sampler(torch.Generator().manual_seed(0), offset=6, size=4))
+    >>> all(w == a + [6 + i for i in b] for w, a, b in zip(whole, low, high))
+    True
+    """
+
+    def __init__(self, sampler: Sampler[list[int]], offset: int, size: int) -> None:
+        self.sampler, self.offset, self.size = sampler, offset, size
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def drawn(self) -> int:
+        """Batches the global stream has drawn (an epoch sampler's count; 0 for a per-step sampler)."""
+        return getattr(self.sampler, "drawn", 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        lo, hi = self.offset, self.offset + self.size
+        for batch in self.sampler:
+            yield [i - lo for i in batch if lo <= i < hi]
+
+
 @dataclass(frozen=True)
 class BoundSampling:
     """A :class:`BatchSampling` for a data set of ``num_samples`` examples and loader batch size ``batch_size``:
@@ -170,9 +209,24 @@ class BoundSampling:
     sample_rate: float
     steps_per_epoch: int
 
-    def sampler(self, generator: torch.Generator | None) -> Sampler[list[int]]:
-        """A fresh sampler of index batches (one per run: an epoch sampler carries its position)."""
-        return self.scheme.make_sampler(self, generator)
+    def sampler(self, generator: torch.Generator | None, *, offset: int = 0,
+                size: int | None = None) -> Sampler[list[int]]:
+        """A fresh sampler of index batches (one per run: an epoch sampler carries its position).
+
+        With ``size``, the batches are drawn over all ``num_samples`` indices and only their part in the shard
+        ``[offset, offset + size)`` is yielded, renumbered from 0 (:class:`ShardOf`): a rank's share of the global
+        stream when every rank passes a generator seeded alike."""
+        sampler = self.scheme.make_sampler(self, generator)
+        if size is None:
+            if offset != 0:
+                raise ValueError(f"offset={offset!r} needs the shard's size")
+            return sampler
+        for value, name in ((offset, "offset"), (size, "size")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if offset + size > self.num_samples:
+            raise ValueError(f"the shard [{offset}, {offset + size}) exceeds the {self.num_samples} indices sampled")
+        return ShardOf(sampler, offset, size)
 
     def mechanism(self, noise_multiplier: float, noise: StepNoise, envelope: Envelope | None):
         """The dpmath mechanism of one accounted event (a step, or an epoch for epoch samplers)."""

@@ -1,5 +1,6 @@
 """DP-SGD-RC under torch.distributed: 2 processes, gloo, CPU.  Norms stay local, the clipped sums are
-all-reduced, the noise is added once with standard deviation sigma C (not sqrt(2) sigma C)."""
+all-reduced, the noise is added once with standard deviation sigma C (not sqrt(2) sigma C).  The non-Poisson
+batch samplings draw over the global index set: the union of the ranks' batches is the single-process batch."""
 
 import os
 
@@ -10,7 +11,15 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dpmath import (
+    FixedSizeSubsampledGaussian,
+    PLDAccountant,
+    RandomAllocationGaussian,
+    ShuffledGaussian,
+    TruncatedSubsampledGaussian,
+)
 from dpsgd import PrivacyEngine
+from dpsgd.samplers import BallsInBins, FixedSize, Shuffling, TruncatedPoisson
 
 
 def _worker(rank: int, world: int, store: str) -> None:
@@ -93,3 +102,124 @@ def _worker(rank: int, world: int, store: str) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_two_process_gloo_training_step(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+# unequal shards (52 and 8 examples) and unequal loader batch sizes (8 and 2): N = 60, B = 10 globally; rank 1's
+# part of a global batch is often empty (a noise-only step on rank 1 while rank 0 has rows)
+_SIZES, _BATCHES, _SEED = (52, 8), (8, 2), 11
+_SCHEMES = {"truncated_poisson": TruncatedPoisson(11), "fixed_size": FixedSize(), "balls_in_bins": BallsInBins(),
+            "shuffling": Shuffling()}
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(sum(_SIZES), 6, generator=g), torch.randn(sum(_SIZES), 1, generator=g)
+
+
+def _run(engine: PrivacyEngine, dataset: TensorDataset, batch_size: int, scheme, sigma: float):
+    """One epoch of a linear model under ``scheme``: the global indices of each step's batch (a step whose batch
+    is empty on this rank is a noise-only step the loader takes itself: no entry) and the final parameters."""
+    model = _init()
+    m, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(dataset, batch_size=batch_size), criterion=nn.MSELoss(reduction="sum"),
+        max_grad_norm=1e9, noise_multiplier=sigma, estimator="ghost", batch_sampling=scheme, seed=_SEED)
+    drawn = {}
+    for xb, yb, ib in loader:
+        drawn[engine.steps] = ib.tolist()
+        crit(m(xb), yb).backward()
+        opt.step()
+    assert engine.steps == len(loader)
+    return drawn, [p.detach().clone() for p in model.parameters()]
+
+
+def _init() -> nn.Linear:
+    torch.manual_seed(1)
+    return nn.Linear(6, 1)
+
+
+def _scheme_worker(rank: int, world: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        x, y = _data()
+        lo = sum(_SIZES[:rank])
+        idx = torch.arange(lo, lo + _SIZES[rank])
+        shard = TensorDataset(x[idx], y[idx], idx)
+        results = {}
+        for name, scheme in _SCHEMES.items():
+            # sigma = 0, huge C: every step is the non-private step on the union of the ranks' batches
+            engine = PrivacyEngine()
+            drawn, params = _run(engine, shard, _BATCHES[rank], scheme, 0.0)
+            assert engine.expected_batch_size == pytest.approx(10.0)
+            # noise: the accounting is the scheme's at the global N and B, the same on every rank
+            engine = PrivacyEngine()
+            _run(engine, shard, _BATCHES[rank], scheme, 1.0)
+            results[name] = (drawn, params, engine.sample_rate, engine.get_epsilon(1e-5))
+        # a scheme that differs between ranks would draw other global batches: refused on every rank, before rank
+        # 0 alone refuses a max_batch_size below B (which would leave rank 1 waiting in a collective)
+        with pytest.raises(ValueError, match="batch sampling .* differs between ranks"):
+            _run(PrivacyEngine(), shard, _BATCHES[rank], TruncatedPoisson(9 + 2 * rank), 0.0)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)   # see _worker
+
+
+def test_sharded_index_batches_are_the_global_batches():
+    """Each rank's part of a shared global stream: the parts concatenate to the unsharded batches."""
+    for scheme in _SCHEMES.values():
+        bound = scheme.bind(60, 10)
+        whole = list(bound.sampler(torch.Generator().manual_seed(3)))
+        parts = [list(bound.sampler(torch.Generator().manual_seed(3), offset=lo, size=n))
+                 for lo, n in ((0, 52), (52, 8))]
+        assert whole == [a + [52 + i for i in b] for a, b in zip(*parts, strict=True)]
+    with pytest.raises(ValueError, match="exceeds"):
+        FixedSize().bind(60, 10).sampler(None, offset=52, size=9)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_two_process_batch_samplings(tmp_path):
+    out = tmp_path / "ranks.pt"
+    mp.spawn(_scheme_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    ranks = torch.load(out)
+    x, y = _data()
+    everything = TensorDataset(x, y, torch.arange(len(x)))
+    mechanisms = {"truncated_poisson": TruncatedSubsampledGaussian(1.0, 10 / 60, 11, 60, None),
+                  "fixed_size": FixedSizeSubsampledGaussian(1.0, 10, 60),
+                  "balls_in_bins": RandomAllocationGaussian(1.0, 6, None), "shuffling": ShuffledGaussian(1.0, 6)}
+    lopsided = 0   # steps in which one rank had rows and the other none
+    for name, scheme in _SCHEMES.items():
+        # the single-process run with the same seed draws the global batches
+        reference, _ = _run(PrivacyEngine(), everything, 10, scheme, 0.0)
+        union = [sorted(sum((r[name][0].get(t, []) for r in ranks), [])) for t in range(6)]
+        lopsided += sum((t in ranks[0][name][0]) != (t in ranks[1][name][0]) for t in range(6))
+        assert union == [reference.get(t, []) for t in range(6)], name
+        sizes = [len(b) for b in union]
+        if name == "fixed_size":
+            assert sizes == [10] * 6
+        elif name == "truncated_poisson":
+            assert max(sizes) <= 11
+        else:   # one epoch: every global index exactly once
+            assert sorted(sum(union, [])) == list(range(60))
+        # sigma = 0: the same parameters on both ranks, those of non-private SGD on the union (sum / B)
+        ref = _init()
+        for batch in union:
+            ref.zero_grad()
+            if batch:
+                (((ref(x[batch]) - y[batch]) ** 2).sum() / 10.0).backward()
+                with torch.no_grad():
+                    for p in ref.parameters():
+                        p -= 0.5 * p.grad
+        for r in ranks:
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(r[name][1], ref.parameters(), strict=True))
+        # the epsilon is the scheme's mechanism composed at N = 60, B = 10 (one epoch: 6 steps, or 1 epoch event)
+        mechanism = mechanisms[name]
+        events = 1 if scheme.per_epoch else 6
+        expected = PLDAccountant(neighboring=scheme.neighboring).compose(mechanism, events).epsilon(1e-5)
+        for r in ranks:
+            assert r[name][2] == pytest.approx(scheme.bind(60, 10).sample_rate)
+            assert r[name][3] == pytest.approx(expected, rel=1e-9), name
+    assert lopsided > 0
