@@ -25,6 +25,10 @@ the loader (a loop stopped early resumes the same epoch's remaining batches), an
 ``ceil(batches drawn / T)`` epochs, every batch drawn counted whether or not it was stepped on, so no example can
 be in two charged steps of one charged epoch.
 
+Under torch.distributed a scheme is bound to the global data set (the ranks' shards concatenated in rank order,
+``N`` and ``B`` summed over ranks): every rank draws the same stream of global batches from a generator seeded
+alike, and keeps its shard's part (:class:`ShardOf`); the union of the ranks' parts is the batch charged.
+
 Examples
 --------
 >>> import torch
