@@ -19,6 +19,7 @@ from .calibration import (
 )
 from .chi2mix import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
 from .envelope import (
+    DiscreteEnvelope,
     Envelope,
     HutchEnvelope,
     HutchPPEnvelope,
@@ -50,6 +51,7 @@ __all__ = [
     "HutchPPEnvelope",
     "Maximizer",
     "PointMassEnvelope",
+    "DiscreteEnvelope",
     "ScaleDistribution",
     "pessimistic_discretization",
     "Gaussian",

@@ -57,7 +57,7 @@ from .chi2mix import two_block_cdf
 from .deprecation import renamed_arguments
 from .validation import positive_int, probability_array, real_array, real_number
 
-__all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope",
+__all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope", "DiscreteEnvelope",
            "ScaleDistribution", "pessimistic_discretization"]
 
 _PROFILE_GRID = 65
@@ -245,6 +245,19 @@ class Envelope:
         (True, 1.0)
         """
         return None
+
+    def atoms(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(values, weights)`` when ``Y`` takes finitely many values, else ``None``: an accountant then uses the
+        atoms as they are, with no grid.
+
+        Examples
+        --------
+        >>> from dpmath import HutchEnvelope, PointMassEnvelope
+        >>> HutchEnvelope(projection_dim=4, dim=8).atoms() is None, PointMassEnvelope(2.0).atoms()[0].tolist()
+        (True, [2.0])
+        """
+        point = self.point_mass()
+        return None if point is None else (np.array([point]), np.ones(1))
 
     def support_interval(self, tail: float = 1e-16) -> tuple[float, float]:
         """``(ppf(tail), ppf(1 - tail))``: the range that holds all but ``2 tail`` of the mass.
@@ -774,6 +787,68 @@ class PointMassEnvelope(Envelope):
     def point_mass(self) -> float | None:
         """``value``."""
         return self.value
+
+
+class DiscreteEnvelope(Envelope):
+    """``Y`` taking finitely many values: ``values[i]`` with probability ``weights[i]``.
+
+    A mixture of fixed scales ``a = 1 / sqrt(y)``, e.g. truncated Poisson sampling's steps
+    (:class:`~dpmath.TruncatedSubsampledGaussian`): scale 1 where the batch was not truncated, 2 where it was.
+
+    Parameters
+    ----------
+    values : array_like
+        Distinct, positive and finite.
+    weights : array_like
+        Non-negative, summing to 1 (within ``1e-12``; renormalized).
+
+    Examples
+    --------
+    >>> from dpmath import DiscreteEnvelope
+    >>> env = DiscreteEnvelope([0.25, 1.0], [0.1, 0.9])
+    >>> env.cdf([0.2, 0.5, 1.0]).tolist(), env.point_mass()
+    ([0.0, 0.1, 1.0], None)
+    """
+
+    def __init__(self, values: ArrayLike, weights: ArrayLike) -> None:
+        y = real_array(values, "values", allow_inf=False).ravel()
+        w = real_array(weights, "weights", allow_inf=False).ravel()
+        if y.size == 0 or y.shape != w.shape:
+            raise ValueError(f"values and weights must be non-empty and of one length, got {y.size} and {w.size}")
+        if (y <= 0).any() or np.unique(y).size != y.size:
+            raise ValueError("values must be distinct and positive (> 0)")
+        if (w < 0).any() or abs(float(w.sum()) - 1.0) > 1e-12:
+            raise ValueError(f"weights must be non-negative and sum to 1, got a sum of {float(w.sum())!r}")
+        order = np.argsort(y)
+        self.values, self.weights = y[order], w[order] / w.sum()
+
+    def __repr__(self) -> str:
+        return f"DiscreteEnvelope(values={self.values.tolist()!r}, weights={self.weights.tolist()!r})"
+
+    def _parameters(self) -> tuple:
+        return (tuple(self.values.tolist()), tuple(self.weights.tolist()))
+
+    def cdf(self, x: ArrayLike) -> np.ndarray:
+        """``P(Y <= x)``, vectorized."""
+        xs = real_array(x, "x")
+        out = np.concatenate([[0.0], np.cumsum(self.weights)])[np.searchsorted(self.values, xs, side="right")]
+        out = np.minimum(out, 1.0)
+        return out[()] if out.ndim == 0 else out
+
+    def sf(self, x: ArrayLike) -> np.ndarray:
+        """``P(Y > x)``, vectorized."""
+        xs = real_array(x, "x")
+        tail = np.concatenate([np.cumsum(self.weights[::-1])[::-1], [0.0]])
+        out = tail[np.searchsorted(self.values, xs, side="right")]
+        return out[()] if out.ndim == 0 else out
+
+    def point_mass(self) -> float | None:
+        """The value, where there is one; else ``None``."""
+        return float(self.values[0]) if self.values.size == 1 else None
+
+    def atoms(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, weights)``."""
+        return self.values.copy(), self.weights.copy()
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ at most ``a / sigma`` noise standard deviations, where ``a`` is the example's *s
 
 How examples are chosen is part of the mechanism too (:doc:`/sampling`):
 
-* :class:`TruncatedSubsampledGaussian`: Poisson sampling with at most ``max_batch_size`` examples a step; the
-  overflow probability is charged to delta.
+* :class:`TruncatedSubsampledGaussian`: Poisson sampling with at most ``max_batch_size`` examples a step: a
+  mixture of scale 1 (the batch not cut) and scale 2 (cut: the example replaces another).
 * :class:`FixedSizeSubsampledGaussian`: batches of exactly ``B`` examples without replacement, replacing one
   example (``a = 2`` against the other example's gradient).
 * :class:`RandomAllocationGaussian` (balls in bins) and :class:`ShuffledGaussian`: one epoch in which every
@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from .deprecation import renamed_arguments, warn_renamed
-from .envelope import Envelope
+from .envelope import DiscreteEnvelope, Envelope
 from .validation import positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
@@ -319,24 +319,33 @@ class FixedSizeSubsampledGaussian:
 
 @dataclass(frozen=True)
 class TruncatedSubsampledGaussian:
-    r"""Poisson sampling at rate ``q`` with at most ``max_batch_size`` examples a step (a larger draw keeps a
-    uniformly random ``max_batch_size`` of them), then the Gaussian (or randomized-clipping) step.
+    r"""Poisson sampling at rate ``q`` with at most ``B = max_batch_size`` examples a step (a larger draw keeps a
+    uniformly random ``B`` of them), then the Gaussian (or randomized-clipping) step; adding or removing one example.
 
-    Accounted by coupling with untruncated Poisson sampling: both read the same draws, and their outputs differ
-    only in a step whose draw overflows, so for every event ``S`` and data set ``D`` of at most ``N + 1``
-    examples ``|M_trunc(D)(S) - M_Poisson(D)(S)| <= eta`` with ``eta = P(Binomial(N + 1, q) > max_batch_size)``
-    a step (``N`` replaced examples keep ``N``).  Over ``n`` steps the union bound gives ``n eta``, and
+    **Exact norms** (no ``envelope``).  Let ``S ~ Binomial(N, q)`` count the other examples drawn (``N`` of them in
+    the larger neighbour).  Where ``S < B`` the added example ``x`` joins with probability ``q`` and nothing is cut:
+    the subsampled Gaussian's pair.  Where ``S >= B`` the batch is cut to ``B``: ``x`` is kept with probability
+    ``q B / (S + 1) <= q``, in place of an example ``y`` the smaller neighbour keeps, so the sum moves by
+    ``g(x) - g(y)``, of norm at most ``2 C``.  Revealing ``S`` (and ``y``) only helps an adversary, so the step is
+    dominated by the mixture, over whether ``S >= B`` (probability ``p = P(S >= B)``), of the subsampled Gaussian
+    at scale 1 and at scale 2, both at rate ``q``: :class:`RandomizedClipGaussian` with the two-point
+    :class:`~dpmath.DiscreteEnvelope` ``Y = 1/4`` (scale 2) with probability ``p``, ``Y = 1`` otherwise
+    (:meth:`dominating`; ``p`` rounded up).  This is dp_accounting's decomposition, with the cut's rate bounded by
+    ``q``.
+
+    **Randomized clipping** (an ``envelope``: two examples' random scales would add).  Accounted by coupling with
+    untruncated Poisson sampling: both read the same draws and differ only in a step whose draw overflows, so
+    ``|M_trunc(D)(S) - M_Poisson(D)(S)| <= eta`` with ``eta = P(Binomial(N + 1, q) > B)`` a step, and over ``n``
+    steps
 
     .. math::
 
-        \delta_{\mathrm{trunc}}(\varepsilon) \le \delta_{\mathrm{Poisson}}(\varepsilon)
-        + n\,\eta\,(1 + e^{\varepsilon}),\qquad
-        \delta_{\mathrm{trunc}}(\varepsilon) \ge \delta_{\mathrm{Poisson}}(\varepsilon)
-        - n\,\eta\,(1 + e^{\varepsilon}),
+        \delta_{\mathrm{Poisson}}(\varepsilon) - n\,\eta\,(1 + e^{\varepsilon})
+        \le \delta_{\mathrm{trunc}}(\varepsilon) \le
+        \delta_{\mathrm{Poisson}}(\varepsilon) + n\,\eta\,(1 + e^{\varepsilon}),
 
-    which :class:`~dpmath.PLDAccountant` applies to its bracket (:meth:`overflow_probability`).  It holds for any
-    handling of an overflowing draw, and with a ``max_batch_size`` a few binomial standard deviations above
-    ``q N`` the charge is far below ``delta`` (:meth:`max_batch_size_for`).
+    which :class:`~dpmath.PLDAccountant` applies to its bracket (:meth:`overflow_probability`); a ``B`` a few
+    binomial standard deviations above ``q N`` keeps the charge far below delta (:meth:`max_batch_size_for`).
 
     Parameters
     ----------
@@ -349,16 +358,16 @@ class TruncatedSubsampledGaussian:
     dataset_size : int
         ``N``, the number of examples sampled from, ``>= 1``.
     envelope : Envelope, optional
-        Randomized clipping's envelope (the step is then :class:`RandomizedClipGaussian`'s).
+        Randomized clipping's envelope.
 
     Examples
     --------
     >>> from dpmath import TruncatedSubsampledGaussian
-    >>> m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=180, dataset_size=10_000)   # q N = 100
-    >>> m.dominating()
-    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
-    >>> f"{m.overflow_probability():.2e}"
-    '1.63e-13'
+    >>> m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=110, dataset_size=10_000)   # q N = 100
+    >>> f"{m.truncation_probability():.3f}"
+    '0.171'
+    >>> m.dominating().envelope
+    DiscreteEnvelope(values=[0.25, 1.0], weights=[0.17..., 0.82...])
     """
 
     noise_multiplier: float
@@ -378,20 +387,39 @@ class TruncatedSubsampledGaussian:
         object.__setattr__(self, "dataset_size", _count(self.dataset_size, "dataset_size"))
         object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
 
-    def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
-        """The untruncated Poisson step the accountant composes (the overflow is charged to delta)."""
-        if self.envelope is None:
-            return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
-        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+    @property
+    def charged(self) -> bool:
+        """Whether the overflow is charged to delta (randomized clipping) rather than composed as a mixture."""
+        return self.envelope is not None
 
-    def overflow_probability(self, neighboring: str = "add_or_remove") -> float:
-        """``eta``: an upper bound on the probability that a step's Poisson draw exceeds ``max_batch_size``, over
-        the data sets of the relation (``N + 1`` examples when adding one, ``N`` when replacing one); the
-        binomial tail is computed in float64 and rounded up by a relative ``1e-9`` (its error is far smaller)."""
+    def truncation_probability(self) -> float:
+        """``p = P(Binomial(N, q) >= max_batch_size)``: a step's other draws fill the batch, rounded up by a relative
+        ``1e-9`` (the float64 binomial tail's error is far smaller)."""
         from scipy import stats
 
-        n = self.dataset_size + (1 if neighboring == "add_or_remove" else 0)
-        tail = float(stats.binom.sf(self.max_batch_size, n, self.sample_rate))
+        tail = float(stats.binom.sf(self.max_batch_size - 1, self.dataset_size, self.sample_rate))
+        return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
+
+    def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
+        """The step the accountant composes: the scale-1 / scale-2 mixture (exact norms), or the untruncated Poisson
+        step whose overflow is charged to delta (randomized clipping)."""
+        if self.envelope is not None:
+            return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+        p = self.truncation_probability()
+        if p == 0.0:
+            return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
+        if p == 1.0:   # every step cut: the scale-2 step (noise sigma / 2)
+            return SubsampledGaussian(self.noise_multiplier / 2.0, self.sample_rate)
+        cut = DiscreteEnvelope([0.25, 1.0], [p, 1.0 - p])   # Y = 1/4: scale 2
+        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, cut)
+
+    def overflow_probability(self) -> float:
+        """``eta``: an upper bound on the probability that a step's Poisson draw exceeds ``max_batch_size`` (``N + 1``
+        examples, the larger neighbour), charged to delta with randomized clipping; rounded up like
+        :meth:`truncation_probability`."""
+        from scipy import stats
+
+        tail = float(stats.binom.sf(self.max_batch_size, self.dataset_size + 1, self.sample_rate))
         return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
 
     @staticmethod

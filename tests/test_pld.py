@@ -653,8 +653,9 @@ def test_a_lower_end_of_zero_is_refined_until_it_is_positive():
     # bracket refines until it is not (the referee's epsilon is 0.156892074 to 0.156892087)
     lo, hi = PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon_bracket(1e-6)
     assert 0 < lo <= 0.156892073 and 0.156892087 <= hi <= lo * 1.005
-    # the published upper end alone (epsilon) does not pay for the refinement
-    assert PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon(1e-6) > 0.16
+    # the default's published upper end alone (epsilon) is that bracket's; the coarse grid's does not refine
+    assert PLDAccountant(1e-4).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon(1e-6) == hi
+    assert PLDAccountant(1e-4, bracket_rtol=None).compose(SubsampledGaussian(1.0, 1e-4), 100000).epsilon(1e-6) > 0.16
 
 
 def test_at_a_tiny_sampling_rate_the_published_epsilon_is_not_swamped_by_fft_rounding():

@@ -9,6 +9,7 @@ import pytest
 from scipy import integrate, stats
 
 from dpmath import (
+    DiscreteEnvelope,
     FixedSizeSubsampledGaussian,
     Gaussian,
     HutchEnvelope,
@@ -90,29 +91,45 @@ def test_fixed_size_batch_larger_than_the_data_set_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------ truncated Poisson
-def test_overflow_probability_is_the_binomial_tail_of_the_largest_neighbour():
+def test_truncation_and_overflow_probabilities_are_the_binomial_tails():
     m = TruncatedSubsampledGaussian(1.0, 0.05, max_batch_size=12, dataset_size=100)
-    exact = math.fsum(math.comb(101, k) * 0.05 ** k * 0.95 ** (101 - k) for k in range(13, 102))
-    assert exact <= m.overflow_probability() <= exact * (1 + 1e-8)
-    exact_replace = math.fsum(math.comb(100, k) * 0.05 ** k * 0.95 ** (100 - k) for k in range(13, 101))
-    assert exact_replace <= m.overflow_probability("replace_one") <= exact_replace * (1 + 1e-8)
+    cut = math.fsum(math.comb(100, k) * 0.05 ** k * 0.95 ** (100 - k) for k in range(12, 101))
+    assert cut <= m.truncation_probability() <= cut * (1 + 1e-8)
+    over = math.fsum(math.comb(101, k) * 0.05 ** k * 0.95 ** (101 - k) for k in range(13, 102))
+    assert over <= m.overflow_probability() <= over * (1 + 1e-8)
 
 
-def test_truncated_bracket_holds_the_poisson_value_widened_by_the_charge():
-    steps, delta = 1000, 1e-6
-    cap = TruncatedSubsampledGaussian.max_batch_size_for(0.01, 10_000, steps, 1e-8)
-    m = TruncatedSubsampledGaussian(1.0, 0.01, cap, 10_000)
-    eta = steps * m.overflow_probability()
-    assert eta <= 1e-8
-    lo, hi = PLDAccountant().compose(m, steps).epsilon_bracket(delta)
-    p_lo, p_hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).epsilon_bracket(delta)
-    assert lo <= p_lo <= p_hi <= hi
-    # the upper end: delta_Poisson(hi) + eta (1 + e^hi) <= delta
-    assert PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).delta(hi) + eta * (1 + math.exp(hi)) <= delta
-    d_lo, d_hi = PLDAccountant().compose(m, steps).delta_bracket(2.0)
-    pd_lo, pd_hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), steps).delta_bracket(2.0)
-    assert d_hi == pytest.approx(pd_hi + eta * (1 + math.e ** 2), rel=1e-12)
-    assert d_lo == pytest.approx(max(0.0, pd_lo - eta * (1 + math.e ** 2)), rel=1e-12)
+def test_exact_norm_truncation_is_the_scale_one_scale_two_mixture():
+    m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=110, dataset_size=10_000)
+    p = m.truncation_probability()
+    assert m.dominating() == RandomizedClipGaussian(1.0, 0.01, DiscreteEnvelope([0.25, 1.0], [p, 1 - p]))
+    lo, hi = PLDAccountant().compose(m, 200).epsilon_bracket(1e-5)
+    plain = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 200).epsilon(1e-5)
+    doubled = PLDAccountant().compose(SubsampledGaussian(0.5, 0.01), 200).epsilon(1e-5)
+    assert plain < lo <= hi < doubled and hi - lo <= 1e-3 * hi
+
+
+def test_a_cap_far_above_the_mean_costs_nothing_measurable():
+    m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=180, dataset_size=10_000)
+    assert m.truncation_probability() < 1e-12
+    hi = PLDAccountant().compose(m, 500).epsilon(1e-6)
+    assert hi == pytest.approx(PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 500).epsilon(1e-6), rel=1e-6)
+
+
+def test_randomized_clipping_truncation_charges_the_overflow_to_delta():
+    env = HutchEnvelope(projection_dim=16, dim=1000)
+    m = TruncatedSubsampledGaussian(2.0, 0.01, 300, 10_000, envelope=env)
+    assert m.charged and m.dominating() == RandomizedClipGaussian(2.0, 0.01, env)
+    eta = 100 * m.overflow_probability()
+    lo, hi = PLDAccountant().compose(m, 100).epsilon_bracket(1e-5)
+    plain = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, env), 100)
+    r_lo, r_hi = plain.epsilon_bracket(1e-5)
+    assert lo <= r_lo and hi >= r_hi and hi <= r_hi * (1 + 1e-6)
+    # delta: the plain bracket widened by eta (1 + e^eps) on each side
+    d_lo, d_hi = PLDAccountant().compose(m, 100).delta_bracket(2.0)
+    p_lo, p_hi = plain.delta_bracket(2.0)
+    assert d_hi == pytest.approx(p_hi + eta * (1 + math.e ** 2), rel=1e-12)
+    assert d_lo == pytest.approx(max(0.0, p_lo - eta * (1 + math.e ** 2)), rel=1e-12)
 
 
 def test_max_batch_size_for_is_the_smallest_that_meets_the_budget():
@@ -122,26 +139,24 @@ def test_max_batch_size_for_is_the_smallest_that_meets_the_budget():
 
 
 def test_a_charge_above_delta_gives_infinite_epsilon_and_tradeoff_is_refused():
-    m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=100, dataset_size=10_000)   # overflows half the time
-    acc = PLDAccountant().compose(m, 10)
+    env = HutchEnvelope(projection_dim=16, dim=1000)
+    m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=100, dataset_size=10_000, envelope=env)
+    acc = PLDAccountant().compose(m, 10)   # overflows about half the time
     assert acc.epsilon(1e-6) == math.inf
     with pytest.raises(ValueError, match="tradeoff is not available"):
         acc.tradeoff(0.1)
 
 
-def test_truncated_randomized_clipping_charges_the_envelope_step():
-    env = HutchEnvelope(projection_dim=16, dim=1000)
-    m = TruncatedSubsampledGaussian(2.0, 0.01, 300, 10_000, envelope=env)
-    assert m.dominating() == RandomizedClipGaussian(2.0, 0.01, env)
-    lo, hi = PLDAccountant().compose(m, 100).epsilon_bracket(1e-5)
-    r_lo, r_hi = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, env), 100).epsilon_bracket(1e-5)
-    assert lo <= r_lo and hi >= r_hi and hi <= r_hi * (1 + 1e-6)
+def test_truncated_poisson_is_refused_for_replacing_one_example():
+    with pytest.raises(ValueError, match="adding or removing"):
+        PLDAccountant(neighboring="replace_one").compose(TruncatedSubsampledGaussian(1.0, 0.01, 150, 10_000))
 
 
-def test_the_schedule_reads_truncated_steps_as_the_accountant_does():
-    m = TruncatedSubsampledGaussian(1.0, 0.01, 174, 10_000)
-    schedule = EpsilonSchedule(m, 1000)
-    assert schedule.epsilon_bracket(500, 1e-6) == PLDAccountant().compose(m, 500).epsilon_bracket(1e-6)
+def test_the_schedule_brackets_truncated_steps_as_the_accountant_does():
+    m = TruncatedSubsampledGaussian(1.0, 0.01, 110, 10_000)
+    lo, hi = PLDAccountant().compose(m, 100).epsilon_bracket(1e-6)
+    s_lo, s_hi = EpsilonSchedule(m, 200).epsilon_bracket(100, 1e-6)
+    assert s_lo <= hi and lo <= s_hi <= hi * (1 + 1e-3)
 
 
 # --------------------------------------------------------------------------------- balls in bins and shuffling
@@ -196,6 +211,18 @@ def test_dp_events_convert_both_ways():
 
     for m in (TruncatedSubsampledGaussian(1.0, 0.01, 174, 10_000), FixedSizeSubsampledGaussian(1.0, 100, 10_000)):
         assert to_mechanisms(to_dp_event(m, 7)) == [(m, 7)]
+
+
+@pytest.mark.parametrize("cap", [105, 115])
+def test_truncated_poisson_is_within_two_percent_of_dp_accountings_analysis(cap):
+    # dp_accounting mixes the same two pairs, with the cut's rate conditioned on the cut (ours bounds it by q)
+    from dpmath.interop.dp_accounting import to_dp_event
+
+    m = TruncatedSubsampledGaussian(1.0, 0.01, cap, 10_000)
+    theirs = dp_accounting.pld.PLDAccountant()
+    theirs.compose(to_dp_event(m, 300))
+    ours = PLDAccountant().compose(m, 300).epsilon(1e-5)
+    assert ours == pytest.approx(theirs.get_epsilon(1e-5), rel=0.02)
 
 
 def test_dp_accounting_rdp_of_the_same_fixed_size_event_lies_above_our_upper_end():

@@ -20,7 +20,16 @@ from ..validation import non_negative, open_probability, positive_int, probabili
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
 from .gaussian import GaussianCurve
-from .steps import MECHANISMS, Mechanism, accounted_step, is_gaussian_step, reads_replacement, refusal, step_plds
+from .steps import (
+    MECHANISMS,
+    Mechanism,
+    accounted_step,
+    is_gaussian_step,
+    reads_replacement,
+    refusal,
+    scale_atoms,
+    step_plds,
+)
 from .two_scale import TwoScaleLower
 
 __all__ = ["PLDAccountant"]
@@ -205,8 +214,30 @@ class PLDAccountant:
         self._gaussian = []
         return self
 
+    def _target(self) -> float:
+        """The relative width the queries refine to: a float ``bracket_rtol``, else the default's target (also the
+        target of a collapsed lower end's one finer grid on the coarse grid, ``bracket_rtol=None``)."""
+        if isinstance(self.bracket_rtol, float):
+            return self.bracket_rtol
+        return _AUTO_RC_RTOL if self.bracket_rtol == AUTO and self._scaled() else _AUTO_RTOL
+
+    def _scaled(self) -> bool:
+        """Whether a randomized-clipping step is composed (its bracket has a scale grid's part)."""
+        return any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events)
+
+    def _atom_points(self, s: float) -> float:
+        """The randomized-clipping steps' part of a grid's cost at the scale factor ``s``, in grid points:
+        ``_ATOM_POINTS`` per scale atom (each atom's loss grid is built point by point; the default grid of
+        ``HutchEnvelope(32, 2048)`` has 714 atoms, about 0.4 s of step building here)."""
+        atoms = 0
+        for m, _ in self._events:
+            step = accounted_step(m)
+            if isinstance(step, RandomizedClipGaussian):
+                atoms += scale_atoms(step.envelope, step.scale_resolution * s, True)[0].size
+        return float(_ATOM_POINTS * atoms)
+
     def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
-        """``query(h, upper, s, together)`` on finer grids until the bracket is ``bracket_rtol`` tight (``h`` the
+        """``query(h, upper, s, together)`` on finer grids until the bracket is :meth:`_target` tight (``h`` the
         loss grid's step, ``s`` the factor on randomized clipping's scale step, ``together`` the bounds whose steps
         are built together).
 
@@ -214,55 +245,118 @@ class PLDAccountant:
         the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
         like ``s``.  Which one dominates depends on the case (one RC step: the scale grid; ``10^6`` steps at
         sigma = 2: the loss grid), so the first refinement of an RC accountant halves each separately and
-        splits the width between them (a target below 1 % starts from a grid with the scale step halved and
-        the loss step chosen by :meth:`_first_loss_step`, where the default grid is 0.5 to 1.7 % wide on issue
-        16's cases); each next grid shrinks only the parts
-        above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``), down to
-        ``discretization / 64`` and ``s = 1/16``.  Without ``bracket_rtol`` but with ``zero_refines`` (epsilon
-        queries), a lower end of 0 under a positive upper end (one step's losses span only a few grid points,
-        e.g. ``q mu < h``) is refined the same way, to ``1e-3``, for one finer grid (``h/8``; where even that
-        leaves it at 0, finer ones rarely help)."""
+        splits the width between them (a float target below 1 % starts from a grid with the scale step halved
+        and the loss step chosen by :meth:`_first_loss_step`, where the default grid is 0.5 to 1.7 % wide on the
+        benchmark's cases); each next grid shrinks only the parts above their share of the target (with a
+        safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and ``s = 1/16``.  A loss
+        grid finer than ``discretization / 64`` (down to ``discretization * _FINEST``) is tried only where its
+        predicted cost is within :data:`AUTO_BUDGET`: tiny sample rates and tiny epsilons, whose grids hold a
+        few thousand points.
+
+        **Cost model** (deterministic: grid points, never time).  A grid's cost is ``4 N`` (two bounds, two
+        directions, of direction 0's upper composition window, ``N`` points) plus :meth:`_atom_points`; a finer
+        grid's ``N`` is predicted from the last one's loss span (``N h`` is about constant).  With
+        ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit
+        :data:`AUTO_BUDGET`, and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
+        (else no width could be acted on), so it is :meth:`epsilon_bracket`'s upper end to the last bit.
+
+        An infinite upper end (losses beyond the loss cap, ``2^22`` points: randomized clipping with a heavy-tailed
+        scale, epsilon in the thousands) retries on loss grids ``_COARSER`` times coarser, up to a step of 1, whose
+        cap reaches further, in any mode and whatever the budget: a huge epsilon is an answer, infinity is not.
+
+        Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of 0 under a positive
+        upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is refined the same way, to
+        ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0, finer ones rarely help)."""
         h0 = self.discretization
-        rtol = 1e-3 if self.bracket_rtol is None else self.bracket_rtol
-        scaled = any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events)
+        mode = self.bracket_rtol
+        rtol = self._target()
+        scaled = self._scaled()
+        budget = AUTO_BUDGET if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
+        spent = 0.0                                  # the cost of the grids built, in grid points
+        span = 0.0                                   # the last grid's upper FFT work (Composition.work) times h
 
-        both = lower or self.bracket_rtol is not None
+        def cost(h: float, s: float) -> float:
+            """A grid's predicted cost in grid points (the cost model above)."""
+            return 2.0 * span / h + (self._atom_points(s) if scaled else 0.0)
 
-        def run(h: float, s: float) -> float:
-            """Query one grid, intersect its bracket into ``best``; its own width."""
-            nonlocal best
-            together = (True, False) if both else ()   # both ends' steps share their CDF evaluations
+        def allowed(h: float, s: float) -> bool:
+            """Whether the grid ``(h, s)`` may be built: above the finest step, below ``h0 / 64`` only when cheap,
+            and within the budget."""
+            if h < h0 * _FINEST or (h < h0 / 64 * (1 - 1e-9) and cost(h, s) > AUTO_BUDGET):
+                return False
+            return spent + cost(h, s) <= budget
+
+        def finer(h: float, s: float) -> bool:
+            """Whether the smallest refinement from ``(h, s)`` may be built: a lower end is worth computing."""
+            if mode is None:
+                return False
+            if scaled:   # the first split needs both half grids
+                return spent + cost(h / 2, s) + cost(h, s / 2) <= budget
+            return allowed(h / 2, s)
+
+        def run(h: float, s: float, need_lower: bool) -> float:
+            """Query one grid, intersect its bracket into ``best``; its own width (1 where its lower end was not
+            computed)."""
+            nonlocal best, spent, span
+            together = (True, False) if need_lower or mode is not None else ()   # the ends share CDF evaluations
+            for k, c in self._plds.items():   # count this query's passes only, cached or not: the same in every
+                if k[0] == h and k[2] == s and c.single is None:   # order of queries
+                    c.work = 0
             hi = query(h, True, s, together)
-            lo = query(h, False, s, together) if both else 0.0
+            span = h * sum(c.single.pmf.size if c.single is not None else c.work
+                           for k, c in self._plds.items() if k[0] == h and k[1] and k[2] == s)
+            spent += cost(h, s)
+            if not (need_lower or (mode == AUTO and finer(h, s))):
+                best = (0.0, hi) if best is None else (best[0], min(best[1], hi))
+                return 1.0
+            lo = query(h, False, s, together)
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
-            return max(hi - lo, 0.0)
+            return max(hi - lo, 0.0) / hi if 0 < hi < math.inf else 0.0
 
-        def done(h: float, s: float) -> bool:
-            collapsed = zero_refines and lower and best[0] <= 0.0 < best[1] and h == h0
-            return ((self.bracket_rtol is None and not collapsed) or best[1] - best[0] <= rtol * best[1]
-                    or (h <= h0 / 64 and (not scaled or s <= 1 / 16)))
+        def done(h: float) -> bool:
+            if mode is None:
+                return not (zero_refines and lower and best[0] <= 0.0 < best[1] and h == h0)
+            return best[1] - best[0] <= rtol * best[1]
 
+        both = lower or isinstance(mode, float)
         h, s = h0, 1.0
-        if scaled and self.bracket_rtol is not None and self.bracket_rtol < _RC_WIDE:
-            # randomized clipping's default grid leaves 0.5 to 1.7 % (issue 16's cases), so a tighter target
+        if scaled and isinstance(mode, float) and mode < _RC_WIDE:
+            # randomized clipping's default grid leaves 0.5 to 1.7 % (the benchmark's cases), so a tighter target
             # starts where the default grid would only be a first, wasted try: the scale step halved, and the loss
             # step where a plain step's mean gap puts it (a guess of where to start; the refinement below decides)
-            h, s = self._first_loss_step(self.bracket_rtol), 0.5
+            h, s = self._first_loss_step(mode), 0.5
         try:
-            width = run(h, s)
-            while not done(h, s):
-                target = 0.8 * rtol * best[1]
-                if not scaled or self.bracket_rtol is None:
-                    h = max(h * min(max(math.sqrt(target / width), 0.125), 0.5), h0 / 64)
-                    width = run(h, s)
+            width = run(h, s, both)
+            tries = 0
+            while best[1] == math.inf and h < 1.0 and tries < _COARSER_TRIES:
+                h, tries = min(_COARSER * h, 1.0), tries + 1
+                width = run(h, s, both)
+            while best[1] < math.inf and not done(h) and (both or mode != AUTO or finer(h, s) or width < 1.0):
+                target = 0.8 * rtol
+                if not scaled or mode is None:
+                    h_next = max(h * min(max(math.sqrt(target / width), 0.125), 0.5) if width > 0 else h / 2,
+                                 h0 * _FINEST)
+                    if h_next < h0 / 64 and cost(h_next, s) > AUTO_BUDGET:
+                        # below h0 / 64 only where cheap: the finest grid within the budget, else h0 / 64
+                        h_next = max(h0 / 64, 2.0 * span / AUTO_BUDGET)
+                    if spent + cost(h_next, s) > budget:   # the finest grid the default's budget leaves
+                        h_next = 2.0 * span / (budget - spent) if budget > spent else math.inf
+                    # the default refines by at least half (as finer() assumes: epsilon alone then refines exactly
+                    # where the bracket does); a float target takes any progress
+                    if h_next > (0.5 * h * (1 + 1e-9) if mode == AUTO else h * (1 - 1e-9)) or not allowed(h_next, s):
+                        break
+                    h = h_next
+                    width = run(h, s, True)
                     continue
                 if parts is None:
                     # split the width: w = A h^2 + B s, from one grid with h halved and one with s halved
-                    w_h = run(h / 2, s) if h > h0 / 64 else width
-                    w_s = run(h, s / 2) if s > 1 / 16 else width
-                    if done(h, s):
+                    if not allowed(h / 2, s) or spent + cost(h / 2, s) + cost(h, s / 2) > budget:
+                        break
+                    w_h = run(h / 2, s, True) if h > h0 / 64 else width
+                    w_s = run(h, s / 2, True) if s > 1 / 16 else width
+                    if done(h):
                         break
                     loss, scale = max(width - w_h, 0.0) * 4 / 3, max(width - w_s, 0.0) * 2
                     parts = (loss, scale) if loss + scale > 0 else (0.5 * width, 0.5 * width)
@@ -273,8 +367,13 @@ class PLDAccountant:
                 f_s = 1.0 if scale <= 0.5 * target or s <= 1 / 16 else min(max(0.5 * target / scale, 0.125), 0.5)
                 if f_h == 1.0 and f_s == 1.0:     # the split was off: shrink both
                     f_h, f_s = (0.5 if h > h0 / 64 else 1.0), (0.5 if s > 1 / 16 else 1.0)
-                h, s = max(h * f_h, h0 / 64), max(s * f_s, 1 / 16)
-                width = run(h, s)
+                if f_h == 1.0 and f_s == 1.0:     # both at their floors
+                    break
+                h_next, s_next = max(h * f_h, h0 / 64), max(s * f_s, 1 / 16)
+                if not allowed(h_next, s_next):
+                    break
+                h, s = h_next, s_next
+                width = run(h, s, True)
                 parts = (loss * f_h ** 2, scale * f_s)
         except GridTooLargeError:   # a finer grid would exceed the size limit: keep the tightest so far
             if best is None:
@@ -407,7 +506,19 @@ class PLDAccountant:
         if (gaussian := self._closed_form()) is not None:
             return gaussian.epsilon_bracket(d)
         eta = self._overflow()
+        if not eta:
+            return self._plain_epsilon_bracket(d, lower)
+        # a truncated step's overflow: delta_PLD(eps) + eta (1 + e^eps) <= delta; each delta's bracket is the
+        # plain one (refined as any query: the compositions are cached, only the read-outs repeat)
+        hi = _charged_epsilon(lambda budget: self._plain_epsilon_bracket(budget, False)[1], d, eta)
+        if not lower:
+            return 0.0, hi
+        # the truth is at most hi, where the charge is at most eta (1 + e^hi)
+        widened = d + eta * (1.0 + math.exp(hi)) if hi < 700.0 else 1.0
+        return (min(hi, self._plain_epsilon_bracket(widened, True)[0]) if widened < 1.0 else 0.0), hi
 
+    def _plain_epsilon_bracket(self, d: float, lower: bool) -> tuple[float, float]:
+        """The bracket of the composed PLD's own epsilon at ``d`` (no overflow charge)."""
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
             # a bound on another direction's exact curve at most delta there means its true epsilon is at most
@@ -418,41 +529,33 @@ class PLDAccountant:
             def comp(j: int, upper: bool) -> Composition:
                 return self._composed(upper, h, s, (j,), together)[0]
 
-            def direction(j: int) -> float:
-                if not eta:
-                    return comp(j, upper).epsilon(d)
-                top = _charged_epsilon(comp(j, True), d, eta)
-                if upper:
-                    return top
-                # the truth is at most top, where the charge is at most eta (1 + e^top)
-                widened = d + eta * (1.0 + math.exp(top)) if top < 700.0 else 1.0
-                return min(top, comp(j, False).epsilon(widened) if widened < 1.0 else 0.0)
-
-            first = direction(0)
+            first = comp(0, upper).epsilon(d)
             out = [first]
             for j in range(1, len(_NEIGHBORING[self.neighboring]) if first < math.inf else 1):
-                if self._relations(j) == self._relations(0) or (not eta and self._coarsely_below(j, first, d)):
+                if self._relations(j) == self._relations(0) or self._coarsely_below(j, first, d):
                     continue
-                if eta or comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
-                    out.append(direction(j))
+                if comp(j, True).delta_bound(first) > d * (1.0 - 1e-6):
+                    out.append(comp(j, upper).epsilon(d))
             return max(out)
         lo, hi = self._refined(query, lower, True)
         curve = self._two_scale_lower(lower, lo, hi)
         return (curve.epsilon(d, hi, lo), hi) if curve is not None else (lo, hi)
 
     def _overflow(self) -> float:
-        """``sum n eta``: the probability that some truncated step's Poisson draw overflows, charged to delta as
-        ``eta (1 + e^epsilon)`` (:class:`~dpmath.TruncatedSubsampledGaussian`), rounded up."""
-        total = math.fsum(n * m.overflow_probability(self.neighboring) for m, n in self._events
-                          if isinstance(m, TruncatedSubsampledGaussian))
+        """``sum n eta``: the probability that some truncated randomized-clipping step's Poisson draw overflows,
+        charged to delta as ``eta (1 + e^epsilon)`` (:class:`~dpmath.TruncatedSubsampledGaussian`), rounded up."""
+        total = math.fsum(n * m.overflow_probability() for m, n in self._events
+                          if isinstance(m, TruncatedSubsampledGaussian) and m.charged)
         return min(1.0, total * (1.0 + 1e-12))
 
     def _two_scale_lower(self, lower: bool, lo: float, hi: float) -> TwoScaleLower | None:
         """The two-scale lower curve (:mod:`dpmath.pld.two_scale`) where a bracket's lower end is far from its upper
         end (below half of it, or short of ``bracket_rtol``) and the accountant holds a single
         :class:`SubsampledGaussian` event with ``q < 1``, adding or removing an example: one step's losses then
-        sit far below the grid's step.  Its curve is the removal's, below the larger direction's."""
-        rtol = self.bracket_rtol
+        sit far below the grid's step.  Its curve is the removal's, below the larger direction's.  The default
+        (``"auto"``) asks for it only where the lower end is below half the upper end, like the coarse grid: it can
+        take tens of seconds (``n = 4e5`` steps at ``q = 8e-6``), far beyond the default's budget."""
+        rtol = self.bracket_rtol if isinstance(self.bracket_rtol, float) else None
         loose = hi > 0 and (lo < 0.5 * hi or (rtol is not None and hi - lo > rtol * hi))
         if not (lower and loose and self.neighboring == "add_or_remove" and len(self._events) == 1
                 and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].sample_rate < 1.0):
@@ -498,11 +601,12 @@ class PLDAccountant:
         charge = eta * (1.0 + math.exp(e)) if e < 700.0 else (math.inf if eta else 0.0)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
-            d = max(p.delta(e) for p in self._composed(upper, h, s, None, together))
-            return min(1.0, d + charge) if upper else max(0.0, d - charge)
+            return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
         lo, hi = self._refined(query, lower)
         curve = self._two_scale_lower(lower, lo, hi)
-        return (max(lo, curve.delta(e)), hi) if curve is not None else (lo, hi)
+        lo = max(lo, curve.delta(e)) if curve is not None else lo
+        # a truncated step's overflow, outside the refinement (no grid narrows it)
+        return (max(0.0, lo - charge) if lower else 0.0), min(1.0, hi + charge)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the f-DP trade-off curve: the smallest false-negative rate ``beta`` of any test
@@ -536,17 +640,17 @@ class PLDAccountant:
         return out[()] if out.ndim == 0 else out
 
 
-def _charged_epsilon(composition: Composition, delta: float, eta: float) -> float:
-    """An ``epsilon`` with ``delta_PLD(epsilon) + eta (1 + e^epsilon) <= delta``, the PLD's ``delta`` read from
-    ``composition`` (an upper bound): the fixed point of ``e <- epsilon_PLD(delta - eta (1 + e^e (1 + 1e-9)))``,
-    which increases from 0 and stops once a step moves ``e^e`` by less than the ``1e-9`` allowed for; ``inf``
-    where the charge alone reaches ``delta``."""
+def _charged_epsilon(epsilon_at, delta: float, eta: float) -> float:
+    """An ``epsilon`` with ``delta_PLD(epsilon) + eta (1 + e^epsilon) <= delta``, ``epsilon_at(d)`` being an upper bound
+    on the PLD's epsilon at ``d``: the fixed point of ``e <- epsilon_at(delta - eta (1 + e^e (1 + 1e-9)))``, which
+    increases from 0 and stops once a step moves ``e^e`` by less than the ``1e-9`` allowed for; ``inf`` where the
+    charge alone reaches ``delta``."""
     eps = 0.0
     for _ in range(200):
         budget = delta - eta * (1.0 + math.exp(eps) * (1.0 + 1e-9))
         if budget <= 0.0:
             return math.inf
-        nxt = composition.epsilon(budget)
+        nxt = epsilon_at(budget)
         if nxt >= 700.0:
             return math.inf if nxt == math.inf else nxt if math.exp(nxt - eps) <= 1.0 + 1e-9 else math.inf
         if math.exp(nxt) <= math.exp(eps) * (1.0 + 1e-9):

@@ -22,6 +22,8 @@ from .distribution import MAX_GRID, GridTooLargeError, Pld, grid_advice
 
 __all__ = ["Composition", "Factor", "EXTENDED", "Spectra", "chernoff", "tilted_product"]
 
+_MAX_TILT = 1e12   # the largest tilt tried: beyond it lam * t leaves what a float64 exponent can mean
+
 _F64_EPS = float(np.finfo(np.float64).eps)
 _FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per log2 N (scaled by eps in extended)
 # extended precision helps only where long double is wider than double (x86: 80 bits; not on every platform)
@@ -34,6 +36,9 @@ _MAX_TILTS = 64
 _LOG_TINY = -700.0     # log of the smallest spectrum modulus worth a complex power (exp(-700) ~ 1e-304)
 _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta) before it is an error
 _SPECTRA_MAX = 1 << 23   # largest FFT whose steps' transforms :class:`Spectra` keeps (8M points: 200 MB a step)
+#: What one extended-precision point costs in :attr:`Composition.work`, in float64 points (the docs' "about 7
+#: times", rounded up: its FFT is also slower per point on large windows).
+EXTENDED_COST = 8
 
 
 class Factor:
@@ -215,6 +220,8 @@ def _tilt_for_mean(factors: list[Factor], target: float, lam0: float, direction:
             if not (nxt - lo) * direction > 0:   # not a step toward the target: grow the last step
                 nxt = lo + direction * step
             step = max(2.0 * step, abs(nxt - lo))
+            if abs(nxt) > _MAX_TILT:   # a target past every loss: no tilt reaches it, and lam * t would overflow
+                return lo
         elif not min(lo, hi) < nxt < max(lo, hi):
             nxt = 0.5 * (lo + hi)
         lam = nxt
@@ -411,6 +418,12 @@ class Composition:
         self.single = first if (len(events) == 1 and events[0][1] == 1) else None
         self._full: Pld | None = None
         self._local: dict[tuple[float, bool], Pld] = {}
+        #: The FFT points of the passes read since the caller last set it to 0, cached or not, an extended-precision
+        #: point counted EXTENDED_COST times (a single step: its points): a cost measure that, unlike a clock, is
+        #: the same on every machine and in every order of queries (the accountant's refinement budget).
+        self.work = 0 if self.single is None else first.pmf.size
+        self._spent = 0                                          # FFT points actually run (same units)
+        self._costs: dict[tuple[float, bool] | None, int] = {}   # each cached pass's (None: full()'s) cost
         if self.single is not None:
             return
         self.factors = [Factor(p, n) for p, n in events]
@@ -438,6 +451,7 @@ class Composition:
         a, b = max(self.lo, w_lo), min(self.hi, w_hi)
         if a > b or w_hi - w_lo + 1 > MAX_GRID:
             return None
+        self._spent += (w_hi - w_lo + 1) * (EXTENDED_COST if extended else 1) * len(self.factors)
         return tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended, trim, self.spectra)
 
     def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
@@ -452,8 +466,23 @@ class Composition:
         pmf = np.maximum(value - err, 0.0)
         return Pld(self.h, start, pmf, self.inf, False, slack, err=err)
 
+    def _counted(self, key: tuple[float, bool] | None, build) -> None:
+        """Run ``build`` (which caches its result) once for ``key``, and add its cost to :attr:`work` at every call,
+        whether it ran now or earlier (the passes it ran itself, nested calls included, counted once)."""
+        if key not in self._costs:
+            spent, work = self._spent, self.work
+            build()
+            self._costs[key] = self._spent - spent
+            self.work = work
+        self.work += self._costs[key]
+
     def local(self, lam: float, extended: bool = False) -> Pld:
         """One pass under the tilt ``lam``, in extended precision if asked (cached)."""
+        key = (lam, extended)
+        self._counted(key, lambda: self._local_pass(lam, extended))
+        return self._local[key]
+
+    def _local_pass(self, lam: float, extended: bool) -> None:
         key = (lam, extended)
         if key not in self._local:
             res = self._pass(lam, extended, trim=True)
@@ -466,12 +495,15 @@ class Composition:
                     ok = np.nonzero(np.isfinite(val) & (err <= 0.5 * np.abs(val)))[0]
                 first = int(ok[0]) if ok.size else val.size - 1
                 self._local[key] = self._finish(start + first, val[first:], err[first:], lam)
-        return self._local[key]
 
     def full(self) -> Pld:
         """Every point of the window, each from the tilt with the smallest error bound (cached)."""
+        self._counted(None, self._full_pass)
+        return self._full
+
+    def _full_pass(self) -> None:
         if self._full is not None:
-            return self._full
+            return
         size = self.hi - self.lo + 1
         value = np.zeros(size)
         error = np.full(size, np.inf)
@@ -511,7 +543,6 @@ class Composition:
                 break
             centre = new_centre
         self._full = self._finish(self.lo, value, error, 0.0)
-        return self._full
 
     def _good(self, pld: Pld, eps: float, delta: float) -> bool:
         """``eps`` lies above the lumped first point and the error bounds move delta(eps) by little."""

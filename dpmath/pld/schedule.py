@@ -37,9 +37,9 @@ import math
 
 import numpy as np
 
-from ..mechanisms import TruncatedSubsampledGaussian
+from ..mechanisms import RandomizedClipGaussian, TruncatedSubsampledGaussian
 from ..validation import open_probability, positive_int
-from .accountant import PLDAccountant
+from .accountant import AUTO, AUTO_BUDGET, PLDAccountant
 from .compose import Composition, Spectra
 from .distribution import GridTooLargeError, Pld
 from .steps import Mechanism, accounted_step, is_gaussian_step, reads_replacement, step_plds
@@ -50,6 +50,8 @@ _LOOSE = 0.5    # a lower end below this fraction of the upper end is recomputed
 _CUT = 1e-6     # the step's largest losses, up to this fraction of delta over max_count steps, are cut (_truncated)
 _DELTAS = 4     # the deltas whose cut steps and transforms are kept
 _EPS = float(np.finfo(np.float64).eps)
+_FINER = 0.25   # a bracket wider than its target is intersected with a schedule on a grid this much finer (h^2: 1/16)
+_AUTO_RTOL, _AUTO_RC_RTOL = 1e-3, 5e-3   # the default's targets, as the accountant's
 
 
 def _truncated(pld: Pld, mass: float) -> Pld:
@@ -91,9 +93,11 @@ class EpsilonSchedule:
     by ``(count, delta)``.
 
     The bounds bracket the truth like :meth:`PLDAccountant.epsilon_bracket` on the same grid, though not with the
-    same digits (see the module docstring).  Without a grid refinement (``bracket_rtol``) or the two-scale lower
-    curve, a lower end below half the upper end (a step whose losses sit below the grid, ``q mu < h``) is
-    recomputed by a fresh accountant and intersected with this one; a mechanism of Gaussian steps alone
+    same digits (see the module docstring).  A bracket wider than ``bracket_rtol`` (default: the accountant's
+    ``"auto"`` target and budget) is intersected with finer schedules' brackets (:meth:`_refined`).  In
+    :meth:`epsilon_bracket`, a lower end below half the upper end (a step whose losses sit below the grid,
+    ``q mu < h``) is recomputed by a fresh accountant (its finer grid and two-scale curve) and intersected with
+    this one (the lower end only, unless ``bracket_rtol=None``); a mechanism of Gaussian steps alone
     (:class:`~dpmath.Gaussian`, sample rate 1) is read out in the accountant's closed form, no grid.
 
     Parameters
@@ -104,6 +108,10 @@ class EpsilonSchedule:
         The largest count asked (``>= 1``): the step's grid is chosen for it.
     discretization, neighboring, tail_mass
         As for :class:`PLDAccountant` (``neighboring="replace_one"`` refuses randomized clipping and LAP2 there).
+    bracket_rtol : float, "auto" or None
+        As for :class:`PLDAccountant`: ``"auto"`` (default) refines a bracket wider than 0.1 % on finer grids
+        within the default's budget, each finer schedule built once for every count (``_refined``); ``None`` keeps
+        the one grid.  :meth:`epsilon` is then :meth:`epsilon_bracket`'s upper end.
 
     Examples
     --------
@@ -120,18 +128,24 @@ class EpsilonSchedule:
     """
 
     def __init__(self, mechanism: Mechanism, max_count: int, *, discretization: float = 1e-4,
-                 neighboring: str = "add_or_remove", tail_mass: float = 1e-18) -> None:
+                 neighboring: str = "add_or_remove", tail_mass: float = 1e-18,
+                 bracket_rtol: float | str | None = AUTO) -> None:
         n_max = positive_int(max_count, "max_count")
         # the accountant checks the settings and the mechanism (and refuses what it refuses) for us
-        checked = PLDAccountant(discretization, neighboring, tail_mass=tail_mass).compose(mechanism, n_max)
+        checked = PLDAccountant(discretization, neighboring, tail_mass=tail_mass,
+                                bracket_rtol=bracket_rtol).compose(mechanism, n_max)
         self.mechanism = mechanism
         self.max_count = n_max
         self.discretization = checked.discretization
         self.neighboring = checked.neighboring
         self.tail_mass = checked.tail_mass
+        self.bracket_rtol = checked.bracket_rtol
+        self._root = self.discretization   # the first schedule's grid: finer ones stop at root / 64
+        self._finer: list[EpsilonSchedule] = []   # the schedule on the grid _FINER times this one, once built
         step = self._step = accounted_step(mechanism)
-        # the accountant's closed form, no grid; a truncated step's overflow charge is the accountant's read-out
-        self._closed = is_gaussian_step(step) or isinstance(mechanism, TruncatedSubsampledGaussian)
+        # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
+        charged = isinstance(mechanism, TruncatedSubsampledGaussian) and mechanism.charged
+        self._closed = is_gaussian_step(step) or charged
         if reads_replacement(mechanism, neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
@@ -139,12 +153,13 @@ class EpsilonSchedule:
         self._plds: dict[str, list[Pld]] = {}           # relation -> [upper, lower] step PLDs for max_count
         # (relation, upper, delta) -> the step cut for delta (_truncated) and its shared transforms
         self._cut: dict[tuple[str, bool, float], tuple[Pld, Spectra | None]] = {}
-        self._values: dict[tuple[int, float, bool], float] = {}
+        # (count, delta, upper) -> the bound and the FFT work its passes read (Composition.work, cached or not)
+        self._values: dict[tuple[int, float, bool], tuple[float, int]] = {}
 
     @classmethod
     def for_accountant(cls, accountant: PLDAccountant, mechanism: Mechanism, max_count: int) -> EpsilonSchedule:
-        """The schedule with ``accountant``'s grid, neighbouring relation and tail mass (its events and
-        ``bracket_rtol`` play no part).
+        """The schedule with ``accountant``'s grid, neighbouring relation, tail mass and ``bracket_rtol`` (its events
+        play no part).
 
         Examples
         --------
@@ -154,15 +169,16 @@ class EpsilonSchedule:
         EpsilonSchedule(SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01), max_count=50, discretization=0.001)
         """
         return cls(mechanism, max_count, discretization=accountant.discretization,
-                   neighboring=accountant.neighboring, tail_mass=accountant.tail_mass)
+                   neighboring=accountant.neighboring, tail_mass=accountant.tail_mass,
+                   bracket_rtol=accountant.bracket_rtol)
 
     def __repr__(self) -> str:
         return (f"EpsilonSchedule({self.mechanism!r}, max_count={self.max_count}, "
                 f"discretization={self.discretization!r})")
 
     def _fresh(self, count: int) -> PLDAccountant:
-        return PLDAccountant(self.discretization, self.neighboring, tail_mass=self.tail_mass).compose(
-            self.mechanism, count)
+        return PLDAccountant(self.discretization, self.neighboring, tail_mass=self.tail_mass,
+                             bracket_rtol=self.bracket_rtol).compose(self.mechanism, count)
 
     def _checked(self, count: int, delta: float) -> tuple[int, float]:
         n = positive_int(count, "count")
@@ -193,15 +209,15 @@ class EpsilonSchedule:
         step, spectra = self._cut[key]
         return Composition([(step, count)], self.tail_mass, spectra=spectra)
 
-    def _direction(self, relation: str, upper: bool, count: int, delta: float) -> float:
+    def _direction(self, relation: str, upper: bool, count: int, delta: float) -> tuple[float, int]:
         """One direction's bound: the untilted pass's where it resolves the answer, else the tightest of it and
-        the accountant's tilt search (both bounds on the same side)."""
+        the accountant's tilt search (both bounds on the same side); and the FFT work its passes read."""
         comp = self._composition(relation, upper, count, delta)
         eps, resolved = comp.pass_epsilon(delta)
         if resolved:
-            return eps
+            return eps, comp.work
         searched = comp.epsilon(delta)
-        return min(eps, searched) if upper else max(eps, searched)
+        return (min(eps, searched) if upper else max(eps, searched)), comp.work
 
     def _bound(self, count: int, delta: float, upper: bool) -> float:
         """The worse direction's bound, as the accountant takes it: the first direction's, then only the
@@ -209,13 +225,45 @@ class EpsilonSchedule:
         most ``delta`` means their true epsilon is at most this one's, so the maximum is unchanged)."""
         key = (count, delta, upper)
         if key not in self._values:
-            first = self._direction(self._relations[0], upper, count, delta)
+            first, work = self._direction(self._relations[0], upper, count, delta)
             out = [first]
             for relation in self._relations[1:] if first < math.inf else ():
                 if self._composition(relation, True, count, delta).delta_bound(first) > delta * (1.0 - 1e-6):
-                    out.append(self._direction(relation, upper, count, delta))
-            self._values[key] = max(out)
-        return self._values[key]
+                    value, more = self._direction(relation, upper, count, delta)
+                    out.append(value)
+                    work += more
+            self._values[key] = (max(out), work)
+        return self._values[key][0]
+
+    def _refined(self, count: int, delta: float) -> tuple[float, float]:
+        """The bracket refined as the accountant's ``bracket_rtol`` asks (``"auto"`` or a float): where it is wider
+        than the target, intersected with the bracket of a schedule on a grid ``_FINER`` times this one's, built
+        once and kept for every later count, while that grid is at least ``1/64`` of the first schedule's and
+        (``"auto"``) its passes are predicted to read at most :data:`~dpmath.pld.accountant.AUTO_BUDGET` points
+        (this grid's work for the count, times the refinement).  A fixed factor, so the brackets do not depend on
+        the order of the queries.  Randomized clipping keeps its grid: its width is mostly the scale grid's, and a
+        refined step costs seconds, beyond the default's budget (the accountant's refinement stops there too)."""
+        hi = self._bound(count, delta, True)
+        lo = min(self._bound(count, delta, False), hi)
+        rc = isinstance(self._step, RandomizedClipGaussian)
+        target = self.bracket_rtol if isinstance(self.bracket_rtol, float) else (_AUTO_RC_RTOL if rc else _AUTO_RTOL)
+        if rc or not 0 < hi < math.inf or hi - lo <= target * hi:
+            return lo, hi
+        h = self.discretization * _FINER
+        work = sum(self._values[(count, delta, b)][1] for b in (True, False)) / _FINER
+        if h < self._root / 64 * (1 - 1e-9) or (self.bracket_rtol == AUTO and work > AUTO_BUDGET):
+            return lo, hi
+        if not self._finer:
+            child = EpsilonSchedule(self.mechanism, self.max_count, discretization=h, neighboring=self.neighboring,
+                                    tail_mass=self.tail_mass, bracket_rtol=self.bracket_rtol)
+            child._root = self._root
+            self._finer.append(child)
+        try:
+            f_lo, f_hi = self._finer[0]._refined(count, delta)
+        except GridTooLargeError:   # the finer grid needs too many points: this grid's bracket stands
+            return lo, hi
+        # both brackets hold the truth, so their intersection does
+        return max(lo, f_lo), min(hi, f_hi)
 
     def epsilon(self, count: int, delta: float) -> float:
         """Upper bound on ``epsilon(delta)`` after ``count`` runs of the mechanism (``1 <= count <= max_count``).
@@ -230,7 +278,9 @@ class EpsilonSchedule:
         n, d = self._checked(count, delta)
         if self._closed:
             return self._fresh(n).epsilon(d)
-        return self._bound(n, d, True)
+        if self.bracket_rtol is None:
+            return self._bound(n, d, True)
+        return self._refined(n, d)[1]
 
     def epsilon_bracket(self, count: int, delta: float) -> tuple[float, float]:
         """``(lower, upper)`` bounds on ``epsilon(delta)`` after ``count`` runs (``1 <= count <= max_count``).
@@ -246,11 +296,15 @@ class EpsilonSchedule:
         n, d = self._checked(count, delta)
         if self._closed:
             return self._fresh(n).epsilon_bracket(d)
-        hi = self._bound(n, d, True)
-        lo = min(self._bound(n, d, False), hi)
+        if self.bracket_rtol is None:
+            hi = self._bound(n, d, True)
+            lo = min(self._bound(n, d, False), hi)
+        else:
+            lo, hi = self._refined(n, d)
         if hi > 0 and lo < _LOOSE * hi:
             # the losses sit below the grid: the accountant's finer grid and two-scale curve; both brackets hold
-            # the truth, so their intersection does
+            # the truth, so their intersection does (refined: the lower end only, so that the upper end stays
+            # epsilon's, the number published)
             f_lo, f_hi = self._fresh(n).epsilon_bracket(d)
-            lo, hi = max(lo, f_lo), min(hi, f_hi)
+            lo, hi = max(lo, f_lo), (hi if self.bracket_rtol is not None else min(hi, f_hi))
         return lo, hi

@@ -71,6 +71,9 @@ def refusal(mechanism: Mechanism, neighboring: str) -> str | None:
         return (f"{name} is accounted for replacing one example only: its batches have a fixed size, so a data "
                 f"set with one example more or less is not a neighbour it covers; use "
                 f"PLDAccountant(neighboring='replace_one')")
+    if neighboring == "replace_one" and isinstance(mechanism, TruncatedSubsampledGaussian):
+        return ("neighboring='replace_one' is not supported for TruncatedSubsampledGaussian: its analysis is for "
+                "adding or removing one example; use neighboring='add_or_remove'")
     if neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
         return ("neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
                 "is proved for adding or removing one example; use neighboring='add_or_remove'")
@@ -113,9 +116,9 @@ def scale_atoms(envelope: Envelope, resolution: float, upper: bool) -> tuple[np.
     quantiles, half-decade quantile bins below) gave [4.2258, 4.3461]; this
     one gives [4.2589, 4.2955] (714 atoms instead of 313).
     """
-    point = envelope.point_mass()
-    if point is not None:
-        return np.array([1.0 / math.sqrt(point)]), np.ones(1), 0.0
+    exact = envelope.atoms()
+    if exact is not None:   # finitely many scales: the atoms themselves, for both bounds
+        return 1.0 / np.sqrt(exact[0]), exact[1], 0.0
     y_lo, y_b, y_top = (float(v) for v in envelope.ppf([1e-20, 1e-2, 1.0 - 1e-16]))
     step = math.log1p(resolution)
     m = np.arange(math.floor(-0.5 * math.log(y_top) / step), math.ceil(-0.5 * math.log(y_lo) / step) + 1)
