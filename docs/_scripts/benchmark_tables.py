@@ -51,6 +51,10 @@ TASKS = [
     Task("Accountants", "Randomized-clipping brackets and calibration, old against new",
          "The randomized-clipping queries timed against the previous implementation, alternated.",
          "python benchmarks/rc_bracket_bench.py", CPU, "rc_bracket_bench.txt"),
+    Task("Accountants", "What each batch sampling costs, and its peers",
+         "ε after 1, 3 and 10 epochs for each `batch_sampling` at the same noise (Table S1); truncated Poisson and "
+         "fixed-size batches beside dp_accounting on the same events (Table S2).",
+         "python benchmarks/sampling_bench.py --json", CPU, "sampling_bench.txt", ("Table S1:", "Table S2:")),
     Task("Accountants", "The two-scale lower end",
          "The lower end of the bracket at tiny sampling rates.", "python benchmarks/two_scale_bench.py", CPU,
          "two_scale_bench.txt"),

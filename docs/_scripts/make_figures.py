@@ -22,6 +22,7 @@ from dpmath import (  # noqa: E402
 )
 
 NOISE_CURVES = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "noise_curves.json"
+SAMPLING_CURVES = NOISE_CURVES.with_name("sampling_curves.json")
 SCHUR_MAP = NOISE_CURVES.with_name("schur_map.json")
 
 
@@ -138,6 +139,26 @@ def noise_curves(path: str) -> None:
     plt.close(fig)
 
 
+def sampling_curves(path: str) -> None:
+    """Epsilon against epochs for each batch sampling, from benchmarks/sampling_bench.py's committed results."""
+    res = json.loads(SAMPLING_CURVES.read_text())
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, curve in res["curves"].items():
+        replace = curve["relation"] == "replace one"
+        ax.semilogy(res["epochs"], curve["epsilon"], "s--" if replace else "o-", ms=4,
+                    label=f"{name} ({curve['relation']})")
+    st = res["setting"]
+    ax.set_xlabel("epochs")
+    ax.set_ylabel("epsilon (upper end)")
+    ax.set_title(f"The same noise, sampled differently: sigma = {st['sigma']:g}, N = {st['N']}, B = {st['B']}, "
+                 f"delta = {st['delta']:g}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def schur_map(path: str) -> None:
     """Verdict of check_schur on g_t(lam) = P(X(lam) <= t), from benchmarks/schur_map.py's results."""
     from matplotlib.colors import ListedColormap
@@ -192,6 +213,7 @@ def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     jobs = {"envelope_overview.png": envelope_overview, "middle_region.png": middle_region,
             "x_plus.png": x_plus_vs_formula, "tradeoff.png": tradeoff_curves, "noise_curves.png": noise_curves,
+            "sampling_curves.png": sampling_curves,
             "schur_map.png": schur_map, "laplace_domination.png": laplace_domination}
     for name, fn in jobs.items():
         target = os.path.join(out_dir, name)
