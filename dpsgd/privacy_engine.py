@@ -1296,7 +1296,9 @@ class PrivacyEngine:
         """The epsilon of ``steps`` steps: the run's :class:`dpmath.EpsilonSchedule`, or a fresh accountant at the
         calibrated count and where the accountant is not a plain :class:`dpmath.PLDAccountant`."""
         accountant = self._new_accountant()
-        if (not isinstance(accountant, PLDAccountant) or accountant.bracket_rtol is not None or self._bound is not None
+        # a float bracket_rtol refines without a budget (the accountant's); the default "auto" and None: the schedule
+        if (not isinstance(accountant, PLDAccountant) or isinstance(accountant.bracket_rtol, float)
+                or self._bound is not None
                 or steps == self.planned_steps or self.noise_multiplier == 0):
             # only the number is kept: the composed accountant holds hundreds of MB of loss grids
             return self._composed(steps).epsilon(delta)
