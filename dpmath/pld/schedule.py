@@ -51,7 +51,8 @@ _CUT = 1e-6     # the step's largest losses, up to this fraction of delta over m
 _DELTAS = 4     # the deltas whose cut steps and transforms are kept
 _EPS = float(np.finfo(np.float64).eps)
 _FINER = 0.25   # a bracket wider than its target is intersected with a schedule on a grid this much finer (h^2: 1/16)
-_AUTO_RTOL, _AUTO_RC_RTOL = 1e-3, 5e-3   # the default's targets, as the accountant's
+_AUTO_RTOL, _AUTO_RC_RTOL = 1e-3, 5e-3   # the default's targets, as the accountant's ...
+_FINEST = 2.0 ** -16                      # ... and its finest loss step relative to the first grid
 
 
 def _truncated(pld: Pld, mass: float) -> Pld:
@@ -238,9 +239,10 @@ class EpsilonSchedule:
     def _refined(self, count: int, delta: float) -> tuple[float, float]:
         """The bracket refined as the accountant's ``bracket_rtol`` asks (``"auto"`` or a float): where it is wider
         than the target, intersected with the bracket of a schedule on a grid ``_FINER`` times this one's, built
-        once and kept for every later count, while that grid is at least ``1/64`` of the first schedule's and
-        (``"auto"``) its passes are predicted to read at most :data:`~dpmath.pld.accountant.AUTO_BUDGET` points
-        (this grid's work for the count, times the refinement).  A fixed factor, so the brackets do not depend on
+        once and kept for every later count, while its passes are predicted to read at most
+        :data:`~dpmath.pld.accountant.AUTO_BUDGET` points (this grid's work for the count, over ``_FINER``), down to
+        ``2^-16`` of the first schedule's grid (a float ``bracket_rtol``: any cost down to ``1/64`` of it, cheap
+        grids beyond).  A fixed factor, so the brackets do not depend on
         the order of the queries.  Randomized clipping keeps its grid: its width is mostly the scale grid's, and a
         refined step costs seconds, beyond the default's budget (the accountant's refinement stops there too)."""
         hi = self._bound(count, delta, True)
@@ -251,7 +253,8 @@ class EpsilonSchedule:
             return lo, hi
         h = self.discretization * _FINER
         work = sum(self._values[(count, delta, b)][1] for b in (True, False)) / _FINER
-        if h < self._root / 64 * (1 - 1e-9) or (self.bracket_rtol == AUTO and work > AUTO_BUDGET):
+        cheap = work <= AUTO_BUDGET
+        if h < self._root * _FINEST or not cheap and (self.bracket_rtol == AUTO or h < self._root / 64 * (1 - 1e-9)):
             return lo, hi
         if not self._finer:
             child = EpsilonSchedule(self.mechanism, self.max_count, discretization=h, neighboring=self.neighboring,
