@@ -36,6 +36,7 @@ from .deprecation import deprecated_alias, renamed_arguments, warn_renamed
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
+from .pld.accountant import AUTO
 from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
@@ -93,13 +94,15 @@ def _mechanism(sigma: float, q: float, envelope: Envelope | None, scale_resoluti
 
 
 def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelope | None, accountant: str,
-             discretization: float, scale_resolution: float = _SCALE_RESOLUTION) -> float:
+             discretization: float, scale_resolution: float = _SCALE_RESOLUTION,
+             bracket_rtol: float | str | None = None) -> float:
     if accountant == "rdp":
         return RDPAccountant().compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
     h = discretization
     for _ in range(3):
         try:
-            return PLDAccountant(h).compose(_mechanism(sigma, q, envelope, scale_resolution), steps).epsilon(delta)
+            return PLDAccountant(h, bracket_rtol=bracket_rtol).compose(
+                _mechanism(sigma, q, envelope, scale_resolution), steps).epsilon(delta)
         except GridTooLargeError:
             # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
             # upper bound on epsilon, which is all the search needs there
@@ -112,7 +115,8 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
 @renamed_arguments({"delta": "target_delta", "q": "sample_rate"})
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float, steps: int, *,
                                envelope: Envelope | None = None, accountant: str = "pld",
-                               discretization: float = 1e-4, rtol: float = 1e-4) -> float:
+                               discretization: float = 1e-4, rtol: float = 1e-4,
+                               bracket_rtol: float | str | None = AUTO) -> float:
     r"""Smallest noise multiplier ``sigma`` with ``epsilon(sigma) <= target_epsilon`` (upper bound) at
     ``target_delta``, as Opacus' ``make_private_with_epsilon`` would need.
 
@@ -136,11 +140,17 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     rtol : float
         Relative width of the final bracket, in ``[1e-8, 0.1]``; the result exceeds the exact
         minimizer of the computed ``epsilon(sigma)`` by at most this fraction.
+    bracket_rtol : float, "auto" or None
+        The accountant whose upper end must meet the target (:class:`~dpmath.PLDAccountant`'s ``bracket_rtol``;
+        default ``"auto"``, what ``PLDAccountant()`` publishes).  The search runs on the coarse grid (``None``), whose
+        upper ends are never below the default's; a last search with this accountant starts from its answer, and
+        is skipped where that accountant's epsilon there is so close to the coarse one that sigma would move by
+        less than ``rtol`` (the coarse answer meets the target on both).
 
     Returns
     -------
     float
-        The noise multiplier ``sigma``, evaluated to satisfy the target.
+        The noise multiplier ``sigma``, evaluated to satisfy the target with ``bracket_rtol``'s accountant.
 
     Examples
     --------
@@ -167,20 +177,40 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     if not 1e-8 <= rt <= 0.1:
         raise ValueError(f"rtol must lie in [1e-8, 0.1], got {rtol!r}")
 
-    def objective(scale_resolution: float, h: float, env: Envelope | None = envelope):
+    PLDAccountant(bracket_rtol=bracket_rtol)   # checks it now, with the accountant's message
+
+    def objective(scale_resolution: float, h: float, env: Envelope | None = envelope, refined=None):
         def f(s: float) -> float:
             # log epsilon is close to linear in log sigma, so secant steps on it converge in a few calls
-            e = _epsilon(s, qq, n, d, env, accountant, h, scale_resolution)
+            e = _epsilon(s, qq, n, d, env, accountant, h, scale_resolution, refined)
             return math.log(e / eps_t) if 0 < e < math.inf else (math.inf if e == math.inf else -math.inf)
         return f
 
     # a large target is searched on a grid step in proportion (module docstring): the same upper bounds, to a
     # millionth, in a tenth of the time or less
     h = max(real_number(discretization, "discretization", allow_inf=False), min(_RELATIVE_STEP * eps_t, 1.0))
-    f = objective(_SCALE_RESOLUTION, h)
+    # memoized: the last search reads the coarse value at its start
+    f = functools.lru_cache(maxsize=None)(objective(_SCALE_RESOLUTION, h))
     context = f"target_delta={d:g}, sample_rate={qq:g}, steps={n}"
+
+    def published(found: tuple[float, float]) -> float:
+        """The search's answer on the published accountant (``bracket_rtol``): the coarse answer where that
+        accountant's epsilon there is within the search's tolerance of the coarse one, else a last search from it
+        (the coarse sigma meets the target there too, since a refined upper end is never above the coarse grid's,
+        so it only moves down)."""
+        sigma, slope = found
+        if bracket_rtol is None or accountant == "rdp" or h > discretization:
+            # a large target's search already runs on a grid in proportion, not the published one (module docstring)
+            return sigma
+        g = functools.lru_cache(maxsize=None)(objective(_SCALE_RESOLUTION, h, refined=bracket_rtol))
+        # where the refined log epsilon is below the coarse one by less than rtol times the slope, the last search
+        # would move sigma by less than rtol: the coarse answer stands (it meets the target on both grids)
+        if f(sigma) - g(sigma) <= rt * abs(slope):
+            return sigma
+        return _search(g, sigma, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+
     if envelope is None:
-        return _search(f, 1.0, [2.0], eps_t, context, rt)[0]
+        return published(_search(f, 1.0, [2.0], eps_t, context, rt))
     # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer, take two Newton
     # steps on a coarse grid (4x the scale bins, 10x the loss step: cheaper, an upper bound all the same),
     # then search on the requested grid from there, which takes three evaluations where the start is good
@@ -193,7 +223,7 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     coarse, slope = _newton_start(coarse_f, plain, plain_slope)
     if coarse is None:   # the Newton steps did not work out: a bracketing search on the coarse grid
         coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
-    return _search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+    return published(_search(f, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope))
 
 
 calibrate_sigma = deprecated_alias(calibrate_noise_multiplier, "calibrate_sigma")
@@ -370,7 +400,7 @@ class _BracketedEpsilon(float):
 
 def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
                           estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
-                          discretization: float = 1e-4) -> Bracket:
+                          discretization: float = 1e-4, bracket_rtol: float | str | None = AUTO) -> Bracket:
     r"""The ``[lower, upper]`` bracket of epsilon of DP-SGD (``estimator="exact"``) or DP-SGD-RC (``"hutch"``,
     ``"hutchpp"``) in one call; ``upper`` is the number to publish (:func:`dpsgd_epsilon`).
 
@@ -394,6 +424,9 @@ def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: in
         ``"exact"``).
     discretization : float
         PLD grid step.
+    bracket_rtol : float, "auto" or None
+        How tight the bracket is (:class:`~dpmath.PLDAccountant`): ``"auto"`` (default) 0.1 % (0.5 % with an
+        estimator) within about a second, ``None`` the coarse single grid.
 
     Returns
     -------
@@ -409,13 +442,14 @@ def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: in
     """
     env = estimator_envelope(estimator, projection_dim, dim)
     n = positive_int(steps, "steps")   # checked here, so that an error names it (the accountant calls it count)
-    acc = PLDAccountant(discretization).compose(_mechanism(noise_multiplier, sample_rate, env), n)
+    acc = PLDAccountant(discretization, bracket_rtol=bracket_rtol).compose(_mechanism(noise_multiplier, sample_rate,
+                                                                                      env), n)
     return Bracket(*acc.epsilon_bracket(delta))
 
 
 def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
                   estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
-                  discretization: float = 1e-4) -> float:
+                  discretization: float = 1e-4, bracket_rtol: float | str | None = AUTO) -> float:
     r"""Epsilon of DP-SGD or DP-SGD-RC at ``delta``, the certified upper bound: like Opacus'
     ``get_epsilon(delta)``, in one call.
 
@@ -431,4 +465,4 @@ def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta
     """
     return _BracketedEpsilon(dpsgd_epsilon_bracket(noise_multiplier, sample_rate, steps, delta, estimator=estimator,
                                                    projection_dim=projection_dim, dim=dim,
-                                                   discretization=discretization))
+                                                   discretization=discretization, bracket_rtol=bracket_rtol))
