@@ -487,11 +487,15 @@ class PLDAccountant:
 
     def epsilon_bracket(self, delta: float, *, lower: bool = True) -> tuple[float, float]:
         """``(lower, upper)`` bounds on ``epsilon(delta)``; ``lower=False`` skips the lower bound (NaN-free:
-        it is then reported as 0).  A lower end of 0 under a positive upper end tries one grid 8 times finer;
-        for a single :class:`SubsampledGaussian`, a lower end still below half the upper end (or short of
-        ``bracket_rtol``) is recomputed on two scales, which resolves steps whose losses sit far below the grid
-        (``q = 1e-6``; :mod:`dpmath.pld.two_scale`).  Gaussian steps alone are read out in closed form
-        (:mod:`dpmath.pld.gaussian`), where an epsilon beyond the largest float raises :class:`ValueError`.
+        it is then reported as 0).  By default (``bracket_rtol="auto"``) the bracket is refined to 0.1 % (0.5 %
+        with randomized clipping) on finer grids while they fit :data:`AUTO_BUDGET`, and :meth:`epsilon` is its
+        upper end to the last bit; an infinite upper end (losses beyond the grid's cap) is retried on coarser
+        grids (:meth:`_refined`).  On the coarse grid (``None``) a lower end of 0 under a positive upper end tries
+        one grid 8 times finer; for a single :class:`SubsampledGaussian`, a lower end still below half the upper
+        end (or short of a float ``bracket_rtol``) is recomputed on two scales, which resolves steps whose losses
+        sit far below the grid (``q = 1e-6``; :mod:`dpmath.pld.two_scale`; the default does so only below half).
+        Gaussian steps alone are read out in closed form (:mod:`dpmath.pld.gaussian`), where an epsilon beyond the
+        largest float raises :class:`ValueError`.
 
         Examples
         --------
