@@ -65,7 +65,7 @@ class BracketAccountant(IAccountant):
         If given, every step is a :class:`~dpmath.RandomizedClipGaussian` with this envelope; otherwise a
         :class:`~dpmath.SubsampledGaussian`.
     discretization, bracket_rtol : float
-        As in :class:`dpmath.PLDAccountant`.
+        As in :class:`dpmath.PLDAccountant` (``bracket_rtol``: ``"auto"``, the default bracket, ``None`` or a float).
 
     Examples
     --------
@@ -80,7 +80,7 @@ class BracketAccountant(IAccountant):
     """
 
     def __init__(self, *, envelope: Envelope | None = None, discretization: float = 1e-4,
-                 bracket_rtol: float | None = None) -> None:
+                 bracket_rtol: float | str | None = "auto") -> None:
         if envelope is not None and not isinstance(envelope, Envelope):
             raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
         PLDAccountant(discretization, bracket_rtol=bracket_rtol)  # validates both now, not at the first epsilon
@@ -144,7 +144,7 @@ class BracketAccountant(IAccountant):
 
 
 def register(name: str = "dpmath", *, envelope: Envelope | None = None, discretization: float = 1e-4,
-             bracket_rtol: float | None = None) -> type[BracketAccountant]:
+             bracket_rtol: float | str | None = "auto") -> type[BracketAccountant]:
     """Register a :class:`BracketAccountant` with this configuration in Opacus under ``name``.
 
     Opacus constructs registered accountants without arguments, so the configuration is bound in a

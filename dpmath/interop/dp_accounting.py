@@ -208,7 +208,7 @@ class BracketPLDAccountant(privacy_accountant.PrivacyAccountant):
     neighboring_relation : dp_accounting.NeighboringRelation
         ``ADD_OR_REMOVE_ONE`` (default) or ``REPLACE_ONE`` (not with randomized clipping).
     discretization, bracket_rtol : float
-        As in :class:`dpmath.PLDAccountant`.
+        As in :class:`dpmath.PLDAccountant` (``bracket_rtol``: ``"auto"``, the default bracket, ``None`` or a float).
 
     Examples
     --------
@@ -222,7 +222,7 @@ class BracketPLDAccountant(privacy_accountant.PrivacyAccountant):
 
     def __init__(self, neighboring_relation: privacy_accountant.NeighboringRelation =
                  privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE, *, discretization: float = 1e-4,
-                 bracket_rtol: float | None = None) -> None:
+                 bracket_rtol: float | str | None = "auto") -> None:
         if neighboring_relation not in _RELATIONS:
             raise ValueError(f"neighboring_relation must be ADD_OR_REMOVE_ONE or REPLACE_ONE, got "
                              f"{neighboring_relation!r}")
