@@ -11,8 +11,12 @@ Table 3: calibrate_noise_multiplier for DP-SGD-RC in the Table 4 setting of pape
 Table 4: one randomized-clipping step (Hutch) at three cases: the referee's enclosure of the truth
 (:func:`dpmath.referee.referee_rc_epsilon`) beside our default and refined (``bracket_rtol=5e-3``) brackets; not
 in the default run (``--tables 4``, about a minute).
+Table 5: DP-SGD at very small q, the coarse grid against dp_accounting (``--tables 5``).
+Table 6: the default bracket (``bracket_rtol="auto"``) on Table 1's configurations: its width against the coarse
+grid's, and the default's ``epsilon`` and ``epsilon_bracket`` timed against dp_accounting (alternated, median of 5;
+``--tables 6 --no-prv``).  Tables 1, 2, 4 and 5 show the coarse single grid (``bracket_rtol=None``) as "ours".
 
-    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4] [--no-prv]
+    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4 5 6] [--no-prv]
 """
 
 import argparse
@@ -49,7 +53,14 @@ def timed(fn):
 
 
 def ours(sigma, q, steps, delta):
-    return PLDAccountant(1e-4).compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
+    """The coarse single grid (Tables 1 and 5 compare it with the refined bracket and the peers)."""
+    return PLDAccountant(1e-4, bracket_rtol=None).compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
+
+
+def default(sigma, q, steps, delta, bracket=True):
+    """What ``PLDAccountant()`` answers: the default bracket (``bracket_rtol="auto"``), or its upper end alone."""
+    acc = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps)
+    return acc.epsilon_bracket(delta) if bracket else acc.epsilon(delta)
 
 
 def refined(sigma, q, steps, delta):
@@ -176,10 +187,48 @@ def table5() -> None:
     for c in SMALL_Q:
         sigma, q, steps, delta = c
         t, (lo, hi) = timed(lambda c=c: ours(*c))
-        t_up, up = timed(lambda c=c: PLDAccountant(1e-4).compose(SubsampledGaussian(c[0], c[1]), c[2]).epsilon(c[3]))
+        t_up, up = timed(lambda c=c: PLDAccountant(1e-4, bracket_rtol=None).compose(SubsampledGaussian(c[0], c[1]),
+                                                                                       c[2]).epsilon(c[3]))
         t_dp, theirs = timed(lambda c=c: dp_accounting_eps(*c))
         print(f"{sigma:>5g} {q:>6g} {steps:>7} {delta:>6.0e} | [{lo:.6f}, {hi:.6f}] {t:>6.2f} | {up:>10.6f} "
               f"{t_up:>6.2f} | {theirs:>9.6f} {t_dp:>6.2f}", flush=True)
+
+
+def table6(rounds: int = 5) -> None:
+    print()
+    print("Table 6: the default bracket (PLDAccountant(), bracket_rtol='auto': 0.1 % within a budget of 2^23 FFT")
+    print("points) on Table 1's configurations, against the coarse single grid (bracket_rtol=None).  Times: the")
+    print("coarse grid's epsilon, the default's epsilon (the published number), its epsilon_bracket and")
+    print(f"dp_accounting's PLD epsilon at 1e-4, alternated, median of {rounds}; ratios (default epsilon, bracket) to")
+    print("dp_accounting.")
+    print(f"{'sigma':>6} {'q':>8} {'steps':>8} {'delta':>6} | {'coarse width%':>13} | {'default [lower, upper]':>22} "
+          f"{'width%':>7} | {'coarse':>6} {'eps s':>6} {'brkt s':>6} {'dp s':>6} {'ratio':>5} {'b.rat':>5}")
+    ratios, bracket_ratios = [], []
+    for c in CONFIGS:
+        t_eps, t_brk, t_dp, t_coarse = [], [], [], []
+        for _ in range(rounds):
+            t, up = timed(lambda c=c: default(*c, bracket=False))
+            t_eps.append(t)
+            t, _ = timed(lambda c=c: PLDAccountant(bracket_rtol=None).compose(SubsampledGaussian(c[0], c[1]),
+                                                                             c[2]).epsilon(c[3]))
+            t_coarse.append(t)
+            t, theirs = timed(lambda c=c: dp_accounting_eps(*c))
+            t_dp.append(t)
+            t, (lo, hi) = timed(lambda c=c: default(*c))
+            t_brk.append(t)
+        assert up == hi   # epsilon alone is the bracket's upper end
+        te, tb, td, tc = (statistics.median(x) for x in (t_eps, t_brk, t_dp, t_coarse))
+        ratios.append(te / td)
+        bracket_ratios.append(tb / td)
+        c_lo, c_hi = ours(*c)
+        print(f"{c[0]:>6g} {c[1]:>8.3g} {c[2]:>8d} {c[3]:>6.0e} | {100 * (c_hi - c_lo) / c_hi:>13.4f} | "
+              f"[{lo:.5f}, {hi:.5f}] {100 * (hi - lo) / hi:>7.4f} | {tc:>6.2f} {te:>6.2f} {tb:>6.2f} {td:>6.2f} "
+              f"{te / td:>5.2f} {tb / td:>5.2f}", flush=True)
+
+    def geo(xs):
+        return math.exp(sum(math.log(r) for r in xs) / len(xs))
+    print(f"geometric mean of time ratios to dp_accounting: epsilon {geo(ratios):.2f}, epsilon_bracket "
+          f"{geo(bracket_ratios):.2f}")
 
 
 if __name__ == "__main__":
@@ -197,3 +246,5 @@ if __name__ == "__main__":
         table4()
     if 5 in args.tables:
         table5()
+    if 6 in args.tables:
+        table6()
