@@ -32,9 +32,15 @@ class Task:
 
 TASKS = [
     Task("Accountants", "DP-SGD ε against peers and the referee",
-         "Our bracket (default grid and refined to 0.1 %), dp_accounting, prv_accountant and the referee's "
-         "enclosure of the true ε, with times; ratios are to dp_accounting in the same run.",
+         "Our bracket (the coarse single grid, `bracket_rtol=None`, and refined to 0.1 %), dp_accounting, "
+         "prv_accountant and the referee's enclosure of the true ε, with times; ratios are to dp_accounting in the "
+         "same run.",
          "python benchmarks/accountant_bench.py --tables 1", CPU, "accountant_bench.txt", ("Table 1:",)),
+    Task("Accountants", "The default bracket",
+         "What `PLDAccountant()` answers (`bracket_rtol=\"auto\"`): the default bracket's width against the "
+         "coarse grid's, and the default `epsilon` and `epsilon_bracket` timed against the coarse `epsilon` and "
+         "dp_accounting, alternated, medians of 5.",
+         "python benchmarks/accountant_bench.py --tables 6 --no-prv", CPU, "accountant_bench.txt", ("Table 6:",)),
     Task("Accountants", "DP-SGD-RC ε brackets",
          "Randomized clipping (Hutch, k = 32, d = 2048): the default bracket and one refined to 0.5 %, cold and "
          "warm.", "python benchmarks/accountant_bench.py --tables 2 --no-prv", CPU, "accountant_bench.txt",
