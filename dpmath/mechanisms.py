@@ -365,9 +365,9 @@ class TruncatedSubsampledGaussian:
     >>> from dpmath import TruncatedSubsampledGaussian
     >>> m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=110, dataset_size=10_000)   # q N = 100
     >>> f"{m.truncation_probability():.3f}"
-    '0.171'
+    '0.169'
     >>> m.dominating().envelope
-    DiscreteEnvelope(values=[0.25, 1.0], weights=[0.17..., 0.82...])
+    DiscreteEnvelope(values=[0.25, 1.0], weights=[0.169..., 0.830...])
     """
 
     noise_multiplier: float
