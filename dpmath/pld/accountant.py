@@ -43,6 +43,7 @@ _AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid mak
 #: the project's 2-core machine.
 AUTO_BUDGET = 1 << 23
 _ATOM_POINTS = 4096     # a randomized-clipping step's cost per scale atom, in composition grid points
+_AUTO_DELTA = 10.0      # the default's target for a delta bracket, in multiples of epsilon's (_refined)
 _FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
 _COARSER = 64.0         # an infinite upper end retries on a loss grid this much coarser, up to a step of 1 ...
 _COARSER_TRIES = 3      # ... this many times
@@ -88,7 +89,8 @@ class PLDAccountant:
         ``1e-18``); the upper bound charges it to delta.
     bracket_rtol : float, "auto" or None
         How tight each query's bracket is.  ``"auto"`` (default): refine the grid until ``upper - lower <=
-        1e-3 * upper`` (``5e-3`` where a :class:`RandomizedClipGaussian` is composed) while the finer grids fit a
+        1e-3 * upper`` (``5e-3`` where a :class:`RandomizedClipGaussian` is composed; 10 times these for a delta
+        bracket, whose relative width is epsilon's times ``|d log delta / d log eps|``) while the finer grids fit a
         budget of :data:`AUTO_BUDGET` grid points, about a second here (a cost model in grid points, never
         wall-clock time: the same inputs give the same bracket on every machine); where the budget runs out,
         the tightest bracket reached is returned.  A float in ``(0, 1)``: refine until that width, with no
@@ -236,7 +238,7 @@ class PLDAccountant:
                 atoms += scale_atoms(step.envelope, step.scale_resolution * s, True)[0].size
         return float(_ATOM_POINTS * atoms)
 
-    def _refined(self, query, lower: bool, zero_refines: bool = False) -> tuple[float, float]:
+    def _refined(self, query, lower: bool, zero_refines: bool = False, of_delta: bool = False) -> tuple[float, float]:
         """``query(h, upper, s, together)`` on finer grids until the bracket is :meth:`_target` tight (``h`` the
         loss grid's step, ``s`` the factor on randomized clipping's scale step, ``together`` the bounds whose steps
         are built together).
@@ -253,9 +255,11 @@ class PLDAccountant:
         predicted cost is within :data:`AUTO_BUDGET`: tiny sample rates and tiny epsilons, whose grids hold a
         few thousand points.
 
-        **Cost model** (deterministic: grid points, never time).  A grid's cost is ``4 N`` (two bounds, two
-        directions, of direction 0's upper composition window, ``N`` points) plus :meth:`_atom_points`; a finer
-        grid's ``N`` is predicted from the last one's loss span (``N h`` is about constant).  With
+        **Cost model** (deterministic: grid points, never time).  A grid's cost is twice the FFT points its upper
+        end's passes read (:attr:`Composition.work`, cached passes too, so the count does not depend on earlier
+        queries; a single step's points count ``STEP_COST`` each) plus :meth:`_atom_points`; a finer grid's count
+        is predicted from the last one's (count times ``h`` is about constant).  A delta bracket's default target is
+        ``_AUTO_DELTA`` times epsilon's (delta's relative error is epsilon's times ``|d log delta / d log eps|``).  With
         ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit
         :data:`AUTO_BUDGET`, and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
         (else no width could be acted on), so it is :meth:`epsilon_bracket`'s upper end to the last bit.
@@ -269,7 +273,9 @@ class PLDAccountant:
         ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0, finer ones rarely help)."""
         h0 = self.discretization
         mode = self.bracket_rtol
-        rtol = self._target()
+        # delta's relative width is epsilon's times |d log delta / d log epsilon| (29 at sigma = 2, q = 1e-3, 10^6
+        # steps, delta = 1e-9): the default asks 10 times epsilon's target of a delta bracket
+        rtol = self._target() * (_AUTO_DELTA if of_delta and mode == AUTO else 1.0)
         scaled = self._scaled()
         budget = AUTO_BUDGET if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
@@ -305,8 +311,7 @@ class PLDAccountant:
                 if k[0] == h and k[2] == s and c.single is None:   # order of queries
                     c.work = 0
             hi = query(h, True, s, together)
-            span = h * sum(c.single.pmf.size if c.single is not None else c.work
-                           for k, c in self._plds.items() if k[0] == h and k[1] and k[2] == s)
+            span = h * sum(c.work for k, c in self._plds.items() if k[0] == h and k[1] and k[2] == s)
             spent += cost(h, s)
             if not (need_lower or (mode == AUTO and finer(h, s))):
                 best = (0.0, hi) if best is None else (best[0], min(best[1], hi))
@@ -606,7 +611,7 @@ class PLDAccountant:
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
-        lo, hi = self._refined(query, lower)
+        lo, hi = self._refined(query, lower, of_delta=True)
         curve = self._two_scale_lower(lower, lo, hi)
         lo = max(lo, curve.delta(e)) if curve is not None else lo
         # a truncated step's overflow, outside the refinement (no grid narrows it)

@@ -39,6 +39,9 @@ _SPECTRA_MAX = 1 << 23   # largest FFT whose steps' transforms :class:`Spectra` 
 #: What one extended-precision point costs in :attr:`Composition.work`, in float64 points (the docs' "about 7
 #: times", rounded up: its FFT is also slower per point on large windows).
 EXTENDED_COST = 8
+#: What one point of a single step (a composition of one step, no FFT) costs in :attr:`Composition.work`: building
+#: it (normal CDFs, the split) takes about 4 float64 FFT points' time per point and bound.
+STEP_COST = 4
 
 
 class Factor:
@@ -419,9 +422,9 @@ class Composition:
         self._full: Pld | None = None
         self._local: dict[tuple[float, bool], Pld] = {}
         #: The FFT points of the passes read since the caller last set it to 0, cached or not, an extended-precision
-        #: point counted EXTENDED_COST times (a single step: its points): a cost measure that, unlike a clock, is
-        #: the same on every machine and in every order of queries (the accountant's refinement budget).
-        self.work = 0 if self.single is None else first.pmf.size
+        #: point counted EXTENDED_COST times (a single step: STEP_COST per point): a cost measure that, unlike a
+        #: clock, is the same on every machine and in every order of queries (the accountant's refinement budget).
+        self.work = 0 if self.single is None else STEP_COST * first.pmf.size
         self._spent = 0                                          # FFT points actually run (same units)
         self._costs: dict[tuple[float, bool] | None, int] = {}   # each cached pass's (None: full()'s) cost
         if self.single is not None:
