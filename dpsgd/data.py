@@ -129,6 +129,14 @@ class _ChunkSampler(Sampler[list[int]]):
                     self.fifo.append((len(piece), last, logical, groups))
                     yield piece
                 continue
+            real = getattr(batch, "real", None)
+            if real is not None:   # a fixed size (dpsgd.samplers.PaddedBatch): one chunk, with its filler rows
+                if self.chunks or self.max_size:
+                    raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches: "
+                                     "backpropagate each whole batch, or pad=False")
+                self.fifo.append((len(batch), True, next(_LOGICAL_IDS), None, batch.padding()))
+                yield list(batch)
+                continue
             batch = list(batch)
             logical = next(_LOGICAL_IDS)
             if self.chunks:  # exactly `chunks` pieces (some possibly empty), every one ends a step's share
@@ -195,6 +203,9 @@ class DPDataLoader(DataLoader):
         """The same logical batches, each as exactly ``chunks`` pieces (empty ones as :class:`EmptyBatch`) for
         a training loop that steps after a fixed number of micro-batches (Hugging Face's gradient
         accumulation); ``len`` counts pieces."""
+        if getattr(self.logical_sampler, "pad", False):
+            raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into pieces: "
+                             "backpropagate each whole batch, or pad=False")
         return DPDataLoader(self.dataset, self.logical_sampler, self._collate, sample_rate=self.sample_rate,
                             chunks=chunks, on_batch=self.on_batch, on_empty=self.on_empty,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
@@ -204,6 +215,9 @@ class DPDataLoader(DataLoader):
         if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
                 or max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
+        if getattr(self.logical_sampler, "pad", False):
+            raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches: "
+                             "backpropagate each whole batch, or pad=False")
         check = getattr(self.logical_sampler, "check_physical_batch_size", None)
         if check is not None:   # a sampler of users: a user's rows must fit one physical batch
             check(max_physical_batch_size)

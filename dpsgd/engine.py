@@ -783,7 +783,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
                      generator: torch.Generator | None, *, norms_only: bool = False,
                      clipping_pass: str = "bookkeeping", twice: TwiceSampling | HybridClipping | None = None,
                      mask_generator: torch.Generator | None = None,
-                     groups: torch.Tensor | None = None) -> ClippedGradients:
+                     groups: torch.Tensor | None = None, padding: torch.Tensor | None = None) -> ClippedGradients:
     r"""Per-example norms and clipped sums of ``losses`` from the calls ``capture`` recorded.
 
     Consumes the calls the losses reached; raises :class:`IncompleteGradientError` if any trainable
@@ -809,6 +809,10 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     g_i`` (:func:`unit_sq_norms`), its weight ``w_u = min(1, C' / ||G_u||)`` is given to every row of the unit,
     and the handlers' clipped sums ``sum_i w_{u(i)} g_i = sum_u w_u G_u`` follow unchanged.  Not with ``twice``.
 
+    ``padding`` is a ``(B,)`` bool tensor marking rows that carry no example (a batch padded to a fixed size,
+    :class:`dpsgd.samplers.TruncatedPoisson`): their weight is 0, so they add nothing to any sum.  Not with
+    ``groups`` or ``twice``.
+
     The stages, in order: :func:`_refuse_unsound_step` (nothing is consumed before it passes), the row check
     (:func:`_row_check`), the one backward to every call's outputs (:func:`_output_gradients`: no trainable
     parameter may receive gradient outside a recorded call), the per-example norms and clip weights
@@ -818,6 +822,9 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     two_pass = _refuse_unsound_step(capture, losses, clipping_pass, norms_only, twice, mask_generator)
     plan, b = capture.plan, losses.shape[0]
     units = None if groups is None else check_groups(groups, b, twice)
+    if padding is not None and (groups is not None or twice is not None or padding.shape != (b,)
+                                or padding.dtype != torch.bool):
+        raise ValueError(f"padding must be a ({b},) bool tensor, without groups or twice sampling")
     model_params = [p for p in plan.model.parameters() if p.requires_grad]
     calls = list(capture.calls)
     _row_check(capture, calls, losses, model_params)
@@ -833,6 +840,8 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         else:
             n, group_n = unit_sq_norms(plan, uses, k, generator, groups.to(losses.device), units), None
         weights = _clip_weights(n, max_grad_norm, dtype)
+        if padding is not None:   # a padding row carries no example: it adds nothing
+            weights = weights.masked_fill(padding.to(weights.device), 0.0)
         # every row gets its unit's weight: sum_i w_u(i) g_i = sum_u w_u G_u, each unit's sum clipped once
         row_weights = weights if units is None else weights[groups.to(weights.device)]
         sums = {}

@@ -482,6 +482,7 @@ class PrivacyEngine:
         self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
+        self._padding: torch.Tensor | None = None   # the drawn padded batch's filler rows, for its one backward
         if self._user_rows is not None:
             self._user_rows.clear()
 
@@ -702,6 +703,9 @@ class PrivacyEngine:
                              f"accounted for Poisson batches only")
         if users:
             raise ValueError(f"{what} with privacy_unit='user' is refused: users are Poisson-sampled")
+        if getattr(scheme, "pad", False) and rank_world()[1] > 1:
+            raise ValueError(f"{what} is refused under torch.distributed: a rank's part of a padded global batch has "
+                             f"no fixed size; use pad=False")
         if scheme.per_epoch and self.ledger_path is not None:
             raise ValueError(f"{what} with ledger_path is refused: its epochs are charged from the sampler's stream "
                              f"of batches, which a resumed run would restart")
@@ -1014,10 +1018,12 @@ class PrivacyEngine:
         twice = self._sampling if self._sampling.per_coordinate else None
         # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
         groups = None if self._user_rows is None else self._user_rows.take(losses)
+        padding = self._take_padding(losses)
         result = clipped_backward(self._capture, losses, self.max_grad_norm, self.projection_dim,
                                   self._projection_rngs(device),
                                   clipping_pass=self.clipping_pass, twice=twice,
-                                  mask_generator=None if twice is None else self._mask_rngs(device), groups=groups)
+                                  mask_generator=None if twice is None else self._mask_rngs(device), groups=groups,
+                                  padding=padding)
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:
@@ -1027,11 +1033,24 @@ class PrivacyEngine:
         b = int(losses.shape[0])
         self._backpropagated += b
         self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
-        self.last_clipped_fraction = float((result.weights < 1).double().mean()) if b else 0.0
+        clipped = result.weights < 1 if padding is None else (result.weights < 1)[~padding.to(result.weights.device)]
+        self.last_clipped_fraction = float(clipped.double().mean()) if clipped.numel() else 0.0
 
-    def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None) -> None:
+    def _take_padding(self, losses: torch.Tensor) -> torch.Tensor | None:
+        """The filler rows of the padded batch drawn for this backward (``None`` for an unpadded loader): the loader
+        says which rows they are, and the backward must be of that whole batch."""
+        padding, self._padding = self._padding, None
+        if padding is not None and (not isinstance(losses, torch.Tensor) or losses.shape != padding.shape):
+            raise RuntimeError(f"a padded batch of {padding.numel()} rows (TruncatedPoisson(pad=True)) must be "
+                               f"backpropagated whole, one loss per row, got losses of shape "
+                               f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
+        return padding
+
+    def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None,
+                  padding: torch.Tensor | None = None) -> None:
         if self._pending is not None and logical != self._pending:
             raise RuntimeError(self._drawn_twice)
+        self._padding = padding
         if self._user_rows is not None:
             self._user_rows.drawn(groups)
         self._pending = logical

@@ -64,12 +64,28 @@ from .data import PoissonBatchSampler
 from .noise import GaussianNoise, StepNoise
 
 __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
-           "TruncatedPoissonBatchSampler", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf", "as_batch_sampling"]
+           "TruncatedPoissonBatchSampler", "PaddedBatch", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf",
+           "as_batch_sampling"]
+
+
+class PaddedBatch(list):
+    """A batch of ``real`` drawn indices followed by filler indices up to a fixed size: the rows after the first
+    ``real`` carry no example (the engine gives them weight 0)."""
+
+    def __init__(self, indices: list[int], real: int) -> None:
+        super().__init__(indices)
+        self.real = real
+
+    def padding(self) -> torch.Tensor:
+        """``(len,)`` bool: which rows are filler."""
+        return torch.arange(len(self)) >= self.real
 
 
 class TruncatedPoissonBatchSampler(PoissonBatchSampler):
     """Poisson batches at rate ``q`` with at most ``max_batch_size`` examples: a larger draw keeps a uniformly random
-    ``max_batch_size`` of its examples.
+    ``max_batch_size`` of its examples.  With ``pad``, every batch is a :class:`PaddedBatch` of exactly
+    ``max_batch_size`` rows, the drawn ones first, then filler rows (drawn indices repeated, or index 0 for an empty
+    draw) that carry no example.
 
     Examples
     --------
@@ -80,15 +96,18 @@ class TruncatedPoissonBatchSampler(PoissonBatchSampler):
     """
 
     def __init__(self, num_samples: int, sample_rate: float, max_batch_size: int, steps: int | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, pad: bool = False) -> None:
         super().__init__(num_samples, sample_rate, steps, generator)
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.pad = max_batch_size, pad
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in super().__iter__():
             if len(batch) > self.max_batch_size:
                 keep = torch.randperm(len(batch), generator=self.generator)[:self.max_batch_size]
                 batch = sorted(batch[i] for i in keep.tolist())
+            if self.pad:
+                filler = [batch[j % len(batch)] if batch else 0 for j in range(self.max_batch_size - len(batch))]
+                batch = PaddedBatch(batch + filler, len(batch))
             yield batch
 
 
@@ -199,6 +218,8 @@ class ShardOf(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         lo, hi = self.offset, self.offset + self.size
         for batch in self.sampler:
+            if isinstance(batch, PaddedBatch):   # its filler rows would pass for examples
+                raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be sharded over ranks")
             yield [i - lo for i in batch if lo <= i < hi]
 
 
@@ -311,7 +332,9 @@ class Poisson(BatchSampling):
 
 @dataclass(frozen=True, repr=True)
 class TruncatedPoisson(BatchSampling):
-    """Poisson sampling with at most ``max_batch_size`` examples a step: memory (and, padded, shapes) bounded.
+    """Poisson sampling with at most ``max_batch_size`` examples a step: memory bounded, and with ``pad=True``
+    shapes static (every batch exactly ``max_batch_size`` rows, the rows beyond the draw filler that the engine
+    weights 0: a compiled graph sees one shape).
 
     The probability that a step's draw overflows is charged to delta as ``eta (1 + e^epsilon)``
     (:class:`dpmath.TruncatedSubsampledGaussian`); :meth:`dpmath.TruncatedSubsampledGaussian.max_batch_size_for`
@@ -322,6 +345,9 @@ class TruncatedPoisson(BatchSampling):
     ----------
     max_batch_size : int
         ``>= 1``; at least the loader's ``batch_size``.
+    pad : bool
+        Pad every batch to ``max_batch_size`` rows (default ``False``); each batch must then be backpropagated by one
+        backward of all its rows (no :class:`~dpsgd.BatchMemoryManager`), single process.
 
     Examples
     --------
@@ -332,12 +358,15 @@ class TruncatedPoisson(BatchSampling):
     """
 
     max_batch_size: int
+    pad: bool = False
     name: ClassVar[str] = "truncated_poisson"
 
     def __post_init__(self) -> None:
         b = self.max_batch_size
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {b!r}")
+        if not isinstance(self.pad, bool):
+            raise ValueError(f"pad must be True or False, got {self.pad!r}")
 
     def bind(self, num_samples, batch_size):
         if self.max_batch_size < batch_size:
@@ -347,14 +376,14 @@ class TruncatedPoisson(BatchSampling):
 
     def make_sampler(self, bound, generator):
         return TruncatedPoissonBatchSampler(bound.num_samples, bound.sample_rate, self.max_batch_size,
-                                            generator=generator)
+                                            generator=generator, pad=self.pad)
 
     def make_mechanism(self, bound, noise_multiplier, noise, envelope):
         return TruncatedSubsampledGaussian(noise_multiplier, bound.sample_rate, self.max_batch_size,
                                            bound.num_samples, envelope)
 
     def settings(self):
-        return {"name": self.name, "max_batch_size": self.max_batch_size}
+        return {"name": self.name, "max_batch_size": self.max_batch_size, **({"pad": True} if self.pad else {})}
 
 
 class FixedSize(BatchSampling):

@@ -202,3 +202,51 @@ def test_the_sampler_audit_passes_and_catches_each_schemes_wrong_accounting():
     result = sampler_audit()   # 4000 canaries a run, delta 0.05, 95 % confidence
     assert result.holds, result.rows
     assert {r["step"] for r in result.rows} == {"as shipped"} | {f"BROKEN: {b}" for b in SAMPLER_BREAKS.values()}
+
+
+# ------------------------------------------------------------------------------------------------ padded batches
+def test_padded_truncated_batches_have_one_shape_and_their_filler_rows_add_nothing():
+    from dpsgd.engine import Capture, NormPlan, clipped_backward
+
+    s = TruncatedPoissonBatchSampler(N, 0.1, 24, steps=50, generator=_gen(5), pad=True)
+    batches = list(s)
+    assert {len(b) for b in batches} == {24} and any(b.real < 24 for b in batches)
+    assert all(b[:b.real] == sorted(set(b[:b.real])) for b in batches)
+    # the engine: a padded batch's sums are those of its real rows alone
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(24, 4, dtype=torch.float64), torch.randint(0, 2, (24,))
+    real = 17
+    padding = torch.arange(24) >= real
+
+    def sums(rows, mask=None):
+        capture = Capture(NormPlan.build(model, "ghost"))
+        try:
+            losses = nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="none")
+            out = clipped_backward(capture, losses, 0.5, 1, None, padding=mask)
+        finally:
+            capture.remove()
+        return out
+
+    padded, alone = sums(slice(None), padding), sums(slice(0, real))
+    for key, value in alone.sums.items():
+        torch.testing.assert_close(padded.sums[key], value)
+    assert (padded.weights[real:] == 0).all()
+
+
+def test_a_padded_run_accounts_truncated_poisson_and_refuses_splitting_it():
+    engine = _train(TruncatedPoisson(30, pad=True), estimator="ghost", steps=5)
+    assert engine.get_epsilon(1e-5) == PLDAccountant().compose(TruncatedSubsampledGaussian(1.5, 0.1, 30, N),
+                                                               5).epsilon(1e-5)
+    from dpsgd import BatchMemoryManager
+
+    data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    model = nn.Linear(4, 2)
+    model, opt, crit, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=B),
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="ghost", batch_sampling=TruncatedPoisson(30, pad=True))
+    with pytest.raises(ValueError, match="cannot be split"):
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=10, optimizer=opt)
+    x, y = next(iter(loader))
+    with pytest.raises(RuntimeError, match="backpropagated whole"):
+        crit(model(x[:20]), y[:20]).backward()
