@@ -112,7 +112,8 @@ USER_CONFIGS = (
 )
 
 SAMPLER_CONFIGS = (
-    TrainerConfig("tiny decoder, hutch, truncated Poisson", "tiny", "hutch", batch_sampling="truncated_poisson"),
+    TrainerConfig("tiny decoder, hutch, truncated Poisson, padded", "tiny", "hutch",
+                  batch_sampling="truncated_poisson"),
     TrainerConfig("tiny decoder, exact, fixed-size batches", "tiny", "exact", batch_sampling="fixed_size"),
     TrainerConfig("tiny decoder, hutch, balls in bins", "tiny", "hutch", batch_sampling="balls_in_bins"),
     TrainerConfig("tiny decoder, exact, shuffling", "tiny", "exact", batch_sampling="shuffling"),
@@ -201,14 +202,15 @@ def _losses(logits, probe, ids, label, is_canary, scale):
 
 
 def _scheme(name: str, batch: int, n: int, steps: int, delta: float):
-    """``make_private``'s ``batch_sampling`` for ``name``: truncated Poisson at the smallest ``max_batch_size`` whose
-    overflow costs at most ``delta / 1000``."""
+    """``make_private``'s ``batch_sampling`` for ``name``: truncated Poisson (padded) at the smallest ``max_batch_size``
+    whose overflow has probability at most ``delta / 1000``."""
     if name != "truncated_poisson":
         return name
     from dpmath import TruncatedSubsampledGaussian
     from dpsgd.samplers import TruncatedPoisson
 
-    return TruncatedPoisson(TruncatedSubsampledGaussian.max_batch_size_for(batch / n, n, steps, delta / 1000))
+    # padded to a fixed size: the filler rows repeat drawn examples (canaries too), and must add nothing
+    return TruncatedPoisson(TruncatedSubsampledGaussian.max_batch_size_for(batch / n, n, steps, delta / 1000), pad=True)
 
 
 @contextlib.contextmanager
