@@ -236,7 +236,7 @@ class EpsilonSchedule:
             self._values[key] = (max(out), work)
         return self._values[key][0]
 
-    def _refined(self, count: int, delta: float) -> tuple[float, float]:
+    def _refined(self, count: int, delta: float, lower: bool = True) -> tuple[float, float]:
         """The bracket refined as the accountant's ``bracket_rtol`` asks (``"auto"`` or a float): where it is wider
         than the target, intersected with the bracket of a schedule on a grid ``_FINER`` times this one's, built
         once and kept for every later count, while its passes are predicted to read at most
@@ -244,17 +244,21 @@ class EpsilonSchedule:
         ``2^-16`` of the first schedule's grid (a float ``bracket_rtol``: any cost down to ``1/64`` of it, cheap
         grids beyond).  A fixed factor, so the brackets do not depend on
         the order of the queries.  Randomized clipping keeps its grid: its width is mostly the scale grid's, and a
-        refined step costs seconds, beyond the default's budget (the accountant's refinement stops there too)."""
+        refined step costs seconds, beyond the default's budget (the accountant's refinement stops there too).
+        Without ``lower``, the lower end is computed only where a finer schedule may be built (its width decides), so
+        the upper end is the same number either way."""
         hi = self._bound(count, delta, True)
-        lo = min(self._bound(count, delta, False), hi)
         rc = isinstance(self._step, RandomizedClipGaussian)
         target = self.bracket_rtol if isinstance(self.bracket_rtol, float) else (_AUTO_RC_RTOL if rc else _AUTO_RTOL)
-        if rc or not 0 < hi < math.inf or hi - lo <= target * hi:
-            return lo, hi
         h = self.discretization * _FINER
-        work = sum(self._values[(count, delta, b)][1] for b in (True, False)) / _FINER
-        cheap = work <= AUTO_BUDGET
-        if h < self._root * _FINEST or not cheap and (self.bracket_rtol == AUTO or h < self._root / 64 * (1 - 1e-9)):
+        # the finer grid's predicted work: the upper end's, twice (the lower end's is about as much), over _FINER
+        cheap = 2 * self._values[(count, delta, True)][1] / _FINER <= AUTO_BUDGET
+        finer = not (rc or not 0 < hi < math.inf or h < self._root * _FINEST
+                     or not cheap and (self.bracket_rtol == AUTO or h < self._root / 64 * (1 - 1e-9)))
+        if not (lower or finer):   # no width could be acted on: epsilon alone needs no lower end
+            return 0.0, hi
+        lo = min(self._bound(count, delta, False), hi)
+        if not finer or hi - lo <= target * hi:
             return lo, hi
         if not self._finer:
             child = EpsilonSchedule(self.mechanism, self.max_count, discretization=h, neighboring=self.neighboring,
@@ -262,7 +266,7 @@ class EpsilonSchedule:
             child._root = self._root
             self._finer.append(child)
         try:
-            f_lo, f_hi = self._finer[0]._refined(count, delta)
+            f_lo, f_hi = self._finer[0]._refined(count, delta, lower)
         except GridTooLargeError:   # the finer grid needs too many points: this grid's bracket stands
             return lo, hi
         # both brackets hold the truth, so their intersection does
@@ -283,7 +287,7 @@ class EpsilonSchedule:
             return self._fresh(n).epsilon(d)
         if self.bracket_rtol is None:
             return self._bound(n, d, True)
-        return self._refined(n, d)[1]
+        return self._refined(n, d, lower=False)[1]
 
     def epsilon_bracket(self, count: int, delta: float) -> tuple[float, float]:
         """``(lower, upper)`` bounds on ``epsilon(delta)`` after ``count`` runs (``1 <= count <= max_count``).
