@@ -15,8 +15,10 @@ Table 5: DP-SGD at very small q, the coarse grid against dp_accounting (``--tabl
 Table 6: the default bracket (``bracket_rtol="auto"``) on Table 1's configurations: its width against the coarse
 grid's, and the default's ``epsilon`` and ``epsilon_bracket`` timed against dp_accounting (alternated, median of 5;
 ``--tables 6 --no-prv``).  Tables 1, 2, 4 and 5 show the coarse single grid (``bracket_rtol=None``) as "ours".
+Table 7: the batch samplings' mechanisms beside the dp_accounting events that describe them (truncated Poisson,
+fixed-size batches): :func:`sampling_bench.table_s2`, timed the same way (``--tables 7 --no-prv``).
 
-    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4 5 6] [--no-prv]
+    OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4 5 6 7] [--no-prv]
 """
 
 import argparse
@@ -248,3 +250,8 @@ if __name__ == "__main__":
         table5()
     if 6 in args.tables:
         table6()
+    if 7 in args.tables:
+        from sampling_bench import table_s2  # benchmarks/, this script's folder
+
+        print("Table 7: batch samplings' mechanisms beside dp_accounting (sampling_bench.py's Table S2)")
+        table_s2()
