@@ -73,7 +73,7 @@ def test_the_two_scale_curve_is_used_only_for_a_single_subsampled_gaussian_addin
     assert two._two_scale_lower(True, *loose) is None
     one = PLDAccountant().compose(SubsampledGaussian(0.5, 0.01), 500)
     assert one._two_scale_lower(False, *loose) is None       # no lower end asked for
-    assert one._two_scale_lower(True, 0.99, 1.0) is None     # already tight
+    assert one._two_scale_lower(True, 0.9995, 1.0) is None   # already within the default's 0.1 %
     assert one._two_scale_lower(True, *loose) is not None
     assert math.isfinite(tail_threshold(2.0, 0.01, 500, 1e-4))
 

@@ -562,19 +562,27 @@ class PLDAccountant:
         end (below half of it, or short of ``bracket_rtol``) and the accountant holds a single
         :class:`SubsampledGaussian` event with ``q < 1``, adding or removing an example: one step's losses then
         sit far below the grid's step.  Its curve is the removal's, below the larger direction's.  The default
-        (``"auto"``) asks for it only where the lower end is below half the upper end, like the coarse grid: it can
-        take tens of seconds (``n = 4e5`` steps at ``q = 8e-6``), far beyond the default's budget."""
-        rtol = self.bracket_rtol if isinstance(self.bracket_rtol, float) else None
-        loose = hi > 0 and (lo < 0.5 * hi or (rtol is not None and hi - lo > rtol * hi))
+        (``"auto"``) asks for it below half the upper end, like the coarse grid, and where its lower end is short of
+        the default's target only if the bulk's composition has at most ``AUTO_BUDGET / 4`` points (its two
+        compositions read a few passes of that window: about a second; at ``q = 8e-6`` and ``n = 4e5`` steps the
+        curve takes 40 s and 4 GB).  A curve refused by that limit is not kept, so a later query below half still
+        builds it: the answer never depends on the order of the queries."""
+        target = self.bracket_rtol if isinstance(self.bracket_rtol, float) else (
+            self._target() if self.bracket_rtol == AUTO else None)
+        half = lo < 0.5 * hi
+        loose = hi > 0 and (half or (target is not None and hi - lo > target * hi))
         if not (lower and loose and self.neighboring == "add_or_remove" and len(self._events) == 1
                 and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].sample_rate < 1.0):
             return None
         if not self._two_scale:
             (m, n), = self._events
+            limit = AUTO_BUDGET // 4 if self.bracket_rtol == AUTO and not half else None
             try:
                 curve = TwoScaleLower.build(1.0 / m.noise_multiplier, m.sample_rate, n, self.discretization,
-                                            self.tail_mass)
+                                            self.tail_mass, limit)
             except GridTooLargeError:   # the bulk's composition needs too many points: keep the grid's lower end
+                if limit is not None:   # over the default's limit only: not kept (above)
+                    return None
                 curve = None
             self._two_scale.append(curve)
         return self._two_scale[0]

@@ -41,7 +41,7 @@ from scipy import optimize
 
 from .compose import Composition
 from .discretize import assemble, split
-from .distribution import Pld
+from .distribution import GridTooLargeError, Pld
 from .losses import loss_range, mixture_masses, pair_cdfs, step_grid
 
 _TAIL_EVENTS = 1e-3    # n p at most this: the terms with two or more tail steps are dropped
@@ -62,7 +62,8 @@ def tail_threshold(mu: float, q: float, n: int, h: float) -> float:
 class TwoScaleLower:
     """The lower curve of the module docstring for ``n`` removal steps of the subsampled Gaussian with shift
     ``mu`` and sampling rate ``q``, the tail on the loss grid ``h``; ``tail`` is the windows' cut mass.  Build
-    with :meth:`build`, which returns ``None`` where no threshold keeps ``n p`` small."""
+    with :meth:`build`, which returns ``None`` where no threshold keeps ``n p`` small, and raises
+    :class:`GridTooLargeError` where the bulk's composition needs more than ``max_points`` points."""
 
     def __init__(self, whole: Pld, rest: Pld, t_low: Pld, n: int) -> None:
         self.whole, self.t_low, self.n = whole, t_low, n
@@ -75,7 +76,8 @@ class TwoScaleLower:
         self.shrink = 1.0 - 2.0 * (self.weights.size + 2) * float(np.finfo(np.float64).eps)
 
     @classmethod
-    def build(cls, mu: float, q: float, n: int, h: float, tail: float) -> TwoScaleLower | None:
+    def build(cls, mu: float, q: float, n: int, h: float, tail: float, max_points: int | None = None
+              ) -> TwoScaleLower | None:
         tau = tail_threshold(mu, q, n, h)
         k_top = step_grid(mu, q, "remove", h, 9.0)[1]
         j_tau = round(tau / h) if math.isfinite(tau) else k_top
@@ -102,7 +104,12 @@ class TwoScaleLower:
         # mass above it held at its top
         top = mixture_masses(np.array([mu]), one, q, "remove", h, (False,), j_tau, k_top, None)[0]
         t_low = assemble([split(top, h, False)], h, False)
-        return cls(Composition([(b_low, n)], tail).full(), Composition([(b_low, n - 1)], tail).full(), t_low, n)
+        whole = Composition([(b_low, n)], tail)
+        if max_points is not None and whole.hi - whole.lo + 1 > max_points:
+            # a budget's limit (the accountant's default): the two compositions read a few passes of this window
+            raise GridTooLargeError(f"the two-scale bulk's composition needs {whole.hi - whole.lo + 1:,} points, "
+                                    f"more than the {max_points:,} allowed")
+        return cls(whole.full(), Composition([(b_low, n - 1)], tail).full(), t_low, n)
 
     def delta(self, eps: float) -> float:
         """A lower bound on the composition's ``delta(eps)``."""
