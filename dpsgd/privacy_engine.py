@@ -1342,7 +1342,9 @@ class PrivacyEngine:
     def state_dict(self) -> dict:
         """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""
         self._require_private()
-        return {"settings": dict(self._settings), "steps": self._steps,
+        epochs = {} if self._bound is None or not self._bound.scheme.per_epoch else {
+            "epochs": self._events(self.spent_steps)}   # an epoch sampler's epochs charged: the resumed stream's start
+        return {"settings": dict(self._settings), "steps": self._steps, **epochs,
                 "sampling_rng": self._sampling_rng.get_state(),
                 "projection_rngs": self._projection_rngs.states(),
                 "mask_rngs": {} if self.secure_mode else self._mask_rngs.states(),
@@ -1358,6 +1360,9 @@ class PrivacyEngine:
                     if saved.get(k) != self._settings.get(k)}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
+        if self._bound is not None and self._bound.scheme.per_epoch:
+            # the next batch begins a new epoch after those charged, so none of them can see an example twice
+            self._stream.resume(int(state["epochs"]))
         self._sampling_rng.set_state(state["sampling_rng"])
         self._projection_rngs.load(state.get("projection_rngs", {}))
         self._mask_rngs.load(state.get("mask_rngs", {}))

@@ -167,6 +167,12 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.steps
 
+    def resume(self, epochs: int) -> None:
+        """Continue a run that has charged ``epochs`` epochs: the next batch begins epoch ``epochs + 1`` (the last
+        one, perhaps partial, is not resumed: it was charged whole)."""
+        self._epoch = []
+        self.drawn = epochs * self.steps
+
     def _new_epoch(self) -> list[list[int]]:
         if self.kind == "shuffle":
             order = torch.randperm(self.num_samples, generator=self.generator)
@@ -214,6 +220,10 @@ class ShardOf(Sampler[list[int]]):
     def drawn(self) -> int:
         """Batches the global stream has drawn (an epoch sampler's count; 0 for a per-step sampler)."""
         return getattr(self.sampler, "drawn", 0)
+
+    def resume(self, epochs: int) -> None:
+        """The global stream's :meth:`EpochBatchSampler.resume`."""
+        self.sampler.resume(epochs)
 
     def __iter__(self) -> Iterator[list[int]]:
         lo, hi = self.offset, self.offset + self.size

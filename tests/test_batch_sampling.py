@@ -250,3 +250,29 @@ def test_a_padded_run_accounts_truncated_poisson_and_refuses_splitting_it():
     x, y = next(iter(loader))
     with pytest.raises(RuntimeError, match="backpropagated whole"):
         crit(model(x[:20]), y[:20]).backward()
+
+
+def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
+    data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+
+    def run(state=None, batches=15):
+        model = nn.Linear(4, 2)
+        engine = PrivacyEngine()
+        model, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=B), max_grad_norm=1.0, noise_multiplier=1.5, estimator="exact",
+            seed=0, batch_sampling="balls_in_bins")
+        if state is not None:
+            engine.load_state_dict(state)
+        stream = itertools.chain.from_iterable(itertools.repeat(loader, 3))
+        for x, y in itertools.islice(stream, batches):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+        return engine
+
+    first = run()   # 15 batches: epochs 1 and 2 (half of it) charged
+    assert first.accountant().events == ((RandomAllocationGaussian(1.5, 10), 2),)
+    second = run(first.state_dict(), batches=5)   # 5 more: a third epoch, not the rest of the second
+    assert second.spent_steps == 20
+    assert second.accountant().events == ((RandomAllocationGaussian(1.5, 10), 3),)
