@@ -11,7 +11,7 @@
 import pytest
 
 from dpmath import PLDAccountant, SubsampledGaussian
-from verify.peers import PEER_CONFIGS, dp_accounting_epsilon, prv_bracket
+from verify.peers import PEER_CONFIGS, agrees_with_dp_accounting, dp_accounting_epsilon, prv_bracket
 
 dp_accounting = pytest.importorskip("dp_accounting")
 prv_accountant = pytest.importorskip("prv_accountant")
@@ -40,7 +40,7 @@ def test_against_dp_accounting_and_prv(config):
     sigma, q, steps, delta = config
     lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon_bracket(delta)
     ref = dp_accounting_epsilon(*config)
-    assert hi == pytest.approx(ref, rel=5e-3)
+    assert agrees_with_dp_accounting(lo, hi, ref), (lo, hi, ref)
     assert lo <= hi
     if steps > 20000 or q == 1.0:
         return  # prv takes ~10-50 s here; these regimes are covered by the published values below
