@@ -25,6 +25,7 @@ from .envelope import (
     HutchPPEnvelope,
     Maximizer,
     PointMassEnvelope,
+    ReplacementEnvelope,
     ScaleDistribution,
     pessimistic_discretization,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "Maximizer",
     "PointMassEnvelope",
     "DiscreteEnvelope",
+    "ReplacementEnvelope",
     "ScaleDistribution",
     "pessimistic_discretization",
     "Gaussian",

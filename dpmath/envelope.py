@@ -58,6 +58,7 @@ from .deprecation import renamed_arguments
 from .validation import positive_int, probability_array, real_array, real_number
 
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope", "DiscreteEnvelope",
+           "ReplacementEnvelope",
            "ScaleDistribution", "pessimistic_discretization"]
 
 _PROFILE_GRID = 65
@@ -849,6 +850,66 @@ class DiscreteEnvelope(Envelope):
     def atoms(self) -> tuple[np.ndarray, np.ndarray]:
         """``(values, weights)``."""
         return self.values.copy(), self.weights.copy()
+
+
+class ReplacementEnvelope(Envelope):
+    r"""The scale of two examples' clipped contributions together, for replacing one example.
+
+    Replacing ``x`` by ``x'`` in a fixed-size batch moves the clipped sum by ``v_x - v_y`` (:class:`~dpmath.
+    FixedSizeSubsampledGaussian`), of norm at most ``a_x + a_y`` where each scale ``a = 1/sqrt(Y)`` is bounded by
+    ``envelope``; the two are computed with the same projections, so their coupling is unknown.  Whatever it is,
+    ``P(a_x + a_y >= s) <= P(a_x >= s/2) + P(a_y >= s/2)``, so ``S = a_x + a_y`` is stochastically below the law
+    with that tail (capped at 1).  In ``Y_S = 1/S^2`` this envelope is
+
+    .. math::
+
+        F_S(y) = \min\big(1,\; 2 F(4 y)\big),
+
+    with ``F`` the given envelope's CDF.  For exact norms (``Y = 1``) it is the point mass at ``1/4``: scale 2.
+
+    Parameters
+    ----------
+    envelope : Envelope
+        One example's envelope.
+
+    Examples
+    --------
+    >>> from dpmath import HutchEnvelope, PointMassEnvelope, ReplacementEnvelope
+    >>> ReplacementEnvelope(PointMassEnvelope(1.0)).cdf([0.2, 0.25]).tolist()
+    [0.0, 1.0]
+    >>> env = HutchEnvelope(projection_dim=16, dim=1000)
+    >>> bool(ReplacementEnvelope(env).cdf(0.1) == min(1.0, 2 * env.cdf(0.4)))
+    True
+    """
+
+    def __init__(self, envelope: Envelope) -> None:
+        if not isinstance(envelope, Envelope):
+            raise ValueError(f"envelope must be a dpmath Envelope, got {type(envelope).__name__}")
+        self.envelope = envelope
+
+    def __repr__(self) -> str:
+        return f"ReplacementEnvelope({self.envelope!r})"
+
+    def _parameters(self) -> tuple | None:
+        inner = self.envelope._parameters()
+        return None if inner is None else (type(self.envelope).__name__, inner)
+
+    def cdf(self, x: ArrayLike) -> np.ndarray:
+        """``min(1, 2 F(4 x))``, vectorized."""
+        out = np.minimum(1.0, 2.0 * np.asarray(self.envelope.cdf(4.0 * real_array(x, "x")), dtype=np.float64))
+        return out[()] if out.ndim == 0 else out
+
+    def sf(self, x: ArrayLike) -> np.ndarray:
+        """``1 - cdf``, vectorized (``max(0, sf(4x) - F(4x))``: exact in the upper tail)."""
+        xs = 4.0 * real_array(x, "x")
+        out = np.maximum(0.0, np.asarray(self.envelope.sf(xs), dtype=np.float64)
+                         - np.asarray(self.envelope.cdf(xs), dtype=np.float64))
+        return out[()] if out.ndim == 0 else out
+
+    def point_mass(self) -> float | None:
+        """``point / 4`` when the given envelope is a point mass (the two scales then add exactly)."""
+        point = self.envelope.point_mass()
+        return None if point is None else point / 4.0
 
 
 @dataclass(frozen=True)

@@ -585,7 +585,7 @@ class PrivacyEngine:
             replacing one example), ``"balls_in_bins"`` (each example once per epoch, one Gaussian step per epoch)
             or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
             one example).  Anything but Poisson: single process, example-level, no twice sampling, Gaussian noise;
-            fixed size and shuffling need exact norms; balls in bins and shuffling no ``ledger_path``.
+            balls in bins and shuffling no ``ledger_path``.
         user_ids : sequence or 1-D tensor, optional
             With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
             dataset, in its index order.
@@ -614,7 +614,7 @@ class PrivacyEngine:
             projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
         users = user_level(privacy_unit, user_ids, max_examples_per_user, per_coordinate=sampling.per_coordinate,
                            poisson_sampling=poisson_sampling)
-        scheme = self._checked_batch_sampling(batch_sampling, estimator, noise, sampling, users is not None,
+        scheme = self._checked_batch_sampling(batch_sampling, noise, sampling, users is not None,
                                               poisson_sampling)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
@@ -687,7 +687,7 @@ class PrivacyEngine:
                                            f"give noise_multiplier for a run without an epsilon")
         return noise, sampling, c, sigma
 
-    def _checked_batch_sampling(self, batch_sampling: object, estimator: str, noise: StepNoise,
+    def _checked_batch_sampling(self, batch_sampling: object, noise: StepNoise,
                                 sampling: PoissonSampling | TwiceSampling | HybridClipping, users: bool,
                                 poisson_sampling: bool) -> BatchSampling:
         """``make_private``'s ``batch_sampling`` as an object, or ``ValueError`` naming what it does not cover."""
@@ -709,7 +709,7 @@ class PrivacyEngine:
         if scheme.per_epoch and self.ledger_path is not None:
             raise ValueError(f"{what} with ledger_path is refused: its epochs are charged from the sampler's stream "
                              f"of batches, which a resumed run would restart")
-        scheme.check(estimator, noise)
+        scheme.check(noise)
         return scheme
 
     def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, seeds: list[int]) -> DPDataLoader:

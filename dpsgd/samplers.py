@@ -17,8 +17,9 @@ batches and the mechanism the accountant composes come from one object and canno
 
 ``B`` is the loader's ``batch_size`` and ``N`` its dataset's size.  Fixed-size batches and shuffling keep ``N``
 fixed, so their epsilon is for **replacing** one example (``neighboring="replace_one"``), which costs more than
-adding or removing one; randomized clipping (``hutch``, ``hutchpp``) is covered with Poisson, truncated Poisson
-and balls in bins, whose step moves by one example's random scale.
+adding or removing one.  Every scheme covers randomized clipping (``hutch``, ``hutchpp``): a replaced example
+moves the sum by two examples' random scales together (:class:`dpmath.ReplacementEnvelope`, a union bound that
+costs about three times the exact-norm epsilon of fixed-size batches).
 
 Balls in bins and shuffling are accounted per **epoch**: the samplers below keep their epoch across loops over
 the loader (a loop stopped early resumes the same epoch's remaining batches), and the engine charges
@@ -288,21 +289,14 @@ class BatchSampling:
     neighboring: ClassVar[str] = "add_or_remove"
     #: the accounted event is an epoch, not a step
     per_epoch: ClassVar[bool] = False
-    #: it covers randomized clipping (estimated norms)
-    estimated_norms: ClassVar[bool] = True
 
     def bind(self, num_samples: int, batch_size: int) -> BoundSampling:
         """The scheme for ``num_samples`` examples, ``batch_size`` a step (``1 <= batch_size <= num_samples``)."""
         q = batch_size / num_samples
         return BoundSampling(self, num_samples, batch_size, q, max(1, round(1 / q)))
 
-    def check(self, estimator: str, noise: StepNoise) -> None:
+    def check(self, noise: StepNoise) -> None:
         """``ValueError`` with the reason where this scheme's accounting does not cover the run."""
-        if not self.estimated_norms and estimator not in ("exact", "ghost"):
-            raise ValueError(f"batch_sampling={self!r} needs exact norms (estimator 'ghost' or 'exact'), got "
-                             f"estimator={estimator!r}: replacing one example brings two independent random scales, "
-                             f"whose pair the accountant does not cover; use Poisson(), TruncatedPoisson(...) or "
-                             f"BallsInBins() with randomized clipping")
         if type(self) is not Poisson and type(noise) is not GaussianNoise:
             raise ValueError(f"batch_sampling={self!r} is accounted for Gaussian noise only, got noise={noise!r}")
 
@@ -398,18 +392,18 @@ class TruncatedPoisson(BatchSampling):
 
 class FixedSize(BatchSampling):
     """Batches of exactly ``B`` examples, drawn without replacement afresh each step (static shapes, no empty
-    batch).  Its epsilon is for **replacing** one example; exact norms and Gaussian noise only.
+    batch).  Its epsilon is for **replacing** one example (with randomized clipping, two examples' random scales:
+    :class:`dpmath.ReplacementEnvelope`); Gaussian noise only.
 
     Examples
     --------
     >>> from dpsgd.noise import GaussianNoise
     >>> FixedSize().bind(1000, 10).mechanism(2.0, GaussianNoise(), None)
-    FixedSizeSubsampledGaussian(noise_multiplier=2.0, batch_size=10, dataset_size=1000)
+    FixedSizeSubsampledGaussian(noise_multiplier=2.0, batch_size=10, dataset_size=1000, envelope=None)
     """
 
     name = "fixed_size"
     neighboring = "replace_one"
-    estimated_norms = False
 
     def bind(self, num_samples, batch_size):
         b = super().bind(num_samples, batch_size)
@@ -419,7 +413,7 @@ class FixedSize(BatchSampling):
         return FixedSizeBatchSampler(bound.num_samples, bound.batch_size, generator=generator)
 
     def make_mechanism(self, bound, noise_multiplier, noise, envelope):
-        return FixedSizeSubsampledGaussian(noise_multiplier, bound.batch_size, bound.num_samples)
+        return FixedSizeSubsampledGaussian(noise_multiplier, bound.batch_size, bound.num_samples, envelope)
 
 
 class BallsInBins(BatchSampling):
@@ -452,19 +446,18 @@ class Shuffling(BatchSampling):
     """Shuffled fixed-size batches: each epoch a permutation of the examples cut into batches of ``B`` (the last
     one shorter when ``B`` does not divide ``N``).  Accounted per epoch by the only bound known to hold for it, one
     Gaussian step for **replacing** one example (``sigma / 2`` adding or removing one): no amplification, so far
-    more epsilon than Poisson sampling at the same noise.  Exact norms and Gaussian noise only.
+    more epsilon than Poisson sampling at the same noise.  Gaussian noise only.
 
     Examples
     --------
     >>> from dpsgd.noise import GaussianNoise
     >>> Shuffling().bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
-    ShuffledGaussian(noise_multiplier=1.0, steps=100)
+    ShuffledGaussian(noise_multiplier=1.0, steps=100, envelope=None)
     """
 
     name = "shuffling"
     neighboring = "replace_one"
     per_epoch = True
-    estimated_norms = False
 
     def bind(self, num_samples, batch_size):
         return BoundSampling(self, num_samples, batch_size, batch_size / num_samples,
@@ -474,7 +467,7 @@ class Shuffling(BatchSampling):
         return EpochBatchSampler(bound.num_samples, "shuffle", batch_size=bound.batch_size, generator=generator)
 
     def make_mechanism(self, bound, noise_multiplier, noise, envelope):
-        return ShuffledGaussian(noise_multiplier, bound.steps_per_epoch)
+        return ShuffledGaussian(noise_multiplier, bound.steps_per_epoch, envelope)
 
 
 _BY_NAME = {"poisson": Poisson, "fixed_size": FixedSize, "balls_in_bins": BallsInBins, "shuffling": Shuffling}

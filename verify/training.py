@@ -114,7 +114,7 @@ USER_CONFIGS = (
 SAMPLER_CONFIGS = (
     TrainerConfig("tiny decoder, hutch, truncated Poisson, padded", "tiny", "hutch",
                   batch_sampling="truncated_poisson"),
-    TrainerConfig("tiny decoder, exact, fixed-size batches", "tiny", "exact", batch_sampling="fixed_size"),
+    TrainerConfig("tiny decoder, hutch, fixed-size batches", "tiny", "hutch", batch_sampling="fixed_size"),
     TrainerConfig("tiny decoder, hutch, balls in bins", "tiny", "hutch", batch_sampling="balls_in_bins"),
     TrainerConfig("tiny decoder, exact, shuffling", "tiny", "exact", batch_sampling="shuffling"),
 )

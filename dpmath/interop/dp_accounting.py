@@ -179,12 +179,12 @@ def to_dp_event(mechanism: Mechanism, count: int = 1) -> dp_event.DpEvent:
     elif isinstance(mechanism, TruncatedSubsampledGaussian) and mechanism.envelope is None:
         event = dp_event.TruncatedSubsampledGaussianDpEvent(mechanism.dataset_size, mechanism.sample_rate,
                                                             mechanism.max_batch_size, mechanism.noise_multiplier)
-    elif isinstance(mechanism, FixedSizeSubsampledGaussian):
+    elif isinstance(mechanism, FixedSizeSubsampledGaussian) and mechanism.envelope is None:
         event = dp_event.SampledWithoutReplacementDpEvent(
             mechanism.dataset_size, mechanism.batch_size, dp_event.GaussianDpEvent(mechanism.noise_multiplier / 2.0))
     else:
         raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, RandomizedClipGaussian, "
-                         f"TruncatedSubsampledGaussian (without envelope) or FixedSizeSubsampledGaussian, got "
+                         f"TruncatedSubsampledGaussian or FixedSizeSubsampledGaussian (without envelope), got "
                          f"{type(mechanism).__name__}")
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive int, got {count!r}")
