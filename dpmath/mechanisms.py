@@ -459,8 +459,22 @@ class TruncatedSubsampledGaussian:
         return max(cap, 1)
 
 
+class _OneEpoch:
+    """What the epoch mechanisms share: their checks, and the rate 1 their bound charges."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        object.__setattr__(self, "steps", _count(self.steps, "steps"))
+        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
+
+    @property
+    def sample_rate(self) -> float:
+        """1: the bound charges the epoch as a step every example is in."""
+        return 1.0
+
+
 @dataclass(frozen=True)
-class RandomAllocationGaussian:
+class RandomAllocationGaussian(_OneEpoch):
     r"""One **epoch** of balls-in-bins sampling (random allocation): each example is put in exactly one of the
     epoch's ``steps`` steps, uniformly and independently.
 
@@ -490,16 +504,6 @@ class RandomAllocationGaussian:
     steps: int
     envelope: Envelope | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
-        object.__setattr__(self, "steps", _count(self.steps, "steps"))
-        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
-
-    @property
-    def sample_rate(self) -> float:
-        """1: the bound charges the epoch as a step every example is in."""
-        return 1.0
-
     def dominating(self) -> Gaussian | RandomizedClipGaussian:
         """The one step that dominates the epoch."""
         if self.envelope is None:
@@ -508,7 +512,7 @@ class RandomAllocationGaussian:
 
 
 @dataclass(frozen=True)
-class ShuffledGaussian:
+class ShuffledGaussian(_OneEpoch):
     r"""One **epoch** of shuffled fixed-size batches: a uniformly random permutation of the ``N`` examples cut
     into ``steps`` consecutive batches.
 
@@ -543,16 +547,6 @@ class ShuffledGaussian:
     envelope: Envelope | None = None
 
     neighboring = "replace_one"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
-        object.__setattr__(self, "steps", _count(self.steps, "steps"))
-        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
-
-    @property
-    def sample_rate(self) -> float:
-        """1: the bound charges the epoch as a step every example is in."""
-        return 1.0
 
     def dominating(self) -> Gaussian | RandomizedClipGaussian:
         """The Gaussian whose adding/removing pair is the epoch's replacing pair."""
