@@ -405,12 +405,9 @@ class TruncatedSubsampledGaussian:
         return self.envelope is not None
 
     def truncation_probability(self) -> float:
-        """``p = P(Binomial(N, q) >= max_batch_size)``: a step's other draws fill the batch, rounded up by a relative
-        ``1e-9`` (the float64 binomial tail's error is far smaller)."""
-        from scipy import stats
-
-        tail = float(stats.binom.sf(self.max_batch_size - 1, self.dataset_size, self.sample_rate))
-        return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
+        """``p = P(Binomial(N, q) >= max_batch_size)``: a step's other draws fill the batch (rounded up,
+        :func:`_binomial_tail`)."""
+        return _binomial_tail(self.max_batch_size - 1, self.dataset_size, self.sample_rate)
 
     def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
         """The step the accountant composes: the scale-1 / scale-2 mixture (exact norms), or the untruncated Poisson
@@ -427,12 +424,9 @@ class TruncatedSubsampledGaussian:
 
     def overflow_probability(self) -> float:
         """``eta``: an upper bound on the probability that a step's Poisson draw exceeds ``max_batch_size`` (``N + 1``
-        examples, the larger neighbour), charged to delta with randomized clipping; rounded up like
-        :meth:`truncation_probability`."""
-        from scipy import stats
-
-        tail = float(stats.binom.sf(self.max_batch_size, self.dataset_size + 1, self.sample_rate))
-        return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
+        examples, the larger neighbour), charged to delta with randomized clipping (rounded up,
+        :func:`_binomial_tail`)."""
+        return _binomial_tail(self.max_batch_size, self.dataset_size + 1, self.sample_rate)
 
     @staticmethod
     def max_batch_size_for(sample_rate: float, dataset_size: int, steps: int, budget: float) -> int:
@@ -451,12 +445,21 @@ class TruncatedSubsampledGaussian:
         n = _count(dataset_size, "dataset_size") + 1
         t = _count(steps, "steps")
         b = positive_real(budget, "budget")
-        cap = int(stats.binom.isf(b / t, n, q))
-        while cap < n and float(stats.binom.sf(cap, n, q)) * (1.0 + 1e-9) * t > b:
+        cap = int(stats.binom.isf(b / t, n, q))   # a first guess; the steps below settle it on the rounded tail
+        while cap < n and t * _binomial_tail(cap, n, q) > b:
             cap += 1
-        while cap > 1 and float(stats.binom.sf(cap - 1, n, q)) * (1.0 + 1e-9) * t <= b:
+        while cap > 1 and t * _binomial_tail(cap - 1, n, q) <= b:
             cap -= 1
         return max(cap, 1)
+
+
+def _binomial_tail(k: int, n: int, q: float) -> float:
+    """``P(Binomial(n, q) > k)`` rounded up: scipy's float64 tail times ``1 + 1e-9`` (its error is far smaller), plus
+    ``1e-300``, at most 1; exactly 0 where the tail is."""
+    from scipy import stats
+
+    tail = float(stats.binom.sf(k, n, q))
+    return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
 
 
 class _OneEpoch:

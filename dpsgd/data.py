@@ -105,6 +105,11 @@ def _empty_aware(collate):
     return collate_fn
 
 
+# a padded batch's filler rows are marked for one backward of the whole batch: refused, as the loader is made (and
+# as a padded batch reaches a splitting sampler), where it would be split
+_UNSPLIT = ("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches or pieces: backpropagate "
+            "each whole batch, or pad=False")
+
 # one number per logical batch drawn by any private loader: a step may use examples of one logical batch only
 _LOGICAL_IDS = itertools.count()
 
@@ -132,8 +137,7 @@ class _ChunkSampler(Sampler[list[int]]):
             real = getattr(batch, "real", None)
             if real is not None:   # a fixed size (dpsgd.samplers.PaddedBatch): one chunk, with its filler rows
                 if self.chunks or self.max_size:
-                    raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches: "
-                                     "backpropagate each whole batch, or pad=False")
+                    raise ValueError(_UNSPLIT)
                 self.fifo.append((len(batch), True, next(_LOGICAL_IDS), None, batch.padding()))
                 yield list(batch)
                 continue
@@ -172,6 +176,8 @@ class DPDataLoader(DataLoader):
     def __init__(self, dataset, logical: Sampler, collate_fn, *, sample_rate: float,
                  max_physical_batch_size: int | None = None, chunks: int | None = None, on_batch=None,
                  on_empty=None, num_workers: int = 0, pin_memory: bool = False) -> None:
+        if (max_physical_batch_size or chunks) and getattr(logical, "pad", False):
+            raise ValueError(_UNSPLIT)
         self._fifo: deque = deque()
         self.logical_sampler = logical
         self._q = sample_rate
@@ -203,9 +209,6 @@ class DPDataLoader(DataLoader):
         """The same logical batches, each as exactly ``chunks`` pieces (empty ones as :class:`EmptyBatch`) for
         a training loop that steps after a fixed number of micro-batches (Hugging Face's gradient
         accumulation); ``len`` counts pieces."""
-        if getattr(self.logical_sampler, "pad", False):
-            raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into pieces: "
-                             "backpropagate each whole batch, or pad=False")
         return DPDataLoader(self.dataset, self.logical_sampler, self._collate, sample_rate=self.sample_rate,
                             chunks=chunks, on_batch=self.on_batch, on_empty=self.on_empty,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
@@ -215,9 +218,6 @@ class DPDataLoader(DataLoader):
         if isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int) \
                 or max_physical_batch_size < 1:
             raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}")
-        if getattr(self.logical_sampler, "pad", False):
-            raise ValueError("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches: "
-                             "backpropagate each whole batch, or pad=False")
         check = getattr(self.logical_sampler, "check_physical_batch_size", None)
         if check is not None:   # a sampler of users: a user's rows must fit one physical batch
             check(max_physical_batch_size)

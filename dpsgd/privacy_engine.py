@@ -584,8 +584,8 @@ class PrivacyEngine:
             many a step, the overflow charged to delta), ``"fixed_size"`` (exactly ``batch_size``, epsilon for
             replacing one example), ``"balls_in_bins"`` (each example once per epoch, one Gaussian step per epoch)
             or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
-            one example).  Anything but Poisson: single process, example-level, no twice sampling, Gaussian noise;
-            balls in bins and shuffling no ``ledger_path``.
+            one example).  Anything but Poisson: example-level, no twice sampling, Gaussian noise; a padded
+            ``TruncatedPoisson`` in a single process; balls in bins and shuffling no ``ledger_path``.
         user_ids : sequence or 1-D tensor, optional
             With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
             dataset, in its index order.

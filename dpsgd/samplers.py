@@ -351,7 +351,9 @@ class TruncatedPoisson(BatchSampling):
         ``>= 1``; at least the loader's ``batch_size``.
     pad : bool
         Pad every batch to ``max_batch_size`` rows (default ``False``); each batch must then be backpropagated by one
-        backward of all its rows (no :class:`~dpsgd.BatchMemoryManager`), single process.
+        backward of all its rows (no :class:`~dpsgd.BatchMemoryManager`), single process.  The filler rows repeat
+        drawn examples and are known by their place after the drawn ones: the loader's ``collate_fn`` must keep
+        the rows in order.
 
     Examples
     --------

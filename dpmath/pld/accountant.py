@@ -102,10 +102,10 @@ class PLDAccountant:
         a float target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
         quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
         :class:`SubsampledGaussian`, a lower end short of a float target is recomputed on two scales (see
-        :meth:`epsilon_bracket`).  ``None``: the coarse single grid (what the default was before it refined).
+        :meth:`epsilon_bracket`).  ``None``: the coarse single grid.
         Every grid's bracket holds the truth, so the refined upper end is never above the coarse grid's.
 
-        Examples
+    Examples
     --------
     >>> from dpmath import PLDAccountant, SubsampledGaussian
     >>> acc = PLDAccountant().compose(SubsampledGaussian(1.1, 256 / 60000), count=14040)
