@@ -472,7 +472,7 @@ class _OneEpoch:
 
     @property
     def sample_rate(self) -> float:
-        """1: the bound charges the epoch as a step every example is in."""
+        """1: every example is in the epoch."""
         return 1.0
 
 
@@ -481,11 +481,21 @@ class RandomAllocationGaussian(_OneEpoch):
     r"""One **epoch** of balls-in-bins sampling (random allocation): each example is put in exactly one of the
     epoch's ``steps`` steps, uniformly and independently.
 
-    Accounted by a certified bound without amplification: adding (or replacing) one example changes one step
-    of the epoch, whichever it is, and the other examples' steps do not depend on it, so the epoch is
-    dominated by one Gaussian step (:meth:`dominating`: :class:`Gaussian`, or :class:`RandomizedClipGaussian`
-    at rate 1 with an envelope).  The true epsilon is smaller (random allocation amplifies privacy about as
-    Poisson sampling at rate ``1/steps`` does); the accountant's bracket brackets this bound, not that value.
+    With exact norms, adding or removing an example, the epoch is accounted by its own PLD (**amplified**): the pair
+
+    .. math::
+
+        P = \frac1t \sum_{j=1}^{t} N(e_j / \sigma, I_t), \qquad Q = N(0, I_t)
+
+    dominates the epoch for adaptively chosen gradients (Chua et al., AISTATS 2025), and its privacy loss is the log
+    of the mean of ``t`` lognormals, whose law :mod:`dpmath.pld.allocation` bounds from both sides by rounded FFT
+    compositions.  Random allocation then costs about as much epsilon as Poisson sampling at rate ``1 / steps``, often
+    less (Feldman and Shenfeld 2025 prove it at most that, up to lower-order terms).
+
+    With randomized clipping (an ``envelope``), or replacing one example, the epoch is accounted by a certified
+    bound without amplification: adding (or replacing) one example changes one step of the epoch, whichever it is,
+    and the other examples' steps do not depend on it, so the epoch is dominated by one Gaussian step
+    (:meth:`dominating`: :class:`Gaussian`, or :class:`RandomizedClipGaussian` at rate 1 with an envelope).
 
     Parameters
     ----------
@@ -498,17 +508,28 @@ class RandomAllocationGaussian(_OneEpoch):
 
     Examples
     --------
-    >>> from dpmath import RandomAllocationGaussian
-    >>> RandomAllocationGaussian(4.0, steps=100).dominating()
-    Gaussian(noise_multiplier=4.0)
+    >>> from dpmath import PLDAccountant, RandomAllocationGaussian, SubsampledGaussian
+    >>> epoch = RandomAllocationGaussian(2.0, steps=100)
+    >>> epoch.amplified
+    True
+    >>> lo, hi = PLDAccountant().compose(epoch, 5).epsilon_bracket(1e-5)
+    >>> hi < PLDAccountant().compose(SubsampledGaussian(2.0, 0.01), 500).epsilon(1e-5)   # below Poisson at 1/100
+    True
     """
 
     noise_multiplier: float
     steps: int
     envelope: Envelope | None = None
 
+    @property
+    def amplified(self) -> bool:
+        """Whether adding or removing an example is accounted by the epoch's own PLD (exact norms, ``steps > 1``),
+        rather than by :meth:`dominating`."""
+        return self.envelope is None and self.steps > 1
+
     def dominating(self) -> Gaussian | RandomizedClipGaussian:
-        """The one step that dominates the epoch."""
+        """The one step that dominates the epoch: the bound used with randomized clipping, for replacing one example,
+        and for a one-step epoch (where it is exact)."""
         if self.envelope is None:
             return Gaussian(self.noise_multiplier)
         return RandomizedClipGaussian(self.noise_multiplier, 1.0, self.envelope)

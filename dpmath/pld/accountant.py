@@ -25,6 +25,7 @@ from .steps import (
     Mechanism,
     accounted_step,
     is_gaussian_step,
+    one_pair,
     reads_replacement,
     refusal,
     scale_atoms,
@@ -442,13 +443,13 @@ class PLDAccountant:
         relation = _NEIGHBORING[self.neighboring][direction]
         # with q = 1 adding and removing an example are the same pair
         return tuple("replace" if reads_replacement(m, self.neighboring) else
-                     "remove" if (relation == "add" and accounted_step(m).sample_rate == 1.0) else relation
+                     "remove" if (relation == "add" and one_pair(accounted_step(m, self.neighboring))) else relation
                      for m, _ in self._events)
 
     def _steps(self, relations: tuple[str, ...], bounds: tuple[bool, ...], h: float, s: float
                ) -> list[list[tuple[Pld, int]]]:
         """The step PLDs and their counts, one list per bound in ``bounds``."""
-        events = [(accounted_step(m), n) for m, n in self._events]
+        events = [(accounted_step(m, self.neighboring), n) for m, n in self._events]
         per_event = [step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
         return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
 
@@ -456,7 +457,8 @@ class PLDAccountant:
         """The composed Gaussian (:mod:`dpmath.pld.gaussian`) where every event is a Gaussian step: a sample rate of
         1 and a fixed scale (LAP2 as its dominating Gaussian); ``None`` otherwise."""
         if not self._gaussian:
-            events = [(accounted_step(m), n, reads_replacement(m, self.neighboring)) for m, n in self._events]
+            events = [(accounted_step(m, self.neighboring), n, reads_replacement(m, self.neighboring))
+                      for m, n in self._events]
             plain = all(is_gaussian_step(m) for m, _, _ in events)
             # replacing one example moves a Gaussian step's mean by 2 mu: the Gaussian at noise sigma / 2
             self._gaussian.append(GaussianCurve([(m.noise_multiplier / (2.0 if r else 1.0), n) for m, n, r in events])

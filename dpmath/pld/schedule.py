@@ -42,7 +42,7 @@ from ..validation import open_probability, positive_int
 from .accountant import AUTO, AUTO_BUDGET, PLDAccountant
 from .compose import Composition, Spectra
 from .distribution import GridTooLargeError, Pld
-from .steps import Mechanism, accounted_step, is_gaussian_step, reads_replacement, step_plds
+from .steps import Mechanism, accounted_step, is_gaussian_step, one_pair, reads_replacement, step_plds
 
 __all__ = ["EpsilonSchedule"]
 
@@ -143,14 +143,14 @@ class EpsilonSchedule:
         self.bracket_rtol = checked.bracket_rtol
         self._root = self.discretization   # the first schedule's grid: finer ones stop at root / 64
         self._finer: list[EpsilonSchedule] = []   # the schedule on the grid _FINER times this one, once built
-        step = self._step = accounted_step(mechanism)
+        step = self._step = accounted_step(mechanism, neighboring)
         # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
         charged = isinstance(mechanism, TruncatedSubsampledGaussian) and mechanism.charged
         self._closed = is_gaussian_step(step) or charged
         if reads_replacement(mechanism, neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
-            self._relations = ("remove",) if step.sample_rate == 1.0 else ("remove", "add")
+            self._relations = ("remove",) if one_pair(step) else ("remove", "add")
         self._plds: dict[str, list[Pld]] = {}           # relation -> [upper, lower] step PLDs for max_count
         # (relation, upper, delta) -> the step cut for delta (_truncated) and its shared transforms
         self._cut: dict[tuple[str, bool, float], tuple[Pld, Spectra | None]] = {}

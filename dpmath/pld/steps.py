@@ -30,11 +30,12 @@ from ..mechanisms import (
     SubsampledL2Laplace,
     TruncatedSubsampledGaussian,
 )
+from .allocation import epoch_plds
 from .discretize import assemble, split
 from .distribution import Pld
 from .losses import MixtureSums, StepMasses, mix, mixture_masses, mixture_sums, pair_cdfs, sparse_points, step_grid
 
-__all__ = ["Mechanism", "MECHANISMS", "accounted_step", "is_gaussian_step", "reads_replacement", "refusal",
+__all__ = ["Mechanism", "MECHANISMS", "accounted_step", "is_gaussian_step", "one_pair", "reads_replacement", "refusal",
            "scale_atoms", "scale_sums", "step_plds"]
 
 Mechanism = (Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace | FixedSizeSubsampledGaussian
@@ -51,9 +52,16 @@ _DOMINATED = (SubsampledL2Laplace, FixedSizeSubsampledGaussian, TruncatedSubsamp
 _REPLACED_AS_ADD_REMOVE = (FixedSizeSubsampledGaussian, ShuffledGaussian)
 
 
-def accounted_step(mechanism: Mechanism) -> Gaussian | SubsampledGaussian | RandomizedClipGaussian:
+Step = Gaussian | SubsampledGaussian | RandomizedClipGaussian | RandomAllocationGaussian
+
+
+def accounted_step(mechanism: Mechanism, neighboring: str = "add_or_remove") -> Step:
     """The step composed for ``mechanism``: LAP2 as the subsampled Gaussian that dominates it, a sampling scheme as the
-    step its :meth:`dominating` names, any other as itself."""
+    step its :meth:`dominating` names, any other as itself.  An epoch of random allocation with exact norms and more
+    than one step, adding or removing an example, is composed as itself (:mod:`dpmath.pld.allocation`)."""
+    if (isinstance(mechanism, RandomAllocationGaussian) and mechanism.amplified
+            and neighboring == "add_or_remove"):
+        return mechanism
     return mechanism.dominating() if isinstance(mechanism, _DOMINATED) else mechanism
 
 
@@ -84,10 +92,16 @@ def refusal(mechanism: Mechanism, neighboring: str) -> str | None:
     return None
 
 
-def is_gaussian_step(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian) -> bool:
+def is_gaussian_step(step: Step) -> bool:
     """Whether an accounted step is a Gaussian mechanism (sample rate 1, a fixed scale): it is read out in
     closed form (:mod:`dpmath.pld.gaussian`), no grid."""
-    return step.sample_rate == 1.0 and not isinstance(step, RandomizedClipGaussian)
+    return type(step) in (Gaussian, SubsampledGaussian) and step.sample_rate == 1.0
+
+
+def one_pair(step: Step) -> bool:
+    """Whether adding and removing an example are the same pair for an accounted step (sample rate 1, one scale or
+    a random one): one direction serves both.  Not for random allocation, whose two directions differ."""
+    return step.sample_rate == 1.0 and not isinstance(step, RandomAllocationGaussian)
 
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
@@ -207,11 +221,13 @@ def scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool, 
     return sums, zero, [atoms[b][2] for b in bounds]
 
 
-def step_plds(mechanism: Mechanism, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
+def step_plds(mechanism: Step, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
                scale_refinement: float = 1.0) -> list[Pld]:
     """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD for each bound in
     ``bounds`` (``True``: upper, ``False``: lower).  A randomized-clipping step is built from
     :func:`scale_sums`; the others on one grid of up to :data:`MAX_GRID` points."""
+    if isinstance(mechanism, RandomAllocationGaussian):
+        return epoch_plds(mechanism.noise_multiplier, mechanism.steps, relation, h, bounds)
     q = mechanism.sample_rate
     fine: list[list[StepMasses]] = [[] for _ in bounds]
     pieces: list[list[tuple[np.ndarray, np.ndarray, float, float]]] = [[] for _ in bounds]
