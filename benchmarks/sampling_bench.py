@@ -45,7 +45,7 @@ def schemes(epochs: int) -> dict[str, tuple[str, PLDAccountant]]:
         "Poisson": ("add or remove", PLDAccountant().compose(SubsampledGaussian(SIGMA, Q), steps)),
         f"truncated Poisson (max {CAP})": ("add or remove", PLDAccountant().compose(
             TruncatedSubsampledGaussian(SIGMA, Q, CAP, N), steps)),
-        "balls in bins (bound)": ("add or remove", PLDAccountant().compose(
+        "balls in bins": ("add or remove", PLDAccountant().compose(
             RandomAllocationGaussian(SIGMA, STEPS_PER_EPOCH), epochs)),
         "Poisson, replacing one": (replace, PLDAccountant(neighboring="replace_one").compose(
             SubsampledGaussian(SIGMA, Q), steps)),

@@ -582,7 +582,8 @@ class PrivacyEngine:
             How each step's examples are chosen, and so how they are accounted (:mod:`dpsgd.samplers`):
             ``"poisson"`` (default), :class:`~dpsgd.samplers.TruncatedPoisson` ``(max_batch_size)`` (at most that
             many a step, the overflow charged to delta), ``"fixed_size"`` (exactly ``batch_size``, epsilon for
-            replacing one example), ``"balls_in_bins"`` (each example once per epoch, one Gaussian step per epoch)
+            replacing one example), ``"balls_in_bins"`` (each example once per epoch: random allocation, amplified with
+            exact norms, one Gaussian step per epoch with randomized clipping)
             or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
             one example).  Anything but Poisson: example-level, no twice sampling, Gaussian noise; a padded
             ``TruncatedPoisson`` in a single process; balls in bins and shuffling no ``ledger_path``.

@@ -11,7 +11,8 @@ batches and the mechanism the accountant composes come from one object and canno
 * :class:`FixedSize`: exactly ``B`` examples without replacement, afresh each step (static shapes);
   ``FixedSizeSubsampledGaussian``, for **replacing** one example.
 * :class:`BallsInBins`: each epoch, every example in one uniformly random of its ``T = round(N / B)`` steps;
-  ``RandomAllocationGaussian``, one Gaussian step per epoch (no amplification claimed).
+  ``RandomAllocationGaussian``, the epoch's own PLD with exact norms (about Poisson's epsilon at ``1/T``), one
+  Gaussian step per epoch with randomized clipping.
 * :class:`Shuffling`: each epoch, a permutation cut into batches of ``B``; ``ShuffledGaussian``, one Gaussian
   step per epoch for **replacing** one example (``sigma / 2``).
 
@@ -420,8 +421,9 @@ class FixedSize(BatchSampling):
 
 class BallsInBins(BatchSampling):
     """Balls in bins (random allocation): each epoch puts every example in one uniformly random of its
-    ``T = round(N / B)`` steps.  Accounted per epoch by one Gaussian step (certified; the amplification random
-    allocation has is not claimed).
+    ``T = round(N / B)`` steps.  Accounted per epoch: with exact norms by the PLD of random allocation (about as
+    much epsilon as Poisson sampling at rate ``1 / T``, often less), with randomized clipping by one Gaussian step
+    (a certified bound without amplification).
 
     Examples
     --------

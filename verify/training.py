@@ -115,7 +115,7 @@ SAMPLER_CONFIGS = (
     TrainerConfig("tiny decoder, hutch, truncated Poisson, padded", "tiny", "hutch",
                   batch_sampling="truncated_poisson"),
     TrainerConfig("tiny decoder, hutch, fixed-size batches", "tiny", "hutch", batch_sampling="fixed_size"),
-    TrainerConfig("tiny decoder, hutch, balls in bins", "tiny", "hutch", batch_sampling="balls_in_bins"),
+    TrainerConfig("tiny decoder, exact, balls in bins", "tiny", "exact", batch_sampling="balls_in_bins"),
     TrainerConfig("tiny decoder, exact, shuffling", "tiny", "exact", batch_sampling="shuffling"),
 )
 """One configuration per non-Poisson batch sampling (:mod:`dpsgd.samplers`)."""
