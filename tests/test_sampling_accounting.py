@@ -22,6 +22,7 @@ from dpmath import (
 )
 from dpmath.pld import EpsilonSchedule
 from dpmath.referee import referee_epsilon
+from verify.allocation import allocation_delta_estimate, allocation_rdp_epsilon
 
 
 def _hockey_stick(p_pdf, q_pdf, alpha: float, lo: float = -40.0, hi: float = 40.0) -> float:
@@ -160,61 +161,23 @@ def test_the_schedule_brackets_truncated_steps_as_the_accountant_does():
 
 
 # --------------------------------------------------------------------------------- balls in bins and shuffling
-def _allocation_deltas(sigma: float, steps: int, eps: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Monte Carlo ``delta(eps)`` of one epoch of random allocation, the larger direction, and its standard error.
-
-    Removing: ``E_P[(1 - e^eps / S)_+]`` with the example's step drawn uniformly (importance sampling under ``P``:
-    the integrand lies in [0, 1], so its tail is resolved where ``E_Q[(S - e^eps)_+]`` would need far more draws);
-    adding: ``E_Q[(1 - e^eps S)_+]``.  ``S`` is the mean of ``e^{mu x_j - mu^2 / 2}`` over the epoch's steps."""
-    mu = 1.0 / sigma
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, steps))
-    s_q = np.exp(mu * x - mu * mu / 2).mean(axis=1)
-    x[np.arange(n), rng.integers(0, steps, n)] += mu
-    s_p = np.exp(mu * x - mu * mu / 2).mean(axis=1)
-    out = []
-    for values in (np.maximum(1.0 - np.exp(eps)[None, :] / s_p[:, None], 0.0),
-                   np.maximum(1.0 - np.exp(eps)[None, :] * s_q[:, None], 0.0)):
-        out.append((values.mean(axis=0), values.std(axis=0) / math.sqrt(n)))
-    pick = out[0][0] >= out[1][0]
-    return np.where(pick, out[0][0], out[1][0]), np.where(pick, out[0][1], out[1][1])
-
-
 def test_balls_in_bins_bracket_holds_a_monte_carlo_delta_of_the_dominating_pair():
-    # 400,000 draws of the pair, fixed seed; each estimate within 5 standard errors of the bracket (a bounded
-    # integrand: a miss by chance has probability below 1e-6 per point)
+    # 400,000 draws of the pair (verify.allocation: importance-sampled for removing), fixed seed; each estimate within
+    # 5 standard errors of the bracket (a bounded integrand: a miss by chance has probability below 1e-6 per point)
     eps = np.array([0.1, 0.3, 0.6, 1.0])
     acc = PLDAccountant().compose(RandomAllocationGaussian(1.5, steps=20))
-    est, se = _allocation_deltas(1.5, 20, eps, 400_000, seed=7)
+    est, se = allocation_delta_estimate(1.5, 20, eps, 400_000, seed=7)
     for e, m, s in zip(eps, est, se, strict=True):
         lo, hi = acc.delta_bracket(float(e))
         assert lo - 5 * s <= m <= hi + 5 * s
         assert hi - lo <= 0.01 * hi
 
 
-def _allocation_rdp_epsilon(sigma: float, steps: int, epochs: int, delta: float) -> float:
-    """An independent upper bound for removing an example: the Renyi divergence of random allocation at integer
-    orders, ``D_a(P || Q) = log E_Q[S^a] / (a - 1)``, from the moments ``E W^k = exp(mu^2 k (k - 1) / 2)`` of the
-    lognormal terms (``E (sum W)^a`` is ``a!`` times the ``z^a`` coefficient of ``(sum_k E W^k z^k / k!)^t``), then
-    ``epsilon = epochs D_a + log(1 / delta) / (a - 1)`` at the best order."""
-    mu = 1.0 / sigma
-    best = math.inf
-    for a in range(2, 40):
-        terms = np.array([math.exp(mu * mu * k * (k - 1) / 2 - math.lgamma(k + 1)) for k in range(a + 1)])
-        power = np.zeros(a + 1)
-        power[0] = 1.0
-        for _ in range(steps):
-            power = np.convolve(power, terms)[:a + 1]
-        moment = math.log(power[a]) + math.lgamma(a + 1) - a * math.log(steps)
-        best = min(best, epochs * moment / (a - 1) + math.log(1 / delta) / (a - 1))
-    return best
-
-
 @pytest.mark.parametrize("sigma, steps, epochs", [(2.0, 50, 9), (1.0, 100, 3)])
 def test_balls_in_bins_lies_below_its_renyi_bound_and_the_unamplified_one_and_near_poisson(sigma, steps, epochs):
     lo, hi = PLDAccountant().compose(RandomAllocationGaussian(sigma, steps), epochs).epsilon_bracket(1e-6)
     assert hi - lo <= 0.01 * hi
-    assert hi <= _allocation_rdp_epsilon(sigma, steps, epochs, 1e-6)
+    assert hi <= allocation_rdp_epsilon(sigma, steps, epochs, 1e-6)
     assert hi < PLDAccountant().compose(Gaussian(sigma / math.sqrt(epochs))).epsilon(1e-6) / 3
     poisson = PLDAccountant().compose(SubsampledGaussian(sigma, 1 / steps), steps * epochs).epsilon(1e-6)
     assert 0.8 * poisson <= hi <= 1.02 * poisson

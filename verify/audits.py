@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .allocation import ALLOCATION_CONFIGS, allocation_audit
 from .claims import claims_audit
 from .divergences import divergence_audit
 from .envelope import envelope_audit, envelope_claims
@@ -35,6 +36,7 @@ AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
     "samplers": (sampler_audit, {}, {"runs": 3}),
     "peers": (peer_audit, {"configs": [PEER_CONFIGS[i] for i in (0, 7, 15)]}, {"configs": PEER_CONFIGS}),
     "referee": (referee_audit, {}, {"configs": REFEREE_CONFIGS, "rc_configs": REFEREE_RC_CONFIGS}),
+    "allocation": (allocation_audit, {"draws": 200_000}, {"configs": ALLOCATION_CONFIGS, "draws": 2_000_000}),
     "envelope_claims": (envelope_claims, {"ks": (32, 128), "ds": (2, 8, 64)}, {"ks": (1, 4, 32, 128, 512)}),
     "schur": (schur_audit, {"cases": ((4, 2, 1.0), (4, 3, 1.0))},
               {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0), (4, 3, 2.0),

@@ -38,6 +38,11 @@ at the vertex of the l2/l-infinity ball (``floor(d0)`` coordinates at ``c_inf``,
 Statistic: the exact log-likelihood ratio ``log(1 - q1 + q1 prod_l (1 - q2 + q2 L_l))``, summed over
 steps.  Accountant: :class:`dpmath.RDPAccountant` on :class:`dpmath.twice_sampling.TwiceSampledGaussian`.
 
+``"allocation"`` (balls in bins): each of ``steps`` epochs has ``t`` steps and puts the differing example (norm
+``C``) in one uniformly random step; the other steps' outputs along it are ``N(0, 1)``.  Statistic: the exact
+log-likelihood ratio, ``sum_epochs log mean_j exp(x_j / sigma - 1 / (2 sigma^2))``.  Accountant:
+:class:`dpmath.RandomAllocationGaussian` (the epoch's own PLD, :mod:`dpmath.pld.allocation`).
+
 Deliberately broken variants show the audit's power: ``noise_factor`` (simulate noise that many times
 the stated one), ``account_steps`` (the accountant counts fewer steps) and, for ``"rc"``,
 ``account_as_dpsgd`` (an accountant that ignores the estimate's left tail).
@@ -73,12 +78,13 @@ DEFAULT_MECHANISMS: list[dict] = [
     {"name": "LAP2 b = C/4, q = 0.05", "kind": "lap2", "scale": 0.25, "q": 0.05, "dim": 1000},
     {"name": "twice sampling q1 = 0.5, q2 = 0.5, d0 = 4", "kind": "twice", "sigma": 0.5, "q1": 0.5, "q2": 0.5,
      "c_inf": 0.5},
+    {"name": "balls in bins, 3 epochs of 10 steps", "kind": "allocation", "sigma": 0.8, "t": 10, "steps": 3},
 ]
 """The mechanisms :func:`privacy_audit` simulates by default (the full run)."""
 
-QUICK_MECHANISMS: list[dict] = [DEFAULT_MECHANISMS[i] for i in (0, 2, 3, 5, 6, 7)]
+QUICK_MECHANISMS: list[dict] = [DEFAULT_MECHANISMS[i] for i in (0, 2, 3, 5, 6, 7, 8)]
 """The quick run's subset: every kind, one or two of each (DP-SGD at q = 1 and over 10 steps, DP-SGD-RC with
-Hutch and Hutch++, LAP2, twice sampling)."""
+Hutch and Hutch++, LAP2, twice sampling, balls in bins)."""
 
 @dataclass(frozen=True)
 class _Simulation:
@@ -286,7 +292,28 @@ def _twice(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
                               + (f", one at {g[-1]:.3g}" if g[-1] != c_inf else ""))
 
 
-_KINDS = {"gaussian": _gaussian, "rc": _rc, "lap2": _lap2, "twice": _twice}
+def _allocation(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
+    from dpmath import PLDAccountant, RandomAllocationGaussian
+
+    sigma = positive_real(spec["sigma"], "sigma")
+    t = positive_int(spec["t"], "t")
+    epochs = _steps(spec)
+    factor, account_epochs = _broken(spec)
+    mu = 1.0 / sigma
+
+    def sample(rng, n, with_example):
+        x = rng.standard_normal((n, epochs, t))
+        if with_example:   # the example's step in each epoch, uniformly at random
+            x[np.arange(n)[:, None], np.arange(epochs)[None, :], rng.integers(0, t, (n, epochs))] += mu / factor
+        # the Neyman-Pearson statistic: the pair's log-likelihood ratio, summed over epochs
+        return (special.logsumexp(mu * x - mu * mu / 2, axis=2) - math.log(t)).sum(axis=1)
+
+    acc = PLDAccountant().compose(RandomAllocationGaussian(sigma, t), account_epochs)
+    return _Simulation(spec["name"], sample, acc.epsilon(spec["delta"]), "PLD",
+                       detail="clipped gradient of norm C in one step of each epoch", tradeoff=acc.tradeoff)
+
+
+_KINDS = {"gaussian": _gaussian, "rc": _rc, "lap2": _lap2, "twice": _twice, "allocation": _allocation}
 
 
 def _draw(sim: _Simulation, rng: np.random.Generator, n: int, with_example: bool, chunk: int = 50_000) -> np.ndarray:
@@ -325,7 +352,7 @@ def privacy_audit(samples: int = 400_000, delta: float = 1e-5, confidence: float
     seed : int
     mechanisms : list of dict, optional
         Defaults to :data:`DEFAULT_MECHANISMS`.  Keys: ``name``, ``kind`` (``"gaussian"``, ``"rc"``, ``"lap2"``,
-        ``"twice"``) and the kind's parameters (module docstring); broken variants: ``noise_factor``,
+        ``"twice"``, ``"allocation"``) and the kind's parameters (module docstring); broken variants: ``noise_factor``,
         ``account_steps``, ``account_as_dpsgd``.  Without torch the ``"rc"`` mechanisms are left out (they
         draw the real estimator), which the summary says.
     y_pool : int
