@@ -9,13 +9,22 @@ loader whose batching means "this dataset, batched by ``batch_size``" (the defau
 ``shuffle=True``, ``drop_last=False``) and refuses any other sampler, batch sampler or ``drop_last`` with
 :class:`UnsupportedSamplerError` rather than drop it.  :class:`BatchMemoryManager` splits each
 logical batch into physical micro-batches (gradient accumulation with one noise draw per logical batch).
+
+Where the engine treats the rows of a batch unequally (a padded batch's filler rows weighted 0, a user's rows
+clipped together), the loader never relies on the order in which ``collate_fn`` returns the rows: it collates each
+set of rows the engine treats alike by its own call (a padded batch's drawn rows, each user's rows), and joins the
+results itself (:class:`DPDataLoader`), so a ``collate_fn`` that sorts or shuffles its rows only permutes rows of
+equal treatment.  A result it cannot join is refused with :class:`RowOrderError`; :class:`KeepsRowOrder` declares a
+``collate_fn`` that keeps the rows in the order given, which is then called once per batch.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import (
@@ -30,7 +39,7 @@ from torch.utils.data import (
 )
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "BatchMemoryManager", "EmptyBatch", "private_data_loader",
-           "loader_size", "UnsupportedSamplerError"]
+           "loader_size", "UnsupportedSamplerError", "KeepsRowOrder", "RowOrderError"]
 
 
 class UnsupportedSamplerError(ValueError):
@@ -105,6 +114,127 @@ def _empty_aware(collate):
     return collate_fn
 
 
+class RowOrderError(ValueError):
+    """A ``collate_fn`` whose batches the private loader cannot assemble without trusting the order of its rows.
+
+    A padded batch's filler rows (weighted 0) and a user's rows (clipped together) are told apart by the loader, not
+    by their place in what ``collate_fn`` returns: it collates a padded batch's drawn examples by one call and
+    appends copies of that call's rows as filler, and collates each user's examples by a call of its own and joins
+    the calls user after user.  That needs tensors with one row per example along the first dimension (in tuples,
+    lists and mappings), and, to join users, the same shape past the first dimension in every call.  Anything else
+    is refused, naming what was found and the way out: return such tensors (pad to a fixed length), or declare a
+    ``collate_fn`` that keeps the rows in the order given with :class:`KeepsRowOrder`.
+    """
+
+
+class KeepsRowOrder:
+    """A ``collate_fn`` declared to keep the rows in the order it is given: row ``i`` of every tensor it returns is
+    made from the ``i``-th item of its input, and from it alone.
+
+    Wrap a loader's ``collate_fn`` in it (``DataLoader(dataset, batch_size=B, collate_fn=KeepsRowOrder(fn))``) where
+    the private loader cannot assemble a padded batch or a batch of users from separate calls
+    (:class:`RowOrderError`, e.g. a collator that pads each call to its longest row, for users).  The loader then
+    collates each batch by one call and takes each row's role (filler, user) from its place: the declaration is
+    trusted, not checked, and a ``collate_fn`` that sorted or shuffled its rows would then weight a filler row or
+    clip a user's rows apart.  Torch's ``default_collate`` and Hugging Face's padding collators keep the order.
+
+    Parameters
+    ----------
+    collate_fn : callable
+        The collate function, called with a list of dataset items.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpsgd.data import KeepsRowOrder
+    >>> collate = KeepsRowOrder(torch.utils.data.default_collate)
+    >>> collate([torch.tensor(1.0), torch.tensor(2.0)])
+    tensor([1., 2.])
+    """
+
+    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+        if not callable(collate_fn):
+            raise ValueError(f"KeepsRowOrder needs a callable collate_fn, got {type(collate_fn).__name__}")
+        self.collate_fn = collate_fn.collate_fn if isinstance(collate_fn, KeepsRowOrder) else collate_fn
+
+    def __call__(self, batch: list) -> Any:
+        return self.collate_fn(batch)
+
+    def __repr__(self) -> str:
+        return f"KeepsRowOrder({self.collate_fn!r})"
+
+
+class _Unjoinable(Exception):
+    """Where (``batch['input_ids']``) and why the results of collate calls cannot be joined by rows."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{reason} at {where}")
+        self.where, self.reason = where, reason
+
+
+def _joined(parts: list, where: str, leaf: Callable[[list[torch.Tensor], str], torch.Tensor]) -> Any:
+    """``parts`` (the results of collate calls) walked together through their tuples, lists and mappings, the
+    tensors at each place replaced by ``leaf(tensors, where)``; :class:`_Unjoinable` at anything but a tensor
+    there, or where the parts differ in structure."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise _Unjoinable(where, "a tensor from one call and something else from another")
+        return leaf(parts, where)
+    if isinstance(first, Mapping):
+        keys = list(first)
+        if not all(isinstance(p, Mapping) and set(p) == set(keys) for p in parts):
+            raise _Unjoinable(where, "mappings with different keys from different calls")
+        joined = {k: _joined([p[k] for p in parts], f"{where}[{k!r}]", leaf) for k in keys}
+        try:   # the collator's own mapping type (a BatchEncoding), as default_collate rebuilds it
+            return type(first)(joined)
+        except TypeError:
+            return joined
+    if isinstance(first, (tuple, list)):
+        if not all(type(p) is type(first) and len(p) == len(first) for p in parts):
+            raise _Unjoinable(where, f"{type(first).__name__}s of different lengths from different calls")
+        items = [_joined([p[i] for p in parts], f"{where}[{i}]", leaf) for i in range(len(first))]
+        if hasattr(first, "_fields"):   # a namedtuple
+            return type(first)(*items)
+        try:
+            return type(first)(items)
+        except TypeError:
+            return list(items) if isinstance(first, list) else tuple(items)
+    # a string, a number or an object: nothing says which of its parts belongs to which row
+    raise _Unjoinable(where, f"a {type(first).__name__}, not a tensor with one row per example")
+
+
+def _per_row(t: torch.Tensor, rows: int, where: str) -> None:
+    """:class:`_Unjoinable` unless ``t`` has one row per example of its call (``rows``) along dimension 0."""
+    if t.dim() == 0 or t.shape[0] != rows:
+        raise _Unjoinable(where, f"a tensor of shape {tuple(t.shape)} from a call on {rows} examples (one row per "
+                                 f"example along the first dimension is needed)")
+
+
+def _concatenated(rows: list[int]) -> Callable[[list[torch.Tensor], str], torch.Tensor]:
+    """The leaf of :func:`_joined` that stacks the calls' tensors (``rows[j]`` rows each) in call order."""
+    def leaf(tensors: list[torch.Tensor], where: str) -> torch.Tensor:
+        for t, n in zip(tensors, rows, strict=True):
+            _per_row(t, n, where)
+        shapes = sorted({tuple(t.shape[1:]) for t in tensors})
+        if len(shapes) > 1:
+            raise _Unjoinable(where, f"tensors whose shapes past the first dimension differ between calls "
+                                     f"({', '.join(map(str, shapes[:3]))}: each call padded to its own longest row?)")
+        if len({t.dtype for t in tensors}) > 1:
+            raise _Unjoinable(where, f"tensors of different dtypes ({sorted({str(t.dtype) for t in tensors})})")
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return leaf
+
+
+def _taken(rows: int, index: list[int]) -> Callable[[list[torch.Tensor], str], torch.Tensor]:
+    """The leaf of :func:`_joined` that takes the rows ``index`` of one call's tensor of ``rows`` rows."""
+    def leaf(tensors: list[torch.Tensor], where: str) -> torch.Tensor:
+        (t,) = tensors
+        _per_row(t, rows, where)
+        return t.index_select(0, torch.tensor(index, dtype=torch.long, device=t.device))
+    return leaf
+
+
 # a padded batch's filler rows are marked for one backward of the whole batch: refused, as the loader is made (and
 # as a padded batch reaches a splitting sampler), where it would be split
 _UNSPLIT = ("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches or pieces: backpropagate "
@@ -114,13 +244,51 @@ _UNSPLIT = ("a padded batch (TruncatedPoisson(pad=True)) cannot be split into mi
 _LOGICAL_IDS = itertools.count()
 
 
-class _ChunkSampler(Sampler[list[int]]):
-    """Logical batches from ``logical``, split into physical chunks of at most ``max_size``; ``(size, last,
-    logical id)`` of each chunk is queued in ``fifo`` as it is produced (the loader pops it when the chunk
-    reaches the user)."""
+@dataclass
+class _Chunk:
+    """One batch the private loader yields: ``size`` rows, ``last`` (it ends its logical batch), ``logical`` (its
+    logical batch's number), and how it is made.  Without ``rows``, one collate call is the batch as it is; with
+    ``rows``, ``len(rows)`` calls of ``rows[j]`` examples each, whose results must be tensors of one row per
+    example, joined in call order, or with ``take`` the one call's rows ``take`` (a padded batch: its drawn rows,
+    then copies of them as filler).  ``groups`` (each row's user) and ``padding`` (which rows are filler) are what
+    the engine is told."""
 
-    def __init__(self, logical: Sampler, max_size: int | None, fifo: deque, chunks: int | None = None) -> None:
+    size: int
+    last: bool
+    logical: int
+    rows: list[int] | None = None
+    take: list[int] | None = None
+    groups: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
+
+    @property
+    def calls(self) -> int:
+        """The collate calls (batches of the underlying ``DataLoader``) that make it."""
+        return len(self.rows) if self.rows else 1
+
+    def reported(self) -> tuple:
+        """``on_batch``'s arguments."""
+        if self.padding is not None:
+            return self.size, self.last, self.logical, None, self.padding
+        if self.groups is not None:
+            return self.size, self.last, self.logical, self.groups
+        return self.size, self.last, self.logical
+
+
+class _ChunkSampler(Sampler[list[int]]):
+    """Logical batches from ``logical``, split into physical chunks of at most ``max_size``, each yielded as the
+    index lists of its collate calls; the :class:`_Chunk` of each is queued in ``fifo`` before its first call
+    (the loader pops it when the chunk's calls reach it).
+
+    Unless ``ordered`` (a :class:`KeepsRowOrder` collate function), rows the engine treats differently never share
+    a call: a padded batch's drawn examples are one call (the filler is made of copies of its rows), and each user
+    of a batch of users is a call of its own, so a collate function that reorders the rows of a call can only
+    permute rows the engine treats alike."""
+
+    def __init__(self, logical: Sampler, max_size: int | None, fifo: deque, chunks: int | None = None,
+                 ordered: bool = False) -> None:
         self.logical, self.max_size, self.fifo, self.chunks = logical, max_size, fifo, chunks
+        self.ordered = ordered
 
     def __len__(self) -> int:
         return len(self.logical) * (self.chunks or 1)
@@ -131,15 +299,39 @@ class _ChunkSampler(Sampler[list[int]]):
             if split is not None:   # a batch of users (dpsgd.users): whole users per chunk, with each row's user
                 logical = next(_LOGICAL_IDS)
                 for piece, groups, last in split(self.max_size, self.chunks):
-                    self.fifo.append((len(piece), last, logical, groups))
-                    yield piece
+                    if self.ordered or not piece:
+                        self.fifo.append(_Chunk(len(piece), last, logical, groups=groups))
+                        yield piece
+                        continue
+                    # one call per user, users in order of their number: each row's user is its call's, whatever
+                    # order the collate function gives the rows of a call
+                    order = torch.argsort(groups, stable=True).tolist()
+                    counts = torch.bincount(groups).tolist()
+                    self.fifo.append(_Chunk(len(piece), last, logical, rows=counts,
+                                            groups=torch.repeat_interleave(torch.arange(len(counts)),
+                                                                           torch.tensor(counts))))
+                    start = 0
+                    for n in counts:
+                        yield [piece[i] for i in order[start:start + n]]
+                        start += n
                 continue
             real = getattr(batch, "real", None)
             if real is not None:   # a fixed size (dpsgd.samplers.PaddedBatch): one chunk, with its filler rows
                 if self.chunks or self.max_size:
                     raise ValueError(_UNSPLIT)
-                self.fifo.append((len(batch), True, next(_LOGICAL_IDS), None, batch.padding()))
-                yield list(batch)
+                size, padding = len(batch), batch.padding()
+                if self.ordered:   # declared: one call, the filler known by its place
+                    self.fifo.append(_Chunk(size, True, next(_LOGICAL_IDS), padding=padding))
+                    yield list(batch)
+                elif 0 < real < size:
+                    # the drawn examples by one call; the filler rows, copies of its rows, follow them whatever order
+                    # the call gave them (in the call, a filler row could be sorted among the drawn rows)
+                    take = list(range(real)) + [j % real for j in range(size - real)]
+                    self.fifo.append(_Chunk(size, True, next(_LOGICAL_IDS), rows=[real], take=take, padding=padding))
+                    yield list(batch[:real])
+                else:   # all rows alike (an empty draw: all filler; a full one: none), its result checked all the same
+                    self.fifo.append(_Chunk(size, True, next(_LOGICAL_IDS), rows=[size], padding=padding))
+                    yield list(batch)
                 continue
             batch = list(batch)
             logical = next(_LOGICAL_IDS)
@@ -147,18 +339,22 @@ class _ChunkSampler(Sampler[list[int]]):
                 n = len(batch)
                 for j in range(self.chunks):
                     piece = batch[j * n // self.chunks:(j + 1) * n // self.chunks]
-                    self.fifo.append((len(piece), True, logical))
+                    self.fifo.append(_Chunk(len(piece), True, logical))
                     yield piece
                 continue
             if not batch:
-                self.fifo.append((0, True, logical))
+                self.fifo.append(_Chunk(0, True, logical))
                 yield []
                 continue
             size = self.max_size or len(batch)
             chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
             for j, chunk in enumerate(chunks):
-                self.fifo.append((len(chunk), j == len(chunks) - 1, logical))
+                self.fifo.append(_Chunk(len(chunk), j == len(chunks) - 1, logical))
                 yield chunk
+
+
+def _collate_name(collate_fn: object) -> str:
+    return getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
 
 
 class DPDataLoader(DataLoader):
@@ -167,10 +363,18 @@ class DPDataLoader(DataLoader):
     Each batch is reported to ``on_batch(size, last, logical)`` as it reaches the user (``last`` is false for
     all but the final physical chunk of a logical batch split by ``max_physical_batch_size``; ``logical``
     identifies the logical batch it belongs to; a sampler of users, :mod:`dpsgd.users`, adds ``groups``, each
-    row's user within the chunk, and chunks hold whole users); an empty
+    row's user within the chunk, and chunks hold whole users; a padded batch, :class:`dpsgd.samplers.PaddedBatch`,
+    adds ``None, padding``, which rows are filler); an empty
     Poisson batch is not yielded: ``on_empty()`` takes its noise-only step, so the user's forward never sees
     an empty tensor.  ``len(loader)`` counts logical batches, empty ones included.
 
+    ``groups`` and ``padding`` hold whatever order ``collate_fn`` gives the rows it is called with: a padded batch's
+    drawn examples are collated by one call, and its filler rows are copies of that call's rows placed after them;
+    each user's examples are collated by a call of their own, and the calls joined along the first dimension, user
+    after user.  A call's result that cannot be joined so (anything but tensors with one row per example in tuples,
+    lists and mappings; for users, tensors whose shapes past the first dimension differ between calls) raises
+    :class:`RowOrderError` as it is drawn.  A ``collate_fn`` wrapped in :class:`KeepsRowOrder` is instead called
+    once per batch, and rows are told apart by their places, as it declares.
     """
 
     def __init__(self, dataset, logical: Sampler, collate_fn, *, sample_rate: float,
@@ -185,8 +389,10 @@ class DPDataLoader(DataLoader):
         self.chunks = chunks
         self.on_batch, self.on_empty = on_batch, on_empty
         self._collate = collate_fn
-        super().__init__(dataset, batch_sampler=_ChunkSampler(logical, max_physical_batch_size, self._fifo, chunks),
-                         collate_fn=_empty_aware(collate_fn), num_workers=num_workers, pin_memory=pin_memory)
+        sampler = _ChunkSampler(logical, max_physical_batch_size, self._fifo, chunks,
+                                ordered=isinstance(collate_fn, KeepsRowOrder))
+        super().__init__(dataset, batch_sampler=sampler, collate_fn=_empty_aware(collate_fn),
+                         num_workers=num_workers, pin_memory=pin_memory)
 
     @property
     def sample_rate(self) -> float:
@@ -195,15 +401,51 @@ class DPDataLoader(DataLoader):
 
     def __iter__(self):
         self._fifo.clear()
-        for batch in super().__iter__():
-            size, last, logical, *groups = self._fifo.popleft()
-            if size == 0 and not self.chunks:
+        calls = super().__iter__()
+        for batch in calls:
+            chunk = self._fifo.popleft()
+            if chunk.rows is not None:   # the rest of its calls, then one batch of them
+                batch = self._assembled(chunk, [batch, *itertools.islice(calls, chunk.calls - 1)])
+            if chunk.size == 0 and not self.chunks:
                 if self.on_empty is not None:
                     self.on_empty()
                 continue
-            if self.on_batch is not None:   # a batch of users also says which user each row belongs to
-                self.on_batch(size, last, logical, *groups)
+            if self.on_batch is not None:   # users, or a padded batch's filler, with the rows they belong to
+                self.on_batch(*chunk.reported())
             yield batch
+
+    def _assembled(self, chunk: _Chunk, parts: list) -> Any:
+        """The batch of ``chunk`` from its collate calls' results (:class:`RowOrderError` if they cannot be)."""
+        try:
+            if len(parts) != chunk.calls:
+                raise RuntimeError(f"{len(parts)} collate calls reached the loader for a batch of {chunk.calls}")
+            if chunk.take is not None:
+                batch = _joined(parts, "batch", _taken(chunk.rows[0], chunk.take))
+            else:
+                batch = _joined(parts, "batch", _concatenated(chunk.rows))
+        except _Unjoinable as err:
+            raise RowOrderError(self._refusal(chunk, err)) from None
+        if self.pin_memory and torch.cuda.is_available():   # new tensors: pinned as the DataLoader pinned its calls
+            batch = _joined([batch], "batch", lambda tensors, where: tensors[0].pin_memory())
+        return batch
+
+    def _refusal(self, chunk: _Chunk, err: _Unjoinable) -> str:
+        if chunk.padding is not None:
+            how = ("a padded batch (TruncatedPoisson(pad=True)): the loader collates the drawn examples by one call "
+                   "and appends copies of its rows as the filler rows the engine weights 0, so that no filler row "
+                   "can take a drawn row's place whatever order collate_fn returns the rows in")
+            fix = "Make collate_fn return tensors with one row per example (in tuples, lists or dicts)"
+        else:
+            how = ("a batch of users (privacy_unit='user'): the loader collates each user's examples by a call of "
+                   "its own and joins the calls user after user, so that the engine clips each user's rows together "
+                   "whatever order collate_fn returns the rows in")
+            fix = ("Make collate_fn return tensors with one row per example (in tuples, lists or dicts) and the same "
+                   "shape past the first dimension in every call, e.g. pad to a fixed length "
+                   "(DataCollatorWithPadding(tokenizer, padding='max_length', max_length=L))")
+        return (f"data_loader's collate_fn ({_collate_name(self._collate)}) returned, at {err.where}, {err.reason}, "
+                f"which the private loader cannot join by rows for {how}. {fix}; or, if collate_fn keeps the rows "
+                f"in the order it is given, declare it: DataLoader(dataset, batch_size=B, "
+                f"collate_fn=dpsgd.data.KeepsRowOrder(collate_fn)), and the batch is collated by one call")
 
     def in_chunks(self, chunks: int) -> DPDataLoader:
         """The same logical batches, each as exactly ``chunks`` pieces (empty ones as :class:`EmptyBatch`) for

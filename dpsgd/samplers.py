@@ -72,7 +72,12 @@ __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsIn
 
 class PaddedBatch(list):
     """A batch of ``real`` drawn indices followed by filler indices up to a fixed size: the rows after the first
-    ``real`` carry no example (the engine gives them weight 0)."""
+    ``real`` carry no example (the engine gives them weight 0).
+
+    The private loader (:class:`~dpsgd.data.DPDataLoader`) collates the ``real`` drawn examples by one call and
+    makes the filler rows as copies of that call's rows, placed after them, so the filler stays after the drawn rows
+    whatever order the ``collate_fn`` returns them in; the filler indices are collated only for an empty draw (all
+    rows filler) or a :class:`~dpsgd.data.KeepsRowOrder` collate function."""
 
     def __init__(self, indices: list[int], real: int) -> None:
         super().__init__(indices)
@@ -352,9 +357,10 @@ class TruncatedPoisson(BatchSampling):
         ``>= 1``; at least the loader's ``batch_size``.
     pad : bool
         Pad every batch to ``max_batch_size`` rows (default ``False``); each batch must then be backpropagated by one
-        backward of all its rows (no :class:`~dpsgd.BatchMemoryManager`), single process.  The filler rows repeat
-        drawn examples and are known by their place after the drawn ones: the loader's ``collate_fn`` must keep
-        the rows in order.
+        backward of all its rows (no :class:`~dpsgd.BatchMemoryManager`), single process.  The loader collates the
+        drawn examples by one call of its ``collate_fn`` and appends copies of that call's rows as the filler, so
+        the filler rows follow the drawn ones whatever order ``collate_fn`` returns them in (a result that is not
+        tensors with one row per example raises :class:`~dpsgd.data.RowOrderError`).
 
     Examples
     --------

@@ -11,9 +11,13 @@ When one person writes many examples, the unit of privacy is the person.  With
   users only: :meth:`UserBatch.split_rows` splits on user boundaries and refuses a user with more rows than the
   physical batch;
 * the loader hands the engine each chunk's ``groups`` (row ``i`` belongs to the chunk's user ``groups[i]``), by
-  construction from the dataset indices it yielded; :class:`UserRows` gives them to the one backward of that
-  chunk, and :func:`dpsgd.engine.clipped_backward` clips each user's **summed** gradient once:
-  ``w_u = min(1, C / ||sum_{i in u} g_i||)`` (the unit's norm: :func:`dpsgd.engine.unit_sq_norms`).
+  construction: it collates each user's examples by a call of the loader's ``collate_fn`` of their own and joins
+  the calls user after user (:class:`~dpsgd.data.DPDataLoader`), so a ``collate_fn`` that reorders its rows
+  cannot move a row to another user (a result it cannot join raises :class:`~dpsgd.data.RowOrderError`; a
+  ``collate_fn`` declared with :class:`~dpsgd.data.KeepsRowOrder` is called once per chunk instead);
+  :class:`UserRows` gives them to the one backward of that chunk, and :func:`dpsgd.engine.clipped_backward`
+  clips each user's **summed** gradient once: ``w_u = min(1, C / ||sum_{i in u} g_i||)`` (the unit's norm:
+  :func:`dpsgd.engine.unit_sq_norms`).
 
 One user then changes a step's clipped sum by at most ``C`` and joins a batch with probability ``q_u``: the
 accountant charges ``SubsampledGaussian(sigma, q_u)`` (``RandomizedClipGaussian`` with the plan's envelope
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .data import DPDataLoader, loader_size
+from .data import DPDataLoader, KeepsRowOrder, RowOrderError, loader_size
 
 __all__ = ["PRIVACY_UNITS", "UserLevel", "user_level", "UserPoissonSampler", "UserBatch", "UserRows",
            "user_data_loader"]
@@ -292,6 +296,28 @@ class UserRows:
         self._groups = None
 
 
+def _check_collate(collate_fn: object) -> None:
+    """:class:`~dpsgd.data.RowOrderError` at once for a Hugging Face collator known to pad each call to its longest
+    row (every one with a tokenizer, unless ``padding="max_length"``): users collated apart could not be joined, and
+    the loader would refuse the first batch of two users of different lengths.  Other collate functions are
+    checked on each batch as its users are joined."""
+    if isinstance(collate_fn, KeepsRowOrder) or not (getattr(collate_fn, "__module__", None) or "").startswith(
+            "transformers") or not hasattr(collate_fn, "tokenizer"):
+        return
+    padding = getattr(collate_fn, "padding", None)
+    if padding == "max_length":   # a str enum in transformers: every call padded to one length
+        return
+    name = type(collate_fn).__name__
+    raise RowOrderError(
+        f"data_loader's collate_fn ({name}) pads each call to its longest row, so the private loader, which collates "
+        f"each user's examples by a call of their own and joins the calls user after user (so that the engine "
+        f"clips each user's rows together whatever order collate_fn returns the rows in), could not join users of "
+        f"different lengths. Pad to a fixed length ({name}(tokenizer, padding='max_length', max_length=L), where "
+        f"the collator takes padding); or, as {name} keeps the rows in the order it is given, declare it: "
+        f"DataLoader(dataset, batch_size=B, collate_fn=dpsgd.data.KeepsRowOrder(collator)), and each batch is "
+        f"collated by one call")
+
+
 def user_data_loader(data_loader: DataLoader, users: UserLevel, *, generator: torch.Generator | None = None,
                      on_batch=None, on_empty=None) -> DPDataLoader:
     r"""The same dataset and collate function, batched by Poisson sampling of users at ``q_u = batch_size / U``.
@@ -308,7 +334,16 @@ def user_data_loader(data_loader: DataLoader, users: UserLevel, *, generator: to
     Returns
     -------
     DPDataLoader
-        Its ``sample_rate`` is ``q_u``.
+        Its ``sample_rate`` is ``q_u``; it collates each user's examples by a call of ``collate_fn`` of their own
+        (once per chunk for a :class:`~dpsgd.data.KeepsRowOrder` collate function).
+
+    Raises
+    ------
+    dpsgd.data.RowOrderError
+        For a Hugging Face collator that pads each call to its longest row (users collated apart could not be
+        joined), unless declared with :class:`~dpsgd.data.KeepsRowOrder`.
+    ValueError
+        For ``user_ids`` of the wrong length, or a ``batch_size`` above the number of users.
 
     Examples
     --------
@@ -327,6 +362,7 @@ def user_data_loader(data_loader: DataLoader, users: UserLevel, *, generator: to
     if batch > users.num_users:
         raise ValueError(f"data_loader's batch_size ({batch}), the expected number of users per batch, exceeds the "
                          f"{users.num_users} users: the user sampling rate q = batch_size / users must be at most 1")
+    _check_collate(data_loader.collate_fn)
     sampler = UserPoissonSampler(users.users, batch / users.num_users,
                                  max_examples_per_user=users.max_examples_per_user, generator=generator)
     return DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=sampler.sample_rate,

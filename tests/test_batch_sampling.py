@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from dpmath import (
     FixedSizeSubsampledGaussian,
@@ -20,6 +20,7 @@ from dpmath import (
     TruncatedSubsampledGaussian,
 )
 from dpsgd import PrivacyEngine
+from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.samplers import (
     BallsInBins,
     EpochBatchSampler,
@@ -263,6 +264,169 @@ def test_a_padded_run_accounts_truncated_poisson_and_refuses_splitting_it():
     x, y = next(iter(loader))
     with pytest.raises(RuntimeError, match="backpropagated whole"):
         crit(model(x[:20]), y[:20]).backward()
+
+
+# ------------------------------------------------------------------------------------------------ collate order
+def by_value(items):
+    """A collate_fn that sorts its rows (by the first feature), as a length-sorting collator does."""
+    return default_collate(sorted(items, key=lambda item: float(item[0][0])))
+
+
+def reversed_rows(items):
+    """A collate_fn that returns its rows in reverse."""
+    return default_collate(items[::-1])
+
+
+def _step_by_brute_force(model, batch, before, c):
+    """The noise-free step (lr 1) of a padded batch of rows ``(x, y, index)``: its first rows are distinct drawn
+    examples and every later row repeats one of them; each drawn example's gradient is clipped to ``c`` once (by
+    autograd on an unhooked copy of the model at ``before``), the filler rows add nothing, and the sum is divided by
+    the expected batch size ``B``.  Returns the number of filler rows."""
+    x, y, index = batch[:3]
+    first: dict[int, int] = {}
+    for row, i in enumerate(index.tolist()):
+        first.setdefault(i, row)
+    drawn = list(first.values())
+    assert drawn == list(range(len(drawn)))   # the drawn rows first, then only filler
+    fresh = nn.Linear(4, 2).double()
+    with torch.no_grad():
+        for p, b in zip(fresh.parameters(), before, strict=True):
+            p.copy_(b)
+    total = [torch.zeros_like(b) for b in before]
+    for r in drawn:
+        grads = torch.autograd.grad(nn.functional.cross_entropy(fresh(x[r:r + 1]), y[r:r + 1]), fresh.parameters())
+        w = min(1.0, c / float(sum(g.square().sum() for g in grads).sqrt()))
+        total = [t + w * g for t, g in zip(total, grads, strict=True)]
+    for p, b, t in zip(model.parameters(), before, total, strict=True):
+        torch.testing.assert_close(p.detach() - b, -t / B, rtol=1e-10, atol=1e-13)
+    return len(index) - len(drawn)
+
+
+def _padded_run(collate, steps=6, brute_force=False):
+    """Parameters after a noise-free ghost run of a float64 linear model over examples ``(x, y, index)``, batches
+    from ``TruncatedPoisson(24, pad=True)`` (about four filler rows each) collated by ``collate``."""
+    gen = _gen(3)
+    data = TensorDataset(torch.randn(N, 4, generator=gen, dtype=torch.float64) * 3,
+                         torch.randint(0, 2, (N,), generator=gen), torch.arange(N))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=B, collate_fn=collate), max_grad_norm=0.5, noise_multiplier=0.0,
+        estimator="ghost", seed=0, batch_sampling=TruncatedPoisson(24, pad=True))
+    clipped, filler = 0.0, 0
+    for batch in itertools.islice(loader, steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        crit(model(batch[0]), batch[1]).backward()
+        clipped = max(clipped, engine.last_clipped_fraction)
+        opt.step()
+        if brute_force:
+            filler += _step_by_brute_force(model, batch, before, 0.5)
+    assert engine.steps == steps and clipped > 0   # some examples clipped: the weights matter
+    assert filler or not brute_force
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("collate", [by_value, reversed_rows])
+def test_a_padded_batch_is_the_same_whatever_order_collate_fn_gives_its_rows(collate):
+    # a collate_fn that sorted a drawn example's filler copy among the drawn rows would have it weighted while the
+    # original kept its weight: the loader collates the drawn examples alone and appends the filler after them
+    want = _padded_run(None)
+    got = _padded_run(collate, brute_force=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)   # the same rows, summed in another order
+    declared = _padded_run(KeepsRowOrder(default_collate), brute_force=True)   # one call on the whole batch
+    for d, w in zip(declared, want, strict=True):
+        assert torch.equal(d, w)
+
+
+def test_a_padded_batch_whose_rows_cannot_be_told_apart_is_refused_unless_declared_in_order():
+    def with_names(items):   # a list of strings: nothing says which string is which row's
+        x, y, i = default_collate(items)
+        return x, y, i, [f"example {int(j)}" for j in i]
+
+    with pytest.raises(RowOrderError, match=r"with_names.*at batch\[3\]\[0\], a str, not a tensor.*"
+                                            r"KeepsRowOrder\(collate_fn\)"):
+        _padded_run(with_names, steps=1)
+    _padded_run(KeepsRowOrder(with_names), steps=2, brute_force=True)
+
+
+VOCAB = 24
+
+
+def text_tokenizer():
+    """A word-level tokenizer of ``VOCAB`` words (``[PAD]`` is 0), built here: no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, VOCAB)}},
+                                      unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def texts(n: int, seed: int = 4) -> list[dict]:
+    """``n`` tokenized examples of 1 to 8 words and a label, as a tokenized data set holds them."""
+    gen = _gen(seed)
+    tokenizer = text_tokenizer()
+    out = []
+    for k in torch.randint(1, 9, (n,), generator=gen).tolist():
+        words = " ".join(f"w{int(t)}" for t in torch.randint(2, VOCAB, (k,), generator=gen))
+        out.append({"input_ids": tokenizer(words)["input_ids"], "label": int(torch.randint(0, 2, (), generator=gen))})
+    return out
+
+
+class Bag(nn.Module):
+    """A row's mean token embedding over its attention mask, then a linear layer: each row's output is its own,
+    however far it is padded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(VOCAB, 6), nn.Linear(6, 2)
+
+    def forward(self, input_ids, attention_mask):
+        m = attention_mask.unsqueeze(-1).to(self.out.weight.dtype)
+        return self.out((self.emb(input_ids) * m).sum(1) / m.sum(1))
+
+
+class LongestFirst:
+    """A Hugging Face collator that first sorts its rows, longest first (as length-grouping pipelines do)."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, features):
+        return self.collator(sorted(features, key=lambda f: -len(f["input_ids"])))
+
+
+def text_run(collate, data, batch_size, steps=5, **kw):
+    """Parameters of :class:`Bag` (float64) after a noise-free ghost run on ``data`` collated by ``collate``."""
+    model = Bag().double()
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=batch_size, collate_fn=collate), max_grad_norm=0.05,
+        noise_multiplier=0.0, estimator="ghost", seed=0, **kw)
+    for batch in itertools.islice(loader, steps):
+        opt.zero_grad()
+        crit(model(batch["input_ids"], batch["attention_mask"]), batch["labels"]).backward()
+        opt.step()
+    assert engine.steps == steps
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_hugging_face_padding_collator_pads_a_padded_batch_and_its_filler_alike_in_any_row_order():
+    from transformers import DataCollatorWithPadding
+
+    collator = DataCollatorWithPadding(text_tokenizer())
+    data, padded = texts(N), {"batch_sampling": TruncatedPoisson(24, pad=True)}
+    want = text_run(KeepsRowOrder(collator), data, B, **padded)   # one call on drawn and filler rows, in order
+    for got in (text_run(collator, data, B, **padded), text_run(LongestFirst(collator), data, B, **padded)):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
 
 
 def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():

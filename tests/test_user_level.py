@@ -9,10 +9,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
 from dpsgd import BatchMemoryManager, PrivacyEngine
+from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.engine import Capture, NormPlan, clipped_backward
 from dpsgd.sampling import TwiceSampling
 from dpsgd.users import UserBatch, UserPoissonSampler
 
+from .test_batch_sampling import LongestFirst, by_value, reversed_rows, text_run, text_tokenizer, texts
 from .workloads import data, lm_losses, make
 
 C = 0.2   # small enough that some users are clipped and others not
@@ -138,8 +140,9 @@ def test_single_example_users_are_the_example_level_step():
         torch.testing.assert_close(per_user[n], plain.sums[id(p)], rtol=1e-10, atol=1e-13)
 
 
-def _user_run(users, **kw):
-    """An MLP on 60 float64 examples whose third column is the example's user; make_private(privacy_unit='user')."""
+def _user_run(users, collate=None, batch_size=4, **kw):
+    """An MLP on float64 examples whose third column is the example's user, batches collated by ``collate``;
+    make_private(privacy_unit='user')."""
     model = _mlp()
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(len(users), 5, generator=gen, dtype=torch.float64) * 3
@@ -147,8 +150,8 @@ def _user_run(users, **kw):
     ds = TensorDataset(x, y, torch.as_tensor(users))
     engine = PrivacyEngine()
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                data_loader=DataLoader(ds, batch_size=4), max_grad_norm=C, noise_multiplier=0.0, estimator="ghost",
-                privacy_unit="user", user_ids=users, seed=1)
+                data_loader=DataLoader(ds, batch_size=batch_size, collate_fn=collate), max_grad_norm=C,
+                noise_multiplier=0.0, estimator="ghost", privacy_unit="user", user_ids=users, seed=1)
     args.update(kw)
     return engine, *engine.make_private(**args)
 
@@ -228,6 +231,82 @@ def test_physical_batches_hold_whole_users_and_accumulate_to_their_logical_step(
             _assert_update(model, state, _reference_update(state, chunks, engine.expected_batch_size))
             chunks = []
     assert engine.steps == len(loader) and split
+
+
+# users of 1 to 6 examples, interleaved in the dataset: a reversed or sorted batch puts rows at other users' places
+UNEVEN = [u for u in range(12) for _ in range(u % 6 + 1)][::2] + [u for u in range(12) for _ in range(u % 6 + 1)][1::2]
+
+
+def _uneven_run(collate, physical=None):
+    """Parameters after a noise-free run over the ``UNEVEN`` users, each logical batch checked against the brute-force
+    update from its rows' user column (its physical batches with ``physical``, each holding whole users)."""
+    engine, model, opt, crit, loader = _user_run(UNEVEN, collate, noise_multiplier=0.0)
+    chunks, state, clipped = [], None, 0.0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical or 64, optimizer=opt) as small:
+        for _ in range(2):
+            for batch in (small if physical else loader):
+                if not chunks:
+                    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+                chunks.append(batch)
+                steps = engine.steps
+                opt.zero_grad()
+                crit(model(batch[0]), batch[1]).backward()
+                clipped = max(clipped, engine.last_clipped_fraction)
+                opt.step()
+                if engine.steps == steps:
+                    continue   # accumulated only: the logical batch goes on
+                ids = [set(c[2].tolist()) for c in chunks]
+                assert all(a.isdisjoint(b) for i, a in enumerate(ids) for b in ids[i + 1:])   # no user split
+                _assert_update(model, state, _reference_update(state, chunks, engine.expected_batch_size))
+                chunks = []
+    assert engine.steps == 2 * len(loader) and clipped > 0
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("physical", [None, 7])
+@pytest.mark.parametrize("collate", [by_value, reversed_rows])
+def test_a_reordering_collate_fn_cannot_split_a_user(collate, physical):
+    # the loader collates each user's rows by a call of their own and joins the calls user after user: the engine's
+    # groups hold whatever order collate_fn returns rows in (by position, a sorted batch would clip users apart)
+    want = _uneven_run(None, physical)
+    got = _uneven_run(collate, physical)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-15, msg=n)   # another summation order
+    declared = _uneven_run(KeepsRowOrder(torch.utils.data.default_collate), physical)   # one call per batch
+    for n in want:
+        assert torch.equal(declared[n], want[n]), n
+
+
+def test_a_collate_fn_whose_users_cannot_be_joined_is_refused_by_name():
+    def with_names(items):   # a list of strings: nothing says which string is which row's
+        x, y, u = torch.utils.data.default_collate(items)
+        return x, y, u, [f"user {int(j)}" for j in u]
+
+    engine, model, opt, crit, loader = _user_run([i % 12 for i in range(60)], with_names)
+    with pytest.raises(RowOrderError, match=r"with_names.*at batch\[3\]\[0\], a str.*privacy_unit='user'.*"
+                                            r"KeepsRowOrder\(collate_fn\)"):
+        next(iter(loader))
+    _uneven_run(KeepsRowOrder(with_names))
+
+
+def test_a_hugging_face_padding_collator_is_refused_for_users_unless_fixed_length_or_declared_in_order():
+    from transformers import DataCollatorWithPadding
+
+    data, users = texts(120), {"privacy_unit": "user", "user_ids": [i % 30 for i in range(120)]}
+    longest = DataCollatorWithPadding(text_tokenizer())   # pads each call to its longest row
+    with pytest.raises(RowOrderError, match=r"DataCollatorWithPadding\) pads each call to its longest row.*"
+                                            r"padding='max_length'.*KeepsRowOrder\(collator\)"):
+        text_run(longest, data, 6, **users)
+    want = text_run(KeepsRowOrder(longest), data, 6, **users)   # one call per batch, users by their places
+    fixed = DataCollatorWithPadding(text_tokenizer(), padding="max_length", max_length=8)
+    for collate in (fixed, LongestFirst(fixed)):   # each user by a call of its own, joined
+        got = text_run(collate, data, 6, **users)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+    # a collate function of its own that pads to the longest row: refused as users of different lengths are joined
+    with pytest.raises(RowOrderError, match=r"LongestFirst.*at batch\['input_ids'\], tensors whose shapes past the "
+                                            r"first dimension differ.*padding='max_length'.*KeepsRowOrder"):
+        text_run(LongestFirst(longest), data, 6, **users)
 
 
 def test_user_larger_than_the_physical_batch_is_refused_by_name():
