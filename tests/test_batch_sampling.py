@@ -144,13 +144,18 @@ def test_epoch_schemes_charge_every_epoch_their_stream_began(scheme, mechanism, 
     assert engine.accountant().events == ((mechanism, 2),)
 
 
-def test_calibration_meets_the_target_over_the_schemes_events():
-    engine = _train("balls_in_bins", target_epsilon=3.0, target_delta=1e-5, epochs=2)
+@pytest.mark.parametrize("estimator", [
+    "hutch",                                       # each epoch one Gaussian step with the envelope
+    pytest.param("exact", marks=pytest.mark.slow),  # each epoch's own PLD, built at every noise tried (about 50 s)
+])
+def test_calibration_meets_the_target_over_the_schemes_events(estimator):
+    engine = _train("balls_in_bins", estimator, target_epsilon=3.0, target_delta=1e-5, epochs=2)
     assert engine.planned_steps == 20
-    eps = PLDAccountant().compose(RandomAllocationGaussian(engine.noise_multiplier, 10), 2).epsilon(1e-5)
+    envelope = engine.accountant().events[0][0].envelope
+    eps = PLDAccountant().compose(RandomAllocationGaussian(engine.noise_multiplier, 10, envelope), 2).epsilon(1e-5)
     assert 2.95 <= eps <= 3.0
     with pytest.raises(RuntimeError, match="calibrated for 20 steps"):
-        _train("balls_in_bins", target_epsilon=3.0, target_delta=1e-5, epochs=2, loops=3)
+        _train("balls_in_bins", estimator, target_epsilon=3.0, target_delta=1e-5, epochs=2, loops=3)
 
 
 def test_randomized_clipping_runs_with_every_scheme():

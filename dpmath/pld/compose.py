@@ -462,8 +462,9 @@ class Composition:
             pmf = np.maximum(value, 0.0)
             pmf += err
             # mass below the pass moves up to its first point: at most what the pass does not hold
-            pmf[0] += max(0.0, 1.0 - self.inf - float(np.maximum(value - err, 0.0).sum()))
-            return Pld(self.h, start, pmf, min(1.0, self.inf + self.over), True, err=err)
+            lump = max(0.0, 1.0 - self.inf - float(np.maximum(value - err, 0.0).sum()))
+            pmf[0] += lump
+            return Pld(self.h, start, pmf, min(1.0, self.inf + self.over), True, err=err, lump=lump)
         # the untilted pass's window can alias its cut mass anywhere; a tilted pass's aliasing is in err
         slack = self.slack + (self.under + self.over if lam == 0.0 else 0.0)
         pmf = np.maximum(value - err, 0.0)

@@ -73,7 +73,8 @@ class Pld:
     ``upper`` says which bound it is; ``slack`` (lower bounds only) is mass that FFT wrap-around, or a rounding
     residue of the lowered split (:func:`~dpmath.pld.discretize.split`), may have placed too high, subtracted
     from every delta; ``err`` (compositions) is the floating-point error bound per point, already added to
-    (upper) or subtracted from (lower) ``pmf``.  The read-out charges its own rounding (:meth:`_curves`).
+    (upper) or subtracted from (lower) ``pmf``; ``lump`` (upper compositions) is the mass from below the window
+    that the first point holds.  The read-out charges its own rounding (:meth:`_curves`).
     """
 
     h: float
@@ -83,6 +84,7 @@ class Pld:
     upper: bool
     slack: float = 0.0
     err: np.ndarray | None = None
+    lump: float = 0.0
 
     # ----------------------------------------------------------------------------- read-out
     def _curves(self) -> _Curves:

@@ -111,6 +111,7 @@ _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparse
 _FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass ...
 _FINE_DECADES = 1 / 64 / 2e-3   # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
+_PROBE_DELTA = 1e-6   # where an epoch of random allocation's two upper PLDs are compared
 
 
 @functools.lru_cache(maxsize=16)
@@ -227,7 +228,15 @@ def step_plds(mechanism: Step, relation: str, h: float, bounds: tuple[bool, ...]
     ``bounds`` (``True``: upper, ``False``: lower).  A randomized-clipping step is built from
     :func:`scale_sums`; the others on one grid of up to :data:`MAX_GRID` points."""
     if isinstance(mechanism, RandomAllocationGaussian):
-        return epoch_plds(mechanism.noise_multiplier, mechanism.steps, relation, h, bounds)
+        plds = epoch_plds(mechanism.noise_multiplier, mechanism.steps, relation, h, bounds)
+        if True in bounds:
+            # the unamplified bound is an upper PLD of the epoch too (either is sound): where its epsilon at
+            # _PROBE_DELTA is the smaller (sigma ~ 0.3, whose lognormal tails leave the grid coarse), it is used
+            bound = step_plds(mechanism.dominating(), "remove", h, (True,))[0]
+            at = bounds.index(True)
+            if bound.epsilon(_PROBE_DELTA) < plds[at].epsilon(_PROBE_DELTA):
+                plds[at] = bound
+        return plds
     q = mechanism.sample_rate
     fine: list[list[StepMasses]] = [[] for _ in bounds]
     pieces: list[list[tuple[np.ndarray, np.ndarray, float, float]]] = [[] for _ in bounds]
