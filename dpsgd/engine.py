@@ -45,7 +45,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 
 from dpmath import Envelope, estimator_envelope
 
-from .distributed import any_rank, check_sharding, is_sharded, local_part
+from .distributed import MIN_ROWS, any_rank, check_sharding, is_sharded, local_part, max_over_ranks, rank_world
 from .estimators import ESTIMATORS, check_k, gaussian_projection, hutchpp_operator
 from .layers import (
     ROOT_PARAMETERS,
@@ -905,19 +905,35 @@ def _row_check(capture: Capture, calls: list[Call], losses: torch.Tensor, model_
     """The row check (:func:`_check_rows`: example ``i``'s loss depends on example ``i``'s rows alone) on a step
     that needs it: a new layout of calls (with the row attribution too), a probed forward, or every step with
     ``check_every_step``; it sees the probed forwards' inputs.  It runs before the step's own backward, which
-    then keeps no graph for it."""
+    then keeps no graph for it.
+
+    Under FSDP2 on several ranks its backward passes gather sharded parameters, so the ranks decide together, in
+    one collective: every rank checks, with the attribution passes, if some rank needs to, and every rank raises if
+    some rank's check fails (:func:`_check_rows` with ``collective``).  Every rank's batch must then hold at least
+    :data:`~dpsgd.distributed.MIN_ROWS` rows (the private loader completes smaller parts with filler rows); a
+    smaller one raises ``ValueError`` on every rank, before any backward."""
     b = losses.shape[0]
     probes, capture.probes = capture.probes, []
     layout = _layout(calls, losses, probes)
     new_layout = layout not in capture.checked_layouts
-    check = b > 1 and (capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls))
-    if any(is_sharded(p) for p in model_params):   # the check's backward gathers parameters: every rank or none
-        check = any_rank(check)
-    if check:
+    need = capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls)
+    # 0: no check, 1: the isolation pass, 2: with the attribution passes
+    level = (2 if new_layout else 1) if need and b > 1 else 0
+    collective = rank_world()[1] > 1 and any(is_sharded(p) for p in model_params)
+    if collective:   # the check's backward gathers parameters: every rank or none, with as many passes
+        level, neg = max_over_ranks([level, -b])
+        fewest = -neg
+        if fewest < MIN_ROWS:
+            raise ValueError(f"a backward of {fewest} row(s) on some rank (this rank: {b}) under FSDP2: every rank "
+                             f"runs the row check's backward, which gathers the sharded parameters, on batches of "
+                             f"at least {MIN_ROWS} rows. Draw the batches from the loader make_private returned (it "
+                             f"completes a rank's smaller part with filler rows that the step weights 0), or give "
+                             f"every rank's losses at least {MIN_ROWS} rows")
+    if level:
         capture.active = False
         try:
             with _keep_saved_buffers():   # a torch.compile'd backward is compiled at its first call
-                _check_rows(losses, calls, probes, attribution=new_layout)
+                _check_rows(losses, calls, probes, attribution=level == 2, collective=collective)
         finally:
             capture.active = True
         capture.checked_layouts.add(layout)
@@ -1124,7 +1140,8 @@ def _layout(calls: list[Call], losses: torch.Tensor, probes: list) -> tuple:
                   shapes(c.cache["share"].meetings) if c.cache.get("share") else ()) for c in calls) + (ops,)
 
 
-def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attribution: bool) -> None:
+def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attribution: bool,
+                collective: bool = False) -> None:
     r"""Raise unless example ``i``'s loss depends on example ``i``'s rows alone (and, with ``attribution``, row ``i``
     of every recorded call is example ``i`` as its handler reads it).  Runs before the step's own backward and
     keeps the autograd graph for it.
@@ -1148,6 +1165,10 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
       measure zero.  Relative tolerance ``1e-6`` in float64, ``1e-4`` in float32, ``5e-2`` when the forward
       ran under autocast or an output is half precision, of the layer's gradient or (if larger) of the
       largest layer's divided by the batch size.
+
+    With ``collective`` (FSDP2: every rank runs the same passes) each pass's verdict is shared after the pass: if
+    any rank's fails, every rank raises (the others :class:`IncompleteGradientError` saying so), so no rank goes on to
+    a backward that the failed one skips.
     """
     b = losses.shape[0]
     rows = _secret_halves(b)
@@ -1210,13 +1231,23 @@ def _check_rows(losses: torch.Tensor, calls: list[Call], probes: list, attributi
         for (name, _), g in zip(probed, grads, strict=True):
             if g is not None and _nonzero_rows(g, outside.to(g.device)):
                 mixed.append((-1, f"the input {name}"))
-        if mixed:
-            raise ExampleMixingError(_mixing_message(mixed, calls))
-        if attribution:
-            sums.finish()
-            if sums.error is not None:
-                raise sums.error
-            _compare_attribution(sums, b)
+        try:
+            if mixed:
+                raise ExampleMixingError(_mixing_message(mixed, calls))
+            if attribution:
+                sums.finish()
+                if sums.error is not None:
+                    raise sums.error
+                _compare_attribution(sums, b)
+        except Exception:
+            # one rank's verdict (its random half may be the one that separates mixed examples) is every rank's:
+            # a rank that went on to the next pass or the step's backward would wait for the others for ever
+            if collective:
+                any_rank(True)
+            raise
+        if collective and any_rank(False):
+            raise IncompleteGradientError("the row check failed on another rank (its error names the cause); the "
+                                          "step was not taken on any rank")
 
 
 def _mixing_message(mixed: list[tuple[int, str]], calls: list[Call]) -> str:
