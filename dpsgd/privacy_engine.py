@@ -63,7 +63,16 @@ from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccount
 from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
-from .distributed import all_sum, as_grad, broadcast_int, check_same_on_ranks, is_sharded, rank_world, reduce_sums
+from .distributed import (
+    all_sum,
+    as_grad,
+    broadcast_int,
+    check_same_on_ranks,
+    filled_loader,
+    is_sharded,
+    rank_world,
+    reduce_sums,
+)
 from .engine import (
     DEFAULT_CHECK_RATE,
     Capture,
@@ -626,6 +635,10 @@ class PrivacyEngine:
         loader = (self._user_loader(data_loader, users, world) if users is not None
                   else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
                   else self._scheme_loader(data_loader, scheme, seeds))
+        if world > 1 and any(is_sharded(p) for p in plan.params):
+            # FSDP2: every rank runs every step's forward and backward, which gather the sharded parameters
+            # together, so a part of fewer than two examples is completed by filler rows weighted 0
+            loader = filled_loader(loader, data_loader.collate_fn)
         self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
@@ -1042,7 +1055,8 @@ class PrivacyEngine:
         says which rows they are, and the backward must be of that whole batch."""
         padding, self._padding = self._padding, None
         if padding is not None and (not isinstance(losses, torch.Tensor) or losses.shape != padding.shape):
-            raise RuntimeError(f"a padded batch of {padding.numel()} rows (TruncatedPoisson(pad=True)) must be "
+            raise RuntimeError(f"a padded batch of {padding.numel()} rows (TruncatedPoisson(pad=True), or a rank's "
+                               f"part under FSDP2) must be "
                                f"backpropagated whole, one loss per row, got losses of shape "
                                f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
         return padding
