@@ -16,7 +16,8 @@ Table 6: the default bracket (``bracket_rtol="auto"``) on Table 1's configuratio
 grid's, and the default's ``epsilon`` and ``epsilon_bracket`` timed against dp_accounting (alternated, median of 5;
 ``--tables 6 --no-prv``).  Tables 1, 2, 4 and 5 show the coarse single grid (``bracket_rtol=None``) as "ours".
 Table 7: the batch samplings' mechanisms beside the dp_accounting events that describe them (truncated Poisson,
-fixed-size batches): :func:`sampling_bench.table_s2`, timed the same way (``--tables 7 --no-prv``).
+fixed-size batches): :func:`sampling_bench.table_s2`, timed the same way, and balls in bins beside Poisson sampling
+and the Renyi bound of random allocation (:func:`sampling_bench.table_s3`; ``--tables 7 --no-prv``).
 
     OMP_NUM_THREADS=1 python benchmarks/accountant_bench.py [--tables 1 2 3 4 5 6 7] [--no-prv]
 """
@@ -251,7 +252,9 @@ if __name__ == "__main__":
     if 6 in args.tables:
         table6()
     if 7 in args.tables:
-        from sampling_bench import table_s2  # benchmarks/, this script's folder
+        from sampling_bench import table_s2, table_s3  # benchmarks/, this script's folder
 
-        print("Table 7: batch samplings' mechanisms beside dp_accounting (sampling_bench.py's Table S2)")
+        print("Table 7: batch samplings' mechanisms beside dp_accounting and balls in bins (sampling_bench.py's "
+              "Tables S2, S3)")
         table_s2()
+        table_s3()

@@ -8,6 +8,12 @@ Table S2: truncated Poisson against dp_accounting's ``TruncatedSubsampledGaussia
 own analysis of truncation) for several ``max_batch_size``; fixed-size batches against dp_accounting's RDP
 accountant on ``SampledWithoutReplacementDpEvent`` (whose noise multiplier is over the replacement sensitivity 2 C).
 Times are medians of alternating runs (A, B, A, B, ...) in one process; ratios are to dp_accounting in the same run.
+Table S3: balls in bins (random allocation, :class:`dpmath.RandomAllocationGaussian`) on its own: the bracket, the
+time to build and read it (cold: the epoch's laws are built, once per noise and epoch length; later queries reuse
+them), beside Poisson sampling at
+rate ``1/t`` with as many steps, the Renyi bound of random allocation (:func:`verify.allocation.allocation_rdp_epsilon`,
+the analysis the random_allocation library calls "direct") and one Gaussian step per epoch (no amplification).
+No peer library we can install computes random allocation's PLD.
 ``--json`` writes the curves of the docs' plot (epsilon against epochs) to benchmarks/results/sampling_curves.json.
 
     OMP_NUM_THREADS=1 python benchmarks/sampling_bench.py --json
@@ -123,6 +129,35 @@ def table_s2() -> None:
     print()
 
 
+ALLOCATION_CASES = [(1.0, 234, 1), (1.0, 234, 10), (0.6, 100, 10), (1.0, 10, 10), (2.0, 1000, 10), (0.8, 4000, 10),
+                    (0.5, 100, 5)]
+"""``(sigma, steps per epoch, epochs)`` of Table S3."""
+
+
+def table_s3(delta: float = DELTA) -> None:
+    import math
+
+    from dpmath import Gaussian
+    from dpmath.pld.allocation import sum_laws
+    from verify.allocation import allocation_rdp_epsilon
+
+    print(f"Table S3: balls in bins (random allocation), delta = {delta:g}; [lower, upper], width, seconds (cold: "
+          f"the epoch's laws built)")
+    print(f"{'sigma':>6s} {'t':>6s} {'epochs':>6s} {'ours [lower, upper]':>24s} {'width':>7s} {'s':>6s} "
+          f"{'Poisson 1/t':>11s} {'Renyi':>8s} {'no ampl.':>9s}")
+    for sigma, t, epochs in ALLOCATION_CASES:
+        sum_laws.cache_clear()   # cold: each row builds its epoch's laws
+        start = time.perf_counter()
+        lo, hi = PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs).epsilon_bracket(delta)
+        took = time.perf_counter() - start
+        poisson = PLDAccountant().compose(SubsampledGaussian(sigma, 1 / t), t * epochs).epsilon(delta)
+        rdp = allocation_rdp_epsilon(sigma, t, epochs, delta)
+        plain = PLDAccountant().compose(Gaussian(sigma / math.sqrt(epochs))).epsilon(delta)
+        print(f"{sigma:6g} {t:6d} {epochs:6d} {f'[{lo:.4f}, {hi:.4f}]':>24s} {(hi - lo) / hi:7.2%} {took:6.1f} "
+              f"{poisson:11.4f} {rdp:8.4f} {plain:9.3f}")
+    print()
+
+
 def curves() -> dict:
     """Upper ends against epochs 1..10, for the docs' plot."""
     out: dict = {"setting": {"N": N, "B": B, "sigma": SIGMA, "delta": DELTA}, "epochs": list(range(1, 11))}
@@ -142,6 +177,7 @@ def main() -> None:
     table_s1()
     if not args.no_peers:
         table_s2()
+    table_s3()
     if args.json:
         with open(os.path.join(RESULTS, "sampling_curves.json"), "w") as fh:
             json.dump(curves(), fh, indent=1)

@@ -237,8 +237,8 @@ def _taken(rows: int, index: list[int]) -> Callable[[list[torch.Tensor], str], t
 
 # a padded batch's filler rows are marked for one backward of the whole batch: refused, as the loader is made (and
 # as a padded batch reaches a splitting sampler), where it would be split
-_UNSPLIT = ("a padded batch (TruncatedPoisson(pad=True)) cannot be split into micro-batches or pieces: backpropagate "
-            "each whole batch, or pad=False")
+_UNSPLIT = ("a padded batch (TruncatedPoisson(pad=True), or a rank's part under FSDP2, which filler rows complete) "
+            "cannot be split into micro-batches or pieces: backpropagate each whole batch (or use pad=False)")
 
 # one number per logical batch drawn by any private loader: a step may use examples of one logical batch only
 _LOGICAL_IDS = itertools.count()

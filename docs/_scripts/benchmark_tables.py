@@ -59,8 +59,10 @@ TASKS = [
          "python benchmarks/rc_bracket_bench.py", CPU, "rc_bracket_bench.txt"),
     Task("Accountants", "What each batch sampling costs, and its peers",
          "ε after 1, 3 and 10 epochs for each `batch_sampling` at the same noise (Table S1); truncated Poisson and "
-         "fixed-size batches beside dp_accounting on the same events (Table S2).",
-         "python benchmarks/sampling_bench.py --json", CPU, "sampling_bench.txt", ("Table S1:", "Table S2:")),
+         "fixed-size batches beside dp_accounting on the same events (Table S2); balls in bins (random allocation) "
+         "beside Poisson sampling at 1/t, the Rényi bound of random allocation and no amplification (Table S3).",
+         "python benchmarks/sampling_bench.py --json", CPU, "sampling_bench.txt",
+         ("Table S1:", "Table S2:", "Table S3:")),
     Task("Accountants", "The two-scale lower end",
          "The lower end of the bracket at tiny sampling rates.", "python benchmarks/two_scale_bench.py", CPU,
          "two_scale_bench.txt"),

@@ -44,10 +44,10 @@ one coarse grid is used, and its upper PLD is replaced by the Gaussian step with
 (:meth:`dpmath.RandomAllocationGaussian.dominating`) where that has the smaller epsilon at ``delta = 1e-6``: both
 are upper bounds, so either choice is sound.
 
-**Cost and width, measured** (``delta = 1e-5``, one core): ``sigma = 1`` and 234 steps an epoch, 6 s to build, then
-0.10 % wide after one epoch and 0.28 % after 10; ``sigma = 0.6``, 100 steps: 0.1 % after 10; ``sigma = 0.8`` and
-4000 steps: 1.9 % after one epoch, 4.5 % after 10 (long epochs need a fine grid where ``S`` concentrates, which
-this one cannot give).
+**Cost and width, measured** (``benchmarks/sampling_bench.py`` Table S3, ``delta = 1e-5``, one core, cold):
+``sigma = 1`` and 234 steps an epoch, 7 s, then 0.09 % wide after one epoch and 0.20 % after 10; ``sigma = 0.6``
+and 100 steps, 13 s, 0.10 % after 10; ``sigma = 2`` and 1000 steps, 0.84 %; ``sigma = 0.8`` and 4000 steps, 4.2 %
+after 10 (a long epoch's sum concentrates where its grid is coarse).
 
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
 of random allocation (:mod:`verify.allocation`).
