@@ -20,10 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
 
 from .data import DPDataLoader, KeepsRowOrder
-from .samplers import PaddedBatch
+from .samplers import PaddedBatch, WrappedBatchSampler
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
@@ -154,7 +153,7 @@ def max_over_ranks(values: Sequence[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-class FilledParts(Sampler[list[int]]):
+class FilledParts(WrappedBatchSampler):
     """A rank's batches under FSDP2, each with at least :data:`MIN_ROWS` rows: a part of fewer examples (none, or
     one) is completed with filler rows, so that this rank runs the same forward, row check and backward, and
     therefore gathers the sharded parameters as many times, as the ranks whose parts are larger.
@@ -183,21 +182,6 @@ class FilledParts(Sampler[list[int]]):
 
     #: refuses splitting each batch into micro-batches or pieces (the private loader checks this attribute)
     pad = True
-
-    def __init__(self, sampler: Sampler[list[int]]) -> None:
-        self.sampler = sampler
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    @property
-    def drawn(self) -> int:
-        """The wrapped sampler's batches drawn (an epoch sampler's count; 0 for a per-step sampler)."""
-        return getattr(self.sampler, "drawn", 0)
-
-    def resume(self, epochs: int) -> None:
-        """The wrapped sampler's ``resume`` (an epoch sampler continuing a run)."""
-        self.sampler.resume(epochs)
 
     @staticmethod
     def check_physical_batch_size(max_physical_batch_size: int) -> None:

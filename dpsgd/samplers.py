@@ -66,6 +66,7 @@ from .data import PoissonBatchSampler
 from .noise import GaussianNoise, StepNoise
 
 __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
+           "WrappedBatchSampler",
            "TruncatedPoissonBatchSampler", "PaddedBatch", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf",
            "as_batch_sampling"]
 
@@ -195,7 +196,27 @@ class EpochBatchSampler(Sampler[list[int]]):
             yield self._epoch.pop()
 
 
-class ShardOf(Sampler[list[int]]):
+class WrappedBatchSampler(Sampler[list[int]]):
+    """A batch sampler that reads another's batches: its length, the batches its stream has drawn and its resumption
+    are the wrapped sampler's (:class:`ShardOf`, :class:`dpsgd.distributed.FilledParts`)."""
+
+    def __init__(self, sampler: Sampler[list[int]]) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def drawn(self) -> int:
+        """Batches the wrapped stream has drawn (an epoch sampler's count; 0 for a per-step sampler)."""
+        return getattr(self.sampler, "drawn", 0)
+
+    def resume(self, epochs: int) -> None:
+        """The wrapped stream's :meth:`EpochBatchSampler.resume` (an epoch sampler continuing a run)."""
+        self.sampler.resume(epochs)
+
+
+class ShardOf(WrappedBatchSampler):
     """The part of each batch of ``sampler`` (over a global index set) that falls in the shard
     ``[offset, offset + size)``, renumbered from 0: one rank's share of a stream that every rank draws alike.
 
@@ -218,19 +239,8 @@ class ShardOf(Sampler[list[int]]):
     """
 
     def __init__(self, sampler: Sampler[list[int]], offset: int, size: int) -> None:
-        self.sampler, self.offset, self.size = sampler, offset, size
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    @property
-    def drawn(self) -> int:
-        """Batches the global stream has drawn (an epoch sampler's count; 0 for a per-step sampler)."""
-        return getattr(self.sampler, "drawn", 0)
-
-    def resume(self, epochs: int) -> None:
-        """The global stream's :meth:`EpochBatchSampler.resume`."""
-        self.sampler.resume(epochs)
+        super().__init__(sampler)
+        self.offset, self.size = offset, size
 
     def __iter__(self) -> Iterator[list[int]]:
         lo, hi = self.offset, self.offset + self.size

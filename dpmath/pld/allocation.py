@@ -30,19 +30,22 @@ serves both.  A term beyond the grid's cap ``M`` (probability at most ``1e-14`` 
 charged to ``+inf`` (upper) or dropped (lower).
 
 The loss of ``S`` rounds by at most ``D / S-bar`` nats.  A lognormal's heavy tail stretches the grid, so where one
-grid of ``2^21`` points would be coarser than ``2e-4`` (``sigma`` near 1 or below, or long epochs), **removing**
-is split by the largest term: caps ``m_0 < m_1 < ... < m_L`` (``m_0`` the largest whose sum fits ``2^21`` points at
-that step, each next about ``1e-3 * 2^21 / t`` times the last), and part ``i`` is the law on the event that the
-largest term lies in ``(m_{i-1}, m_i]``, where ``S > m_{i-1}``.  Each part sits on its own grid, of a step about
-``m_i / 2^21``, so it rounds ``S`` by at most ``1e-3`` of itself; the grids are nested and every cap is a point of
-two neighbouring grids, so the events are exactly complementary.  Part ``i`` is the difference of the laws with
-caps ``m_i`` and ``m_{i-1}`` on its grid (pointwise: upper minus lower for the upper bound, lower minus upper for
-the lower).  **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and
-where ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the
-loss is below every one that matters).  Where even that fails (``sigma`` near 0.3, whose terms span 13 decades),
-one coarse grid is used, and its upper PLD is replaced by the Gaussian step without amplification
-(:meth:`dpmath.RandomAllocationGaussian.dominating`) where that has the smaller epsilon at ``delta = 1e-6``: both
-are upper bounds, so either choice is sound.
+grid of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coarser than ``2e-4`` (``sigma``
+near 1 or below, or long epochs), **removing** is split by the largest term: caps ``m_0 < m_1 < ... < m_L``
+(``m_0`` the largest whose sum fits ``n`` points at that step, each next about ``1e-3 n / t`` times the last), and
+part ``i`` is the law on the event that the largest term lies in ``(m_{i-1}, m_i]``, where ``S > m_{i-1}``.  Each
+part sits on its own grid, of a step about ``m_i / n``, so it rounds ``S`` by at most ``1e-3`` of itself; the
+grids are nested and every cap is a point of two neighbouring grids, so the events are exactly complementary.
+Part ``i`` is the difference of the laws with caps ``m_i`` and ``m_{i-1}`` on its grid (pointwise: upper minus
+lower for the upper bound, lower minus upper for the lower).
+
+**Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
+``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
+is below every one that matters).
+
+Where the grids fail (``sigma`` near 0.3, whose terms span 13 decades), one coarse grid is used, and its upper PLD
+is replaced by the Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.dominating`) where
+that has the smaller epsilon at ``delta = 1e-6``: both are upper bounds, so either choice is sound.
 
 **Cost and width, measured** (``benchmarks/sampling_bench.py`` Table S3, ``delta = 1e-5``, one core, cold):
 ``sigma = 1`` and 234 steps an epoch, 7 s, then 0.09 % wide after one epoch and 0.20 % after 10; ``sigma = 0.6``
@@ -68,13 +71,14 @@ from .distribution import Pld
 __all__ = ["epoch_plds", "sum_laws", "SumLaw"]
 
 _CAP_Z = 7.65            # a term's cap is its lognormal's 1 - 1e-14 quantile (the allocated term's; charged)
-_POINTS = 1 << 21        # grid points of one composed sum (a few FFT passes of 2^21 to 2^22 points)
+_POINTS = 1 << 21        # grid points of one composed sum (FFT passes of 2^21 to 2^24 points; about 1.5 GB at peak) ...
+_SHORT, _SHORT_POINTS = 128, 1 << 20   # ... half as many for epochs of at most 128 steps, already 0.05 % wide there
 _FINE = 2e-4             # the grid step (in S-bar units: nats of loss near S-bar = 1) removing tries to reach
 _FINEST = 1e-4           # no finer grid than this (the default loss grid's step)
 _ADD_CAP = 3.0           # adding: a term above at most t e^3 is held there (upper) or dropped (lower)
 _WINDOW_TAIL = 1e-18     # mass a composed sum's window leaves out on each side (charged like the cap)
 _TRIAL = 1 << 14         # grid points of a term's law when only its sum's window is measured
-_LEVEL_RTOL = 1e-3       # removing, heavy tails: a level's relative rounding of S, t R / _POINTS for caps R apart
+_LEVEL_RTOL = 1e-3       # removing, heavy tails: a level's relative rounding of S, t R / points for caps R apart
 
 
 @dataclass(frozen=True)
@@ -163,52 +167,55 @@ def _difference(whole: SumLaw, part: SumLaw) -> SumLaw:
     return SumLaw(whole.step, lo, upper, lo - shift, lower, whole.inf, whole.slack + part.slack)
 
 
-@functools.lru_cache(maxsize=4)   # both directions of two noise levels: up to about 150 MB each
+@functools.lru_cache(maxsize=2)   # both directions of one noise level: up to about 150 MB
 def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
     """The laws of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``), as
     parts on disjoint events whose bounds add up (one part, or the fine part on ``A`` and the coarse part on its
     complement)."""
     t = steps
+    points = _SHORT_POINTS if t <= _SHORT else _POINTS
     if relation == "add":
         # a term above m is held at m: S falls by (W - m)_+, whose mean (the upper tail's share of E W = 1,
         # P(N(0, 1) > (log m - mu^2/2) / mu)) is kept at a quarter of the fine step
         cap = min(t * math.exp(_ADD_CAP), math.exp(0.5 * mu * mu - mu * special.ndtri(0.25 * _FINE)))
         span, top = _span(mu, t, cap, False, negate=True)
-        step = max(_FINEST, span / _POINTS)
+        step = max(_FINEST, span / points)
         k_top = math.ceil(min(cap, top) / step)
         up = _sum(mu, t, step, k_top, False, negate=True, up=False, hold=True).full()
         low = _sum(mu, t, step, k_top, False, negate=True, up=True, lower_mode=True).full()
         return (SumLaw(step, up.start, up.pmf, low.start, low.pmf, up.inf, low.slack),)
     whole_span, top = _span(mu, t, math.exp(0.5 * mu * mu + _CAP_Z * mu), True)
     cap = min(math.exp(0.5 * mu * mu + _CAP_Z * mu), top)
-    cap_step = whole_span / _POINTS
+    cap_step = whole_span / points
     if cap_step <= _FINE:
         step = max(_FINEST, cap_step)
         return (_upper_law(_sum(mu, t, step, math.ceil(cap / step), True), t),)
     # caps m_0 < m_1 < ... < m_L = cap: m_0 the largest (halving, down to 1) whose sum fits the points at the fine
     # step, each next R times the last.  Part i is the law on {the largest term in (m_{i-1}, m_i]}, where S > m_{i-1}
-    # and the grid's step is about m_i / _POINTS (or the bulk's spread over _POINTS, where S is near t anyway), so S
-    # rounds by at most t R / _POINTS of itself: R is chosen for _LEVEL_RTOL (between 4 and 1024)
-    ratio = min(1024.0, max(4.0, _LEVEL_RTOL * _POINTS / t))
+    # and the grid's step is about m_i / points (or the bulk's spread over points, where S is near t anyway), so S
+    # rounds by at most t R / points of itself: R is chosen for _LEVEL_RTOL (between 4 and 1024)
+    ratio = min(1024.0, max(4.0, _LEVEL_RTOL * points / t))
     m = cap
-    while m / 2.0 >= 1.0 and _span(mu, t, m, True)[0] / _POINTS > _FINE:
+    while m / 2.0 >= 1.0 and _span(mu, t, m, True)[0] / points > _FINE:
         m /= 2.0
     span, top = _span(mu, t, m, True)
-    caps, steps_ = [min(m, top)], [max(_FINEST, span / _POINTS)]   # a term above its window's top is above m
+    caps, steps_ = [min(m, top)], [max(_FINEST, span / points)]   # a term above its window's top is above m
     while caps[-1] < cap:
         nxt = min(cap, caps[-1] * ratio)
         caps.append(nxt)
-        steps_.append(cap_step if nxt == cap else _span(mu, t, nxt, True)[0] / _POINTS)
+        steps_.append(cap_step if nxt == cap else _span(mu, t, nxt, True)[0] / points)
     # nested grids, coarse to fine: each step divides the next, and each cap is a point of its level's grid and
     # of the next, so the parts' events are complementary
     for i in range(len(steps_) - 2, -1, -1):
         steps_[i] = steps_[i + 1] / max(1, math.floor(steps_[i + 1] / steps_[i]))
     k = [math.floor(c / steps_[i + 1]) * round(steps_[i + 1] / steps_[i]) for i, c in enumerate(caps[:-1])]
     k.append(math.ceil(cap / steps_[-1]))
-    if any(j < 1 for j in k) or any(j > 4 * _POINTS for j in k):
+    if any(j < 1 for j in k) or any(j > 2 * points for j in k):
         # a grid cannot tell one level from the next (tails so heavy, sigma ~ 0.3, that one grid of the whole sum is
-        # all there is): one part on the coarsest grid, valid on both sides and loose
-        return (_upper_law(_sum(mu, t, cap_step, math.ceil(cap / cap_step), True), t),)
+        # all there is): one part on a coarse grid (a quarter of the points: its upper end is rarely the one used,
+        # see dpmath.pld.steps), valid on both sides and loose
+        coarse = 4.0 * cap_step
+        return (_upper_law(_sum(mu, t, coarse, math.ceil(cap / coarse), True), t),)
     sums: dict[tuple[float, int], Composition] = {}   # levels sharing a grid share a composition
 
     def law(step: float, k_top: int, restricted: bool) -> SumLaw:
