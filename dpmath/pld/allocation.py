@@ -260,7 +260,32 @@ def _losses(law: SumLaw, steps: int, relation: str, h: float, upper: bool) -> tu
 
 def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bounds: tuple[bool, ...]) -> list[Pld]:
     """One epoch of random allocation in the direction ``relation`` (``"remove"`` or ``"add"``) on the loss grid
-    ``h``, as a discrete PLD for each bound in ``bounds`` (``True``: upper)."""
+    ``h``, as a discrete PLD for each bound in ``bounds`` (``True``: upper).
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        ``sigma``.
+    steps : int
+        Steps in the epoch, ``t``.
+    relation : str
+        ``"remove"`` or ``"add"``.
+    h : float
+        The loss grid's step.
+    bounds : tuple of bool
+        Which PLDs: ``True`` upper, ``False`` lower.
+
+    Returns
+    -------
+    list of Pld
+
+    Examples
+    --------
+    >>> from dpmath.pld.allocation import epoch_plds
+    >>> upper, lower = epoch_plds(2.0, 10, "remove", 1e-3, (True, False))
+    >>> lower.delta(0.5) <= upper.delta(0.5) <= 1.01 * lower.delta(0.5)
+    True
+    """
     mu = 1.0 / noise_multiplier
     laws = sum_laws(mu, steps, relation)
     out = []
