@@ -282,7 +282,7 @@ def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bou
     Examples
     --------
     >>> from dpmath.pld.allocation import epoch_plds
-    >>> upper, lower = epoch_plds(2.0, 10, "remove", 1e-3, (True, False))
+    >>> upper, lower = epoch_plds(2.0, 10, "remove", 1e-4, (True, False))
     >>> lower.delta(0.5) <= upper.delta(0.5) <= 1.01 * lower.delta(0.5)
     True
     """
