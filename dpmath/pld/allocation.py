@@ -170,8 +170,8 @@ def _difference(whole: SumLaw, part: SumLaw) -> SumLaw:
 @functools.lru_cache(maxsize=2)   # both directions of one noise level: up to about 150 MB
 def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
     """The laws of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``), as
-    parts on disjoint events whose bounds add up (one part, or the fine part on ``A`` and the coarse part on its
-    complement)."""
+    parts on disjoint events whose bounds add up: one part, or (removing, heavy tails) one per level of the largest
+    term, each on its own grid (module docstring)."""
     t = steps
     points = _SHORT_POINTS if t <= _SHORT else _POINTS
     if relation == "add":
@@ -184,21 +184,25 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
         up = _sum(mu, t, step, k_top, False, negate=True, up=False, hold=True).full()
         low = _sum(mu, t, step, k_top, False, negate=True, up=True, lower_mode=True).full()
         return (SumLaw(step, up.start, up.pmf, low.start, low.pmf, up.inf, low.slack),)
-    whole_span, top = _span(mu, t, math.exp(0.5 * mu * mu + _CAP_Z * mu), True)
-    cap = min(math.exp(0.5 * mu * mu + _CAP_Z * mu), top)
+    z_cap = math.exp(0.5 * mu * mu + _CAP_Z * mu)
+    whole_span, top = _span(mu, t, z_cap, True)
+    cap = min(z_cap, top)
     cap_step = whole_span / points
-    if cap_step <= _FINE:
-        step = max(_FINEST, cap_step)
+
+    def one_grid(step: float) -> tuple[SumLaw]:
         return (_upper_law(_sum(mu, t, step, math.ceil(cap / step), True), t),)
+
+    if cap_step <= _FINE:
+        return one_grid(max(_FINEST, cap_step))
     # caps m_0 < m_1 < ... < m_L = cap: m_0 the largest (halving, down to 1) whose sum fits the points at the fine
     # step, each next R times the last.  Part i is the law on {the largest term in (m_{i-1}, m_i]}, where S > m_{i-1}
     # and the grid's step is about m_i / points (or the bulk's spread over points, where S is near t anyway), so S
     # rounds by at most t R / points of itself: R is chosen for _LEVEL_RTOL (between 4 and 1024)
     ratio = min(1024.0, max(4.0, _LEVEL_RTOL * points / t))
-    m = cap
-    while m / 2.0 >= 1.0 and _span(mu, t, m, True)[0] / points > _FINE:
+    m, (span, top) = cap, _span(mu, t, cap, True)
+    while m / 2.0 >= 1.0 and span / points > _FINE:
         m /= 2.0
-    span, top = _span(mu, t, m, True)
+        span, top = _span(mu, t, m, True)
     caps, steps_ = [min(m, top)], [max(_FINEST, span / points)]   # a term above its window's top is above m
     while caps[-1] < cap:
         nxt = min(cap, caps[-1] * ratio)
@@ -214,8 +218,7 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
         # a grid cannot tell one level from the next (tails so heavy, sigma ~ 0.3, that one grid of the whole sum is
         # all there is): one part on a coarse grid (a quarter of the points: its upper end is rarely the one used,
         # see dpmath.pld.steps), valid on both sides and loose
-        coarse = 4.0 * cap_step
-        return (_upper_law(_sum(mu, t, coarse, math.ceil(cap / coarse), True), t),)
+        return one_grid(4.0 * cap_step)
     sums: dict[tuple[float, int], Composition] = {}   # levels sharing a grid share a composition
 
     def law(step: float, k_top: int, restricted: bool) -> SumLaw:
