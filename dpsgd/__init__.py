@@ -3,7 +3,8 @@
 :class:`PrivacyEngine` (``make_private``, Opacus-style) trains any model with DP-SGD whose per-example
 gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or
 computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
-a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), a module validator
+a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), example isolation by structure
+(:mod:`dpsgd.isolation`), a module validator
 (:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
 ``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`),
 paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`), the step's noise (:mod:`dpsgd.noise`: Gaussian,
@@ -14,10 +15,11 @@ Importing this package does not need torch until one of these names is used.
 __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
            "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
            "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise", "UnsupportedSamplerError",
-           "UnaccountedSamplingError"]
+           "UnaccountedSamplingError", "ExampleTracker", "audit_isolation"]
 
-_WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "engine",
-          "ExampleMixingError": "engine", "StateChangedError": "engine",
+_WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "isolation",
+          "ExampleMixingError": "isolation", "StateChangedError": "engine", "ExampleTracker": "isolation",
+          "audit_isolation": "isolation",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
           "HybridClipping": "sampling",

@@ -411,7 +411,7 @@ class DPDataLoader(DataLoader):
                     self.on_empty()
                 continue
             if self.on_batch is not None:   # users, or a padded batch's filler, with the rows they belong to
-                self.on_batch(*chunk.reported())
+                self.on_batch(*chunk.reported(), batch=batch)
             yield batch
 
     def _assembled(self, chunk: _Chunk, parts: list) -> Any:

@@ -47,6 +47,7 @@ from dpmath import Envelope, estimator_envelope
 
 from .distributed import MIN_ROWS, any_rank, check_sharding, is_sharded, local_part, max_over_ranks, rank_world
 from .estimators import ESTIMATORS, check_k, gaussian_projection, hutchpp_operator
+from .isolation import ExampleMixingError, IncompleteGradientError, check_call_rows
 from .layers import (
     ROOT_PARAMETERS,
     Call,
@@ -73,16 +74,6 @@ __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientErr
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
            "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "unit_sq_norms",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
-
-
-class IncompleteGradientError(RuntimeError):
-    """A parameter received gradient that the per-example norms did not count; the step was not taken."""
-
-
-class ExampleMixingError(IncompleteGradientError):
-    """One example's loss depends on another example's input or activations (a batch statistic, softmax or
-    attention over the batch, a loss that reads other rows): adding one example would move the others'
-    clipped contributions, so no bound by ``C`` holds.  The step was not taken."""
 
 
 class StateChangedError(RuntimeError):
@@ -358,6 +349,10 @@ class Capture:
         self.probes: list[tuple[str, torch.Tensor, object]] = []
         self._state: list | None = None
         self._swapped: dict[int, dict] = {}
+        # the engine's ExampleTracker and the ids of the batch being trained on: every recorded call's rows are
+        # checked against them (dpsgd.isolation)
+        self.tracker = None
+        self.batch_ids: torch.Tensor | None = None
         root = plan.model
         # the hooks run eagerly in a torch.compile'd model (each is a graph break): the compiled code between them
         # is the model's own, and the aliases are its inputs
@@ -518,6 +513,9 @@ class Capture:
             # follows the precision the backward ran in
             call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                                            if torch.is_autocast_enabled(d)), None)
+            if self.tracker is not None and self.batch_ids is not None:
+                check_call_rows(self.tracker, self.batch_ids, f"a call of {unit.path or type(module).__name__}",
+                                [*flat_tensors(list(args)), *flat_tensors(kwargs), *outs])
             unit.handler.check_forward(call)
             self.calls.append(call)
             return output if (share is not None and not own) or len(outs) > 1 else None

@@ -83,6 +83,7 @@ from .engine import (
     clipped_backward,
     noisy_gradients,
 )
+from .isolation import ExampleMixingError, ExampleTracker, check_backward_functions
 from .noise import GaussianNoise, StepNoise, as_noise
 from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
@@ -460,6 +461,8 @@ class PrivacyEngine:
         self.ledger_path = ledger_path
         self._check_every_step = False
         self._check_rate = DEFAULT_CHECK_RATE
+        self._track_examples = False
+        self._tracker: ExampleTracker | None = None
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
@@ -875,6 +878,9 @@ class PrivacyEngine:
         and the loss."""
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
+        # example isolation by structure: active from each batch the private loader yields to its backward
+        self._tracker = ExampleTracker(state=lambda: [*module.parameters(), *module.buffers()])
+        self._capture.tracker = self._tracker if self._track_examples else None
         _ENGINES[module] = weakref.ref(self)
         self._module = module
         self._optimizer = DPOptimizer(optimizer, self)
@@ -912,21 +918,41 @@ class PrivacyEngine:
             self._capture.check_every_step = self._check_every_step
 
     @property
+    def track_examples(self) -> bool:
+        """Whether every step proves example isolation by structure (:mod:`dpsgd.isolation`): each batch the
+        private loader yields is followed through every operation until its backward, and a loss or recorded
+        call that depends on several examples, example data written into the model's state, or a custom
+        ``autograd.Function`` on the way to the losses raises :class:`~dpsgd.ExampleMixingError` on the step
+        it happens.  Default ``False`` while the tracker's coverage of the trainer's layouts is completed
+        (then the sampled row check below guards isolation)."""
+        return self._track_examples
+
+    @track_examples.setter
+    def track_examples(self, value: bool) -> None:
+        self._track_examples = bool(value)
+        if self._capture is not None:
+            if not self._track_examples:
+                self._untrack()
+            self._capture.tracker = self._tracker if self._track_examples else None
+
+    @property
     def check_rate(self) -> float:
-        """Probability in ``(0, 1]`` that a step is checked (drawn from ``os.urandom`` at its forward); default
+        """Probability in ``[0, 1]`` that a step is checked (drawn from ``os.urandom`` at its forward); default
         0.125.  A check costs one extra backward without weight gradients (about 0.6 of a non-private step on
         the long-context benchmark).  A checked step catches a dependence of one example's loss on
         another given example's input or activations with probability at least 1/4 (a batch-wide statistic
         almost surely), so a violation present on ``m`` steps is missed with probability at most
         ``(1 - check_rate / 4)^m`` (0.042 for 100 steps, 7e-5 for 300, at the default rate; a
-        batch-wide statistic about ``(1 - check_rate)^m``)."""
+        batch-wide statistic about ``(1 - check_rate)^m``).  With :attr:`track_examples` isolation is proved on
+        every step by structure, and ``check_rate = 0`` leaves the row check to a model's first step and
+        each new layout of calls, where it checks each handler's per-example gradients against autograd."""
         return self._check_rate
 
     @check_rate.setter
     def check_rate(self, value: float) -> None:
         rate = float(value)
-        if not 0 < rate <= 1:
-            raise ValueError(f"check_rate must lie in (0, 1] (use check_every_step=True for 1), got {value!r}")
+        if not 0 <= rate <= 1:
+            raise ValueError(f"check_rate must lie in [0, 1] (use check_every_step=True for 1), got {value!r}")
         self._check_rate = rate
         if self._capture is not None:
             self._capture.check_rate = rate
@@ -1028,6 +1054,7 @@ class PrivacyEngine:
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
+        self._check_isolated(losses)
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
         # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
@@ -1062,15 +1089,51 @@ class PrivacyEngine:
         return padding
 
     def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None,
-                  padding: torch.Tensor | None = None) -> None:
+                  padding: torch.Tensor | None = None, batch: object = None) -> None:
         if self._pending is not None and logical != self._pending:
             raise RuntimeError(self._drawn_twice)
+        self._track(batch)
         self._padding = padding
         if self._user_rows is not None:
             self._user_rows.drawn(groups)
         self._pending = logical
         self._drawn += size
         self._skip_next = not last
+
+    def _track(self, batch: object) -> None:
+        """Register the batch the loader yields with the tracker, and make the tracker active until its backward:
+        every tensor computed from it, wherever the user's code takes it, is followed (:mod:`dpsgd.isolation`)."""
+        capture = self._capture
+        tracker = capture.tracker
+        if tracker is None:
+            return
+        if not tracker.active:
+            tracker.push()
+        capture.batch_ids = tracker.register(batch)
+
+    def _untrack(self) -> None:
+        capture = self._capture
+        if capture is not None and capture.tracker is not None:
+            capture.tracker.pop()
+            capture.batch_ids = None
+
+    def _check_isolated(self, losses: torch.Tensor) -> None:
+        """The losses must be one per example of the batch the loader yielded, each computed from its own example
+        only (the tracker's record of the operations that made them), and no custom ``autograd.Function`` whose
+        backward the tracker cannot see may stand between them and the parameters."""
+        capture = self._capture
+        tracker, ids = capture.tracker, capture.batch_ids
+        if tracker is None or not isinstance(losses, torch.Tensor) or not self._track_examples:
+            return
+        try:
+            if ids is None:
+                raise ExampleMixingError("the per-example losses were not computed from a batch of the private data "
+                                         "loader (its batches are followed from the moment it yields them): a batch "
+                                         "made by hand is not charged by the accountant")
+            tracker.check_rows(losses, ids, "the per-example losses")
+            check_backward_functions(losses)
+        finally:
+            self._untrack()
 
     def _zero_grad(self) -> None:
         self._require_private()
@@ -1098,6 +1161,7 @@ class PrivacyEngine:
 
     def _step(self) -> None:
         self._require_private()
+        self._untrack()
         if self._skip_next:
             self._skip_next, self._last_skipped = False, True
             return
@@ -1352,6 +1416,7 @@ class PrivacyEngine:
     def detach(self) -> None:
         """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""
         if self._capture is not None:
+            self._untrack()
             self._capture.remove()
 
     def state_dict(self) -> dict:

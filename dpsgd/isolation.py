@@ -1,0 +1,1145 @@
+r"""Example isolation by structure: which examples every tensor of a private step was computed from.
+
+Handlers read row ``i`` of a recorded call as example ``i``, and the clipped sum is bounded by ``C`` only if
+example ``i``'s loss is a function of example ``i``'s data and the parameters alone.  This module proves that
+for the step being taken, on every step, from the operations that actually ran: an
+:class:`ExampleTracker` (a ``TorchDispatchMode``) is active from the moment the private loader yields a batch
+until its private backward.  Every tensor of the batch (in a dict, a list, kwargs, wherever it goes) is
+registered with the examples its rows belong to, and every ATen operation that reads a registered tensor
+registers its outputs by a rule that follows the operation's semantics:
+
+* an element-wise operation keeps the example axis where broadcasting puts it;
+* a view, reshape, permutation, slice, concatenation or index maps the axis (and its example ids) to
+  the output's dimension that carries it (flattening ``(B, T)`` to ``B T`` rows keeps one id per row);
+* a reduction, scan, sort or softmax over the example axis, a matrix product that contracts it, attention
+  whose keys carry other examples, and every operation without a rule mark the output **mixed**;
+* data from an earlier batch (state kept on an attribute, a buffer, a closure) carries other example ids,
+  so combining it with this batch is mixing too; writing example data into a parameter or buffer of the
+  model in place is refused at once.
+
+This follows data through ``torch.no_grad()``, ``detach()``, integer operations (token ids, routing
+indices), submodule calls and the user's own code between the loader and the loss, because it sees
+operations, not modules or gradients.  Nothing is sampled: there is no miss probability.  A mixed tensor
+is allowed to exist (Hugging Face checks ``attention_mask.all()`` to pick an attention kernel); it is
+refused where it matters: as a per-example loss, as an input or output of a recorded module call, or as
+state written by the forward (:class:`ExampleMixingError` naming the first operation that mixed).
+
+What it cannot see is host data: a value taken out of a tensor into Python (``.item()``, ``.tolist()``,
+``.numpy()``) and used to build a new tensor or to branch.  Taking a *per-example* value out is refused
+(it could be written into other examples' rows); a batch-wide condition (``mask.all()``) may pick a code
+path, which must compute the same function for every example either way: :func:`audit_isolation` checks a
+model's forward that way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = ["ExampleMixingError", "ExampleTracker", "IncompleteGradientError", "Rows", "audit_isolation",
+           "check_call_rows"]
+
+aten = torch.ops.aten
+
+
+class IncompleteGradientError(RuntimeError):
+    """A parameter received gradient that the per-example norms did not count; the step was not taken."""
+
+
+class ExampleMixingError(IncompleteGradientError):
+    """One example's loss, or a recorded module call, depends on another example's data (a batch statistic,
+    softmax or attention over the batch, a loss that reads other rows, state kept from an earlier batch):
+    adding one example would move the others' clipped contributions, so no bound by ``C`` holds.  The step
+    was not taken."""
+
+
+class Rows(NamedTuple):
+    """The examples a tensor's elements were computed from.
+
+    ``axes`` pairs a dimension with the example id of each index along it (a CPU ``int64`` tensor); an
+    element depends on the examples of its indices along the axes and on nothing else of the batch.
+    ``mixed`` names the first operation after which some element depends on several examples (then
+    ``axes`` is empty).
+    """
+
+    axes: tuple[tuple[int, torch.Tensor], ...] = ()
+    mixed: str | None = None
+
+    def axis(self, dim: int) -> torch.Tensor | None:
+        for d, ids in self.axes:
+            if d == dim:
+                return ids
+        return None
+
+
+def _mixed(why: str) -> Rows:
+    return Rows((), why)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+def _merge(parts: list[tuple[int, torch.Tensor]], why: str) -> Rows:
+    """Axes gathered from several inputs, keyed by output dimension: the same dimension must carry the same
+    examples in the same order, or the output combines rows of different examples."""
+    axes: dict[int, torch.Tensor] = {}
+    for d, ids in parts:
+        seen = axes.get(d)
+        if seen is None:
+            axes[d] = ids
+        elif not _same(seen, ids):
+            return _mixed(why)
+    return Rows(tuple(sorted(axes.items(), key=lambda x: x[0])))
+
+
+def _norm_dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def _dims_arg(dims: object, n: int) -> list[int]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(n))
+    if isinstance(dims, int):
+        return [_norm_dim(dims, max(n, 1))]
+    return [_norm_dim(int(d), max(n, 1)) for d in dims]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rules: (func, args, kwargs, out, rows of the tensor arguments by position) -> Rows for each output tensor
+
+
+def _pointwise(func, args, kwargs, out, rows):
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if not outs:
+        return []
+    shape = outs[0].shape
+    n = len(shape)
+    parts = []
+    for t, r in rows:
+        if r.mixed:
+            return [r] * len(outs)
+        shift = n - t.dim()
+        for d, ids in r.axes:
+            e = d + shift
+            if e < 0 or shape[e] != ids.numel():
+                return [_mixed(f"{_name(func)} broadcasts one example's rows over several")] * len(outs)
+            parts.append((e, ids))
+    merged = _merge(parts, f"{_name(func)} combines rows of different examples")
+    return [merged if o.shape == shape else _reshaped(merged, shape, o.shape, func) for o in outs]
+
+
+def _name(func) -> str:
+    return f"aten.{func.overloadpacket.__name__}"
+
+
+_RESHAPES: dict = {}
+
+
+def _reshaped(r: Rows, old: torch.Size, new: torch.Size, func) -> Rows:
+    """Rows after a row-major reshape from ``old`` to ``new``: each axis lands on the one output dimension its
+    ids vary along (repeated where the axis is merged with the dimensions after it, tiled where merged with
+    those before it); an axis whose ids vary along two output dimensions is split, and mixes."""
+    if r.mixed or not r.axes:
+        return r
+    axes = []
+    for d, ids in r.axes:
+        key = (tuple(old), tuple(new), d, id(ids))
+        hit = _RESHAPES.get(key)
+        if hit is None:
+            hit = (ids, _reshape_axis(ids, list(old), list(new), d))
+            if len(_RESHAPES) > 4096:
+                _RESHAPES.clear()
+            _RESHAPES[key] = hit   # the entry holds ids, so id(ids) is not reused while it is cached
+        found = hit[1]
+        if found is None:
+            return _mixed(f"{_name(func)} splits the example axis")
+        axes.append(found)
+    return _merge(axes, f"{_name(func)} merges two example axes")
+
+
+def _reshape_axis(ids: torch.Tensor, old: list[int], new: list[int], d: int) -> tuple[int, torch.Tensor] | None:
+    size = old[d]
+    inner = 1
+    for s in old[d + 1:]:
+        inner *= s
+    acc = [1] * len(new)
+    for k in range(len(new) - 2, -1, -1):
+        acc[k] = acc[k + 1] * new[k + 1]
+    # the output dimensions whose index ranges overlap the axis's span [inner, inner * size) of the flat index
+    K = [k for k in range(len(new)) if new[k] > 1 and acc[k] * new[k] > inner and acc[k] < inner * size]
+    if not K:
+        one = [k for k in range(len(new)) if new[k] == 1 and acc[k] == inner]
+        return (one[0], ids) if one and size == 1 else None
+    if inner % acc[K[-1]]:
+        return None
+    flat = torch.zeros((), dtype=torch.long)
+    for j, k in enumerate(K):
+        shape = [1] * len(K)
+        shape[j] = new[k]
+        flat = flat + torch.arange(new[k]).view(shape) * acc[k]
+    labels = ids[(flat // inner) % size]
+    along = []
+    for j, k in enumerate(K):
+        lj = labels.movedim(j, 0).reshape(new[k], -1)
+        if bool((lj == lj[:, :1]).all()):
+            along.append((k, lj[:, 0].contiguous()))
+    varying = [(k, x) for k, x in along if bool((x != x[0]).any())]
+    if len(varying) == 1:
+        return varying[0]
+    return along[0] if along and not varying else None
+
+
+def _view(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    return [_reshaped(r, t.shape, out.shape, func)]
+
+
+def _permute(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    n = t.dim()
+    name = func.overloadpacket
+    if name is aten.permute:
+        order = [_norm_dim(d, n) for d in args[1]]
+    elif name is aten.t:
+        order = [1, 0] if n == 2 else list(range(n))
+    else:   # transpose
+        a, b = _norm_dim(args[1], n), _norm_dim(args[2], n)
+        order = list(range(n))
+        order[a], order[b] = order[b], order[a]
+    where = {src: dst for dst, src in enumerate(order)}
+    return [Rows(tuple(sorted((where[d], ids) for d, ids in r.axes)), r.mixed)]
+
+
+def _unsqueeze(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    d = _norm_dim(args[1], t.dim() + 1)
+    return [Rows(tuple((a + (a >= d), ids) for a, ids in r.axes), r.mixed)]
+
+
+def _squeeze(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    if r.mixed:
+        return [r]
+    dims = [d for d in range(t.dim()) if t.shape[d] == 1] if len(args) < 2 else \
+        [d for d in _dims_arg(args[1], t.dim()) if t.shape[d] == 1]
+    return [Rows(tuple((a - sum(1 for d in dims if d < a), ids) for a, ids in r.axes if a not in dims))]
+
+
+def _expand(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    shift = out.dim() - t.dim()
+    for a, ids in r.axes:
+        if out.shape[a + shift] != ids.numel():
+            return [_mixed(f"{_name(func)} broadcasts one example over several rows")]
+    return [Rows(tuple((a + shift, ids) for a, ids in r.axes), r.mixed)]
+
+
+def _slice(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    n = t.dim()
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), n)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    ids = r.axis(dim)
+    if ids is None:
+        return [r]
+    taken = ids[slice(start, end, step)]
+    return [Rows(tuple((a, taken if a == dim else x) for a, x in r.axes), r.mixed)]
+
+
+def _narrow(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    dim = _norm_dim(args[1], t.dim())
+    start = int(args[2]) if not isinstance(args[2], torch.Tensor) else int(args[2].item())
+    ids = r.axis(dim)
+    if ids is None:
+        return [r]
+    if start < 0:
+        start += t.shape[dim]
+    taken = ids[start:start + int(args[3])]
+    return [Rows(tuple((a, taken if a == dim else x) for a, x in r.axes), r.mixed)]
+
+
+def _select(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    dim = _norm_dim(args[1], t.dim())
+    if r.mixed:
+        return [r]
+    if r.axis(dim) is not None:
+        return [_mixed(f"{_name(func)} takes one example's row out of the batch")]
+    return [Rows(tuple((a - (a > dim), x) for a, x in r.axes))]
+
+
+def _split(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    n = t.dim()
+    dim = _norm_dim(args[2] if len(args) > 2 else kwargs.get("dim", 0), n)
+    ids = r.axis(dim)
+    results, start = [], 0
+    for o in out:
+        size = o.shape[dim]
+        if ids is None:
+            results.append(r)
+        else:
+            taken = ids[start:start + size]
+            results.append(Rows(tuple((a, taken if a == dim else x) for a, x in r.axes), r.mixed))
+        start += size
+    return results
+
+
+def _unbind(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), t.dim())
+    if r.axis(dim) is not None:
+        return [_mixed(f"{_name(func)} takes examples' rows out of the batch")] * len(out)
+    return [Rows(tuple((a - (a > dim), x) for a, x in r.axes if a != dim), r.mixed)] * len(out)
+
+
+def _diagonal(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    n = t.dim()
+    offset = args[1] if len(args) > 1 else kwargs.get("offset", 0)
+    d1 = _norm_dim(args[2] if len(args) > 2 else kwargs.get("dim1", 0), n)
+    d2 = _norm_dim(args[3] if len(args) > 3 else kwargs.get("dim2", 1), n)
+    if r.mixed:
+        return [r]
+    rest = [d for d in range(n) if d not in (d1, d2)]
+    axes = [(rest.index(a), ids) for a, ids in r.axes if a in rest]
+    i1, i2 = r.axis(d1), r.axis(d2)
+    length = out.shape[-1]
+    rows1 = torch.arange(length) + max(-offset, 0)
+    rows2 = torch.arange(length) + max(offset, 0)
+    along = [x for x in (None if i1 is None else i1[rows1], None if i2 is None else i2[rows2]) if x is not None]
+    axes += [(n - 2, x) for x in along]
+    return [_merge(axes, f"{_name(func)} pairs rows of different examples")]
+
+
+def _cat(func, args, kwargs, out, rows):
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    n = out.dim()
+    dim = _norm_dim(dim, n)
+    by_id = {id(t): r for t, r in rows}
+    parts, along = [], []
+    for t in tensors:
+        if t.dim() == 1 and t.numel() == 0:   # the legacy empty tensor, skipped by cat
+            continue
+        r = by_id.get(id(t), Rows())
+        if r.mixed:
+            return [r]
+        ids = r.axis(dim)
+        along.append(ids if ids is not None else torch.full((t.shape[dim],), -1, dtype=torch.long))
+        parts += [(a, x) for a, x in r.axes if a != dim]
+    merged = _merge(parts, f"{_name(func)} joins rows of different examples")
+    if merged.mixed:
+        return [merged]
+    joined = torch.cat(along)
+    if (joined >= 0).any():
+        if (joined < 0).any():
+            # rows of no example beside example rows along the axis: a public row is a row of no example
+            pass
+        merged = _merge([*merged.axes, (dim, joined)], f"{_name(func)} joins rows of different examples")
+    return [merged]
+
+
+def _stack(func, args, kwargs, out, rows):
+    tensors = args[0]
+    n = out.dim()
+    dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), n)
+    by_id = {id(t): r for t, r in rows}
+    parts = []
+    for t in tensors:
+        r = by_id.get(id(t), Rows())
+        if r.mixed:
+            return [r]
+        parts += [(a + (a >= dim), x) for a, x in r.axes]
+    return [_merge(parts, f"{_name(func)} stacks rows of different examples")]
+
+
+def _reduction(dims_at: int | None, keep_at: int | None, scan: bool = False):
+    """A reduction over ``args[dims_at]`` (all dimensions when absent); ``scan`` keeps the shape (cumsum,
+    softmax, sort): the reduced dimension stays but each element reads the whole of it."""
+    def rule(func, args, kwargs, out, rows):
+        (t, r), = rows[:1]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        n = t.dim()
+        if dims_at is None:
+            dims = list(range(n))
+        else:
+            raw = args[dims_at] if len(args) > dims_at else kwargs.get("dim")
+            dims = _dims_arg(raw, n)
+        if r.mixed:
+            return [r] * len(outs)
+        if any(r.axis(d) is not None for d in dims):
+            return [_mixed(f"{_name(func)} reduces over the examples")] * len(outs)
+        if scan:
+            return [r if o.dim() == n else Rows() for o in outs]
+        keep = bool(args[keep_at]) if keep_at is not None and len(args) > keep_at else bool(kwargs.get("keepdim"))
+        results = []
+        for o in outs:
+            if o.dim() == n:   # keepdim
+                results.append(Rows(tuple((a, x) for a, x in r.axes if a not in dims)))
+            elif keep or o.dim() == 0 and n > 0 and not r.axes:
+                results.append(Rows())
+            else:
+                results.append(Rows(tuple((a - sum(1 for d in dims if d < a), x) for a, x in r.axes
+                                          if a not in dims)))
+        return results
+    return rule
+
+
+def _layer_norm(func, args, kwargs, out, rows):
+    """Normalization over the last ``len(normalized_shape)`` dimensions (layer norm, RMS norm)."""
+    t, r = next((t, r) for t, r in rows if t is args[0])
+    k = len(args[1])
+    dims = list(range(t.dim() - k, t.dim()))
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if r.mixed:
+        return [r] * len(outs)
+    if any(r.axis(d) is not None for d in dims) or any(rr.axes or rr.mixed for tt, rr in rows if tt is not t):
+        return [_mixed(f"{_name(func)} normalizes over the examples")] * len(outs)
+    return [r if o.dim() == t.dim() else Rows(tuple((a, x) for a, x in r.axes if a < o.dim())) for o in outs]
+
+
+def _group_norm(func, args, kwargs, out, rows):
+    t, r = next((t, r) for t, r in rows if t is args[0])
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if r.mixed:
+        return [r] * len(outs)
+    if any(a != 0 for a, _ in r.axes) or any(rr.axes or rr.mixed for tt, rr in rows if tt is not t):
+        return [_mixed(f"{_name(func)} normalizes over the examples")] * len(outs)
+    return [r if o.dim() >= 1 and o.shape[0] == t.shape[0] else Rows() for o in outs]
+
+
+def _batch_norm(func, args, kwargs, out, rows):
+    """Batch norm in training mode reduces over the batch; in eval mode it is element-wise."""
+    training = args[5] if func.overloadpacket is aten.native_batch_norm else args[5]
+    t, r = next((t, r) for t, r in rows if t is args[0])
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if training and (r.axes or r.mixed):
+        return [_mixed(f"{_name(func)} in training mode normalizes over the batch")] * len(outs)
+    if any(rr.axes or rr.mixed for tt, rr in rows if tt is not t):
+        return [_mixed(f"{_name(func)} normalizes with statistics of examples")] * len(outs)
+    return [r if o.shape == t.shape else Rows() for o in outs]
+
+
+def _matmul(func, args, kwargs, out, rows):
+    """``mm``, ``bmm``, ``addmm``, ``baddbmm``: ``[..., M, K] @ [..., K, N]``; the contracted ``K`` must carry no
+    example axis; batch dimensions align; ``M`` of the first and ``N`` of the second carry through."""
+    name = func.overloadpacket
+    bias = None
+    if name in (aten.addmm, aten.baddbmm, aten.addbmm):
+        bias, a, b = args[0], args[1], args[2]
+    else:
+        a, b = args[0], args[1]
+    by_id = {id(t): r for t, r in rows}
+    ra, rb = by_id.get(id(a), Rows()), by_id.get(id(b), Rows())
+    for r in (ra, rb):
+        if r.mixed:
+            return [r]
+    n = out.dim()
+    parts = []
+    for d, ids in ra.axes:
+        if d == a.dim() - 1:
+            return [_mixed(f"{_name(func)} contracts the example axis")]
+        parts.append((d, ids))
+    for d, ids in rb.axes:
+        if d == b.dim() - 2:
+            return [_mixed(f"{_name(func)} contracts the example axis")]
+        parts.append((d if d < b.dim() - 2 else n - 1, ids))
+    merged = _merge(parts, f"{_name(func)} multiplies rows of different examples")
+    if bias is not None and bias in by_id:
+        merged = _pointwise(func, (), {}, out, [(bias, by_id[id(bias)])] if merged.mixed else
+                            [(bias, by_id[id(bias)]), (out, merged)])[0]
+    return [merged]
+
+
+def _attention(func, args, kwargs, out, rows):
+    """Scaled dot-product attention: query ``[..., L, E]``, key and value ``[..., S, E]``; the key/value length
+    ``S`` and the embedding ``E`` are contracted, the leading dimensions align."""
+    q, k, v = args[0], args[1], args[2]
+    by_id = {id(t): r for t, r in rows}
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    n = q.dim()
+    parts = []
+    named = [(q, "query"), (k, "key"), (v, "value")]
+    mask = kwargs.get("attn_mask")
+    if mask is None and len(args) > 3 and isinstance(args[3], torch.Tensor):
+        mask = args[3]
+    for t, what in named + ([(mask, "mask")] if isinstance(mask, torch.Tensor) else []):
+        r = by_id.get(id(t), Rows())
+        if r.mixed:
+            return [r] * len(outs)
+        shift = n - t.dim()
+        for d, ids in r.axes:
+            e = d + shift
+            if what == "query" and e == n - 1 or what in ("key", "value") and e >= n - 2 \
+                    or what == "mask" and e == n - 1:
+                return [_mixed(f"{_name(func)} attends across examples")] * len(outs)
+            parts.append((e, ids))
+    merged = _merge(parts, f"{_name(func)} attends across examples")
+    results = []
+    for o in outs:
+        if merged.mixed:
+            results.append(merged)
+        elif o.dim() >= n - 1 and tuple(o.shape[:n - 1]) == tuple(q.shape[:n - 1]):
+            results.append(Rows(tuple((a, x) for a, x in merged.axes if a < o.dim())))
+        elif o.dim() == 0 or not merged.axes:
+            results.append(Rows())
+        else:
+            results.append(_mixed(f"{_name(func)}: an output without the query's layout"))
+    return results
+
+
+def _convolution(func, args, kwargs, out, rows):
+    """Convolution: the batch dimension 0 carries through; channels and the sliding window are contracted."""
+    x = args[0]
+    by_id = {id(t): r for t, r in rows}
+    rx = by_id.get(id(x), Rows())
+    if rx.mixed:
+        return [rx]
+    if any(by_id.get(id(t), Rows()).axes or by_id.get(id(t), Rows()).mixed for t in args[1:3]
+           if isinstance(t, torch.Tensor)):
+        return [_mixed(f"{_name(func)} with example data in its weight")]
+    if any(a != 0 for a, _ in rx.axes):
+        return [_mixed(f"{_name(func)} slides over the example axis")]
+    return [rx]
+
+
+def _embedding(func, args, kwargs, out, rows):
+    w, idx = args[0], args[1]
+    by_id = {id(t): r for t, r in rows}
+    if w in by_id and (by_id[id(w)].axes or by_id[id(w)].mixed):
+        return [_mixed(f"{_name(func)} looks up rows of a table built from examples")]
+    return [by_id.get(id(idx), Rows())]
+
+
+def _index(func, args, kwargs, out, rows):
+    """``x[i0, i1, ...]`` with index tensors (``None`` keeps a dimension): the indexed dimensions are replaced by
+    the indices' broadcast shape (in place when they are adjacent, in front otherwise).  An indexed example axis
+    maps its ids through 1-D indices; the index tensors' own axes must agree with those ids."""
+    x, indices = args[0], list(args[1])
+    by_id = {id(t): r for t, r in rows}
+    rx = by_id.get(id(x), Rows())
+    if rx.mixed:
+        return [rx]
+    n = x.dim()
+    idx = indices + [None] * (n - len(indices))
+    # boolean masks index several dimensions: refuse if they touch an axis, else expand them
+    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+        if rx.axes or any(isinstance(i, torch.Tensor) and id(i) in by_id for i in idx):
+            return [_mixed(f"{_name(func)} with a boolean mask over example data")]
+        return [Rows()]
+    where = [d for d, i in enumerate(idx) if i is not None]
+    tensors = [idx[d] for d in where]
+    shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+    m = len(shape)
+    adjacent = where == list(range(where[0], where[-1] + 1))
+    front = where[0] if adjacent else 0
+    kept = [d for d in range(n) if d not in where]
+
+    def out_dim(d):   # a kept input dimension's place in the output
+        before = sum(1 for k in kept if k < d)
+        return before + (m if (not adjacent or d > where[0]) else 0)
+
+    parts = []
+    for d, ids in rx.axes:
+        if d in where:
+            i = idx[d]
+            if i.dim() != 1 or m != 1:
+                return [_mixed(f"{_name(func)} gathers example rows with a multi-dimensional index")]
+            parts.append((front, ids[i.to("cpu", torch.long)]))
+        else:
+            parts.append((out_dim(d), ids))
+    for t in tensors:
+        r = by_id.get(id(t), Rows())
+        if r.mixed:
+            return [r]
+        shift = m - t.dim()
+        parts += [(front + d + shift, ids) for d, ids in r.axes]
+    return [_merge(parts, f"{_name(func)} gathers rows of other examples")]
+
+
+def _gather(func, args, kwargs, out, rows):
+    x, dim, index = args[0], args[1], args[2]
+    by_id = {id(t): r for t, r in rows}
+    rx, ri = by_id.get(id(x), Rows()), by_id.get(id(index), Rows())
+    for r in (rx, ri):
+        if r.mixed:
+            return [r]
+    dim = _norm_dim(dim, x.dim())
+    if rx.axis(dim) is not None:
+        return [_mixed(f"{_name(func)} gathers along the example axis")]
+    return [_merge([*rx.axes, *ri.axes], f"{_name(func)} gathers rows of other examples")]
+
+
+def _index_put(func, args, kwargs, out, rows):
+    """``x[i] = v`` (in place): every element written must come from the example of the row it lands in.
+    Index tensors with example axes, or values placed along an example axis of ``x``, align like an
+    element-wise operation; anything else marks ``x`` mixed."""
+    x, indices, v = args[0], list(args[1]), args[2]
+    by_id = {id(t): r for t, r in rows}
+    rx, rv = by_id.get(id(x), Rows()), by_id.get(id(v), Rows())
+    ris = [by_id.get(id(i), Rows()) for i in indices if isinstance(i, torch.Tensor)]
+    if rx.mixed or rv.mixed or any(r.mixed for r in ris):
+        return [next(r for r in (rx, rv, *ris) if r.mixed)]
+    if not rv.axes and not any(r.axes for r in ris):
+        return [rx]   # public values at public places
+    if all(i is None for i in indices[:1]) is False and len(indices) == 1 and rx.axis(0) is not None \
+            and isinstance(indices[0], torch.Tensor) and indices[0].dtype == torch.bool \
+            and (not rv.axes and by_id.get(id(indices[0]), Rows()).axis(0) is not None):
+        return [rx]   # x[mask] = scalar, the mask per example row
+    return [_mixed(f"{_name(func)} writes values into rows of other examples")]
+
+
+def _index_add(func, args, kwargs, out, rows):
+    """``x.index_add_(dim, index, src)``: row ``index[j]`` of ``x`` receives row ``j`` of ``src``; each
+    destination row must receive rows of its own example only."""
+    x, dim, index, src = args[0], args[1], args[2], args[3]
+    by_id = {id(t): r for t, r in rows}
+    rx, ri, rs = (by_id.get(id(t), Rows()) for t in (x, index, src))
+    for r in (rx, ri, rs):
+        if r.mixed:
+            return [r]
+    dim = _norm_dim(dim, x.dim())
+    src_ids = rs.axis(dim)
+    if any(a != dim for a, _ in rs.axes) or ri.axes:
+        return [_mixed(f"{_name(func)} adds rows of other examples")]
+    if src_ids is None:
+        return [rx]
+    size = x.shape[dim]
+    i = index.to("cpu", torch.long)
+    dest = rx.axis(dim)
+    if dest is None:
+        dest = torch.full((size,), -1, dtype=torch.long)
+    lo = torch.full((size,), 2**62, dtype=torch.long).scatter_reduce(0, i, src_ids, "amin")
+    hi = torch.full((size,), -1, dtype=torch.long).scatter_reduce(0, i, src_ids, "amax")
+    written = hi >= 0
+    if bool(((lo != hi) & written).any()) or bool(((dest >= 0) & written & (dest != hi)).any()):
+        return [_mixed(f"{_name(func)} adds rows of different examples into one row")]
+    new = torch.where(written, hi, dest)
+    others = [(a, x_) for a, x_ in rx.axes if a != dim]
+    return [_merge([*others, (dim, new)], f"{_name(func)} adds rows of different examples into one row")]
+
+
+def _public(func, args, kwargs, out, rows):
+    """Outputs that hold none of the inputs' values (``empty_like``, ``zeros_like``, shapes)."""
+    return [Rows() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+
+
+def _first_like(func, args, kwargs, out, rows):
+    """Outputs laid out like the first input (``clone``, ``_to_copy``, ``detach``, ``contiguous``)."""
+    (t, r), = rows[:1]
+    return [r if o.shape == t.shape else _reshaped(r, t.shape, o.shape, func)
+            for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+
+
+def _nll_loss(func, args, kwargs, out, rows):
+    x, target, reduction = args[0], args[1], args[3]
+    by_id = {id(t): r for t, r in rows}
+    rx, rt = by_id.get(id(x), Rows()), by_id.get(id(target), Rows())
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if rx.mixed or rt.mixed:
+        return [rx if rx.mixed else rt] * len(outs)
+    if reduction != 0 and (rx.axes or rt.axes):
+        return [_mixed(f"{_name(func)} with reduction='{'mean' if reduction == 1 else 'sum'}' averages over the "
+                       f"examples")] * len(outs)
+    if rx.axis(1) is not None:
+        return [_mixed(f"{_name(func)} over classes that are examples")] * len(outs)
+    # input (N, C, d...) or (C,): the output drops the class dimension
+    parts = [(a - (a > 1), ids) for a, ids in rx.axes] if x.dim() > 1 else []
+    parts += list(rt.axes)
+    merged = _merge(parts, f"{_name(func)} pairs predictions and targets of different examples")
+    return [merged, Rows()][:len(outs)]
+
+
+def _copy(func, args, kwargs, out, rows):
+    """``dst.copy_(src)``: ``dst``'s elements become ``src``'s (broadcast)."""
+    dst, src = args[0], args[1]
+    by_id = {id(t): r for t, r in rows}
+    rs = by_id.get(id(src), Rows())
+    if rs.mixed:
+        return [rs]
+    shift = dst.dim() - src.dim()
+    for a, ids in rs.axes:
+        if dst.shape[a + shift] != ids.numel():
+            return [_mixed(f"{_name(func)} broadcasts one example over several rows")]
+    return [Rows(tuple((a + shift, ids) for a, ids in rs.axes))]
+
+
+def _inplace(func, args, kwargs, out, rows):
+    """An in-place element-wise operation: ``self``'s rows and the others' combine like the out-of-place one."""
+    return _pointwise(func, args, kwargs, args[0], rows)
+
+
+def _topk(func, args, kwargs, out, rows):
+    """``topk``/``sort``/``argsort``/``kthvalue`` along a dimension: the dimension's elements are compared with
+    each other, so an example axis there mixes; elsewhere the axes stay."""
+    (t, r), = rows[:1]
+    n = t.dim()
+    name = func.overloadpacket
+    if name is aten.topk:
+        raw = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    elif name is aten.kthvalue:
+        raw = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    else:
+        raw = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+    dim = _norm_dim(raw, max(n, 1))
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if r.mixed:
+        return [r] * len(outs)
+    if r.axis(dim) is not None:
+        return [_mixed(f"{_name(func)} compares the examples with each other")] * len(outs)
+    res = []
+    for o in outs:
+        res.append(Rows(tuple((a, x) for a, x in r.axes if a < o.dim())) if o.dim() == n else
+                   Rows(tuple((a - (a > dim), x) for a, x in r.axes)))
+    return res
+
+
+def _repeat_interleave(func, args, kwargs, out, rows):
+    """``x.repeat_interleave(r, dim)``: each index along ``dim`` repeated ``r`` times (``dim=None`` flattens)."""
+    (t, r), = rows[:1]
+    if r.mixed or not r.axes:
+        return [r]
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is None or isinstance(repeats, torch.Tensor) and repeats.numel() > 1:
+        return [_mixed(f"{_name(func)} without one repeat count along one dimension")]
+    dim = _norm_dim(dim, t.dim())
+    k = int(repeats)
+    return [Rows(tuple((a, x.repeat_interleave(k) if a == dim else x) for a, x in r.axes))]
+
+
+def _repeat(func, args, kwargs, out, rows):
+    """``x.repeat(sizes)``: tiles; a tiled example axis would put an example's rows among others'."""
+    (t, r), = rows[:1]
+    sizes = list(args[1])
+    shift = len(sizes) - t.dim()
+    if r.mixed:
+        return [r]
+    axes = []
+    for a, x in r.axes:
+        k = sizes[a + shift]
+        axes.append((a + shift, x.repeat(k) if k > 1 else x))
+    return [Rows(tuple(axes))]
+
+
+def _one_hot(func, args, kwargs, out, rows):
+    (t, r), = rows[:1]
+    return [r]
+
+
+def _elementwise_loss(func, args, kwargs, out, rows):
+    """``mse_loss``, ``l1_loss``, ``binary_cross_entropy`` and the like: element-wise with ``reduction='none'``
+    (0), a reduction over every element otherwise."""
+    names = [a.name for a in func._schema.arguments]
+    at = names.index("reduction") if "reduction" in names else None
+    reduction = (args[at] if at is not None and len(args) > at else kwargs.get("reduction", 1)) if at is not None \
+        else 1
+    if int(reduction) == 0:
+        return _pointwise(func, args, kwargs, out, rows)
+    return _reduction(None, None)(func, args, kwargs, out, rows)
+
+
+def _local_scalar(func, args, kwargs, out, rows):
+    return []
+
+
+_VIEW_LIKE = ("view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "flatten", "unflatten")
+_PERMUTE = ("permute", "transpose", "t", "transpose_", "t_")
+_REDUCE = {  # name: (position of the dims argument or None for all, position of keepdim)
+    "sum": (1, 2), "mean": (1, 2), "nansum": (1, 2), "nanmean": (1, 2), "prod": (1, 2), "amax": (1, 2),
+    "amin": (1, 2), "any": (1, 2), "all": (1, 2), "std": (1, 3), "var": (1, 3), "var_mean": (1, 3),
+    "std_mean": (1, 3), "logsumexp": (1, 2), "linalg_vector_norm": (2, 3), "norm": (2, 3), "max": (1, 2),
+    "min": (1, 2), "argmax": (1, 2), "argmin": (1, 2), "count_nonzero": (1, None), "median": (1, 2),
+    "mode": (1, 2), "aminmax": (None, None), "histc": (None, None), "bincount": (None, None),
+    "_unique2": (None, None), "unique_dim": (None, None), "unique_consecutive": (None, None),
+    "nonzero": (None, None), "masked_select": (None, None), "dist": (None, None), "trace": (None, None),
+    "cov": (None, None), "corrcoef": (None, None), "equal": (None, None), "allclose": (None, None),
+}
+_SCAN = ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "_softmax", "_log_softmax", "_safe_softmax",
+         "softmax", "log_softmax", "flip", "roll", "cumsum_")
+_SCAN_DIM = {"flip": 1, "roll": 2}
+_PUBLIC = ("empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full",
+           "new_empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+           "is_same_size", "_has_compatible_shallow_copy_type", "empty_strided", "rand_like", "randn_like",
+           "randint_like", "_nested_tensor_size", "is_nonzero_shape")
+_FIRST_LIKE = ("clone", "_to_copy", "detach", "alias", "contiguous", "lift_fresh", "lift_fresh_copy", "to",
+               "_conj", "_neg_view", "resolve_conj", "resolve_neg", "view_as_real", "view_as_complex",
+               "_foreach_copy", "pin_memory", "_pin_memory", "detach_", "_lazy_clone")
+
+RULES: dict[str, Callable] = {}
+for _n in _VIEW_LIKE:
+    RULES[_n] = _view
+for _n in _PERMUTE:
+    RULES[_n] = _permute
+for _n, (_d, _k) in _REDUCE.items():
+    RULES[_n] = _reduction(_d, _k)
+for _n in _SCAN:
+    RULES[_n] = _reduction(_SCAN_DIM.get(_n, 1), None, scan=True)
+RULES["roll"] = lambda func, args, kwargs, out, rows: _reduction(2 if len(args) > 2 and args[2] not in (None, [], ())
+                                                                 else None, None, scan=True)(
+    func, args, kwargs, out, rows)
+for _n in _PUBLIC:
+    RULES[_n] = _public
+for _n in _FIRST_LIKE:
+    RULES[_n] = _first_like
+RULES.update({
+    "unsqueeze": _unsqueeze, "unsqueeze_": _unsqueeze, "squeeze": _squeeze, "squeeze_": _squeeze,
+    "expand": _expand, "expand_copy": _expand, "slice": _slice, "narrow": _narrow, "select": _select,
+    "split": _split, "split_with_sizes": _split, "unsafe_split": _split, "chunk": _split, "tensor_split": _split,
+    "unbind": _unbind, "diagonal": _diagonal, "cat": _cat, "stack": _stack,
+    "native_layer_norm": _layer_norm, "layer_norm": _layer_norm, "_fused_rms_norm": _layer_norm,
+    "rms_norm": _layer_norm, "native_group_norm": _group_norm,
+    "native_batch_norm": _batch_norm, "_native_batch_norm_legit": _batch_norm,
+    "_native_batch_norm_legit_no_training": lambda f, a, k, o, r: _batch_norm(f, (*a[:5], False), k, o, r),
+    "mm": _matmul, "bmm": _matmul, "addmm": _matmul, "baddbmm": _matmul,
+    "_scaled_dot_product_flash_attention_for_cpu": _attention, "_scaled_dot_product_flash_attention": _attention,
+    "_scaled_dot_product_efficient_attention": _attention, "_scaled_dot_product_cudnn_attention": _attention,
+    "_scaled_dot_product_attention_math": _attention, "scaled_dot_product_attention": _attention,
+    "_scaled_dot_product_fused_attention_overrideable": _attention,
+    "convolution": _convolution, "_convolution": _convolution, "cudnn_convolution": _convolution,
+    "embedding": _embedding, "index": _index, "_unsafe_index": _index, "gather": _gather,
+    "index_put_": _index_put, "index_put": _index_put, "_index_put_impl_": _index_put,
+    "index_add_": _index_add, "index_add": _index_add,
+    "nll_loss_forward": _nll_loss, "nll_loss2d_forward": _nll_loss, "nll_loss_nd": _nll_loss,
+    "copy_": _copy, "copy": _copy, "topk": _topk, "sort": _topk, "argsort": _topk, "kthvalue": _topk,
+    "_local_scalar_dense": _local_scalar, "repeat_interleave": _repeat_interleave, "repeat": _repeat,
+    "one_hot": _one_hot,
+})
+for _n in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss"):
+    RULES[_n] = _elementwise_loss
+# element-wise operations without the pointwise tag
+for _n in ("native_dropout", "dropout", "bernoulli", "bernoulli_", "where", "masked_fill", "masked_fill_",
+           "clamp", "clamp_", "clamp_min", "clamp_max", "_to_dtype", "fill_", "zero_", "uniform_", "normal_",
+           "exponential_", "random_", "gelu", "silu", "relu", "threshold", "hardtanh", "elu", "leaky_relu",
+           "softplus", "glu", "isnan", "isinf", "isfinite", "logical_not", "sign", "triu", "tril",
+           "masked_scatter_", "_masked_scale", "native_dropout_backward", "mish", "hardswish", "hardsigmoid",
+           "nan_to_num", "round", "bitwise_not", "floor_divide", "remainder", "fmod",
+           "logit", "rrelu_with_noise", "celu", "selu", "prelu"):
+    RULES.setdefault(_n, _pointwise)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ExampleTracker(TorchDispatchMode):
+    """Follows every tensor computed from registered example data through the ATen operations that run.
+
+    Parameters
+    ----------
+    state : callable, optional
+        Returns the tensors that outlive a step (the model's parameters and buffers); writing example data
+        into one of them in place raises :class:`ExampleMixingError` at once.
+
+    Examples
+    --------
+    >>> import torch
+    >>> tracker = ExampleTracker()
+    >>> x = torch.randn(4, 3)
+    >>> with tracker:
+    ...     ids = tracker.register(x)
+    ...     per_example = (x * 2).sum(1)
+    ...     batch_wide = x - x.mean(0)
+    >>> torch.equal(tracker.rows(per_example).axis(0), ids)   # row i is example i's alone
+    True
+    >>> tracker.rows(batch_wide).mixed
+    'aten.mean reduces over the examples'
+    """
+
+    _counter = itertools.count()
+
+    def __init__(self, state: Callable[[], list[torch.Tensor]] | None = None) -> None:
+        super().__init__()
+        self._rows = WeakTensorKeyDictionary()
+        self._state = state
+        self._state_ids: set[int] | None = None
+        self.unknown: set[str] = set()
+        self.host_reads: list[str] = []
+
+    # -- activation across calls (the engine's loader yields, the private backward ends) -------------------------
+    @property
+    def active(self) -> bool:
+        """Whether this tracker is on the dispatch-mode stack."""
+        n = torch._C._len_torch_dispatch_stack()
+        return any(torch._C._get_dispatch_stack_at(i) is self for i in range(n))
+
+    def push(self) -> None:
+        """Make the tracker active until :meth:`pop` (``with tracker:`` for a block)."""
+        self.__enter__()
+
+    def pop(self) -> None:
+        """Deactivate the tracker (nothing when it is not active).  What it followed is kept while those tensors
+        live: example data kept between steps (an attribute, a closure) still carries its batch's example ids.
+
+        Raises ``RuntimeError`` when another dispatch mode entered after it is still active: popping would
+        remove that one instead."""
+        n = torch._C._len_torch_dispatch_stack()
+        if not self.active:
+            return
+        if torch._C._get_dispatch_stack_at(n - 1) is not self:
+            raise RuntimeError("a TorchDispatchMode entered during the private step is still active at its "
+                               "backward; exit it before the backward")
+        self.__exit__(None, None, None)
+
+    # -- registration and queries -------------------------------------------------------------------------------
+    def register(self, batch: object, dim: int = 0) -> torch.Tensor | None:
+        """Register every tensor in ``batch`` (nested dicts, lists, tuples, mappings) as example rows along
+        ``dim``: row ``i`` of each is example ``i`` of a new batch.  Returns the example ids (distinct from every
+        earlier batch's)."""
+        tensors = [t for t in _tensors(batch) if t.dim() > dim]
+        if not tensors:
+            return None
+        b = tensors[0].shape[dim]
+        self._state_ids = None   # parameters may have moved (FSDP gathers, a new device)
+        start = next(self._counter) << 32
+        ids = torch.arange(start, start + b, dtype=torch.long)
+        self._batch_ids = ids
+        for t in tensors:
+            if t.shape[dim] == b:
+                self._rows[t] = Rows(((dim, ids),))
+            else:
+                self._rows[t] = _mixed(f"a tensor of the batch with {t.shape[dim]} rows for {b} examples")
+        return ids
+
+    def rows(self, t: torch.Tensor) -> Rows:
+        """The examples ``t`` was computed from (``Rows()`` for data of no example: parameters, constants)."""
+        return self._rows.get(t, Rows())
+
+    def check_rows(self, t: torch.Tensor, ids: torch.Tensor, what: str) -> None:
+        """Raise :class:`ExampleMixingError` unless the rows of ``t`` along dimension 0 are the examples ``ids``
+        in order, each computed from its own example only (``what`` names ``t`` in the message)."""
+        r = self.rows(t)
+        if r.mixed:
+            raise ExampleMixingError(f"{what} depends on several examples: {r.mixed}. Each example's loss must be a "
+                                     f"function of its own data and the parameters only, or one example could move "
+                                     f"the update by more than max_grad_norm")
+        if any(a != 0 for a, _ in r.axes):
+            raise ExampleMixingError(f"{what} pairs examples along another dimension than its rows")
+        got = r.axis(0)
+        if got is None or not _same(got, ids):
+            raise ExampleMixingError(f"{what} is not one row per example of the batch, in the batch's order "
+                                     f"(computed from {'no example data' if got is None else 'other rows'})")
+
+    # -- the mode -----------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = tree_flatten((args, kwargs))[0]
+        rows = [(t, self._rows[t]) for t in flat if isinstance(t, torch.Tensor) and t in self._rows]
+        if not rows:
+            return out
+        name = func.overloadpacket.__name__
+        rule = RULES.get(name)
+        if rule is None and torch.Tag.pointwise in func.tags:
+            rule = _inplace if torch.Tag.inplace in func.tags or name.endswith("_") else _pointwise
+        if name == "_local_scalar_dense" or name == "is_nonzero" or name == "item":
+            self._host_read(func, rows)
+            return out
+        if rule is None:
+            self.unknown.add(name)
+            results = [_mixed(f"{_name(func)} (no isolation rule: treated as mixing)")] * len(
+                [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+        else:
+            try:
+                results = rule(func, args, kwargs, out, rows)
+            except Exception as e:   # a rule that cannot read its arguments: conservative
+                results = [_mixed(f"{_name(func)} (its isolation rule failed: {type(e).__name__}: {e})")] * len(
+                    [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        mutated = self._mutated(func, args, kwargs)
+        for o, r in zip(outs, results, strict=False):
+            self._set(o, r)
+        for t in mutated:
+            if outs and t is not outs[0]:
+                self._set(t, results[0] if results else _mixed(_name(func)))
+        for t in mutated:
+            self._guard_state(t, func)
+        return out
+
+    def _set(self, t: torch.Tensor, r: Rows) -> None:
+        if not r.axes and not r.mixed:
+            self._rows.pop(t, None)
+            if t._base is not None:
+                return
+        else:
+            self._rows[t] = r
+        base = t._base
+        if base is not None and (r.axes or r.mixed):
+            # written through a view: the base (and so every other view of it) now holds example data
+            old = self._rows.get(base, Rows())
+            if base.shape == t.shape and base.stride() == t.stride():
+                self._rows[base] = r if not old.mixed else old
+            elif not old.mixed:
+                self._rows[base] = _mixed("example data written into a view of another tensor")
+
+    @staticmethod
+    def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+        schema = func._schema
+        mutated = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                if isinstance(v, torch.Tensor):
+                    mutated.append(v)
+        return mutated
+
+    def _guard_state(self, t: torch.Tensor, func) -> None:
+        r = self._rows.get(t)
+        if r is None or not (r.axes or r.mixed):
+            return
+        if self._state is None:
+            return
+        if self._state_ids is None:
+            self._state_ids = {s.untyped_storage().data_ptr() for s in self._state() if s.numel()}
+        if t.numel() and t.untyped_storage().data_ptr() in self._state_ids:
+            raise ExampleMixingError(f"{_name(func)} writes example data into a parameter or buffer of the model "
+                                     f"in place: the model would carry un-noised information about the batch into "
+                                     f"later steps")
+
+    def _host_read(self, func, rows) -> None:
+        """A value of example data read into Python.  A boolean condition (``mask.all()``) may pick a code path
+        (recorded in ``host_reads``; :func:`audit_isolation` checks that every path computes the same function
+        per example); any other value could be written into other examples' rows, and is refused."""
+        for t, r in rows:
+            if t.dtype != torch.bool:
+                raise ExampleMixingError(
+                    f"a {t.dtype} value computed from example data was read into Python (.item(), .tolist(), "
+                    f"int(), float()) during a private step ({r.mixed or 'one example per row'}): it could be "
+                    f"written into other examples' rows. Keep per-example values in tensors")
+            self.host_reads.append(r.mixed or "a per-example condition")
+
+
+#: custom autograd Functions whose backward is the true gradient of their forward (torch's own, and dpsgd's)
+TRUSTED_FUNCTION_MODULES = ("torch.", "dpsgd.")
+
+
+def check_backward_functions(losses: torch.Tensor) -> None:
+    """Refuse a custom ``torch.autograd.Function`` between the losses and anything that trains: its backward
+    runs code the tracker never saw (it may normalize over the batch), so the per-example gradients it
+    returns need not be those of the forward that was checked.  Functions defined in ``torch`` and
+    ``dpsgd`` are trusted."""
+    seen: set = set()
+    stack = [losses.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and not cls.__module__.startswith(TRUSTED_FUNCTION_MODULES):
+            raise ExampleMixingError(
+                f"the losses were computed through the custom autograd.Function {cls.__module__}."
+                f"{cls.__qualname__}, whose backward the isolation check cannot see: it could mix examples in the "
+                f"gradient (normalize over the batch) while its forward keeps them apart. Write it with "
+                f"differentiable torch operations")
+        stack.extend(n for n, _ in node.next_functions)
+
+
+def check_call_rows(tracker: ExampleTracker, ids: torch.Tensor, where: str, tensors: list[torch.Tensor]) -> None:
+    """Raise :class:`ExampleMixingError` unless each tensor of a recorded module call is data of no example or
+    has its rows along dimension 0 in the examples' order (``ids``, each repeated as often as the call's
+    rows per example: a call on flattened ``(B T, d)`` rows)."""
+    b = ids.numel()
+    for t in tensors:
+        r = tracker.rows(t)
+        if r.mixed:
+            raise ExampleMixingError(f"{where} depends on several examples: {r.mixed}. Its per-example gradients "
+                                     f"would mix examples, and one example could move the update by more than "
+                                     f"max_grad_norm")
+        if not r.axes:
+            continue
+        # one example axis: along dimension 0 (rows, or flattened (B T) rows), or another dimension that holds
+        # the examples in order (a sequence-first layout such as nn.LSTM's)
+        dim, rows = r.axes[0]
+        ok = len(r.axes) == 1 and rows.numel() % b == 0 and (dim == 0 or rows.numel() == b)
+        if ok:
+            expected = ids if rows.numel() == b else ids.repeat_interleave(rows.numel() // b)
+            ok = _same(rows, expected)
+        if not ok:
+            raise ExampleMixingError(f"{where} runs on rows that are not the batch's examples in order (a permuted, "
+                                     f"gathered or transposed batch): its rows cannot be attributed to examples")
+
+
+def _tensors(batch: object) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+        elif isinstance(x, dict) or hasattr(x, "items") and hasattr(x, "keys"):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "__dataclass_fields__"):
+            for f in x.__dataclass_fields__:
+                walk(getattr(x, f))
+    walk(batch)
+    return out
+
+
+def audit_isolation(model: torch.nn.Module, batch: object, losses: Callable[[torch.nn.Module, object], torch.Tensor],
+                    atol: float = 0.0) -> None:
+    """Check that each example's loss is the loss of that example computed alone.
+
+    Runs ``losses(model, batch)`` on the whole batch (under an :class:`ExampleTracker`, which refuses mixing
+    of tensor data), then once per example on a batch of that example alone, and compares: a code path chosen
+    by a batch-wide condition (``mask.all()``) that computes another function for some example shows as a
+    difference.  Dropout must be off (``model.eval()``) for the comparison to be meaningful.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model, usually in ``eval()`` mode for this check.
+    batch : object
+        A batch as the private loader yields it (tensors with the examples along dimension 0, in dicts or
+        lists).
+    losses : callable
+        ``losses(model, batch) -> (B,)`` per-example losses.
+    atol : float
+        Allowed absolute difference (kernels chosen by batch size round differently; default exact).
+
+    Raises
+    ------
+    ExampleMixingError
+        If a loss depends on other examples, with the first mixing operation or the example that differs.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Linear(3, 1).eval()
+    >>> audit_isolation(model, torch.randn(4, 3), lambda m, x: m(x).squeeze(1), atol=1e-6)
+    """
+    tracker = ExampleTracker()
+    with torch.no_grad():
+        with tracker:
+            ids = tracker.register(batch)
+            whole = losses(model, batch)
+        if ids is None:
+            raise ValueError("batch holds no tensor with the examples along its first dimension")
+        tracker.check_rows(whole, ids, "the per-example losses")
+        b = ids.numel()
+        for i in range(b):
+            one = tree_map_only(torch.Tensor, lambda t, i=i: t[i:i + 1] if t.dim() and t.shape[0] == b else t, batch)
+            alone = losses(model, one).reshape(-1)
+            diff = float((alone[0] - whole[i]).abs())
+            if not diff <= atol:
+                raise ExampleMixingError(f"example {i}'s loss is {float(whole[i])!r} in the batch and "
+                                         f"{float(alone[0])!r} alone (difference {diff:.3g} > atol {atol}): the "
+                                         f"forward takes another path for it depending on the other examples")
