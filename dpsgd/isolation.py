@@ -777,6 +777,9 @@ _FIRST_LIKE = ("clone", "_to_copy", "detach", "alias", "contiguous", "lift_fresh
                "_conj", "_neg_view", "resolve_conj", "resolve_neg", "view_as_real", "view_as_complex",
                "_foreach_copy", "pin_memory", "_pin_memory", "detach_", "_lazy_clone")
 
+#: torch's tag for in-place operations (absent from older torch, where the trailing underscore says it)
+_INPLACE_TAG = getattr(torch.Tag, "inplace", None)
+
 RULES: dict[str, Callable] = {}
 for _n in _VIEW_LIKE:
     RULES[_n] = _view
@@ -942,7 +945,7 @@ class ExampleTracker(TorchDispatchMode):
         name = func.overloadpacket.__name__
         rule = RULES.get(name)
         if rule is None and torch.Tag.pointwise in func.tags:
-            rule = _inplace if torch.Tag.inplace in func.tags or name.endswith("_") else _pointwise
+            rule = _inplace if _INPLACE_TAG in func.tags or name.endswith("_") else _pointwise
         if name == "_local_scalar_dense" or name == "is_nonzero" or name == "item":
             self._host_read(func, rows)
             return out
