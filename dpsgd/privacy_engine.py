@@ -618,9 +618,11 @@ class PrivacyEngine:
             or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
             one example).  Anything but Poisson: example-level, no twice sampling, Gaussian noise; a padded
             ``TruncatedPoisson`` in a single process; balls in bins and shuffling no ``ledger_path``.
-        user_ids : sequence or 1-D tensor, optional
-            With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
-            dataset, in its index order.
+        user_ids : sequence, 1-D tensor, 1-D numpy array or pandas Series, optional
+            With ``privacy_unit="user"``: each example's user, one per example of the dataset, in its index order.
+            Labels are integers (Python, numpy or 0-d tensor integers, equal values one user: ``3``,
+            ``numpy.int64(3)`` and ``torch.tensor(3)`` are the same user, so ``list(author_tensor)`` works) or
+            strings, not both; floating-point, boolean and other labels raise ``TypeError``.
         max_examples_per_user : int, optional
             With ``privacy_unit="user"``: a drawn user brings a uniformly random subset of at most this many of
             its examples (``None``: all of them); bounds a physical batch's rows per user.
