@@ -1347,7 +1347,7 @@ class PrivacyEngine:
         >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
         >>> model, opt, crit, loader = engine.make_private(module=model, data_loader=DataLoader(data, batch_size=10),
         ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
-        ...     estimator="exact", seed=0)
+        ...     estimator="exact")
         >>> for x, y in loader:
         ...     opt.zero_grad()
         ...     crit(model(x), y).backward()
