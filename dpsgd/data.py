@@ -65,7 +65,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     steps : int, optional
         Batches per epoch (default ``round(1/q)``, one pass in expectation).
     generator : torch.Generator, optional
-        Source of the sampling; its state is what a checkpoint saves.
+        Source of the sampling (the engine seeds it from ``os.urandom``; a checkpoint never saves its state).
 
     Examples
     --------
@@ -636,7 +636,7 @@ class BatchMemoryManager:
     >>> engine = PrivacyEngine()
     >>> model, opt, crit, loader = engine.make_private(module=model,
     ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=32),
-    ...     criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    ...     criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0)
     >>> with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8, optimizer=opt) as small:
     ...     for x, y in small:
     ...         assert len(x) <= 8

@@ -19,9 +19,14 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
 * ``noise_multiplier`` is given, or calibrated from ``target_epsilon`` for exactly the optimizer steps the
   Trainer will take (``args.max_steps``, or ``num_train_epochs`` times the Poisson batches of an epoch,
   rounded up as the Trainer rounds); the engine refuses a step beyond them;
-* every checkpoint the Trainer saves holds the engine's state (``privacy_engine.pt``: the steps
-  taken, the settings, the sampling, projection and noise generators), and ``train(resume_from_checkpoint=...)``
-  restores it, so a resumed run continues the ledger and the batch sequence of the interrupted one.
+* the logs (and ``trainer_state.json``'s ``log_history`` in every checkpoint) hold the step, ``epsilon``, the
+  learning rate, the epoch and evaluation metrics, never the training loss, the tokens seen or the FLOs of the
+  private batches (un-noised statistics of the data: one added example changes them), unless
+  ``PrivacyArguments(log_nonprivate_metrics=True)`` asks for them;
+* every checkpoint the Trainer saves holds the engine's state (``privacy_engine.pt``: the steps taken and the
+  settings, no generator state), and ``train(resume_from_checkpoint=...)`` restores it, so a resumed run
+  continues the ledger; its batches, projections and noise are drawn afresh (every generator reseeded from
+  ``os.urandom``), so nothing in a checkpoint predicts them.
 
 Per-example losses: for a causal LM (labels shaped like ``input_ids``) the next-token cross-entropy, shifted,
 averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entropy of ``logits`` against
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +55,11 @@ __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 
 #: The file, next to ``optimizer.pt`` in each checkpoint folder, that holds ``PrivacyEngine.state_dict()``.
 PRIVACY_STATE_NAME = "privacy_engine.pt"
+
+# what the Trainer logs of the private batches themselves, un-noised: left out of the logs (and so of
+# trainer_state.json) and of train()'s metrics unless PrivacyArguments(log_nonprivate_metrics=True)
+_NONPRIVATE_LOGS = frozenset({"loss", "train_loss", "grad_norm", "num_input_tokens_seen", "total_flos",
+                              "train_tokens_per_second"})
 
 
 @renamed_arguments({"k": "projection_dim"})
@@ -68,6 +79,12 @@ class PrivacyArguments:
     ``log(steps) / log(1 + epsilon_overcount)`` values however small ``logging_steps`` is (pessimistic, never
     below the value at the steps taken; of use only where each value is costly, as with twice sampling's RDP
     accountant).
+
+    ``seed`` is ``make_private``'s reproducibility mode (it warns: the run is not private against whoever holds
+    the seed; refused with ``secure_mode``); ``TrainingArguments.seed`` seeds the model's initialization and
+    dropout only, never the privacy randomness.  ``log_nonprivate_metrics`` (default ``False``) lets the Trainer
+    log the training loss, the tokens seen (``TrainingArguments.include_num_input_tokens_seen``) and the FLOs,
+    statistics of the private batches without noise that epsilon does not cover; ``True`` warns so.
 
     Examples
     --------
@@ -89,26 +106,32 @@ class PrivacyArguments:
     check_every_step: bool = False
     check_rate: float = DEFAULT_CHECK_RATE
     epsilon_overcount: float = 0.0
+    log_nonprivate_metrics: bool = False
 
 
 class DPTrainer(Trainer):
     r"""``transformers.Trainer`` with DP-SGD-RC; everything else (arguments, callbacks, saving) as usual.
 
     Checkpoints carry the privacy state: each one the Trainer saves holds ``privacy_engine.pt``
-    (``PRIVACY_STATE_NAME``), the engine's ``state_dict()`` (steps taken, settings, the sampling, projection
-    and noise generators).  ``train(resume_from_checkpoint=...)`` restores it, so ``epsilon`` counts the
-    steps taken before the interruption, and refuses a checkpoint without it (one a plain ``Trainer``
-    saved, or one saved with ``save_only_model=True``): resuming from it would restart the ledger at zero
-    steps.
+    (``PRIVACY_STATE_NAME``), the engine's ``state_dict()`` (steps taken and settings; no generator state, so
+    nothing in a checkpoint predicts any step's batch, projections or noise).  ``train(resume_from_checkpoint=...)``
+    restores it, so ``epsilon`` counts the steps taken before the interruption, and refuses a checkpoint
+    without it (one a plain ``Trainer`` saved, or one saved with ``save_only_model=True``): resuming from it
+    would restart the ledger at zero steps.
 
     ``args.ignore_data_skip`` is set to ``True``.  On resume the Trainer would otherwise replay the first
-    batches of the interrupted epoch to skip them; with Poisson sampling a batch is a fresh draw from the
-    sampling generator, not a position in a fixed order, so replaying would draw batches the interrupted
-    run never used (a different continuation), and they would bypass the engine's batch book-keeping.
-    Restoring the sampling generator is what continues the run: the resumed trainer draws exactly the
-    batches the uninterrupted run would have drawn, takes as many noisy steps and reports the same
-    ``epsilon``.  (The Trainer's epoch counter after a mid-epoch resume then starts the interrupted epoch
-    over; the run still stops at the same ``max_steps``.)
+    batches of the interrupted epoch to skip them; with Poisson sampling a batch is a fresh draw, not a
+    position in a fixed order, so there is nothing to skip, and the replayed batches would bypass the engine's
+    batch book-keeping.  The resumed trainer draws its batches, projections and noise from generators
+    reseeded from ``os.urandom``: it takes as many noisy steps and reports the same ``epsilon`` as the
+    uninterrupted run, but not the same steps.  (The Trainer's epoch counter after a mid-epoch resume then
+    starts the interrupted epoch over; the run still stops at the same ``max_steps``.)
+
+    The logs hold no un-noised statistic of the private batches unless
+    ``PrivacyArguments(log_nonprivate_metrics=True)``: the training loss (``loss``, ``train_loss``), the tokens
+    seen (``include_num_input_tokens_seen`` is turned off, with a warning) and the FLOs (``total_flos``, 0) are
+    left out of every log line, of ``trainer_state.json`` and of ``train()``'s metrics (its ``training_loss``
+    is ``nan``).  Evaluation metrics (``eval_loss`` on an evaluation set) are logged as usual.
 
     Parameters
     ----------
@@ -144,8 +167,19 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer needs a train_dataset")
         self.privacy = privacy or PrivacyArguments()
         check_positive(self.privacy.epsilon_overcount, "epsilon_overcount", allow_zero=True)
+        if self.privacy.log_nonprivate_metrics:
+            warnings.warn("PrivacyArguments(log_nonprivate_metrics=True): the logs, trainer_state.json in every "
+                          "checkpoint and train()'s metrics will hold the training loss, the tokens seen and the "
+                          "FLOs of the private batches, which are not differentially private (no noise; one added "
+                          "example changes them): epsilon does not cover them", UserWarning, stacklevel=2)
+        elif self.args.include_num_input_tokens_seen not in ("no", False, None):
+            warnings.warn("TrainingArguments(include_num_input_tokens_seen=...) is turned off by DPTrainer: the "
+                          "number of tokens in the Poisson batches is not private (one added example changes it). "
+                          "PrivacyArguments(log_nonprivate_metrics=True) logs it anyway, outside epsilon",
+                          UserWarning, stacklevel=2)
+            self.args.include_num_input_tokens_seen = "no"
         self.args.max_grad_norm = 0.0  # every example is clipped by the engine; the Trainer must not re-clip
-        # a resumed run continues from the restored sampling generator, never by replaying batches (class doc)
+        # a resumed run draws fresh batches (every generator reseeded), never by replaying batches (class doc)
         self.args.ignore_data_skip = True
         self.privacy_engine = PrivacyEngine(secure_mode=self.privacy.secure_mode,
                                             ledger_path=self.privacy.ledger_path)
@@ -222,7 +256,27 @@ class DPTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return None  # the clipped sum's norm before noise is not private: never logged
 
+    def floating_point_ops(self, inputs: dict) -> int:
+        """0 unless ``PrivacyArguments(log_nonprivate_metrics=True)``: the Trainer's count grows with each Poisson
+        batch's size, and is saved as ``total_flos`` in ``trainer_state.json``."""
+        return super().floating_point_ops(inputs) if self.privacy.log_nonprivate_metrics else 0
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; unless ``PrivacyArguments(log_nonprivate_metrics=True)``, the returned metrics leave
+        out the training loss and FLOs, and ``training_loss`` is ``nan``."""
+        output = super().train(*args, **kwargs)
+        if self.privacy.log_nonprivate_metrics:
+            return output
+        metrics = {k: v for k, v in output.metrics.items() if k not in _NONPRIVATE_LOGS}
+        return type(output)(output.global_step, float("nan"), metrics)
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if not self.privacy.log_nonprivate_metrics:
+            # the un-noised training loss, token count and FLOs of the private batches: never logged (nor saved in
+            # trainer_state.json's log_history); evaluation metrics are kept
+            logs = {k: v for k, v in logs.items() if k not in _NONPRIVATE_LOGS}
+            if self.args.include_num_input_tokens_seen not in ("no", False, None):   # set after the constructor
+                self.args.include_num_input_tokens_seen = "no"
         engine = self.privacy_engine
         if engine.spent_steps:   # spent: a ledger file's earlier steps count too
             # the last log charges the steps taken; earlier ones may charge more (PrivacyArguments.epsilon_overcount)
@@ -248,6 +302,6 @@ class DPTrainer(Trainer):
                                  f"not saved by a DPTrainer, or was saved with save_only_model=True. Resuming from "
                                  f"it would restart the privacy ledger at zero steps and under-report epsilon; "
                                  f"resume from a checkpoint a DPTrainer saved, or start a new run")
-            # generator states and plain settings only: no pickled code is needed
+            # plain settings and counts only: no pickled code is needed
             self.privacy_engine.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         super()._load_optimizer_and_scheduler(checkpoint)

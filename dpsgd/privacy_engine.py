@@ -414,12 +414,23 @@ class _DeviceGenerators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def states(self) -> dict[str, torch.Tensor]:
-        return {str(d): g.get_state() for d, g in self._generators.items()}
+    def reseed(self, seed: int) -> None:
+        """Seed every generator made so far, and those made from now on, with ``seed`` (in place: whoever holds
+        one of them draws from the new seed)."""
+        self.seed = seed
+        for g in self._generators.values():
+            g.manual_seed(seed)
 
-    def load(self, states: dict[str, torch.Tensor]) -> None:
-        for d, s in states.items():
-            self(d).set_state(s)
+
+def _entropy_seed() -> int:
+    """A seed of 63 bits from ``os.urandom`` (the OS's CSPRNG); non-negative, so that :func:`broadcast_int`'s
+    int64 carries it."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+# what a state_dict of an earlier version held besides the ledger: the generators' states, which predicted the
+# batches, projections, masks and noise of the steps after the checkpoint
+_GENERATOR_STATE_KEYS = ("sampling_rng", "projection_rngs", "mask_rngs", "noise_rngs", "noise_rng")
 
 
 @renamed_arguments({"k": "projection_dim"})   # the attribute's old name reads, with a warning
@@ -429,7 +440,13 @@ class PrivacyEngine:
     Parameters
     ----------
     secure_mode : bool
-        Seed the noise generator from ``os.urandom`` (its state is then not saved in checkpoints).
+        Refuse ``make_private(seed=...)``: every generator (the batches, the Hutchinson projections, twice
+        sampling's masks, the noise) is then seeded from ``os.urandom``, each with a seed of its own.  Without a
+        seed the default does the same; secure mode guarantees it (a seed left in a configuration is an error,
+        not a silently reproducible run).  The generators are torch's (Mersenne Twister on the CPU, Philox on
+        CUDA devices), seeded with 63 bits from the OS's CSPRNG: not cryptographic generators, but no state of
+        theirs is ever exported (:meth:`state_dict` holds none) and a resumed run reseeds them all from
+        ``os.urandom`` (docs/trainer.md, "Sampling, checkpoints, devices").
     ledger_path : str or os.PathLike, optional
         An append-only file with one line per noisy step, flushed to disk before ``step()`` returns.  A
         crash loses no spent privacy: a new engine on the same file counts the steps already recorded
@@ -447,7 +464,7 @@ class PrivacyEngine:
     >>> engine = PrivacyEngine()
     >>> model, opt, crit, loader = engine.make_private(module=model, optimizer=opt,
     ...     data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
-    ...     noise_multiplier=1.0, estimator="hutch", projection_dim=32, seed=0)
+    ...     noise_multiplier=1.0, estimator="hutch", projection_dim=32)
     >>> for x, y in loader:
     ...     opt.zero_grad()
     ...     crit(model(x), y).backward()
@@ -543,7 +560,12 @@ class PrivacyEngine:
             but no accountant here covers shuffling, so :meth:`get_epsilon` and :meth:`accountant` raise
             :class:`UnaccountedSamplingError`, and so does ``make_private`` with ``target_epsilon``.
         seed : int, optional
-            Seeds the sampling, projection and noise generators (noise from ``os.urandom`` in secure mode).
+            Reproducibility mode, for tests and benchmarks: the batches, projections, masks and noise are all
+            derived from this seed (rank 0's under torch.distributed), and a ``UserWarning`` says so: **whoever
+            holds the seed can recompute the noise and subtract it, so the run is not private against them.**
+            ``None`` (default): every generator is seeded from ``os.urandom``.  Refused (``ValueError``) by a
+            ``PrivacyEngine(secure_mode=True)``.  A resumed run (:meth:`load_state_dict`) reseeds every generator
+            from ``os.urandom`` whatever the seed.
         clipping_pass : {"bookkeeping", "two-pass"}
             ``"bookkeeping"`` (default): one backward; each layer's clipped sum ``sum_i c_i g_i`` is formed
             from the activations and output gradients already recorded for the norms.  ``"two-pass"``: a
@@ -599,9 +621,11 @@ class PrivacyEngine:
             or ``"shuffling"`` (a permutation per epoch, one Gaussian step per epoch at ``sigma / 2``, replacing
             one example).  Anything but Poisson: example-level, no twice sampling, Gaussian noise; a padded
             ``TruncatedPoisson`` in a single process; balls in bins and shuffling no ``ledger_path``.
-        user_ids : sequence or 1-D tensor, optional
-            With ``privacy_unit="user"``: each example's user (any hashable labels), one per example of the
-            dataset, in its index order.
+        user_ids : sequence, 1-D tensor, 1-D numpy array or pandas Series, optional
+            With ``privacy_unit="user"``: each example's user, one per example of the dataset, in its index order.
+            Labels are integers (Python, numpy or 0-d tensor integers, equal values one user: ``3``,
+            ``numpy.int64(3)`` and ``torch.tensor(3)`` are the same user, so ``list(author_tensor)`` works) or
+            strings, not both; floating-point, boolean and other labels raise ``TypeError``.
         max_examples_per_user : int, optional
             With ``privacy_unit="user"``: a drawn user brings a uniformly random subset of at most this many of
             its examples (``None``: all of them); bounds a physical batch's rows per user.
@@ -622,6 +646,10 @@ class PrivacyEngine:
         """
         if self._capture is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
+        if seed is not None and self.secure_mode:
+            raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
+                             f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
+                             f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
         noise, sampling, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
             projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
@@ -661,6 +689,11 @@ class PrivacyEngine:
             warnings.warn(f"{_SHUFFLED}. The model trains, but get_epsilon() and accountant() will raise "
                           f"UnaccountedSamplingError; for an epsilon, keep poisson_sampling=True (the default)",
                           UserWarning, stacklevel=3)
+        if seed is not None:
+            warnings.warn(f"make_private(seed={seed!r}) makes the run reproducible: its batches, projections, masks "
+                          f"and noise are all derived from the seed, so the run offers no privacy against whoever "
+                          f"holds the seed (its epsilon holds only for those who do not). Leave seed=None (the "
+                          f"default) to seed them from os.urandom", UserWarning, stacklevel=3)
         return compiled, optimizer, crit, loader
 
     @staticmethod
@@ -729,7 +762,7 @@ class PrivacyEngine:
         scheme.check(noise)
         return scheme
 
-    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, seeds: list[int]) -> DPDataLoader:
+    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, seeds: dict[str, int]) -> DPDataLoader:
         """The loader of a non-Poisson :mod:`dpsgd.samplers` scheme, bound to the data set: its sampler and the
         mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`.
 
@@ -753,7 +786,7 @@ class PrivacyEngine:
         # rank 0's sampling seed on every rank, derived from the seed all ranks share: one stream of global batches,
         # the same as a single-process run with this seed draws (a rank-local seed would give each rank other
         # batches than the one charged)
-        self._sampling_rng.manual_seed(seeds[3])
+        self._sampling_rng.manual_seed(seeds["stream"])
         sampler = bound.sampler(self._sampling_rng, offset=offset, size=n if world > 1 else None)
         loader = DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=bound.sample_rate,
                               on_batch=self._on_batch, on_empty=self._empty_step,
@@ -777,21 +810,45 @@ class PrivacyEngine:
         self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         return plan
 
-    def _seed_generators(self, seed: int | None, rank: int, world: int) -> list[int]:
-        """Seed the sampling, projection and noise generators from one seed for the whole run (``seed``, rank 0's
-        draw, or ``os.urandom`` for the noise in secure mode), shared by all ranks; the seeds drawn from it."""
-        root = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
-        base = torch.Generator().manual_seed(broadcast_int(root))
-        seeds = torch.randint(2**62, (3 + world,), generator=base).tolist()
-        self._sampling_rng = torch.Generator().manual_seed(seeds[3 + rank])   # each rank samples its own shard
-        self._projection_rngs = _DeviceGenerators(seeds[1] + rank)
-        noise_seed = broadcast_int(int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2]
+    def _seed_generators(self, seed: int | None, rank: int, world: int) -> dict[str, int]:
+        """Make the sampling, projection and noise generators, seeded from ``os.urandom`` (:meth:`_fresh_seeds`)
+        or, in reproducibility mode, all derived from ``seed`` (rank 0's); the seeds by use: ``"sampling"`` (this
+        rank's Poisson draws), ``"stream"`` (a batch-sampling scheme's global stream, the same on every rank),
+        ``"projection"``, ``"noise"`` (the same on every rank) and ``"mask"``."""
+        if seed is None:
+            seeds = self._fresh_seeds()
+        else:
+            base = torch.Generator().manual_seed(broadcast_int(seed))
+            drawn = torch.randint(2**62, (3 + world,), generator=base).tolist()
+            seeds = {"sampling": drawn[3 + rank], "stream": drawn[3], "projection": drawn[1] + rank,
+                     "noise": drawn[2], "mask": drawn[2] + 1}
+        self._sampling_rng = torch.Generator().manual_seed(seeds["sampling"])   # each rank samples its own shard
+        self._projection_rngs = _DeviceGenerators(seeds["projection"])
         # one generator per device, all seeded alike: the same noise on every rank (ranks of one GPU type draw the
         # same stream; the first step checks it), drawn where the parameters live (a CPU draw of a billion
         # coordinates, copied to the GPU, would cost seconds a step)
-        self._noise_rngs = _DeviceGenerators(noise_seed)
+        self._noise_rngs = _DeviceGenerators(seeds["noise"])
         self._noise_checked = False
         return seeds
+
+    @staticmethod
+    def _fresh_seeds() -> dict[str, int]:
+        """A seed for each generator from ``os.urandom``, each drawn apart: those every rank must share (the
+        noise, a scheme's global stream, the masks) are rank 0's draws, broadcast; the others are the rank's own.
+        Every rank must call it (the broadcasts are collectives)."""
+        shared = {name: broadcast_int(_entropy_seed()) for name in ("stream", "noise", "mask")}
+        return {"sampling": _entropy_seed(), "projection": _entropy_seed(), **shared}
+
+    def _reseed(self) -> None:
+        """Reseed every generator from ``os.urandom`` in place (the loader keeps drawing from the same generator
+        object): a resumed run's draws are predicted by nothing saved, and not by the run's seed either."""
+        seeds = self._fresh_seeds()
+        # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
+        self._sampling_rng.manual_seed(seeds["stream"] if self._bound is not None else seeds["sampling"])
+        self._projection_rngs.reseed(seeds["projection"])
+        self._mask_rngs.reseed(seeds["mask"])
+        self._noise_rngs.reseed(seeds["noise"])
+        self._noise_checked = False   # the first resumed step checks again that every rank drew the same noise
 
     def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, world: int) -> DPDataLoader:
         """The Poisson loader, and the sampling rate and expected batch size the step and the accountant use: one
@@ -853,7 +910,7 @@ class PrivacyEngine:
 
     def _fix_settings(self, sigma: float, planned: int | None, noise: StepNoise,
                       sampling: PoissonSampling | TwiceSampling | HybridClipping, basis: torch.Tensor | None,
-                      poisson: bool, seeds: list[int]) -> None:
+                      poisson: bool, seeds: dict[str, int]) -> None:
         """Fix the settings the step and the accountant share (read-only from here on) and the ledger's record of
         them, which a resumed run or a ledger file must match."""
         self._noise_multiplier = sigma
@@ -868,9 +925,7 @@ class PrivacyEngine:
             self._settings["noise"] = noise.name
         if sampling.per_coordinate:
             self._settings["sampling"] = sampling.settings()
-            # the masks are sampling randomness: from os.urandom in secure mode, like the noise
-            self._mask_rngs = _DeviceGenerators(
-                (int.from_bytes(os.urandom(8), "little") >> 2) if self.secure_mode else seeds[2] + 1)
+            self._mask_rngs = _DeviceGenerators(seeds["mask"])   # sampling randomness, seeded like the noise
 
     def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
                 criterion: nn.Module | None) -> tuple[DPOptimizer, DPCriterion]:
@@ -891,7 +946,7 @@ class PrivacyEngine:
     # steps already taken (a lower sample_rate, a higher noise_multiplier, a larger k, "exact" for an estimator
     # or a narrower envelope would under-charge them)
     # "k" is projection_dim's deprecated name: refused here too, with this message.  planned_steps bounds the
-    # steps the calibration holds for; secure_mode decides whether checkpoints hold the noise generators' states;
+    # steps the calibration holds for; secure_mode decides whether a seed is accepted;
     # ledger_path is where every step is recorded, so a resumed run counts them all
     FIXED_SETTINGS = frozenset({"noise_multiplier", "sample_rate", "expected_batch_size", "estimator", "projection_dim",
                                 "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
@@ -1356,7 +1411,7 @@ class PrivacyEngine:
         >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
         >>> model, opt, crit, loader = engine.make_private(module=model, data_loader=DataLoader(data, batch_size=10),
         ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
-        ...     estimator="exact", seed=0)
+        ...     estimator="exact")
         >>> for x, y in loader:
         ...     opt.zero_grad()
         ...     crit(model(x), y).backward()
@@ -1420,18 +1475,26 @@ class PrivacyEngine:
             self._capture.remove()
 
     def state_dict(self) -> dict:
-        """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""
+        """The ledger's count and the settings: ``{"settings": ..., "steps": ...}``, with ``"epochs"`` (the epochs
+        charged) for an epoch sampler; plain numbers and strings only.
+
+        No generator state: nothing in it predicts the batches, Hutchinson projections, twice sampling's masks or
+        noise of any step, so a checkpoint file can be read by anyone without disclosing the clipped sums of the
+        steps after it."""
         self._require_private()
         epochs = {} if self._bound is None or not self._bound.scheme.per_epoch else {
             "epochs": self._events(self.spent_steps)}   # an epoch sampler's epochs charged: the resumed stream's start
-        return {"settings": dict(self._settings), "steps": self._steps, **epochs,
-                "sampling_rng": self._sampling_rng.get_state(),
-                "projection_rngs": self._projection_rngs.states(),
-                "mask_rngs": {} if self.secure_mode else self._mask_rngs.states(),
-                "noise_rngs": {} if self.secure_mode else self._noise_rngs.states()}
+        return {"settings": dict(self._settings), "steps": self._steps, **epochs}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the settings must equal this engine's (else ValueError); the ledger and generators continue."""
+        """Resume: the settings must equal this engine's (else ValueError); the ledger continues, and every
+        generator is reseeded from ``os.urandom`` (under torch.distributed, rank 0's draws where the ranks must
+        agree: call it on every rank).
+
+        The resumed run draws batches, projections, masks and noise that nothing saved predicts (and not the
+        run's ``seed`` either), so it does not repeat the steps the interrupted run took after the checkpoint; its
+        epsilon counts the same steps.  A state of an earlier version, which also held the generators' states,
+        loads with a ``UserWarning``: those states are ignored."""
         self._require_private()
         if state["settings"] != self._settings:
             saved = state["settings"]
@@ -1441,12 +1504,15 @@ class PrivacyEngine:
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
         if self._bound is not None and self._bound.scheme.per_epoch:
-            # the next batch begins a new epoch after those charged, so none of them can see an example twice
+            # the next batch begins a new epoch after those charged, so none of them can see an example twice; the
+            # new epoch's allocation or permutation is drawn afresh (below), not the interrupted run's: each epoch
+            # charged is one epoch of its own sampler, whatever its draw, so the accounting is the same (the
+            # partial epoch cut off by the checkpoint stays charged whole, as before)
             self._stream.resume(int(state["epochs"]))
-        self._sampling_rng.set_state(state["sampling_rng"])
-        self._projection_rngs.load(state.get("projection_rngs", {}))
-        self._mask_rngs.load(state.get("mask_rngs", {}))
-        if not self.secure_mode:
-            self._noise_rngs.load(state.get("noise_rngs", {}))
-            if state.get("noise_rng") is not None:   # a checkpoint of a version that drew all noise on the CPU
-                self._noise_rngs("cpu").set_state(state["noise_rng"])
+        old = sorted(k for k in _GENERATOR_STATE_KEYS if k in state)
+        if old:
+            warnings.warn(f"this state_dict, of an earlier version of dpsgd, holds generator states "
+                          f"({', '.join(old)}); they are ignored: a resumed run reseeds every generator from "
+                          f"os.urandom. That file predicts the noise of the steps after it: delete it, or keep it as "
+                          f"private as the data", UserWarning, stacklevel=2)
+        self._reseed()

@@ -26,9 +26,10 @@ under ``hutch`` / ``hutchpp``), and ``get_epsilon`` is an epsilon per user.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -55,33 +56,75 @@ class UserLevel:
         return {"privacy_unit": "user", "max_examples_per_user": self.max_examples_per_user}
 
 
+def _user_labels(user_ids: object) -> list:
+    """``user_ids`` as a list of one label per example (a tensor's, an array's or a Series' values; a sequence's
+    items as given), ``TypeError`` or ``ValueError`` naming ``user_ids`` for anything else."""
+    if not isinstance(user_ids, (torch.Tensor, np.ndarray)) and callable(getattr(user_ids, "to_numpy", None)):
+        user_ids = user_ids.to_numpy()   # a pandas Series or Index (pandas is not needed here)
+    if isinstance(user_ids, (torch.Tensor, np.ndarray)):
+        if user_ids.ndim != 1:
+            raise ValueError(f"user_ids must be a sequence or a 1-D tensor or array (one user label per example), "
+                             f"got shape {tuple(user_ids.shape)}")
+        if isinstance(user_ids, torch.Tensor):
+            if user_ids.is_floating_point() or user_ids.is_complex() or user_ids.dtype == torch.bool:
+                raise TypeError(f"user_ids must hold integer (or string) labels, got a {user_ids.dtype} tensor: "
+                                f"{_NOT_FLOAT}")
+        elif user_ids.dtype.kind in "fcb":
+            raise TypeError(f"user_ids must hold integer (or string) labels, got a {user_ids.dtype} array: "
+                            f"{_NOT_FLOAT}")
+        return user_ids.tolist() if user_ids.dtype != object else list(user_ids)
+    if isinstance(user_ids, (str, bytes)) or not isinstance(user_ids, Sequence):
+        raise TypeError(f"user_ids must be a sequence, a 1-D tensor or array, or a pandas Series (one user label per "
+                        f"example), got {type(user_ids).__name__}")
+    return list(user_ids)
+
+
+_NOT_FLOAT = ("a floating-point id is refused (is 3.0 the user 3? a rounding would merge or split users); convert "
+              "the ids to integers or strings")
+
+
+def _label(value: object, i: int) -> int | str:
+    """One example's user label by value: an ``int`` (from a Python, numpy or 0-d tensor integer) or a ``str``;
+    ``TypeError`` naming ``user_ids`` for anything else (a 0-d tensor hashes by identity, so it is read here)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise TypeError(f"user_ids[{i}] is a tensor of shape {tuple(value.shape)}: each example has one label "
+                            f"(an integer, a string or a 0-d integer tensor)")
+        if value.is_floating_point() or value.is_complex():
+            raise TypeError(f"user_ids[{i}] is a {value.dtype} tensor: {_NOT_FLOAT}")
+        value = value.item()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool):
+        raise TypeError(f"user_ids[{i}] is {value!r}: user labels are integers or strings, not booleans")
+    if isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        raise TypeError(f"user_ids[{i}] is the float {value!r}: {_NOT_FLOAT}")
+    raise TypeError(f"user_ids[{i}] is a {type(value).__name__}: user labels are integers or strings (Python, numpy "
+                    f"or 0-d tensor integers are the same user when equal)")
+
+
 def _user_index(user_ids: object) -> tuple[torch.Tensor, int]:
-    """Each example's user as ``0 .. U-1`` (first appearance order), and ``U``; ``ValueError`` for anything but a
-    sequence or 1-D tensor of hashable labels."""
-    if isinstance(user_ids, torch.Tensor):
-        if user_ids.dim() != 1:
-            raise ValueError(f"user_ids must be a sequence or a 1-D tensor (one user label per example), got a "
-                             f"tensor of shape {tuple(user_ids.shape)}")
-        if user_ids.is_floating_point():
-            raise ValueError("user_ids must hold integer (or other exact) labels, got a floating-point tensor")
-        labels = user_ids.tolist()
-    elif isinstance(user_ids, (str, bytes)) or not isinstance(user_ids, Sequence):
-        raise ValueError(f"user_ids must be a sequence or a 1-D tensor (one user label per example), got "
-                         f"{type(user_ids).__name__}")
-    else:
-        labels = list(user_ids)
-    index: dict[Hashable, int] = {}
-    try:
-        users = [index.setdefault(label, len(index)) for label in labels]
-    except TypeError as err:
-        raise ValueError(f"user_ids must hold hashable labels (ints, strings): {err}") from err
+    """Each example's user as ``0 .. U-1`` (first appearance order), and ``U``: labels are compared by value, so
+    ``3``, ``numpy.int64(3)`` and ``torch.tensor(3)`` are one user.  ``TypeError`` for labels that are neither all
+    integers nor all strings; ``ValueError`` for a tensor or array that is not 1-D."""
+    labels = [_label(v, i) for i, v in enumerate(_user_labels(user_ids))]
+    kinds = {type(v) for v in labels}
+    if len(kinds) > 1:
+        first = {t: next(i for i, v in enumerate(labels) if type(v) is t) for t in kinds}
+        raise TypeError(f"user_ids mixes integer and string labels (user_ids[{first[int]}] = {labels[first[int]]!r}, "
+                        f"user_ids[{first[str]}] = {labels[first[str]]!r}): is 3 the user '3'? Give one kind")
+    index: dict[int | str, int] = {}
+    users = [index.setdefault(label, len(index)) for label in labels]
     return torch.tensor(users, dtype=torch.long), len(index)
 
 
 def user_level(privacy_unit: object, user_ids: object, max_examples_per_user: object, *, per_coordinate: bool,
                poisson_sampling: bool) -> UserLevel | None:
     """``make_private``'s user-level arguments checked before anything is built: a :class:`UserLevel` for
-    ``privacy_unit="user"``, ``None`` for ``"example"``; ``ValueError`` naming the argument otherwise.
+    ``privacy_unit="user"``, ``None`` for ``"example"``; ``ValueError`` naming the argument otherwise
+    (``TypeError`` for ``user_ids`` that are not integer or string labels, see :func:`_user_index`).
 
     Examples
     --------
@@ -89,6 +132,9 @@ def user_level(privacy_unit: object, user_ids: object, max_examples_per_user: ob
     >>> u = user_level("user", ["ann", "bob", "ann"], 2, per_coordinate=False, poisson_sampling=True)
     >>> u.users.tolist(), u.num_users, u.settings()
     ([0, 1, 0], 2, {'privacy_unit': 'user', 'max_examples_per_user': 2})
+    >>> import torch
+    >>> user_level("user", list(torch.tensor([7, 8, 7])), None, per_coordinate=False, poisson_sampling=True).num_users
+    2
     >>> user_level("example", [0, 1], None, per_coordinate=False, poisson_sampling=True)
     Traceback (most recent call last):
     ...

@@ -50,18 +50,20 @@ def main(argv: list[str] | None = None) -> float:
                                        eos_token_id=0))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"],
                                              lora_dropout=0.0, fan_in_fan_out=True))
-    train = Repeats(args.train, VOCAB, 4, seed=1)
+    train, held_out = Repeats(args.train, VOCAB, 4, seed=1), Repeats(256, VOCAB, 4, seed=2)
     training_args = TrainingArguments(output_dir=args.out, per_device_train_batch_size=64,
                                       gradient_accumulation_steps=2, num_train_epochs=args.epochs,
                                       learning_rate=2e-2, logging_steps=8, save_strategy="no", report_to=[],
                                       use_cpu=True, disable_tqdm=True)
     trainer = DPTrainer(model=model, args=training_args, train_dataset=train,
                         privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon,
-                                                 target_delta=1e-5, estimator="hutch", projection_dim=16, seed=0))
-    result = trainer.train()
+                                                 target_delta=1e-5, estimator="hutch", projection_dim=16))
+    trainer.train()
     engine = trainer.privacy_engine
-    print(f"mean training loss {result.training_loss:.3f} (a uniform guess scores ln {VOCAB} = "
-          f"{math.log(VOCAB):.3f})")
+    # the loss on held-out examples: the training loss is a statistic of the private batches without noise, which
+    # DPTrainer does not log (PrivacyArguments(log_nonprivate_metrics=True) would, outside epsilon)
+    held_out_loss = trainer.evaluate(eval_dataset=held_out)["eval_loss"]
+    print(f"held-out loss {held_out_loss:.3f} (a uniform guess scores ln {VOCAB} = {math.log(VOCAB):.3f})")
     eps = engine.get_epsilon(1e-5)
     print(f"steps {engine.steps}, noise multiplier {engine.noise_multiplier:.3f}, "
           f"epsilon {eps:.3f} <= {args.epsilon} at delta 1e-5")

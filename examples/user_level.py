@@ -46,7 +46,7 @@ def main(users: int = 300, epsilon: float = 4.0, epochs: int = 2, seed: int = 0)
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         data_loader=DataLoader(data, batch_size=30),         # 30 users per batch, expected
         criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, target_epsilon=epsilon, target_delta=1e-5,
-        epochs=epochs, estimator="ghost", seed=seed,
+        epochs=epochs, estimator="ghost",
         privacy_unit="user", user_ids=author, max_examples_per_user=8)
     for _ in range(epochs):
         with BatchMemoryManager(data_loader=loader, max_physical_batch_size=128, optimizer=optimizer) as batches:
@@ -76,6 +76,6 @@ if __name__ == "__main__":
     parser.add_argument("--users", type=int, default=300)
     parser.add_argument("--epsilon", type=float, default=4.0)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the initial model only")
     args = parser.parse_args()
     main(args.users, args.epsilon, args.epochs, args.seed)

@@ -437,7 +437,7 @@ def test_a_hugging_face_padding_collator_pads_a_padded_batch_and_its_filler_alik
 def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
     data = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
 
-    def run(state=None, batches=15):
+    def run(state=None, batches=15, drawn=None):
         model = nn.Linear(4, 2)
         engine = PrivacyEngine()
         model, opt, crit, loader = engine.make_private(
@@ -448,6 +448,8 @@ def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
             engine.load_state_dict(state)
         stream = itertools.chain.from_iterable(itertools.repeat(loader, 3))
         for x, y in itertools.islice(stream, batches):
+            if drawn is not None:
+                drawn.append(x)
             opt.zero_grad()
             crit(model(x), y).backward()
             opt.step()
@@ -455,6 +457,13 @@ def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
 
     first = run()   # 15 batches: epochs 1 and 2 (half of it) charged
     assert first.accountant().events == ((RandomAllocationGaussian(1.5, 10), 2),)
-    second = run(first.state_dict(), batches=5)   # 5 more: a third epoch, not the rest of the second
-    assert second.spent_steps == 20
-    assert second.accountant().events == ((RandomAllocationGaussian(1.5, 10), 3),)
+    state = first.state_dict()
+    assert state["epochs"] == 2 and not any(isinstance(v, torch.Tensor) for v in state.values())
+    drawn = [[], []]
+    for seen in drawn:   # 5 more: a third epoch, not the rest of the second
+        second = run(state, batches=5, drawn=seen)
+        assert second.spent_steps == 20
+        assert second.accountant().events == ((RandomAllocationGaussian(1.5, 10), 3),)
+    # the new epoch is a fresh allocation (from os.urandom), not one the checkpoint or the seed predicts
+    assert [len(x) for x in drawn[0]] != [len(x) for x in drawn[1]] or \
+        any(not torch.equal(a, b) for a, b in zip(drawn[0], drawn[1], strict=True))

@@ -16,7 +16,17 @@ from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
 from dpsgd.engine import Capture, clipped_backward  # noqa: E402
 
 from .hf_families import FAMILIES, exact_ready  # noqa: E402
-from .workloads import VOCAB, brute_force_sq_norms, data, gpt2, lm_losses, make, private_lora_run  # noqa: E402
+from .workloads import (  # noqa: E402
+    VOCAB,
+    assert_holds_no_generator_state,
+    brute_force_sq_norms,
+    data,
+    engine_generators,
+    gpt2,
+    lm_losses,
+    make,
+    private_lora_run,
+)
 
 
 @pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied", "bert", "lora_gpt2", "multihead_attention", "lstm",
@@ -89,4 +99,15 @@ def test_cuda_half_precision_sums_use_the_wide_kernel_and_equal_float32_arithmet
 
 def test_cuda_noise_is_drawn_on_the_gpu():
     engine, model, loader = private_lora_run("cuda", autocast=True)
-    assert {torch.device(d).type for d in engine.state_dict()["noise_rngs"]} == {"cuda"}
+    assert {d.type for d in engine._noise_rngs._generators} == {"cuda"}
+
+
+def test_a_cuda_runs_state_dict_holds_no_generator_state_and_a_resume_reseeds_the_gpu_generators():
+    engine, model, loader = private_lora_run("cuda")
+    state = engine.state_dict()
+    assert_holds_no_generator_state(state, engine)
+    cuda = [g for g in engine_generators(engine) if g.device.type == "cuda"]
+    assert cuda   # projections and noise, drawn on the GPU
+    before = [g.get_state().clone() for g in cuda]
+    engine.load_state_dict(state)
+    assert all(not torch.equal(g.get_state(), b) for g, b in zip(cuda, before, strict=True))

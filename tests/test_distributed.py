@@ -116,20 +116,24 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(sum(_SIZES), 6, generator=g), torch.randn(sum(_SIZES), 1, generator=g)
 
 
-def _run(engine: PrivacyEngine, dataset: TensorDataset, batch_size: int, scheme, sigma: float):
-    """One epoch of a linear model under ``scheme``: the global indices of each step's batch (a step whose batch
-    is empty on this rank is a noise-only step the loader takes itself: no entry) and the final parameters."""
+def _run(engine: PrivacyEngine, dataset: TensorDataset, batch_size: int, scheme, sigma: float, seed=_SEED,
+         state=None):
+    """One epoch of a linear model under ``scheme`` (resumed from the engine ``state`` if given): the global
+    indices of each step's batch (a step whose batch is empty on this rank is a noise-only step the loader takes
+    itself: no entry) and the final parameters."""
     model = _init()
     m, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(dataset, batch_size=batch_size), criterion=nn.MSELoss(reduction="sum"),
-        max_grad_norm=1e9, noise_multiplier=sigma, estimator="ghost", batch_sampling=scheme, seed=_SEED)
+        max_grad_norm=1e9, noise_multiplier=sigma, estimator="ghost", batch_sampling=scheme, seed=seed)
+    if state is not None:
+        engine.load_state_dict(state)
     drawn = {}
     for xb, yb, ib in loader:
         drawn[engine.steps] = ib.tolist()
         crit(m(xb), yb).backward()
         opt.step()
-    assert engine.steps == len(loader)
+    assert engine.steps == len(loader) * (1 if state is None else 2)
     return drawn, [p.detach().clone() for p in model.parameters()]
 
 
@@ -223,3 +227,51 @@ def test_two_process_batch_samplings(tmp_path):
             assert r[name][2] == pytest.approx(scheme.bind(60, 10).sample_rate)
             assert r[name][3] == pytest.approx(expected, rel=1e-9), name
     assert lopsided > 0
+
+
+def _resume_worker(rank: int, world: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        x, y = _data()
+        lo = sum(_SIZES[:rank])
+        idx = torch.arange(lo, lo + _SIZES[rank])
+        shard = TensorDataset(x[idx], y[idx], idx)
+        results = {}
+        for name in ("poisson", "shuffling"):
+            engine = PrivacyEngine()   # no seed: every rank's generators from os.urandom, rank 0's where shared
+            _run(engine, shard, _BATCHES[rank], name, 1.0, seed=None)
+            state = engine.state_dict()
+            # two resumes: the generators every rank shares are reseeded alike from rank 0's entropy (one global
+            # stream of batches, the same noise on every rank), and differently in each resume
+            resumes = []
+            for _ in range(2):
+                resumed = PrivacyEngine()
+                drawn, params = _run(resumed, shard, _BATCHES[rank], name, 1.0, seed=None, state=state)
+                assert resumed.steps == 12
+                resumes.append((drawn, params))
+            results[name] = resumes
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)   # see _worker
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_two_process_resume_reseeds_the_shared_generators_alike_on_every_rank(tmp_path):
+    out = tmp_path / "ranks.pt"
+    mp.spawn(_resume_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    ranks = torch.load(out)
+    for name in ("poisson", "shuffling"):
+        finals = []
+        for resume in range(2):
+            (drawn0, params0), (drawn1, params1) = ranks[0][name][resume], ranks[1][name][resume]
+            # the same noise on both ranks: the same parameters
+            assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True)), name
+            if name == "shuffling":   # one global permutation: every global index exactly once in the epoch
+                union = sum((drawn0.get(t, []) + drawn1.get(t, []) for t in range(6, 12)), [])
+                assert sorted(union) == list(range(60))
+            finals.append(params0)
+        assert not all(torch.equal(a, b) for a, b in zip(*finals, strict=True)), name

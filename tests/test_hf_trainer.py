@@ -1,6 +1,9 @@
 """dpsgd.hf.DPTrainer: the Hugging Face Trainer runs DP-SGD-RC with Poisson logical batches split into
 gradient_accumulation_steps micro-batches, one noisy step per logical batch, epsilon in the logs."""
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -9,9 +12,9 @@ pytest.importorskip("peft")
 
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
-from dpsgd.hf import DPTrainer, PrivacyArguments  # noqa: E402
+from dpsgd.hf import PRIVACY_STATE_NAME, DPTrainer, PrivacyArguments  # noqa: E402
 
-from .workloads import lora_gpt2  # noqa: E402
+from .workloads import assert_holds_no_generator_state, lora_gpt2  # noqa: E402
 
 
 class _Ids(torch.utils.data.Dataset):
@@ -90,11 +93,10 @@ def test_trainer_calibrates_for_exactly_the_steps_it_takes(tmp_path, n, batch, a
 
 
 def _resumable(tmp_path, max_steps, **privacy):
-    # hutch by default: its projection generator must be restored too for the steps to repeat bit for bit
     torch.manual_seed(0)
     args = _args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=max_steps,
                  save_strategy="steps", save_steps=4)
-    settings = {"max_grad_norm": 0.5, "noise_multiplier": 1.0, "estimator": "hutch", "projection_dim": 8, "seed": 0}
+    settings = {"max_grad_norm": 0.5, "noise_multiplier": 1.0, "estimator": "hutch", "projection_dim": 8}
     return DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48),
                      privacy=PrivacyArguments(**(settings | privacy)))
 
@@ -103,19 +105,67 @@ def _trained(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_a_resumed_run_continues_the_ledger_and_the_generators_mid_epoch(tmp_path):
+def test_a_resumed_run_continues_the_ledger_with_fresh_randomness_mid_epoch(tmp_path):
+    """The checkpoint's privacy_engine.pt holds the steps and settings only (no generator state: the issue
+    recovered the next step's un-noised clipped sum from it to 1e-14); two resumes of it take as many noisy steps
+    and report the same epsilon, but draw other batches, projections and noise than each other and than the
+    uninterrupted run."""
     # 6 logical batches an epoch: the checkpoint at step 4 is mid-epoch, and the run ends in the second epoch
     full = _resumable(tmp_path / "full", max_steps=9)
     full.train()
-    resumed = _resumable(tmp_path / "resumed", max_steps=9)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
-    a, b = full.privacy_engine, resumed.privacy_engine
-    assert resumed.state.global_step == full.state.global_step == 9
-    assert b.steps == b.spent_steps == a.steps == 9
-    assert b.get_epsilon(1e-5) == a.get_epsilon(1e-5)
-    after_full, after_resumed = _trained(full.model), _trained(resumed.model)
-    assert after_full.keys() == after_resumed.keys()
-    assert all(torch.equal(after_full[n], after_resumed[n]) for n in after_full)
+    saved = torch.load(tmp_path / "full" / "checkpoint-4" / PRIVACY_STATE_NAME, weights_only=True)
+    assert saved["steps"] == 4
+    assert_holds_no_generator_state(saved, full.privacy_engine)
+    finals = [_trained(full.model)]
+    for i in range(2):
+        resumed = _resumable(tmp_path / f"resumed{i}", max_steps=9)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-4"))
+        a, b = full.privacy_engine, resumed.privacy_engine
+        assert resumed.state.global_step == full.state.global_step == 9
+        assert b.steps == b.spent_steps == a.steps == 9
+        assert b.get_epsilon(1e-5) == a.get_epsilon(1e-5)
+        finals.append(_trained(resumed.model))
+    for i in range(3):
+        for j in range(i):
+            assert finals[i].keys() == finals[j].keys()
+            assert not all(torch.equal(finals[i][n], finals[j][n]) for n in finals[i])
+
+
+_NONPRIVATE = {"loss", "train_loss", "grad_norm", "num_input_tokens_seen", "total_flos", "train_tokens_per_second"}
+
+
+def _logged_run(tmp_path, **privacy):
+    torch.manual_seed(0)
+    logs = _Logs()
+    args = _args(tmp_path, per_device_train_batch_size=4, max_steps=4, logging_steps=1, save_strategy="steps",
+                 save_steps=2, include_num_input_tokens_seen=True)
+    trainer = DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48), callbacks=[logs],
+                        privacy=PrivacyArguments(noise_multiplier=1.0, estimator="ghost", **privacy))
+    return trainer, logs, trainer.train()
+
+
+def test_logs_and_checkpoints_hold_no_training_loss_or_token_counts_by_default(tmp_path):
+    """The issue: DPTrainer logged each step's un-noised mean training loss and the tokens seen, which one added
+    example changes.  By default the logs, trainer_state.json (in every checkpoint) and train()'s metrics hold
+    the steps, epsilon, learning rate and epoch only; the token count asked for is refused with a warning."""
+    with pytest.warns(UserWarning, match="include_num_input_tokens_seen.*log_nonprivate_metrics"):
+        trainer, logs, result = _logged_run(tmp_path)
+    steps = [entry for entry in logs.logs if "epsilon" in entry]
+    assert len(steps) >= 4 and all({"learning_rate", "epoch"} <= entry.keys() for entry in steps[:4])
+    assert not [entry for entry in logs.logs if entry.keys() & _NONPRIVATE]
+    state = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert not [entry for entry in state["log_history"] if entry.keys() & _NONPRIVATE]
+    assert state["total_flos"] == 0 and state.get("num_input_tokens_seen", 0) == 0
+    assert not result.metrics.keys() & _NONPRIVATE and math.isnan(result.training_loss)
+    assert not [entry for entry in trainer.state.log_history if entry.keys() & _NONPRIVATE]
+
+
+def test_the_training_loss_and_token_counts_are_logged_only_when_asked_for_with_a_warning(tmp_path):
+    with pytest.warns(UserWarning, match="log_nonprivate_metrics=True.*not differentially private"):
+        trainer, logs, result = _logged_run(tmp_path, log_nonprivate_metrics=True)
+    steps = [entry for entry in logs.logs if "epsilon" in entry]
+    assert all({"loss", "num_input_tokens_seen"} <= entry.keys() for entry in steps[:4])
+    assert result.training_loss > 0 and "train_loss" in result.metrics
 
 
 def test_resuming_from_a_checkpoint_without_privacy_state_is_refused(tmp_path):

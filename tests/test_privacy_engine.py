@@ -11,6 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import EpsilonSchedule, HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
 from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms
+from dpsgd.sampling import TwiceSampling
+
+from .workloads import assert_holds_no_generator_state, engine_generators
 
 
 def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
@@ -122,23 +125,86 @@ def test_envelope_choice():
     assert engine.envelope is None
 
 
-def test_checkpoint_resumes_the_same_run():
+def test_a_checkpoint_keeps_the_ledger_and_refuses_other_settings():
     engine, model, opt, crit, loader = _setup(seed=3)
     _epoch(model, opt, crit, loader)
     ckpt = {"engine": engine.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
     _epoch(model, opt, crit, loader)
-    final = [p.detach().clone() for p in model.parameters()]
     eps = engine.get_epsilon(1e-5)
-    engine2, model2, opt2, crit2, loader2 = _setup(seed=99)  # different seed: generators come from the checkpoint
+    engine2, model2, opt2, crit2, loader2 = _setup(seed=99)
     model2.load_state_dict(ckpt["model"])
     engine2.load_state_dict(ckpt["engine"])
+    assert engine2.steps == 10
     _epoch(model2, opt2, crit2, loader2)
-    assert engine2.steps == engine.steps and engine2.get_epsilon(1e-5) == eps
-    for a, b in zip(final, model2.parameters(), strict=True):
-        assert torch.allclose(a, b)
+    assert engine2.steps == engine.steps == 20 and engine2.get_epsilon(1e-5) == eps
     engine3, *_ = _setup(noise_multiplier=1.2)
     with pytest.raises(ValueError, match="different privacy settings"):
         engine3.load_state_dict(ckpt["engine"])
+
+
+@pytest.mark.parametrize("kw", [{"estimator": "hutch"},
+                                {"estimator": "exact", "sampling": TwiceSampling(0.5, 0.3)}],
+                         ids=["hutch", "twice_sampling"])
+def test_a_state_dict_holds_nothing_that_predicts_batches_projections_masks_or_noise(kw):
+    """The issue's measurement: a state_dict held the noise generator's state, from which the next step's noise,
+    and so the un-noised clipped sum, was recovered to 1e-14.  Now it holds the settings and counts only."""
+    engine, model, opt, crit, loader = _setup(seed=None, **kw)
+    _epoch(model, opt, crit, loader)
+    state = engine.state_dict()
+    assert set(state) <= {"settings", "steps", "epochs"}
+    assert_holds_no_generator_state(state, engine)
+
+
+def test_a_resume_draws_fresh_batches_projections_and_noise_even_with_the_seed():
+    """Two resumes of one checkpoint, with the run's own seed, take different noisy steps, and neither takes the
+    step the interrupted run took next: nothing saved, and not the seed either, predicts a resumed run's draws.
+    The ledger continues."""
+    from .workloads import one_step_change
+
+    engine, model, opt, crit, loader = _setup(seed=3)
+    _epoch(model, opt, crit, loader)
+    state, weights = engine.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    changes = [one_step_change(model, opt, crit, loader)]   # the interrupted run's next step
+    for _ in range(2):
+        resumed, model2, opt2, crit2, loader2 = _setup(seed=3)
+        model2.load_state_dict(weights)
+        resumed.load_state_dict(state)
+        assert resumed.steps == 10
+        changes.append(one_step_change(model2, opt2, crit2, loader2))
+        assert resumed.steps == 11
+    for i in range(3):
+        for j in range(i):
+            assert not torch.allclose(changes[i], changes[j])
+
+
+def test_a_state_dict_of_an_earlier_version_loads_without_its_generator_states():
+    """Earlier versions saved the generators' states: such a checkpoint still resumes the ledger, with a warning
+    that its generator states are ignored (the resumed run draws fresh ones)."""
+    engine, model, opt, crit, loader = _setup(seed=None)
+    _epoch(model, opt, crit, loader)
+    cpu = torch.Generator().manual_seed(1).get_state()
+    old = {**engine.state_dict(), "sampling_rng": cpu, "projection_rngs": {"cpu": cpu}, "mask_rngs": {},
+           "noise_rngs": {"cpu": cpu}}
+    resumed, *_ = _setup(seed=None)
+    with pytest.warns(UserWarning, match="generator states .* ignored"):
+        resumed.load_state_dict(old)
+    assert resumed.steps == 10
+    assert all(not torch.equal(g.get_state(), cpu) for g in engine_generators(resumed))
+
+
+def test_a_seed_warns_that_the_run_is_reproducible_and_not_private_against_its_holder():
+    with pytest.warns(UserWarning, match=r"seed=3\b.*reproducible.*no privacy against whoever holds the seed"):
+        _setup(seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _setup(seed=None)
+    assert not [w for w in caught if "seed" in str(w.message)]
+    batches = []
+    for _ in range(2):   # reproducible: the same seed, the same batches
+        with pytest.warns(UserWarning, match="seed"):
+            engine, model, opt, crit, loader = _setup(seed=3)
+        batches.append([b for b in loader.logical_sampler])
+    assert batches[0] == batches[1]
 
 
 def test_non_finite_loss_does_not_step_or_count():
@@ -246,22 +312,36 @@ def test_ledger_file_survives_a_crash(tmp_path):
         _setup(seed=5, ledger_path=path, noise_multiplier=2.0)
 
 
-def test_secure_mode_draws_noise_from_the_os():
-    """Same seed, secure mode: sampling agrees, noise does not (it comes from os.urandom)."""
-    finals = []
+def _secure_run(**kw):
+    torch.manual_seed(0)   # torch's global generator is not where secure mode draws from
+    model = nn.Linear(5, 2)
+    engine = PrivacyEngine(secure_mode=True)
+    data = TensorDataset(torch.randn(40, 5), torch.randint(0, 2, (40,)))
+    return engine, *engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(data, batch_size=10), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        noise_multiplier=1.0, **{"estimator": "exact", **kw})
+
+
+def test_secure_mode_refuses_a_seed():
+    with pytest.raises(ValueError, match=r"seed=4 with secure_mode=True"):
+        _secure_run(seed=4)
+
+
+def test_secure_mode_draws_batches_projections_and_noise_from_the_os():
+    """Two secure runs set up alike (torch's global seed included): different batches, projections and noise,
+    and a state_dict without any of their generators."""
+    batches, finals, probes = [], [], []
     for _ in range(2):
-        torch.manual_seed(0)
-        model = nn.Linear(5, 2)
-        engine = PrivacyEngine(secure_mode=True)
-        data = TensorDataset(torch.randn(40, 5), torch.randint(0, 2, (40,)))
-        model, opt, crit, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-            data_loader=DataLoader(data, batch_size=10), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
-            noise_multiplier=1.0, estimator="exact", seed=4)
+        engine, model, opt, crit, loader = _secure_run(estimator="hutch", projection_dim=4)
+        batches.append([b for b in loader.logical_sampler])
         _epoch(model, opt, crit, loader)
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        assert engine.state_dict()["noise_rngs"] == {}
+        probes.append(torch.randn(8, generator=engine._projection_rngs("cpu")))
+        assert_holds_no_generator_state(engine.state_dict(), engine)
+    assert batches[0] != batches[1]
     assert not torch.allclose(finals[0], finals[1])
+    assert not torch.equal(probes[0], probes[1])
 
 
 def test_hutchpp_on_matrices_of_rank_at_most_k_is_accounted_as_exact_dp_sgd():

@@ -1,6 +1,7 @@
 """User-level privacy (make_private(privacy_unit="user")): each user's summed gradient clipped once, users
 Poisson-sampled at q_u = batch_size / U, epsilon per user, and the canary audit with whole users as canaries."""
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -12,7 +13,7 @@ from dpsgd import BatchMemoryManager, PrivacyEngine
 from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.engine import Capture, NormPlan, clipped_backward
 from dpsgd.sampling import TwiceSampling
-from dpsgd.users import UserBatch, UserPoissonSampler
+from dpsgd.users import UserBatch, UserPoissonSampler, user_level
 
 from .test_batch_sampling import LongestFirst, by_value, reversed_rows, text_run, text_tokenizer, texts
 from .workloads import data, lm_losses, make
@@ -378,6 +379,55 @@ def test_split_rows_keeps_users_whole_and_numbers_them_per_piece():
 def test_bad_user_level_arguments_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         _user_run([i % 12 for i in range(60)], **kw)
+
+
+class _SeriesLike:
+    """What a pandas Series offers (``to_numpy``), without pandas."""
+
+    def __init__(self, values):
+        self.values = np.asarray(values)
+
+    def __len__(self):
+        return len(self.values)
+
+    def to_numpy(self):
+        return self.values
+
+
+def test_user_ids_are_users_by_value_whatever_their_container():
+    """The issue's measurement: user_ids=list(author_tensor) made every example its own user (0-d tensors hash
+    by identity), so the user rate and epsilon were those of examples; numpy arrays were refused.  Equal values
+    are one user, whatever holds them."""
+    authors = [(7 * i) % 12 for i in range(60)]   # 12 users of 5 examples each, interleaved
+    want, *_ = _user_run(authors, noise_multiplier=1.0)
+    assert want.sample_rate == pytest.approx(4 / 12)
+    as_tensor = torch.tensor(authors)
+    for ids in (list(as_tensor), as_tensor, np.array(authors), list(np.array(authors)), _SeriesLike(authors),
+                as_tensor.to(torch.int32), [a if i % 2 else torch.tensor(a) for i, a in enumerate(authors)],
+                [f"user-{a}" for a in authors]):
+        engine, *_ = _user_run(authors, noise_multiplier=1.0, user_ids=ids)
+        assert engine.sample_rate == want.sample_rate and engine.expected_batch_size == want.expected_batch_size
+    users = user_level("user", list(as_tensor), None, per_coordinate=False, poisson_sampling=True)
+    assert users.num_users == 12 and users.users.tolist() == user_level(
+        "user", authors, None, per_coordinate=False, poisson_sampling=True).users.tolist()
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([float(i % 12) for i in range(60)], "user_ids.*float"),
+    (torch.arange(60.0) % 12, "user_ids.*float"),
+    (np.arange(60.0) % 12, "user_ids.*float"),
+    ([torch.tensor(float(i % 12)) for i in range(60)], "user_ids.*float"),
+    ([i % 12 if i % 2 else str(i % 12) for i in range(60)], "user_ids.*mixes"),
+    ([[i % 12] for i in range(60)], "user_ids"),
+    ([object() for _ in range(60)], "user_ids"),
+    ([bool(i % 2) for i in range(60)], "user_ids"),
+    ([torch.tensor([i % 12]) for i in range(60)], "user_ids"),
+    ({"a": 1}, "user_ids"),
+    ("abc", "user_ids"),
+])
+def test_user_ids_that_are_not_integer_or_string_labels_are_refused_by_name(ids, match):
+    with pytest.raises(TypeError, match=match):
+        user_level("user", ids, None, per_coordinate=False, poisson_sampling=True)
 
 
 def test_max_examples_per_user_without_users_is_refused():

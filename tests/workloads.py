@@ -3,6 +3,7 @@ per-example gradient to compare against."""
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 
@@ -238,3 +239,36 @@ def one_step_change(model: nn.Module, optimizer, criterion, loader) -> torch.Ten
     criterion(model(x), y).backward()
     optimizer.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+
+
+def engine_generators(engine):
+    """Every generator the engine draws secrets from: batches, projections, twice sampling's masks, noise."""
+    return [engine._sampling_rng, *engine._projection_rngs._generators.values(),
+            *engine._mask_rngs._generators.values(), *engine._noise_rngs._generators.values()]
+
+
+def _leaves(obj, path="state"):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _leaves(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def assert_holds_no_generator_state(state, engine):
+    """``state`` (a state_dict, or a loaded checkpoint file) holds plain settings and counts only: no tensor or
+    bytes anywhere in it, and no stretch of any of the engine's generator states in its serialized form."""
+    for path, leaf in _leaves(state):
+        assert leaf is None or isinstance(leaf, (bool, int, float, str)), f"{path} holds a {type(leaf).__name__}"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    saved = buffer.getvalue()
+    generators = engine_generators(engine)
+    assert len(generators) >= 3
+    for g in generators:
+        raw = g.get_state().numpy().tobytes()
+        middle = raw[len(raw) // 2:len(raw) // 2 + 64] if len(raw) > 64 else raw
+        assert middle not in saved
