@@ -46,6 +46,7 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -198,7 +199,10 @@ class DPLoss:
 
 
 class DPCriterion:
-    r"""Wraps a loss module: ``criterion(output, target)`` returns a :class:`DPLoss` of per-example losses.
+    r"""Wraps a loss module, or a loss function that takes ``reduction=`` (``F.cross_entropy``, ``F.nll_loss``,
+    ``F.mse_loss``, a ``functools.partial`` of one): ``criterion(output, target)`` returns a :class:`DPLoss` of
+    per-example losses.  A function is called with ``reduction="none"``; its own default ``reduction`` and
+    ``ignore_index`` (read from its signature) play the part of a module's attributes.
 
     ``output`` may be a tensor, a Hugging Face output object (its ``logits`` are used) or a tuple (its first
     element).  Token-level targets are accepted in either layout, ``(B, T, V)`` logits with ``(B, T)``
@@ -213,13 +217,28 @@ class DPCriterion:
             raise ValueError(f"criterion must be a loss module, got {type(criterion).__name__}")
         self._criterion = criterion
         self._engine = engine
-        self.reduction = getattr(criterion, "reduction", "mean")
+        # a loss function: its signature's defaults stand for a module's attributes
+        self._defaults = None if isinstance(criterion, nn.Module) else _loss_defaults(criterion)
+        self.reduction = getattr(criterion, "reduction", "mean") if self._defaults is None \
+            else self._defaults["reduction"]
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"criterion.reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
+    def _elementwise(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The criterion's unreduced losses (a module's ``reduction`` set to ``"none"`` for the call)."""
+        if self._defaults is not None:
+            return self._criterion(logits, target, reduction="none")
+        old = self._criterion.reduction
+        self._criterion.reduction = "none"
+        try:
+            return self._criterion(logits, target)
+        finally:
+            self._criterion.reduction = old
+
     def __call__(self, output: object, target: torch.Tensor) -> DPLoss:
         logits = _logits(output)
-        ignore = getattr(self._criterion, "ignore_index", None)
+        ignore = getattr(self._criterion, "ignore_index", None) if self._defaults is None \
+            else self._defaults["ignore_index"]
         if not isinstance(target, torch.Tensor):
             raise ValueError(f"target must be a tensor, got {type(target).__name__}")
         if logits.dim() == 0 or target.dim() == 0 or logits.shape[0] != target.shape[0]:
@@ -231,15 +250,10 @@ class DPCriterion:
             raise ValueError(f"logits of shape {tuple(logits.shape)} with targets {tuple(target.shape)} fit both "
                              f"(B, T, classes) and (B, classes, T): the classes are ambiguous. Make the per-example "
                              f"losses yourself and pass them to PrivacyEngine.private_loss(losses)")
-        old = self._criterion.reduction
-        self._criterion.reduction = "none"
-        try:
-            if class_last:
-                per = self._criterion(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
-            else:
-                per = self._criterion(logits, target)
-        finally:
-            self._criterion.reduction = old
+        if class_last:
+            per = self._elementwise(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
+        else:
+            per = self._elementwise(logits, target)
         b = logits.shape[0]
         per = per.reshape(b, -1)
         if ignore is not None and not target.is_floating_point() and target.reshape(b, -1).shape == per.shape:
@@ -249,6 +263,26 @@ class DPCriterion:
         else:
             losses = per.mean(1) if self.reduction == "mean" else per.sum(1)
         return DPLoss(losses, self._engine)
+
+
+def _loss_defaults(criterion) -> dict:
+    """``{"reduction": ..., "ignore_index": ...}`` of a loss function, from its signature (``"mean"`` and ``None``
+    where it gives no default, or has no ``ignore_index``); ``TypeError`` unless it takes ``reduction`` by name."""
+    try:
+        params = inspect.signature(criterion).parameters
+    except (TypeError, ValueError):
+        params = {}
+    named = {n: p.default for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    if "reduction" not in named:
+        raise TypeError(f"criterion {getattr(criterion, '__name__', type(criterion).__name__)} is a function "
+                        f"without a reduction keyword, so its per-example losses cannot be asked for: pass a loss "
+                        f"module (nn.CrossEntropyLoss()) or a torch.nn.functional loss (F.cross_entropy, which is "
+                        f"called with reduction='none'); or make the per-example losses yourself and backpropagate "
+                        f"engine.private_loss(losses)")
+    empty = inspect.Parameter.empty
+    return {"reduction": "mean" if named["reduction"] is empty else named["reduction"],
+            "ignore_index": None if named.get("ignore_index", empty) is empty else named["ignore_index"]}
 
 
 def _logits(output: object) -> torch.Tensor:
@@ -492,6 +526,7 @@ class PrivacyEngine:
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
         self._padding: torch.Tensor | None = None   # the drawn padded batch's filler rows, for its one backward
+        self._consumed = False     # a private backward ran since the last step() or zero_grad()
         if self._user_rows is not None:
             self._user_rows.clear()
 
@@ -516,8 +551,9 @@ class PrivacyEngine:
         module, optimizer, data_loader
             Model, any torch optimizer over its trainable parameters, and a loader with a fixed
             ``batch_size`` (the expected batch size) over a sized dataset.
-        criterion : torch.nn.Module, optional
-            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``).
+        criterion : torch.nn.Module or callable, optional
+            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``), or a loss function
+            that takes ``reduction=`` (``F.cross_entropy``; called with ``reduction="none"``).
         max_grad_norm : float
             Clipping threshold ``C > 0``.
         noise_multiplier : float, optional
@@ -1046,6 +1082,7 @@ class PrivacyEngine:
             self._sums[id(p)] = s if total is None else total + s
         b = int(losses.shape[0])
         self._backpropagated += b
+        self._consumed = True
         self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
         clipped = result.weights < 1 if padding is None else (result.weights < 1)[~padding.to(result.weights.device)]
         self.last_clipped_fraction = float(clipped.double().mean()) if clipped.numel() else 0.0
@@ -1074,6 +1111,13 @@ class PrivacyEngine:
 
     def _zero_grad(self) -> None:
         self._require_private()
+        # the forwards recorded so far are dropped with the batch (a private backward may still consume them):
+        # a gradient a plain backward left on their parameters' aliases is cleared with the .grad it stands for
+        for c in self._capture.calls:
+            c.cache["dropped"] = True
+            for alias in c.aliases.values():
+                alias.grad = None
+        self._consumed = False
         if self._last_skipped:
             return  # the memory manager's logical batch is not complete: keep the clipped sums
         if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
@@ -1099,6 +1143,7 @@ class PrivacyEngine:
     def _step(self) -> None:
         self._require_private()
         if self._skip_next:
+            self._refuse_untrained_step()
             self._skip_next, self._last_skipped = False, True
             return
         if self.planned_steps is not None and self.spent_steps >= self.planned_steps:
@@ -1124,6 +1169,7 @@ class PrivacyEngine:
                                f"into one row gives each row up to k examples' influence while the accountant charges "
                                f"per example; pack within an example, or use one row per example. (Call "
                                f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
+        self._refuse_untrained_step()
         written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
         if written:
             raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
@@ -1173,6 +1219,28 @@ class PrivacyEngine:
         self._reset_step_state()
         for p in self.plan.params:
             p.grad = None
+
+    _UNTRAINED_FIX = ("Backpropagate the loss of the criterion returned by make_private (crit = make_private(...)[2]; "
+                      "crit(model(x), y).backward()), or your own per-example losses through "
+                      "engine.private_loss(losses).backward(); a loss module or function of your own with a plain "
+                      "loss.backward() trains nothing here. (Call optimizer.zero_grad() first to drop this batch "
+                      "with a noise-only step.)")
+
+    def _refuse_untrained_step(self) -> None:
+        """``RuntimeError`` for a step whose batch was forwarded but not privately backpropagated: the step would
+        add noise only and train nothing, silently.  The recorded forwards that no private backward consumed are
+        still in the capture: a plain ``loss.backward()`` left its gradient on their parameters' aliases, and a
+        forward recorded since the last ``zero_grad()`` with no private backward since is one nothing trained
+        from.  A noise-only step without a forward, or after ``zero_grad()`` dropped the batch, passes."""
+        pending = self._capture.calls
+        if any(a.grad is not None for c in pending for a in c.aliases.values()):
+            raise RuntimeError(f"a plain loss.backward() reached the model's training forward: its gradient went to "
+                               f"the engine's per-call stand-ins for the parameters, not into a clipped per-example "
+                               f"sum, so this step would add noise only and train nothing. {self._UNTRAINED_FIX}")
+        if not self._consumed and any(not c.cache.get("dropped") for c in pending):
+            raise RuntimeError(f"a training forward of the model was recorded since the last step, but no private "
+                               f"backward consumed it, so this step would add noise only and train nothing. "
+                               f"{self._UNTRAINED_FIX}")
 
     def _read_ledger(self) -> None:
         if self.ledger_path is None or not os.path.exists(self.ledger_path):

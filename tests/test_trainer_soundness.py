@@ -629,3 +629,77 @@ def test_under_autocast_each_examples_contribution_to_a_batch_sum_is_within_c():
         rest = sums([i for i in range(4) if i != j])
         diff = math.sqrt(sum(float((full[k].double() - rest[k].double()).square().sum()) for k in full))
         assert diff <= c * (1 + 1e-3), (j, diff)
+
+
+# --- a step that trains nothing, frozen batch norm, and a trainable set that changes mid-run ---------------------
+
+def _classifier(model=None, n=40, batch=8, noise=0.0, estimator="exact", c=1.0, opt_params=None, **kw):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(n, *((4,) if kw.get("shape") is None else kw.pop("shape")))
+    y = torch.randint(0, 3, (n,))
+    opt = torch.optim.SGD(model.parameters() if opt_params is None else opt_params(model), lr=0.5)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=noise, estimator=estimator, seed=0, **kw)
+    return engine, model, opt, crit, loader
+
+
+def _state(model):
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+def _same(a, b):
+    return all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
+
+
+def test_a_standard_loop_with_the_users_own_criterion_raises_at_step_naming_the_fix():
+    """``nn.CrossEntropyLoss()`` of the user's own and a plain ``loss.backward()``: the recorded forward's gradient
+    went to the engine's per-call aliases and no private backward formed a clipped sum, so the step would have been
+    noise only and trained nothing.  ``step()`` raises, naming the criterion make_private returned and
+    ``private_loss``, and neither the model nor the ledger moves."""
+    engine, model, opt, crit, loader = _classifier()
+    mine = nn.CrossEntropyLoss()
+    before = _state(model)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    mine(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"criterion returned by make_private.*private_loss"):
+        opt.step()
+    assert engine.steps == 0 and _same(before, _state(model))
+    opt.zero_grad()   # drops that batch: a noise-only step, as the message says
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_a_training_forward_without_any_backward_raises_at_step():
+    engine, model, opt, crit, loader = _classifier()
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    model(x)
+    with pytest.raises(RuntimeError, match="no private backward"):
+        opt.step()
+    assert engine.steps == 0
+
+
+def test_deliberate_noise_only_steps_still_work():
+    """A skipped batch (no forward), a batch dropped after its forward, and the private loop: none raises."""
+    engine, model, opt, crit, loader = _classifier(noise=1.0)
+    batches = iter(loader)
+    next(batches)
+    opt.zero_grad()
+    opt.step()                   # skipped without a forward
+    x, y = next(batches)
+    model(x)                     # e.g. a loss found to be NaN: the batch is dropped
+    opt.zero_grad()
+    opt.step()
+    x, y = next(batches)
+    with torch.no_grad():
+        model(x)                 # a look at the outputs without gradient records nothing
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    model(x)                     # an extra forward after the private backward (a metric)
+    opt.step()
+    assert engine.steps == 3
+
