@@ -26,6 +26,11 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
 Per-example losses: for a causal LM (labels shaped like ``input_ids``) the next-token cross-entropy, shifted,
 averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entropy of ``logits`` against
 ``labels``.  Override :meth:`DPTrainer.per_example_losses` for anything else.
+
+A frozen batch norm (pretrained running statistics, no trainable parameter:
+:func:`dpsgd.validator.frozen_batch_norm`) is put back in evaluation mode after the Trainer's ``model.train()``
+at every training step: in training mode it would normalize with the batch's statistics, which the engine
+refuses.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from dpmath.deprecation import renamed_arguments
 from .data import EmptyBatch, private_data_loader
 from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
+from .validator import frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 
@@ -211,6 +217,9 @@ class DPTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
+        for m in model.modules():   # a frozen batch norm trains in evaluation mode only (module docstring)
+            if frozen_batch_norm(m):
+                m.eval()
         if isinstance(inputs, EmptyBatch):   # a Poisson micro-batch with no example: nothing to backpropagate
             return torch.zeros((), device=self.args.device)
         inputs = self._prepare_inputs(inputs)

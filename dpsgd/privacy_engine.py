@@ -60,7 +60,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccountant, calibrate_noise
+from dpmath import (
+    Envelope,
+    EpsilonSchedule,
+    GridTooLargeError,
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    RDPAccountant,
+    calibrate_noise,
+)
 from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
@@ -419,6 +428,24 @@ def _refuse_hooked(module: nn.Module) -> None:
         raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
                            "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
                            "or build the model again")
+
+
+def _envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool:
+    """Whether the envelope ``charged`` (the accountant's) bounds every estimate that ``planned`` (a new plan's)
+    bounds: ``F_planned(x) <= F_charged(x)`` for every ``x``.  True when they are equal; for Hutchinson envelopes
+    of the same ``k`` when the new dimension is at most the charged one (the supremum over a smaller simplex, which
+    embeds in the larger one); and for the Hutch++ form ``max(F_{chi2(k)/k}, 1{x >= 1})`` (``d > k``) over any
+    Hutchinson or Hutch++ envelope of the same ``k`` and over exact norms (``None``, a point mass at 1): below 1
+    each of those is at most the vertex ``F_{chi2(k)/k}``, and the form is 1 from 1 on.  Exact norms
+    (``charged`` ``None``) bound exact norms only."""
+    if planned == charged:
+        return True
+    if isinstance(charged, HutchPPEnvelope) and charged.dim > charged.projection_dim:
+        return planned is None or (isinstance(planned, (HutchEnvelope, HutchPPEnvelope))
+                                   and planned.projection_dim == charged.projection_dim)
+    return (type(charged) is HutchEnvelope and type(planned) is HutchEnvelope
+            and planned.projection_dim == charged.projection_dim and planned.family == charged.family
+            and planned.dim <= charged.dim)
 
 
 def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int:
@@ -913,6 +940,14 @@ class PrivacyEngine:
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
         _ENGINES[module] = weakref.ref(self)
         self._module = module
+        self._trainable = [(p, p.requires_grad) for p in module.parameters()]
+        engine = weakref.ref(self)   # the model's hook does not keep the engine alive
+
+        def follow(_module, _args):
+            if engine() is not None and engine()._capture is not None and engine()._capture._recording():
+                engine()._follow_trainable(strict=True)
+        # after the capture's own root hooks: a refusal here leaves them balanced (their post-hooks always run)
+        self._follow_handle = module.register_forward_pre_hook(torch.compiler.disable(follow))
         self._optimizer = DPOptimizer(optimizer, self)
         return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
 
@@ -1039,11 +1074,69 @@ class PrivacyEngine:
         return out
 
     def _check_covered(self, params, where: str) -> None:
+        if self._capture is not None:
+            self._follow_trainable(strict=False)
         covered = {id(p) for p in self.plan.params}
         for p in params:
             if p.requires_grad and id(p) not in covered:
                 raise ValueError(f"{where} holds a trainable parameter that is not in the private model "
                                  f"({tuple(p.shape)}): every trained parameter must be clipped")
+
+    def _follow_trainable(self, strict: bool) -> None:
+        """Re-plan when parameters were frozen or unfrozen (``requires_grad``) since the plan was made: at each
+        training forward (``strict``) and at ``zero_grad()`` and ``add_param_group`` (where a step's batch still
+        in progress defers it to the next forward).
+
+        The accountant charges every step with the envelope fixed at ``make_private``, so the new plan is taken
+        only if that envelope still bounds its estimate (:func:`_envelope_covers`: fewer chi-square terms under
+        ``hutch``, anything under exact norms as long as they stay exact); else ``RuntimeError``, naming the
+        parameters, and nothing changes.  So are a ``gradient_projection`` (its basis spans the parameters of the
+        first plan) and a change of the coordinates per group of twice sampling or hybrid clipping (their noise
+        and accounting depend on them)."""
+        changed = [p for p, flag in self._trainable if p.requires_grad != flag]
+        if not changed:
+            return
+        if self._capture.calls or self._sums or self._backpropagated:
+            if not strict:
+                return
+            raise RuntimeError("requires_grad of a parameter changed while this step's batch was being processed "
+                               "(recorded forwards or clipped sums wait for step()): freeze or unfreeze parameters "
+                               "between optimizer.step() and the next forward")
+        model = self.plan.model
+        names = {id(p): n for n, p in model.named_parameters()}
+        which = ", ".join(names.get(id(p), "?") + (" (unfrozen)" if p.requires_grad else " (frozen)")
+                          for p in changed[:4]) + (", ..." if len(changed) > 4 else "")
+        plan = NormPlan.build(model, self.estimator, self.projection_dim)   # the validator and sharding checks
+        # the hooks of a unit on the model itself: inside the model's own forward, this call's set of them is fixed
+        on_root = {id(p) for old_or_new in (self.plan, plan) for u in old_or_new.units if u.module is model
+                   for p in u.params.values()}
+        if strict and any(id(p) in on_root for p in changed):
+            raise RuntimeError(f"{which}: a parameter of the model itself (not of a submodule) changed requires_grad "
+                               f"after make_private; the engine follows that at optimizer.zero_grad(), not inside "
+                               f"the model's forward. Call optimizer.zero_grad() before this forward (or move the "
+                               f"parameter into a submodule)")
+        envelope = plan.envelope(self.projection_dim)
+        if not _envelope_covers(self.envelope, envelope):
+            raise RuntimeError(
+                f"{which}: the model's trainable parameters changed after make_private, and under estimator "
+                f"{self.estimator!r} the new plan's estimate needs the envelope {envelope!r}, which the accountant's "
+                f"{self.envelope!r} (fixed at make_private, charged for every step) does not bound, so the steps "
+                f"would be under-charged. Make those parameters trainable before make_private (or set them back), "
+                f"use exact norms (estimator='ghost' or 'exact': accounted as DP-SGD whatever trains), or train the "
+                f"new phase with a new PrivacyEngine (the two runs' epsilons and deltas add up)")
+        if self._basis is not None:
+            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
+                               f"gradient_projection's basis spans the parameters of the first plan; use a new "
+                               f"PrivacyEngine with a basis for the new ones")
+        ranks = self._sampling_ranks(self._sampling, plan, self.max_grad_norm)
+        if self._sampling.per_coordinate and ranks != self._ranks:
+            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, which changes the "
+                               f"coordinates per group ({self._ranks} to {ranks}) that "
+                               f"{type(self._sampling).__name__}'s noise and accounting depend on; use a new "
+                               f"PrivacyEngine")
+        self._capture.replan(plan)
+        self.plan, self._ranks = plan, ranks
+        self._trainable = [(p, p.requires_grad) for p in model.parameters()]
 
     def private_loss(self, losses: torch.Tensor) -> DPLoss:
         """A :class:`DPLoss` from your own ``(B,)`` per-example losses (e.g. a paired or DPO-style loss built
@@ -1111,6 +1204,7 @@ class PrivacyEngine:
 
     def _zero_grad(self) -> None:
         self._require_private()
+        self._follow_trainable(strict=False)
         # the forwards recorded so far are dropped with the batch (a private backward may still consume them):
         # a gradient a plain backward left on their parameters' aliases is cleared with the .grad it stands for
         for c in self._capture.calls:
@@ -1421,6 +1515,7 @@ class PrivacyEngine:
         """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""
         if self._capture is not None:
             self._capture.remove()
+            self._follow_handle.remove()
 
     def state_dict(self) -> dict:
         """The ledger, the settings and the generators' states (the noise generator's only outside secure mode)."""

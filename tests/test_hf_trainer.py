@@ -165,3 +165,38 @@ def test_the_trainer_with_torch_compile_trains_privately(tmp_path):
     trainer.train()
     assert trainer.privacy_engine.steps == 3
 
+
+
+def test_a_frozen_batch_norm_stays_in_evaluation_mode_under_the_trainer(tmp_path):
+    """The Trainer calls ``model.train()`` at every step; a frozen batch norm (pretrained statistics) is put back in
+    evaluation mode, so it trains as a fixed map instead of being refused, and its statistics do not move."""
+    from types import SimpleNamespace
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4)
+            self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+        def forward(self, pixel_values):
+            h = torch.relu(self.bn(self.conv(pixel_values)))
+            return SimpleNamespace(logits=self.head(h.flatten(1)))
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"pixel_values": torch.randn(1, 6, 6, generator=g), "labels": torch.tensor(i % 3)}
+
+    torch.manual_seed(0)
+    net = Net()
+    net.bn.running_mean.uniform_(-1, 1)
+    net.bn.requires_grad_(False)
+    stats = net.bn.running_mean.clone()
+    trainer = DPTrainer(model=net, args=_args(tmp_path, max_steps=3, per_device_train_batch_size=6),
+                        train_dataset=Images(),
+                        privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact", check_every_step=True))
+    trainer.train()
+    assert trainer.privacy_engine.steps == 3 and torch.equal(net.bn.running_mean, stats)
