@@ -25,7 +25,9 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
 
 Per-example losses: for a causal LM (labels shaped like ``input_ids``) the next-token cross-entropy, shifted,
 averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entropy of ``logits`` against
-``labels``.  Override :meth:`DPTrainer.per_example_losses` for anything else.
+``labels``; with ``args.label_smoothing_factor = e`` each token's loss is label-smoothed as the Trainer's is,
+``(1 - e)`` times its negative log-likelihood plus ``e`` times the mean of ``-log p`` over the classes.
+Override :meth:`DPTrainer.per_example_losses` for anything else.
 
 A frozen batch norm (pretrained running statistics, no trainable parameter:
 :func:`dpsgd.validator.frozen_batch_norm`) is put back in evaluation mode after the Trainer's ``model.train()``
@@ -211,7 +213,8 @@ class DPTrainer(Trainer):
         if "input_ids" in inputs and labels.shape == inputs["input_ids"].shape:   # causal LM: shift
             logits, labels = logits[:, :-1], labels[:, 1:]
         per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
-                              ignore_index=-100).reshape(labels.shape[0], -1)
+                              ignore_index=-100, label_smoothing=float(self.args.label_smoothing_factor or 0.0)
+                              ).reshape(labels.shape[0], -1)
         keep = (labels.reshape(labels.shape[0], -1) != -100).to(per.dtype)
         return (per * keep).sum(1) / keep.sum(1).clamp_min(1)
 

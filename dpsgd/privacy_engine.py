@@ -46,6 +46,7 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import logging
@@ -329,6 +330,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = {}
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
+        self._sealed = True   # from here on a public attribute it does not have is refused (__setattr__)
+
+    def __setattr__(self, name: str, value) -> None:
+        # an Opacus optimizer's setting (loss_reduction, secure_mode, ...) would be accepted and do nothing here;
+        # torch's and schedulers' own attributes (step, _opt_called, ...) pass
+        if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            raise AttributeError(f"DPOptimizer has no setting {name!r}, so setting it would change nothing. Its "
+                                 f"settings are the engine's (noise_multiplier, max_grad_norm, expected_batch_size: "
+                                 f"fixed by make_private; check_every_step and check_rate on the PrivacyEngine) and "
+                                 f"the wrapped optimizer's param_groups (lr, weight_decay, ...)")
+        super().__setattr__(name, value)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -448,6 +461,11 @@ def _envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool
             and planned.dim <= charged.dim)
 
 
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int:
     """The steps a target epsilon is calibrated for: ``steps``, or ``ceil(epochs x batches)`` (``ValueError``
     unless positive)."""
@@ -541,7 +559,18 @@ class PrivacyEngine:
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
         self._bound: BoundSampling | None = None   # a non-Poisson batch sampling (dpsgd.samplers), bound to the data
         self._stream = None   # its sampler (an epoch sampler's position decides the epochs charged)
+        # make_private's, fixed from then on (FIXED_SETTINGS); declared here, where every public attribute is
+        self.estimator: str | None = None
+        self.projection_dim: int | None = None
+        self.max_grad_norm: float | None = None
+        self.clipping_pass: str | None = None
+        self.envelope = None
+        self.sample_rate: float | None = None
+        self.expected_batch_size: float | None = None
+        self._trainable: list = []   # (parameter, requires_grad) as the plan was made: a change is re-planned
+        self._follow_handle = None   # the model's hook that follows those changes
         self._reset_step_state()
+        self._sealed = True   # from here on a public attribute the engine does not have is refused (__setattr__)
 
     def _reset_step_state(self) -> None:
         self._pending: int | None = None   # the logical batch handed out and not yet stepped
@@ -962,11 +991,21 @@ class PrivacyEngine:
                                 "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
                                 "privacy_unit", "max_examples_per_user"})
 
+    # the settings that may change at any time (the row check's)
+    SETTINGS = ("check_every_step", "check_rate")
+
     def __setattr__(self, name: str, value) -> None:
         if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:
             raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
                                  f"its current value, so changing it mid-run would mis-charge the steps already "
                                  f"taken; use a new PrivacyEngine")
+        if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            fixed = sorted(PrivacyEngine.FIXED_SETTINGS - {"k"})
+            raise AttributeError(f"PrivacyEngine has no setting {name!r}{_did_you_mean(name, [*self.SETTINGS, *fixed])}"
+                                 f", so setting it would change nothing. Its settings: "
+                                 f"{', '.join(self.SETTINGS)} (changeable at any time); {', '.join(fixed)} (given to "
+                                 f"PrivacyEngine(...) or make_private(...), fixed from then on)")
         super().__setattr__(name, value)
 
     @property
