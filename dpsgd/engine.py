@@ -67,7 +67,7 @@ from .layers import (
 from .noise import GaussianNoise, StepNoise
 from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .shared import Share, SharedOutput, carrying_back, share_output
-from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
+from .validator import ModuleValidator, UnsupportedModuleError, frozen_batch_norm, uncompiled
 
 __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientError", "ExampleMixingError",
            "StateChangedError",
@@ -363,6 +363,7 @@ class Capture:
             self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
                                                                    always_call=True))
+        self._handles += _batch_norm_guards(self)
 
     def _recording(self) -> bool:
         return self.active and torch.is_grad_enabled() and self.plan.model.training
@@ -534,6 +535,43 @@ class Capture:
         self._handles = []
         self.calls.clear()
         self.probes.clear()
+
+    def replan(self, plan: NormPlan) -> None:
+        """Follow ``plan``, a new plan of the same model (its trainable parameters changed between steps): the
+        hooks of the units are registered again, the root's stay.  ``RuntimeError`` while a recorded call waits for
+        a backward (it was recorded under the old plan)."""
+        if plan.model is not self.plan.model:
+            raise ValueError("a capture follows new plans of its own model only")
+        if self.calls:
+            raise RuntimeError("the trainable parameters changed while recorded calls wait for a backward")
+        for h in self._handles[2:]:
+            h.remove()
+        self._handles = self._handles[:2]
+        self.plan = plan
+        eager = torch.compiler.disable
+        for unit in plan.units:
+            self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
+                                                                   always_call=True))
+        self._handles += _batch_norm_guards(self)
+
+
+def _batch_norm_guards(capture: Capture) -> list:
+    """Hooks that refuse a frozen batch norm (the validator's :func:`~dpsgd.validator.frozen_batch_norm`) found in
+    training mode at a recorded forward, before it runs: it would normalize with the batch's statistics (mixing
+    the examples) and update its running statistics from private data."""
+    def guard(path: str):
+        def hook(module, args):
+            if module.training and capture._recording():
+                raise UnsupportedModuleError(
+                    path, f"{type(module).__name__} is frozen but in training mode in a training forward, where it "
+                          f"would normalize with the batch's statistics (mixing the examples) and update its running "
+                          f"statistics from private data. Keep it in evaluation mode: call "
+                          f"model.get_submodule({path!r}).eval() after every model.train() (or override the model's "
+                          f"train()), or replace it with GroupNorm (ModuleValidator.fix)")
+        return hook
+    return [m.register_forward_pre_hook(torch.compiler.disable(guard(path)))
+            for path, m in capture.plan.model.named_modules() if frozen_batch_norm(m)]
 
 
 def _keep_saved_buffers():

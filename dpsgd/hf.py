@@ -30,7 +30,14 @@ r"""Hugging Face ``Trainer`` with DP-SGD-RC (optional extra ``hf``: ``pip instal
 
 Per-example losses: for a causal LM (labels shaped like ``input_ids``) the next-token cross-entropy, shifted,
 averaged over the example's non-ignored (``-100``) tokens; otherwise cross-entropy of ``logits`` against
-``labels``.  Override :meth:`DPTrainer.per_example_losses` for anything else.
+``labels``; with ``args.label_smoothing_factor = e`` each token's loss is label-smoothed as the Trainer's is,
+``(1 - e)`` times its negative log-likelihood plus ``e`` times the mean of ``-log p`` over the classes.
+Override :meth:`DPTrainer.per_example_losses` for anything else.
+
+A frozen batch norm (pretrained running statistics, no trainable parameter:
+:func:`dpsgd.validator.frozen_batch_norm`) is put back in evaluation mode after the Trainer's ``model.train()``
+at every training step: in training mode it would normalize with the batch's statistics, which the engine
+refuses.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from dpmath.deprecation import renamed_arguments
 from .data import EmptyBatch, private_data_loader
 from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
+from .validator import frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 
@@ -239,12 +247,16 @@ class DPTrainer(Trainer):
         if "input_ids" in inputs and labels.shape == inputs["input_ids"].shape:   # causal LM: shift
             logits, labels = logits[:, :-1], labels[:, 1:]
         per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
-                              ignore_index=-100).reshape(labels.shape[0], -1)
+                              ignore_index=-100, label_smoothing=float(self.args.label_smoothing_factor or 0.0)
+                              ).reshape(labels.shape[0], -1)
         keep = (labels.reshape(labels.shape[0], -1) != -100).to(per.dtype)
         return (per * keep).sum(1) / keep.sum(1).clamp_min(1)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
+        for m in model.modules():   # a frozen batch norm trains in evaluation mode only (module docstring)
+            if frozen_batch_norm(m):
+                m.eval()
         if isinstance(inputs, EmptyBatch):   # a Poisson micro-batch with no example: nothing to backpropagate
             return torch.zeros((), device=self.args.device)
         inputs = self._prepare_inputs(inputs)

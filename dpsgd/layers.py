@@ -557,7 +557,10 @@ def _batched(x: object, b: int) -> bool:
 
 
 def per_leaf(x: object, fn) -> object:
-    """``fn(leaf)`` for every leaf of a recorded input, in its nesting of tuples and lists."""
+    """``fn(leaf)`` for every leaf of a recorded input, in its nesting of tuples and lists (named tuples, such as a
+    ``PackedSequence``, keep their type, built field by field without their constructor's checks)."""
+    if isinstance(x, tuple) and hasattr(type(x), "_make"):
+        return type(x)._make(per_leaf(v, fn) for v in x)
     if isinstance(x, (tuple, list)):
         return type(x)(per_leaf(v, fn) for v in x)
     return fn(x)
@@ -574,7 +577,8 @@ def _tree(fn, x: object, d: object) -> object:
     if isinstance(x, (tuple, list)):
         if not isinstance(d, (tuple, list)):
             d = (d,) * len(x)
-        return type(x)(_tree(fn, v, e) for v, e in zip(x, d, strict=True))
+        items = (_tree(fn, v, e) for v, e in zip(x, d, strict=True))
+        return type(x)._make(items) if isinstance(x, tuple) and hasattr(type(x), "_make") else type(x)(items)
     return x if d is None or not isinstance(x, torch.Tensor) else fn(x, d)
 
 
@@ -636,6 +640,18 @@ class FunctionalHandler(MaterializedHandler):
 
     def flattened_rows(self, module):
         return True
+
+    def check_forward(self, call: Call) -> None:
+        """A ``PackedSequence`` input is refused: its rows interleave the examples time step by time step (and sort
+        them by length), so no row, nor any block of rows, is one example's, and the per-example re-run could not
+        slice it."""
+        if any(isinstance(x, nn.utils.rnn.PackedSequence) for x in (*call.args, *call.kwargs.values())):
+            raise UnsupportedModuleError(
+                getattr(call.cache.get("unit"), "path", type(call.module).__name__),
+                f"{type(call.module).__name__} got a PackedSequence, whose rows interleave the examples by time "
+                f"step, so per-example gradients cannot be read from them; pad instead: pass the padded "
+                f"(B, T, features) batch (batch_first=True) and read each example's output at its last valid step "
+                f"(out[torch.arange(B), lengths - 1]), or mask the padded steps in the loss")
 
     def inputs(self, call: Call) -> ExampleInputs:
         """The call's inputs and each one's batch dimension (override for inputs batched elsewhere)."""

@@ -46,6 +46,8 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import logging
 import math
@@ -59,7 +61,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccountant, calibrate_noise
+from dpmath import (
+    Envelope,
+    EpsilonSchedule,
+    GridTooLargeError,
+    HutchEnvelope,
+    HutchPPEnvelope,
+    PLDAccountant,
+    RDPAccountant,
+    calibrate_noise,
+)
 from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
@@ -199,7 +210,10 @@ class DPLoss:
 
 
 class DPCriterion:
-    r"""Wraps a loss module: ``criterion(output, target)`` returns a :class:`DPLoss` of per-example losses.
+    r"""Wraps a loss module, or a loss function that takes ``reduction=`` (``F.cross_entropy``, ``F.nll_loss``,
+    ``F.mse_loss``, a ``functools.partial`` of one): ``criterion(output, target)`` returns a :class:`DPLoss` of
+    per-example losses.  A function is called with ``reduction="none"``; its own default ``reduction`` and
+    ``ignore_index`` (read from its signature) play the part of a module's attributes.
 
     ``output`` may be a tensor, a Hugging Face output object (its ``logits`` are used) or a tuple (its first
     element).  Token-level targets are accepted in either layout, ``(B, T, V)`` logits with ``(B, T)``
@@ -214,13 +228,28 @@ class DPCriterion:
             raise ValueError(f"criterion must be a loss module, got {type(criterion).__name__}")
         self._criterion = criterion
         self._engine = engine
-        self.reduction = getattr(criterion, "reduction", "mean")
+        # a loss function: its signature's defaults stand for a module's attributes
+        self._defaults = None if isinstance(criterion, nn.Module) else _loss_defaults(criterion)
+        self.reduction = getattr(criterion, "reduction", "mean") if self._defaults is None \
+            else self._defaults["reduction"]
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"criterion.reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
+    def _elementwise(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The criterion's unreduced losses (a module's ``reduction`` set to ``"none"`` for the call)."""
+        if self._defaults is not None:
+            return self._criterion(logits, target, reduction="none")
+        old = self._criterion.reduction
+        self._criterion.reduction = "none"
+        try:
+            return self._criterion(logits, target)
+        finally:
+            self._criterion.reduction = old
+
     def __call__(self, output: object, target: torch.Tensor) -> DPLoss:
         logits = _logits(output)
-        ignore = getattr(self._criterion, "ignore_index", None)
+        ignore = getattr(self._criterion, "ignore_index", None) if self._defaults is None \
+            else self._defaults["ignore_index"]
         if not isinstance(target, torch.Tensor):
             raise ValueError(f"target must be a tensor, got {type(target).__name__}")
         if logits.dim() == 0 or target.dim() == 0 or logits.shape[0] != target.shape[0]:
@@ -232,15 +261,10 @@ class DPCriterion:
             raise ValueError(f"logits of shape {tuple(logits.shape)} with targets {tuple(target.shape)} fit both "
                              f"(B, T, classes) and (B, classes, T): the classes are ambiguous. Make the per-example "
                              f"losses yourself and pass them to PrivacyEngine.private_loss(losses)")
-        old = self._criterion.reduction
-        self._criterion.reduction = "none"
-        try:
-            if class_last:
-                per = self._criterion(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
-            else:
-                per = self._criterion(logits, target)
-        finally:
-            self._criterion.reduction = old
+        if class_last:
+            per = self._elementwise(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
+        else:
+            per = self._elementwise(logits, target)
         b = logits.shape[0]
         per = per.reshape(b, -1)
         if ignore is not None and not target.is_floating_point() and target.reshape(b, -1).shape == per.shape:
@@ -250,6 +274,26 @@ class DPCriterion:
         else:
             losses = per.mean(1) if self.reduction == "mean" else per.sum(1)
         return DPLoss(losses, self._engine)
+
+
+def _loss_defaults(criterion) -> dict:
+    """``{"reduction": ..., "ignore_index": ...}`` of a loss function, from its signature (``"mean"`` and ``None``
+    where it gives no default, or has no ``ignore_index``); ``TypeError`` unless it takes ``reduction`` by name."""
+    try:
+        params = inspect.signature(criterion).parameters
+    except (TypeError, ValueError):
+        params = {}
+    named = {n: p.default for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    if "reduction" not in named:
+        raise TypeError(f"criterion {getattr(criterion, '__name__', type(criterion).__name__)} is a function "
+                        f"without a reduction keyword, so its per-example losses cannot be asked for: pass a loss "
+                        f"module (nn.CrossEntropyLoss()) or a torch.nn.functional loss (F.cross_entropy, which is "
+                        f"called with reduction='none'); or make the per-example losses yourself and backpropagate "
+                        f"engine.private_loss(losses)")
+    empty = inspect.Parameter.empty
+    return {"reduction": "mean" if named["reduction"] is empty else named["reduction"],
+            "ignore_index": None if named.get("ignore_index", empty) is empty else named["ignore_index"]}
 
 
 def _logits(output: object) -> torch.Tensor:
@@ -287,6 +331,18 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = {}
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
+        self._sealed = True   # from here on a public attribute it does not have is refused (__setattr__)
+
+    def __setattr__(self, name: str, value) -> None:
+        # an Opacus optimizer's setting (loss_reduction, secure_mode, ...) would be accepted and do nothing here;
+        # torch's and schedulers' own attributes (step, _opt_called, ...) pass
+        if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            raise AttributeError(f"DPOptimizer has no setting {name!r}, so setting it would change nothing. Its "
+                                 f"settings are the engine's (noise_multiplier, max_grad_norm, expected_batch_size: "
+                                 f"fixed by make_private; check_every_step and check_rate on the PrivacyEngine) and "
+                                 f"the wrapped optimizer's param_groups (lr, weight_decay, ...)")
+        super().__setattr__(name, value)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -386,6 +442,29 @@ def _refuse_hooked(module: nn.Module) -> None:
         raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
                            "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
                            "or build the model again")
+
+
+def _envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool:
+    """Whether the envelope ``charged`` (the accountant's) bounds every estimate that ``planned`` (a new plan's)
+    bounds: ``F_planned(x) <= F_charged(x)`` for every ``x``.  True when they are equal; for Hutchinson envelopes
+    of the same ``k`` when the new dimension is at most the charged one (the supremum over a smaller simplex, which
+    embeds in the larger one); and for the Hutch++ form ``max(F_{chi2(k)/k}, 1{x >= 1})`` (``d > k``) over any
+    Hutchinson or Hutch++ envelope of the same ``k`` and over exact norms (``None``, a point mass at 1): below 1
+    each of those is at most the vertex ``F_{chi2(k)/k}``, and the form is 1 from 1 on.  Exact norms
+    (``charged`` ``None``) bound exact norms only."""
+    if planned == charged:
+        return True
+    if isinstance(charged, HutchPPEnvelope) and charged.dim > charged.projection_dim:
+        return planned is None or (isinstance(planned, (HutchEnvelope, HutchPPEnvelope))
+                                   and planned.projection_dim == charged.projection_dim)
+    return (type(charged) is HutchEnvelope and type(planned) is HutchEnvelope
+            and planned.projection_dim == charged.projection_dim and planned.family == charged.family
+            and planned.dim <= charged.dim)
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int:
@@ -500,7 +579,18 @@ class PrivacyEngine:
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
         self._bound: BoundSampling | None = None   # a non-Poisson batch sampling (dpsgd.samplers), bound to the data
         self._stream = None   # its sampler (an epoch sampler's position decides the epochs charged)
+        # make_private's, fixed from then on (FIXED_SETTINGS); declared here, where every public attribute is
+        self.estimator: str | None = None
+        self.projection_dim: int | None = None
+        self.max_grad_norm: float | None = None
+        self.clipping_pass: str | None = None
+        self.envelope = None
+        self.sample_rate: float | None = None
+        self.expected_batch_size: float | None = None
+        self._trainable: list = []   # (parameter, requires_grad) as the plan was made: a change is re-planned
+        self._follow_handle = None   # the model's hook that follows those changes
         self._reset_step_state()
+        self._sealed = True   # from here on a public attribute the engine does not have is refused (__setattr__)
 
     def _reset_step_state(self) -> None:
         self._pending: int | None = None   # the logical batch handed out and not yet stepped
@@ -512,6 +602,7 @@ class PrivacyEngine:
         self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
         self.last_clipped_fraction = 0.0
         self._padding: torch.Tensor | None = None   # the drawn padded batch's filler rows, for its one backward
+        self._consumed = False     # a private backward ran since the last step() or zero_grad()
         if self._user_rows is not None:
             self._user_rows.clear()
 
@@ -536,8 +627,9 @@ class PrivacyEngine:
         module, optimizer, data_loader
             Model, any torch optimizer over its trainable parameters, and a loader with a fixed
             ``batch_size`` (the expected batch size) over a sized dataset.
-        criterion : torch.nn.Module, optional
-            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``).
+        criterion : torch.nn.Module or callable, optional
+            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``), or a loss function
+            that takes ``reduction=`` (``F.cross_entropy``; called with ``reduction="none"``).
         max_grad_norm : float
             Clipping threshold ``C > 0``.
         noise_multiplier : float, optional
@@ -938,6 +1030,14 @@ class PrivacyEngine:
         self._capture.tracker = self._tracker if self._track_examples else None
         _ENGINES[module] = weakref.ref(self)
         self._module = module
+        self._trainable = [(p, p.requires_grad) for p in module.parameters()]
+        engine = weakref.ref(self)   # the model's hook does not keep the engine alive
+
+        def follow(_module, _args):
+            if engine() is not None and engine()._capture is not None and engine()._capture._recording():
+                engine()._follow_trainable(strict=True)
+        # after the capture's own root hooks: a refusal here leaves them balanced (their post-hooks always run)
+        self._follow_handle = module.register_forward_pre_hook(torch.compiler.disable(follow))
         self._optimizer = DPOptimizer(optimizer, self)
         return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
 
@@ -952,11 +1052,21 @@ class PrivacyEngine:
                                 "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
                                 "privacy_unit", "max_examples_per_user"})
 
+    # the settings that may change at any time (the row check's)
+    SETTINGS = ("check_every_step", "check_rate")
+
     def __setattr__(self, name: str, value) -> None:
         if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:
             raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
                                  f"its current value, so changing it mid-run would mis-charge the steps already "
                                  f"taken; use a new PrivacyEngine")
+        if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
+                and not hasattr(type(self), name):
+            fixed = sorted(PrivacyEngine.FIXED_SETTINGS - {"k"})
+            raise AttributeError(f"PrivacyEngine has no setting {name!r}{_did_you_mean(name, [*self.SETTINGS, *fixed])}"
+                                 f", so setting it would change nothing. Its settings: "
+                                 f"{', '.join(self.SETTINGS)} (changeable at any time); {', '.join(fixed)} (given to "
+                                 f"PrivacyEngine(...) or make_private(...), fixed from then on)")
         super().__setattr__(name, value)
 
     @property
@@ -1084,11 +1194,69 @@ class PrivacyEngine:
         return out
 
     def _check_covered(self, params, where: str) -> None:
+        if self._capture is not None:
+            self._follow_trainable(strict=False)
         covered = {id(p) for p in self.plan.params}
         for p in params:
             if p.requires_grad and id(p) not in covered:
                 raise ValueError(f"{where} holds a trainable parameter that is not in the private model "
                                  f"({tuple(p.shape)}): every trained parameter must be clipped")
+
+    def _follow_trainable(self, strict: bool) -> None:
+        """Re-plan when parameters were frozen or unfrozen (``requires_grad``) since the plan was made: at each
+        training forward (``strict``) and at ``zero_grad()`` and ``add_param_group`` (where a step's batch still
+        in progress defers it to the next forward).
+
+        The accountant charges every step with the envelope fixed at ``make_private``, so the new plan is taken
+        only if that envelope still bounds its estimate (:func:`_envelope_covers`: fewer chi-square terms under
+        ``hutch``, anything under exact norms as long as they stay exact); else ``RuntimeError``, naming the
+        parameters, and nothing changes.  So are a ``gradient_projection`` (its basis spans the parameters of the
+        first plan) and a change of the coordinates per group of twice sampling or hybrid clipping (their noise
+        and accounting depend on them)."""
+        changed = [p for p, flag in self._trainable if p.requires_grad != flag]
+        if not changed:
+            return
+        if self._capture.calls or self._sums or self._backpropagated:
+            if not strict:
+                return
+            raise RuntimeError("requires_grad of a parameter changed while this step's batch was being processed "
+                               "(recorded forwards or clipped sums wait for step()): freeze or unfreeze parameters "
+                               "between optimizer.step() and the next forward")
+        model = self.plan.model
+        names = {id(p): n for n, p in model.named_parameters()}
+        which = ", ".join(names.get(id(p), "?") + (" (unfrozen)" if p.requires_grad else " (frozen)")
+                          for p in changed[:4]) + (", ..." if len(changed) > 4 else "")
+        plan = NormPlan.build(model, self.estimator, self.projection_dim)   # the validator and sharding checks
+        # the hooks of a unit on the model itself: inside the model's own forward, this call's set of them is fixed
+        on_root = {id(p) for old_or_new in (self.plan, plan) for u in old_or_new.units if u.module is model
+                   for p in u.params.values()}
+        if strict and any(id(p) in on_root for p in changed):
+            raise RuntimeError(f"{which}: a parameter of the model itself (not of a submodule) changed requires_grad "
+                               f"after make_private; the engine follows that at optimizer.zero_grad(), not inside "
+                               f"the model's forward. Call optimizer.zero_grad() before this forward (or move the "
+                               f"parameter into a submodule)")
+        envelope = plan.envelope(self.projection_dim)
+        if not _envelope_covers(self.envelope, envelope):
+            raise RuntimeError(
+                f"{which}: the model's trainable parameters changed after make_private, and under estimator "
+                f"{self.estimator!r} the new plan's estimate needs the envelope {envelope!r}, which the accountant's "
+                f"{self.envelope!r} (fixed at make_private, charged for every step) does not bound, so the steps "
+                f"would be under-charged. Make those parameters trainable before make_private (or set them back), "
+                f"use exact norms (estimator='ghost' or 'exact': accounted as DP-SGD whatever trains), or train the "
+                f"new phase with a new PrivacyEngine (the two runs' epsilons and deltas add up)")
+        if self._basis is not None:
+            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
+                               f"gradient_projection's basis spans the parameters of the first plan; use a new "
+                               f"PrivacyEngine with a basis for the new ones")
+        ranks = self._sampling_ranks(self._sampling, plan, self.max_grad_norm)
+        if self._sampling.per_coordinate and ranks != self._ranks:
+            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, which changes the "
+                               f"coordinates per group ({self._ranks} to {ranks}) that "
+                               f"{type(self._sampling).__name__}'s noise and accounting depend on; use a new "
+                               f"PrivacyEngine")
+        self._capture.replan(plan)
+        self.plan, self._ranks = plan, ranks
+        self._trainable = [(p, p.requires_grad) for p in model.parameters()]
 
     def private_loss(self, losses: torch.Tensor) -> DPLoss:
         """A :class:`DPLoss` from your own ``(B,)`` per-example losses (e.g. a paired or DPO-style loss built
@@ -1128,6 +1296,7 @@ class PrivacyEngine:
             self._sums[id(p)] = s if total is None else total + s
         b = int(losses.shape[0])
         self._backpropagated += b
+        self._consumed = True
         self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
         clipped = result.weights < 1 if padding is None else (result.weights < 1)[~padding.to(result.weights.device)]
         self.last_clipped_fraction = float(clipped.double().mean()) if clipped.numel() else 0.0
@@ -1192,6 +1361,14 @@ class PrivacyEngine:
 
     def _zero_grad(self) -> None:
         self._require_private()
+        self._follow_trainable(strict=False)
+        # the forwards recorded so far are dropped with the batch (a private backward may still consume them):
+        # a gradient a plain backward left on their parameters' aliases is cleared with the .grad it stands for
+        for c in self._capture.calls:
+            c.cache["dropped"] = True
+            for alias in c.aliases.values():
+                alias.grad = None
+        self._consumed = False
         if self._last_skipped:
             return  # the memory manager's logical batch is not complete: keep the clipped sums
         if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
@@ -1218,6 +1395,7 @@ class PrivacyEngine:
         self._require_private()
         self._untrack()
         if self._skip_next:
+            self._refuse_untrained_step()
             self._skip_next, self._last_skipped = False, True
             return
         if self.planned_steps is not None and self.spent_steps >= self.planned_steps:
@@ -1243,6 +1421,7 @@ class PrivacyEngine:
                                f"into one row gives each row up to k examples' influence while the accountant charges "
                                f"per example; pack within an example, or use one row per example. (Call "
                                f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
+        self._refuse_untrained_step()
         written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
         if written:
             raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
@@ -1292,6 +1471,28 @@ class PrivacyEngine:
         self._reset_step_state()
         for p in self.plan.params:
             p.grad = None
+
+    _UNTRAINED_FIX = ("Backpropagate the loss of the criterion returned by make_private (crit = make_private(...)[2]; "
+                      "crit(model(x), y).backward()), or your own per-example losses through "
+                      "engine.private_loss(losses).backward(); a loss module or function of your own with a plain "
+                      "loss.backward() trains nothing here. (Call optimizer.zero_grad() first to drop this batch "
+                      "with a noise-only step.)")
+
+    def _refuse_untrained_step(self) -> None:
+        """``RuntimeError`` for a step whose batch was forwarded but not privately backpropagated: the step would
+        add noise only and train nothing, silently.  The recorded forwards that no private backward consumed are
+        still in the capture: a plain ``loss.backward()`` left its gradient on their parameters' aliases, and a
+        forward recorded since the last ``zero_grad()`` with no private backward since is one nothing trained
+        from.  A noise-only step without a forward, or after ``zero_grad()`` dropped the batch, passes."""
+        pending = self._capture.calls
+        if any(a.grad is not None for c in pending for a in c.aliases.values()):
+            raise RuntimeError(f"a plain loss.backward() reached the model's training forward: its gradient went to "
+                               f"the engine's per-call stand-ins for the parameters, not into a clipped per-example "
+                               f"sum, so this step would add noise only and train nothing. {self._UNTRAINED_FIX}")
+        if not self._consumed and any(not c.cache.get("dropped") for c in pending):
+            raise RuntimeError(f"a training forward of the model was recorded since the last step, but no private "
+                               f"backward consumed it, so this step would add noise only and train nothing. "
+                               f"{self._UNTRAINED_FIX}")
 
     def _read_ledger(self) -> None:
         if self.ledger_path is None or not os.path.exists(self.ledger_path):
@@ -1473,6 +1674,7 @@ class PrivacyEngine:
         if self._capture is not None:
             self._untrack()
             self._capture.remove()
+            self._follow_handle.remove()
 
     def state_dict(self) -> dict:
         """The ledger's count and the settings: ``{"settings": ..., "steps": ...}``, with ``"epochs"`` (the epochs

@@ -4,9 +4,13 @@ DP-SGD bounds each example's contribution to the update; a module that mixes exa
 move every other example's gradient, and the bound no longer holds.  Refused, with the module's path and
 the fix (in the spirit of Opacus' ``ModuleValidator``):
 
-* the batch-norm family (``BatchNorm1d/2d/3d``, ``LazyBatchNorm*``, ``SyncBatchNorm``) in any mode: in
-  training it normalizes with batch statistics, and in evaluation its running statistics were learned from
-  private data without noise; :meth:`ModuleValidator.fix` replaces it with ``GroupNorm``;
+* the batch-norm family (``BatchNorm1d/2d/3d``, ``LazyBatchNorm*``, ``SyncBatchNorm``) unless it is *frozen*
+  (:func:`frozen_batch_norm`: running statistics, every parameter ``requires_grad=False`` or ``affine=False``):
+  a trainable one would be trained through batch statistics in training mode, or through running statistics
+  the step never privatizes; :meth:`ModuleValidator.fix` replaces it with ``GroupNorm``.  A frozen one is a fixed
+  per-channel affine map of each example in evaluation mode, and trains there (pretrained statistics, as
+  fine-tuning keeps them); the engine refuses it at a training forward that finds it in training mode
+  (batch statistics, which mix the examples);
 * ``InstanceNorm*`` with ``track_running_stats=True`` (the running statistics; ``fix`` turns them off);
 * ``nn.Embedding`` with ``scale_grad_by_freq`` (scales by token frequency *in the batch*), ``sparse``, or
   ``max_norm`` (renormalizes the looked-up rows of the weight in place during forward);
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["ModuleValidator", "UnsupportedModuleError", "uncompiled"]
+__all__ = ["ModuleValidator", "UnsupportedModuleError", "frozen_batch_norm", "uncompiled"]
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 _INSTANCE_NORMS = (nn.modules.instancenorm._InstanceNorm,)
@@ -55,6 +59,21 @@ def _parametrizable(model: nn.Module, path: str) -> bool:
     return base in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
 
 
+def frozen_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a batch norm that mixes nothing and trains nothing in evaluation mode: it keeps running
+    statistics (``track_running_stats=True``, initialized: not a lazy one still uninitialized) and none of its
+    parameters requires grad (or it has none, ``affine=False``).  In evaluation mode it then maps each example alone
+    through fixed statistics; in training mode it would normalize with the batch's statistics, which the engine
+    refuses at the forward."""
+    if not isinstance(module, _BATCH_NORMS) or not module.track_running_stats:
+        return False
+    if module.running_mean is None or module.running_var is None:
+        return False
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        return False
+    return not any(p.requires_grad for p in module.parameters())
+
+
 def _problems(model: nn.Module) -> list[_Problem]:
     out = []
     for path, m in model.named_modules():
@@ -65,10 +84,14 @@ def _problems(model: nn.Module) -> list[_Problem]:
                                       "module has none of; parametrize a linear, convolution or embedding layer, or "
                                       "remove the parametrization "
                                       "(torch.nn.utils.parametrize.remove_parametrizations)"))
-        elif isinstance(m, _BATCH_NORMS):
-            out.append(_Problem(path, f"{type(m).__name__} mixes examples (batch statistics in training, running "
-                                      "statistics learned from private data in evaluation); replace it with "
-                                      "GroupNorm (ModuleValidator.fix(model) does)"))
+        elif isinstance(m, _BATCH_NORMS) and not frozen_batch_norm(m):
+            what = ("normalizes with the batch's statistics in every mode (track_running_stats=False)"
+                    if not m.track_running_stats or m.running_mean is None else
+                    "has trainable parameters (trained through batch statistics in training mode, which mix the "
+                    "examples, or through running statistics the step does not privatize)")
+            out.append(_Problem(path, f"{type(m).__name__} {what}; replace it with GroupNorm "
+                                      "(ModuleValidator.fix(model) does), or, with pretrained running statistics, "
+                                      "freeze it (requires_grad_(False)) and keep it in eval() mode"))
         elif isinstance(m, _INSTANCE_NORMS) and m.track_running_stats:
             out.append(_Problem(path, f"{type(m).__name__} with track_running_stats=True learns running statistics "
                                       "from the whole batch; construct it with track_running_stats=False "
@@ -135,8 +158,9 @@ class ModuleValidator:
     @staticmethod
     def fix(model: nn.Module) -> nn.Module:
         """Replace batch norms by ``GroupNorm(min(32, C), C)`` (affine as before) and turn off instance norms'
-        running statistics, in place; returns ``model`` (or the replacement when ``model`` itself is one)."""
-        if isinstance(model, _BATCH_NORMS):
+        running statistics, in place; returns ``model`` (or the replacement when ``model`` itself is one).  A frozen
+        batch norm (:func:`frozen_batch_norm`), which the validator accepts, is kept with its statistics."""
+        if isinstance(model, _BATCH_NORMS) and not frozen_batch_norm(model):
             return _group_norm(model)
         for name, child in list(model.named_children()):
             setattr(model, name, ModuleValidator.fix(child))

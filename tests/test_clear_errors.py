@@ -2,11 +2,13 @@
 reason and the fix, before any error from inside torch; and a user run emits no warning of ours.  dpmath's inputs
 that its checks once let through to a Python or NumPy error are refused the same way."""
 
+import functools
 import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -200,3 +202,103 @@ def test_an_accountant_refuses_a_count_beyond_a_floats_range_by_name():
 
     with pytest.raises(ValueError, match="count must be at most 1e"):
         PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 10**400)
+
+
+class _PackedLSTM(nn.Module):
+    """Sequences of several lengths, packed for the LSTM."""
+
+    def __init__(self, cell=nn.LSTM):
+        super().__init__()
+        self.rnn, self.head = cell(4, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out = self.rnn(packed)[1]
+        return self.head((out[0] if isinstance(out, tuple) else out)[-1])
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_recurrent_layer_on_a_packed_sequence_is_refused_naming_it_and_padding(cell):
+    """A PackedSequence interleaves the examples by time step: its rows are not the examples, so per-example
+    gradients cannot be read from them.  Refused at the forward, naming the module and the fix (pad), not an
+    AssertionError from inside the engine; the padded form of the same model trains."""
+    torch.manual_seed(0)
+    x, lengths = torch.randn(16, 5, 4), torch.randint(1, 6, (16,))
+    engine = PrivacyEngine()
+    model = _PackedLSTM(cell)
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, lengths, torch.zeros(16, dtype=torch.long)), batch_size=4),
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0)
+    xb, lb, yb = next(iter(loader))
+    with pytest.raises(UnsupportedModuleError, match=rf"^rnn: {cell.__name__} .*PackedSequence.*pad"):
+        model(xb, lb)
+    assert engine.steps == 0
+
+    class Padded(nn.Module):   # the fix: run on the padded batch, read each example's last valid step
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = cell(4, 8, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, x, lengths):
+            out = self.rnn(x)[0]
+            return self.head(out[torch.arange(x.shape[0]), lengths - 1])
+    engine = PrivacyEngine()
+    model = Padded()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, lengths, torch.zeros(16, dtype=torch.long)), batch_size=4),
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0)
+    for xb, lb, yb in loader:
+        crit(model(xb, lb), yb).backward()
+        opt.step()
+    assert engine.steps == len(loader)
+
+
+def _one_step(criterion, targets=None):
+    torch.manual_seed(0)
+    x = torch.randn(16, 3)
+    y = torch.randint(0, 3, (16,)) if targets is None else targets
+    model = nn.Linear(3, 3)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), criterion=criterion, max_grad_norm=0.1,
+        noise_multiplier=0.0, estimator="exact", seed=0)
+    xb, yb = next(iter(loader))
+    loss = crit(model(xb), yb)
+    loss.backward()
+    opt.step()
+    return loss.losses.detach(), torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(("function", "module"), [
+    (F.cross_entropy, nn.CrossEntropyLoss()),
+    (functools.partial(F.cross_entropy, label_smoothing=0.2), nn.CrossEntropyLoss(label_smoothing=0.2)),
+    (functools.partial(F.cross_entropy, reduction="sum"), nn.CrossEntropyLoss(reduction="sum")),
+    (F.nll_loss, nn.NLLLoss()),
+])
+def test_a_functional_criterion_trains_like_its_loss_module(function, module):
+    """``criterion=F.cross_entropy`` (a function, not a module): called with ``reduction="none"``, its own default
+    reduction and ``ignore_index`` read from its signature; the same per-example losses and step as the module."""
+    assert all(torch.equal(a, b) for a, b in zip(_one_step(function), _one_step(module), strict=True))
+
+
+def test_a_functional_criterion_skips_ignored_targets_like_its_module():
+    targets = torch.randint(0, 3, (16, 1)).repeat(1, 4)
+    targets[::2, 1:] = -100
+    x = torch.randn(16, 4, 3, generator=torch.Generator().manual_seed(0))   # (B, 4, 3) logits, targets (B, 4)
+    out = []
+    for criterion in (F.cross_entropy, nn.CrossEntropyLoss()):
+        torch.manual_seed(0)
+        engine, model, opt, crit, loader = _private(nn.Linear(3, 3), x, criterion=criterion)
+        xb, _ = next(iter(loader))
+        out.append(crit(model(xb), targets[:xb.shape[0]]).losses.detach())
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_criterion_function_without_a_reduction_is_refused_naming_the_fix():
+    def mine(logits, target):
+        return F.cross_entropy(logits, target)
+    with pytest.raises(TypeError, match=r"reduction.*private_loss"):
+        _private(nn.Linear(3, 2), torch.randn(16, 3), criterion=mine)

@@ -215,3 +215,66 @@ def test_the_trainer_with_torch_compile_trains_privately(tmp_path):
     trainer.train()
     assert trainer.privacy_engine.steps == 3
 
+
+
+def test_label_smoothing_factor_is_applied_to_each_examples_loss(tmp_path):
+    """``TrainingArguments(label_smoothing_factor=...)``: each token's loss is ``(1 - e)`` times its negative
+    log-likelihood plus ``e`` times the mean over the vocabulary of ``-log p``, averaged over the example's
+    non-ignored (``-100``) tokens, next-token shifted for a causal LM: not silently dropped."""
+    torch.manual_seed(0)
+    eps = 0.2
+    args = _args(tmp_path, max_steps=1, label_smoothing_factor=eps)
+    data = _Ids(16)
+    trainer = DPTrainer(model=lora_gpt2(), args=args, train_dataset=data,
+                        privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact", seed=0))
+    ids = data.ids[:3]
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    labels[2, :] = -100                                   # an example with no token to learn: loss 0
+    with torch.no_grad():
+        got = trainer.per_example_losses(trainer.model, {"input_ids": ids, "labels": labels})
+        logp = torch.log_softmax(trainer.model(input_ids=ids).logits[:, :-1].float(), -1)
+    target = labels[:, 1:]
+    keep = target != -100
+    nll = -logp.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    smooth = -logp.mean(-1)
+    per_token = ((1 - eps) * nll + eps * smooth) * keep
+    want = per_token.sum(1) / keep.sum(1).clamp_min(1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6) and got[2] == 0
+    trainer.train()
+    assert trainer.privacy_engine.steps == 1
+
+
+def test_a_frozen_batch_norm_stays_in_evaluation_mode_under_the_trainer(tmp_path):
+    """The Trainer calls ``model.train()`` at every step; a frozen batch norm (pretrained statistics) is put back in
+    evaluation mode, so it trains as a fixed map instead of being refused, and its statistics do not move."""
+    from types import SimpleNamespace
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4)
+            self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+        def forward(self, pixel_values):
+            h = torch.relu(self.bn(self.conv(pixel_values)))
+            return SimpleNamespace(logits=self.head(h.flatten(1)))
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"pixel_values": torch.randn(1, 6, 6, generator=g), "labels": torch.tensor(i % 3)}
+
+    torch.manual_seed(0)
+    net = Net()
+    net.bn.running_mean.uniform_(-1, 1)
+    net.bn.requires_grad_(False)
+    stats = net.bn.running_mean.clone()
+    trainer = DPTrainer(model=net, args=_args(tmp_path, max_steps=3, per_device_train_batch_size=6),
+                        train_dataset=Images(),
+                        privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact", check_every_step=True))
+    trainer.train()
+    assert trainer.privacy_engine.steps == 3 and torch.equal(net.bn.running_mean, stats)

@@ -364,3 +364,25 @@ def test_hutchpp_on_matrices_of_rank_at_most_k_is_accounted_as_exact_dp_sgd():
                         data_loader=DataLoader(TensorDataset(x, y), batch_size=10), criterion=nn.CrossEntropyLoss(),
                         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutchpp", projection_dim=8, seed=0)
     assert engine.envelope is None
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_setting_under_an_unknown_name_is_refused_naming_the_settings(where):
+    """``engine.check_rows_every_step = True`` (a former name) was accepted and did nothing: an attribute the engine
+    does not have raises, naming the settings it does have; the real ones still work."""
+    engine = PrivacyEngine()
+    if where == "after":
+        engine, model, opt, crit, loader = _setup(estimator="exact")
+    with pytest.raises(AttributeError, match=r"check_rows_every_step.*check_every_step.*check_rate"):
+        engine.check_rows_every_step = True
+    assert not hasattr(engine, "check_rows_every_step")
+    engine.check_every_step, engine.check_rate = True, 0.5
+    assert engine.check_every_step and engine.check_rate == 0.5
+    if where == "after":
+        with pytest.raises(AttributeError, match=r"loss_reduction.*max_grad_norm"):
+            opt.loss_reduction = "sum"   # an Opacus optimizer setting that would do nothing here
+        opt.param_groups[0]["lr"] = 0.1   # the wrapped optimizer's state stays as torch's
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)   # schedulers patch the optimizer's step
+        _epoch(model, opt, crit, loader)
+        sched.step()
+        assert engine.steps == 10

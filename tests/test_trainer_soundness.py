@@ -629,3 +629,275 @@ def test_under_autocast_each_examples_contribution_to_a_batch_sum_is_within_c():
         rest = sums([i for i in range(4) if i != j])
         diff = math.sqrt(sum(float((full[k].double() - rest[k].double()).square().sum()) for k in full))
         assert diff <= c * (1 + 1e-3), (j, diff)
+
+
+# --- a step that trains nothing, frozen batch norm, and a trainable set that changes mid-run ---------------------
+
+def _classifier(model=None, n=40, batch=8, noise=0.0, estimator="exact", c=1.0, opt_params=None, **kw):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(n, *((4,) if kw.get("shape") is None else kw.pop("shape")))
+    y = torch.randint(0, 3, (n,))
+    opt = torch.optim.SGD(model.parameters() if opt_params is None else opt_params(model), lr=0.5)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=noise, estimator=estimator, seed=0, **kw)
+    return engine, model, opt, crit, loader
+
+
+def _state(model):
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+def _same(a, b):
+    return all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
+
+
+def test_a_standard_loop_with_the_users_own_criterion_raises_at_step_naming_the_fix():
+    """``nn.CrossEntropyLoss()`` of the user's own and a plain ``loss.backward()``: the recorded forward's gradient
+    went to the engine's per-call aliases and no private backward formed a clipped sum, so the step would have been
+    noise only and trained nothing.  ``step()`` raises, naming the criterion make_private returned and
+    ``private_loss``, and neither the model nor the ledger moves."""
+    engine, model, opt, crit, loader = _classifier()
+    mine = nn.CrossEntropyLoss()
+    before = _state(model)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    mine(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"criterion returned by make_private.*private_loss"):
+        opt.step()
+    assert engine.steps == 0 and _same(before, _state(model))
+    opt.zero_grad()   # drops that batch: a noise-only step, as the message says
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_a_training_forward_without_any_backward_raises_at_step():
+    engine, model, opt, crit, loader = _classifier()
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    model(x)
+    with pytest.raises(RuntimeError, match="no private backward"):
+        opt.step()
+    assert engine.steps == 0
+
+
+def test_deliberate_noise_only_steps_still_work():
+    """A skipped batch (no forward), a batch dropped after its forward, and the private loop: none raises."""
+    engine, model, opt, crit, loader = _classifier(noise=1.0)
+    batches = iter(loader)
+    next(batches)
+    opt.zero_grad()
+    opt.step()                   # skipped without a forward
+    x, y = next(batches)
+    model(x)                     # e.g. a loss found to be NaN: the batch is dropped
+    opt.zero_grad()
+    opt.step()
+    x, y = next(batches)
+    with torch.no_grad():
+        model(x)                 # a look at the outputs without gradient records nothing
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    model(x)                     # an extra forward after the private backward (a metric)
+    opt.step()
+    assert engine.steps == 3
+
+
+
+def _frozen_bn_cnn(train_bn=False, affine=True):
+    torch.manual_seed(1)
+    cnn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, affine=affine), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(4 * 4 * 4, 3))
+    bn = cnn[1]
+    bn.running_mean.copy_(torch.randn(4))   # "pretrained" statistics
+    bn.running_var.copy_(torch.rand(4) + 0.5)
+    bn.requires_grad_(False)
+    bn.train(train_bn)
+    return cnn
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_a_frozen_eval_mode_batch_norm_with_pretrained_statistics_trains(affine):
+    """Frozen and in evaluation mode, batch norm is a fixed per-channel affine map of each example alone: it mixes
+    nothing and needs no gradient.  It trains (``model.train()`` then ``bn.eval()``, as fine-tuning does), its
+    statistics and parameters stay as they were, and every example's update stays within C."""
+    engine, model, opt, crit, loader = _classifier(_frozen_bn_cnn(affine=affine), shape=(1, 6, 6), batch=6)
+    engine.check_every_step = True
+    bn = model[1]
+    frozen = _state(bn)
+    before = flat_params(model)
+    for x, y in loader:
+        model.train()
+        bn.eval()
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    assert engine.steps == len(loader) and _same(frozen, _state(bn))
+    assert not torch.equal(before, flat_params(model))
+    assert "1.weight" not in {r.parameter for r in engine.plan.table()}
+
+
+def test_a_frozen_batch_norm_in_training_mode_is_refused_at_the_forward_naming_it():
+    """In training mode it would normalize with the batch's statistics (mixing examples) and update its running
+    statistics: refused at that forward, with its path and the fix, before anything is recorded or changed."""
+    engine, model, opt, crit, loader = _classifier(_frozen_bn_cnn(), shape=(1, 6, 6), batch=6)
+    model.train()   # also puts the batch norm in training mode
+    frozen = _state(model[1])
+    x, y = next(iter(loader))
+    with pytest.raises(UnsupportedModuleError, match=r"^1: BatchNorm2d .*training mode.*eval\(\)"):
+        model(x)
+    assert _same(frozen, _state(model[1]))
+    model[1].eval()
+    crit(model(x), y).backward()
+    opt.step()
+    assert engine.steps == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.BatchNorm2d(4, track_running_stats=False).requires_grad_(False).eval(),   # batch statistics in eval
+    lambda: nn.BatchNorm2d(4).eval(),                                                    # trainable
+])
+def test_batch_norm_that_mixes_or_trains_is_still_refused_by_the_validator(make):
+    cnn = nn.Sequential(nn.Conv2d(1, 4, 3), make(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    with pytest.raises(UnsupportedModuleError, match=r"^1: BatchNorm2d"):
+        NormPlan.build(cnn, "exact")
+    assert isinstance(ModuleValidator.fix(cnn)[1], nn.GroupNorm)
+
+
+def test_modulevalidator_fix_keeps_a_frozen_batch_norm():
+    cnn = _frozen_bn_cnn()
+    assert ModuleValidator.is_valid(cnn) and isinstance(ModuleValidator.fix(cnn)[1], nn.BatchNorm2d)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ghost"])
+def test_unfreezing_a_layer_mid_run_re_plans_and_clips_it(estimator):
+    """Exact norms are accounted as DP-SGD whatever trains: the plan is rebuilt at the next training forward, the
+    unfrozen layer trains from then on, and each example's update (lr 1, no noise) stays within C."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    engine, model, opt, crit, loader = _classifier(model, estimator=estimator, batch=1, c=0.05)
+    opt.param_groups[0]["lr"] = 1.0
+    first = _state(model[0])
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    assert _same(first, _state(model[0]))
+    model[0].requires_grad_(True)
+    for x, y in batches:
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert float((after - before).norm()) <= 0.05 * x.shape[0] * (1 + 1e-6)
+    assert not _same(first, _state(model[0]))
+    assert "0.weight" in engine.plan.names.values() and engine.envelope is None
+    assert engine.steps == len(loader)
+
+
+def test_freezing_a_layer_mid_run_stops_its_updates():
+    engine, model, opt, crit, loader = _classifier(noise=1.0, estimator="hutch")
+    envelope = engine.envelope
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    model[0].requires_grad_(False)
+    frozen = _state(model[0])
+    for x, y in batches:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    assert _same(frozen, _state(model[0]))
+    # fewer estimated terms: the envelope fixed at make_private (a wider one) still bounds every step
+    assert engine.envelope == envelope and engine.plan.envelope(engine.projection_dim).dim < envelope.dim
+
+
+def test_unfreezing_under_an_estimated_norm_that_would_widen_the_envelope_is_refused():
+    """Under ``hutch`` the accountant charges an envelope whose dimension is the plan's chi-square terms at
+    make_private; an unfrozen layer adds terms the steps already charged were not accounted for, so the forward
+    raises, naming the layer and the fix, and nothing moves."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    engine, model, opt, crit, loader = _classifier(model, estimator="hutch", noise=1.0)
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    model[0].requires_grad_(True)
+    x, y = next(batches)
+    before = _state(model)
+    with pytest.raises(RuntimeError, match=r"0\.weight.*envelope.*(exact|ghost)"):
+        model(x)
+    assert _same(before, _state(model)) and engine.steps == 1
+    model[0].requires_grad_(False)   # frozen again: trains on
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    opt.step()
+    assert engine.steps == 2
+
+
+def test_unfreezing_under_an_estimated_norm_trains_when_the_charged_envelope_is_the_limit_form():
+    """With an exact part (a LayerNorm) the accountant charges the Hutch++ form ``max(F_{chi2(k)/k}, 1{x >= 1})``,
+    the limit of every dimension: an unfrozen estimated layer's new terms stay under it, so it trains."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    engine, model, opt, crit, loader = _classifier(model, estimator="hutch", noise=1.0)
+    envelope = engine.envelope
+    first = _state(model[0])
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    model[0].requires_grad_(True)
+    for x, y in batches:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+    assert not _same(first, _state(model[0])) and engine.envelope == envelope
+    assert engine.plan.envelope(engine.projection_dim).dim > envelope.projection_dim
+
+
+def test_unfreezing_a_frozen_batch_norm_is_refused_by_the_validator_at_the_next_forward():
+    engine, model, opt, crit, loader = _classifier(_frozen_bn_cnn(), shape=(1, 6, 6), batch=6)
+    model[1].requires_grad_(True)
+    x, y = next(iter(loader))
+    model.train()
+    model[1].eval()
+    with pytest.raises(UnsupportedModuleError, match=r"^1: BatchNorm2d"):
+        model(x)
+
+
+class _Scaled(nn.Module):
+    """A parameter of the model itself (not of a submodule), used in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x * self.scale)
+
+
+def test_unfreezing_a_parameter_of_the_model_itself_is_followed_at_zero_grad():
+    """The hooks of the model's own parameters run in its own forward, whose hooks are fixed once it starts: the
+    change is followed at ``optimizer.zero_grad()``; a forward that finds it first raises, naming the fix."""
+    model = _Scaled()
+    model.scale.requires_grad_(False)
+    engine, model, opt, crit, loader = _classifier(model, noise=1.0)
+    batches = iter(loader)
+    x, y = next(batches)
+    crit(model(x), y).backward()
+    opt.step()
+    model.scale.requires_grad_(True)
+    x, y = next(batches)
+    with pytest.raises(RuntimeError, match=r"scale \(unfrozen\).*zero_grad\(\) before this forward"):
+        model(x)
+    before = model.scale.detach().clone()
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    opt.step()
+    assert engine.steps == 2 and not torch.equal(before, model.scale)
