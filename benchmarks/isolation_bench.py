@@ -1,9 +1,10 @@
 """Cost of example isolation by structure: a training step (forward and backward, non-private) with and without
 the ExampleTracker following the batch through the forward, on Hugging Face decoders built from configs.
 
-Alternates A (plain) and B (tracked) steps and prints median times and their ratio, per model.  The tracker's
-cost is Python work per ATen operation of the forward (the backward runs outside it), so it shrinks with width
-and sequence length.
+Alternates plain steps, steps under a dispatch mode that does nothing (the floor of any per-operation Python
+check), and tracked steps; prints median times and the ratios to plain, per model.  The tracker's cost is
+Python work per ATen operation of the forward (the backward runs outside it): where the plain step is already
+bound by the host launching kernels (a GPU at batch 1), every microsecond per operation shows.
 
     OMP_NUM_THREADS=1 python benchmarks/isolation_bench.py            # CPU, tiny widths
     python benchmarks/isolation_bench.py --device cuda --real         # GPT-2 small and Llama-1B widths
@@ -17,8 +18,16 @@ import time
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpsgd.isolation import ExampleTracker
+
+
+class _Null(TorchDispatchMode):
+    """A dispatch mode that only runs each operation: the cost every per-operation Python check pays."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _models(real: bool):
@@ -38,15 +47,19 @@ def _models(real: bool):
             num_key_value_heads=2, max_position_embeddings=128)), 4, 128, 1000
 
 
-def _step(model, ids, tracker):
-    if tracker is not None:
-        tracker.push()
-        tracker.register(ids)
+def _step(model, ids, mode):
+    if isinstance(mode, ExampleTracker):
+        mode.push()
+        mode.register(ids)
+    elif mode is not None:
+        mode.__enter__()
     try:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids).logits.float().mean()
     finally:
-        if tracker is not None:
-            tracker.pop()
+        if isinstance(mode, ExampleTracker):
+            mode.pop()
+        elif mode is not None:
+            mode.__exit__(None, None, None)
     loss.backward()
     model.zero_grad(set_to_none=True)
 
@@ -61,15 +74,16 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), {dtype}")
-    print(f"{'model':24s} {'plain s':>9s} {'tracked s':>10s} {'ratio':>6s}")
+    print(f"{'model':24s} {'plain s':>9s} {'null mode':>10s} {'tracked s':>10s} {'null/plain':>10s} "
+          f"{'tracked/plain':>13s}")
     for name, build, b, t, vocab in _models(args.real):
         torch.manual_seed(0)
         model = build().to(device=device, dtype=dtype).train()
         ids = torch.randint(0, vocab, (b, t), device=device)
-        tracker = ExampleTracker()
-        times = {"plain": [], "tracked": []}
+        modes = (("plain", None), ("null", _Null()), ("tracked", ExampleTracker()))
+        times = {key: [] for key, _ in modes}
         for i in range(args.repeats + 2):
-            for key, tr in (("plain", None), ("tracked", tracker)):
+            for key, tr in modes:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -78,8 +92,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if i >= 2:
                     times[key].append(time.perf_counter() - start)
-        plain, tracked = statistics.median(times["plain"]), statistics.median(times["tracked"])
-        print(f"{name:24s} {plain:9.4f} {tracked:10.4f} {tracked / plain:6.2f}")
+        plain, null, tracked = (statistics.median(times[k]) for k in ("plain", "null", "tracked"))
+        print(f"{name:24s} {plain:9.4f} {null:10.4f} {tracked:10.4f} {null / plain:10.2f} {tracked / plain:13.2f}")
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -40,7 +40,6 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ExampleMixingError", "ExampleTracker", "IncompleteGradientError", "Rows", "audit_isolation",
            "check_call_rows"]
@@ -836,6 +835,72 @@ for _n in ("native_dropout", "dropout", "bernoulli", "bernoulli_", "where", "mas
 # ---------------------------------------------------------------------------------------------------------------
 
 
+#: the attribute under which a tensor carries its Rows: on the tensor itself, so that it lives exactly as long
+#: as the data (state kept between steps keeps its batch's ids) and costs one attribute read per operation
+_ATTR = "_dpsgd_rows"
+
+#: per operation: (name, rule, positions and names of the arguments it writes)
+_META: dict = {}
+
+
+def _op_meta(func) -> tuple:
+    name = func.overloadpacket.__name__
+    rule = RULES.get(name)
+    if rule is None and torch.Tag.pointwise in func.tags:
+        rule = _inplace if _INPLACE_TAG in func.tags or name.endswith("_") else _pointwise
+    if name in ("is_nonzero", "item"):
+        rule = _local_scalar
+    mutated = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    return name, rule, mutated
+
+
+#: one tensor per distinct list of example ids (by content), so that rows are compared by identity and the
+#: reshape rules' cache hits across layers; ids of earlier batches are dropped as the table fills
+_CANONICAL: dict[bytes, torch.Tensor] = {}
+_KNOWN: dict[int, torch.Tensor] = {}
+
+
+def _canonical(ids: torch.Tensor) -> torch.Tensor:
+    if id(ids) in _KNOWN:
+        return ids
+    key = ids.numpy().tobytes()
+    canon = _CANONICAL.get(key)
+    if canon is None:
+        if len(_CANONICAL) > 4096:
+            _CANONICAL.clear()
+            _KNOWN.clear()
+        canon = _CANONICAL[key] = ids
+        _KNOWN[id(ids)] = ids
+    return canon
+
+
+def _set(t: torch.Tensor, r: Rows) -> None:
+    """Record ``r`` on ``t``."""
+    if not r.axes and not r.mixed:
+        if getattr(t, _ATTR, None) is not None:
+            setattr(t, _ATTR, None)
+        return
+    if r.axes and any(id(ids) not in _KNOWN for _, ids in r.axes):
+        r = Rows(tuple((d, _canonical(ids)) for d, ids in r.axes), r.mixed)
+    setattr(t, _ATTR, r)
+
+
+def _write(t: torch.Tensor, r: Rows) -> None:
+    """Record ``r`` on ``t``, written in place: example data written through a view reaches its base (and so
+    every other view of it)."""
+    _set(t, r)
+    base = t._base
+    if base is not None and (r.axes or r.mixed):
+        old = getattr(base, _ATTR, None) or Rows()
+        if old.mixed:
+            return
+        if base.shape == t.shape and base.stride() == t.stride():
+            setattr(base, _ATTR, r)
+        else:
+            setattr(base, _ATTR, _mixed("example data written into a view of another tensor"))
+
+
 class ExampleTracker(TorchDispatchMode):
     """Follows every tensor computed from registered example data through the ATen operations that run.
 
@@ -864,11 +929,12 @@ class ExampleTracker(TorchDispatchMode):
 
     def __init__(self, state: Callable[[], list[torch.Tensor]] | None = None) -> None:
         super().__init__()
-        self._rows = WeakTensorKeyDictionary()
         self._state = state
         self._state_ids: set[int] | None = None
         self.unknown: set[str] = set()
         self.host_reads: list[str] = []
+        #: set when the tracker refused an operation: the step is over, and the tracker stays inert until popped
+        self.failed = False
 
     # -- activation across calls (the engine's loader yields, the private backward ends) -------------------------
     @property
@@ -879,7 +945,16 @@ class ExampleTracker(TorchDispatchMode):
 
     def push(self) -> None:
         """Make the tracker active until :meth:`pop` (``with tracker:`` for a block)."""
+        self.failed = False
         self.__enter__()
+
+    def abandon(self) -> None:
+        """Stop checking after a refusal: inert from now on, and popped when it is the innermost mode (a refusal
+        raised inside the user's forward leaves no backward to pop it)."""
+        self.failed = True
+        n = torch._C._len_torch_dispatch_stack()
+        if n and torch._C._get_dispatch_stack_at(n - 1) is self:
+            self.__exit__(None, None, None)
 
     def pop(self) -> None:
         """Deactivate the tracker (nothing when it is not active).  What it followed is kept while those tensors
@@ -910,14 +985,14 @@ class ExampleTracker(TorchDispatchMode):
         self._batch_ids = ids
         for t in tensors:
             if t.shape[dim] == b:
-                self._rows[t] = Rows(((dim, ids),))
+                _set(t, Rows(((dim, ids),)))
             else:
-                self._rows[t] = _mixed(f"a tensor of the batch with {t.shape[dim]} rows for {b} examples")
+                _set(t, _mixed(f"a tensor of the batch with {t.shape[dim]} rows for {b} examples"))
         return ids
 
     def rows(self, t: torch.Tensor) -> Rows:
         """The examples ``t`` was computed from (``Rows()`` for data of no example: parameters, constants)."""
-        return self._rows.get(t, Rows())
+        return getattr(t, _ATTR, None) or Rows()
 
     def check_rows(self, t: torch.Tensor, ids: torch.Tensor, what: str) -> None:
         """Raise :class:`ExampleMixingError` unless the rows of ``t`` along dimension 0 are the examples ``ids``
@@ -936,69 +1011,64 @@ class ExampleTracker(TorchDispatchMode):
 
     # -- the mode -----------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flat = tree_flatten((args, kwargs))[0]
-        rows = [(t, self._rows[t]) for t in flat if isinstance(t, torch.Tensor) and t in self._rows]
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if self.failed:   # refused already: inert until the engine pops it
+            return out
+        # the fast path: most operations of a forward read a tracked tensor, but finding none must cost little
+        rows = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                r = getattr(a, _ATTR, None)
+                if r is not None:
+                    rows.append((a, r))
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        r = getattr(x, _ATTR, None)
+                        if r is not None:
+                            rows.append((x, r))
+        if kwargs:
+            for x in kwargs.values():
+                if isinstance(x, torch.Tensor):
+                    r = getattr(x, _ATTR, None)
+                    if r is not None:
+                        rows.append((x, r))
         if not rows:
             return out
-        name = func.overloadpacket.__name__
-        rule = RULES.get(name)
-        if rule is None and torch.Tag.pointwise in func.tags:
-            rule = _inplace if _INPLACE_TAG in func.tags or name.endswith("_") else _pointwise
-        if name == "_local_scalar_dense" or name == "is_nonzero" or name == "item":
+        meta = _META.get(func)
+        if meta is None:
+            meta = _META[func] = _op_meta(func)
+        name, rule, mutated_at = meta
+        if rule is _local_scalar:
             self._host_read(func, rows)
             return out
+        if isinstance(out, torch.Tensor):
+            outs = [out]
+        elif isinstance(out, (list, tuple)):
+            outs = [o for o in out if isinstance(o, torch.Tensor)]
+        else:
+            outs = []
         if rule is None:
             self.unknown.add(name)
-            results = [_mixed(f"{_name(func)} (no isolation rule: treated as mixing)")] * len(
-                [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+            results = [_mixed(f"aten.{name} (no isolation rule: treated as mixing)")] * len(outs)
         else:
             try:
-                results = rule(func, args, kwargs, out, rows)
+                results = rule(func, args, kwargs or {}, out, rows)
             except Exception as e:   # a rule that cannot read its arguments: conservative
-                results = [_mixed(f"{_name(func)} (its isolation rule failed: {type(e).__name__}: {e})")] * len(
-                    [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        mutated = self._mutated(func, args, kwargs)
+                results = [_mixed(f"aten.{name} (its isolation rule failed: {type(e).__name__}: {e})")] * len(outs)
         for o, r in zip(outs, results, strict=False):
-            self._set(o, r)
-        for t in mutated:
-            if outs and t is not outs[0]:
-                self._set(t, results[0] if results else _mixed(_name(func)))
-        for t in mutated:
-            self._guard_state(t, func)
+            _set(o, r)
+        if mutated_at:
+            mutated = [args[i] if i < len(args) else (kwargs or {}).get(n) for i, n in mutated_at]
+            for t in mutated:
+                if isinstance(t, torch.Tensor):
+                    _write(t, getattr(t, _ATTR, None) or Rows() if outs and t is outs[0] else
+                           results[0] if results else _mixed(f"aten.{name}"))
+                    self._guard_state(t, func)
         return out
 
-    def _set(self, t: torch.Tensor, r: Rows) -> None:
-        if not r.axes and not r.mixed:
-            self._rows.pop(t, None)
-            if t._base is not None:
-                return
-        else:
-            self._rows[t] = r
-        base = t._base
-        if base is not None and (r.axes or r.mixed):
-            # written through a view: the base (and so every other view of it) now holds example data
-            old = self._rows.get(base, Rows())
-            if base.shape == t.shape and base.stride() == t.stride():
-                self._rows[base] = r if not old.mixed else old
-            elif not old.mixed:
-                self._rows[base] = _mixed("example data written into a view of another tensor")
-
-    @staticmethod
-    def _mutated(func, args, kwargs) -> list[torch.Tensor]:
-        schema = func._schema
-        mutated = []
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                if isinstance(v, torch.Tensor):
-                    mutated.append(v)
-        return mutated
-
     def _guard_state(self, t: torch.Tensor, func) -> None:
-        r = self._rows.get(t)
+        r = getattr(t, _ATTR, None)
         if r is None or not (r.axes or r.mixed):
             return
         if self._state is None:
@@ -1006,6 +1076,7 @@ class ExampleTracker(TorchDispatchMode):
         if self._state_ids is None:
             self._state_ids = {s.untyped_storage().data_ptr() for s in self._state() if s.numel()}
         if t.numel() and t.untyped_storage().data_ptr() in self._state_ids:
+            self.failed = True
             raise ExampleMixingError(f"{_name(func)} writes example data into a parameter or buffer of the model "
                                      f"in place: the model would carry un-noised information about the batch into "
                                      f"later steps")
@@ -1016,6 +1087,7 @@ class ExampleTracker(TorchDispatchMode):
         per example); any other value could be written into other examples' rows, and is refused."""
         for t, r in rows:
             if t.dtype != torch.bool:
+                self.failed = True
                 raise ExampleMixingError(
                     f"a {t.dtype} value computed from example data was read into Python (.item(), .tolist(), "
                     f"int(), float()) during a private step ({r.mixed or 'one example per row'}): it could be "
@@ -1053,6 +1125,14 @@ def check_call_rows(tracker: ExampleTracker, ids: torch.Tensor, where: str, tens
     """Raise :class:`ExampleMixingError` unless each tensor of a recorded module call is data of no example or
     has its rows along dimension 0 in the examples' order (``ids``, each repeated as often as the call's
     rows per example: a call on flattened ``(B T, d)`` rows)."""
+    try:
+        _check_call_rows(tracker, ids, where, tensors)
+    except ExampleMixingError:
+        tracker.abandon()
+        raise
+
+
+def _check_call_rows(tracker: ExampleTracker, ids: torch.Tensor, where: str, tensors: list[torch.Tensor]) -> None:
     b = ids.numel()
     for t in tensors:
         r = tracker.rows(t)

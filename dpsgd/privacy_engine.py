@@ -1331,6 +1331,8 @@ class PrivacyEngine:
         tracker = capture.tracker
         if tracker is None:
             return
+        if tracker.active and tracker.failed:   # a refused step left it on the stack
+            tracker.pop()
         if not tracker.active:
             tracker.push()
         capture.batch_ids = tracker.register(batch)
