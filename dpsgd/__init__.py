@@ -18,7 +18,7 @@ __all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValida
            "UnaccountedSamplingError", "ExampleTracker", "audit_isolation"]
 
 _WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "isolation",
-          "ExampleMixingError": "isolation", "StateChangedError": "engine", "ExampleTracker": "isolation",
+          "ExampleMixingError": "isolation", "StateChangedError": "isolation", "ExampleTracker": "isolation",
           "audit_isolation": "isolation",
           "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",

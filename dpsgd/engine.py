@@ -47,7 +47,7 @@ from dpmath import Envelope, estimator_envelope
 
 from .distributed import MIN_ROWS, any_rank, check_sharding, is_sharded, local_part, max_over_ranks, rank_world
 from .estimators import ESTIMATORS, check_k, gaussian_projection, hutchpp_operator
-from .isolation import ExampleMixingError, IncompleteGradientError, check_call_rows
+from .isolation import ExampleMixingError, IncompleteGradientError, StateChangedError, call_examples
 from .layers import (
     ROOT_PARAMETERS,
     Call,
@@ -74,11 +74,6 @@ __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientErr
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
            "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "unit_sq_norms",
            "check_estimator", "per_sample_sq_norms", "private_step", "StepResult"]
-
-
-class StateChangedError(RuntimeError):
-    """A parameter or buffer changed during a training forward (running statistics, ``Embedding(max_norm)``'s
-    renormalization): the model would carry un-noised information about the batch."""
 
 
 #: probability that a step's forward is probed and its rows checked (the default schedule; docs/trainer.md)
@@ -386,6 +381,8 @@ class Capture:
             self._state = None
             return None
         self._state = _state_of(self.plan.model)
+        if self.tracker is not None and self.batch_ids is not None and not self.tracker.active:
+            self.tracker.push()   # another micro-batch of the batch drawn for this step
         self._forward_probed = (self.check_every_step or self._forwards == 0
                                 or _secret_uniform() < self.check_rate)
         self._forwards += 1
@@ -516,10 +513,12 @@ class Capture:
             # follows the precision the backward ran in
             call.cache["autocast"] = next(((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                                            if torch.is_autocast_enabled(d)), None)
-            if self.tracker is not None and self.batch_ids is not None:
-                check_call_rows(self.tracker, self.batch_ids, f"a call of {unit.path or type(module).__name__}",
-                                [*flat_tensors(list(args)), *flat_tensors(kwargs), *outs])
             unit.handler.check_forward(call)
+            if self.tracker is not None and self.batch_ids is not None:
+                # the examples of the call's rows, compared with the losses' at the backward
+                call.cache["examples"] = call_examples(
+                    self.tracker, f"a call of {unit.path or type(module).__name__}",
+                    [*flat_tensors(list(args)), *flat_tensors(kwargs), *outs])
             self.calls.append(call)
             return output if (share is not None and not own) or len(outs) > 1 else None
         return hook

@@ -25,14 +25,15 @@ refused where it matters: as a per-example loss, as an input or output of a reco
 state written by the forward (:class:`ExampleMixingError` naming the first operation that mixed).
 
 What it cannot see is host data: a value taken out of a tensor into Python (``.item()``, ``.tolist()``,
-``.numpy()``) and used to build a new tensor or to branch.  Taking a *per-example* value out is refused
-(it could be written into other examples' rows); a batch-wide condition (``mask.all()``) may pick a code
-path, which must compute the same function for every example either way: :func:`audit_isolation` checks a
-model's forward that way.
+``.numpy()``, ``bool()``) and used to build a new tensor or to branch (Hugging Face checks
+``attention_mask.all()`` to pick an attention kernel; a loop logs ``losses.mean().item()``).  Such reads are
+recorded (``ExampleTracker.host_reads``); that none of them feeds back into the losses is what
+:func:`audit_isolation` checks: each example's loss in the batch must equal its loss computed alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -41,8 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-__all__ = ["ExampleMixingError", "ExampleTracker", "IncompleteGradientError", "Rows", "audit_isolation",
-           "check_call_rows"]
+__all__ = ["ExampleMixingError", "ExampleTracker", "IncompleteGradientError", "Rows", "StateChangedError",
+           "audit_isolation", "call_examples", "check_backward_functions"]
 
 aten = torch.ops.aten
 
@@ -56,6 +57,12 @@ class ExampleMixingError(IncompleteGradientError):
     softmax or attention over the batch, a loss that reads other rows, state kept from an earlier batch):
     adding one example would move the others' clipped contributions, so no bound by ``C`` holds.  The step
     was not taken."""
+
+
+class StateChangedError(RuntimeError):
+    """A parameter or buffer changed during a training forward (running statistics, ``Embedding(max_norm)``'s
+    renormalization, example data written in place): the model would carry un-noised information about the
+    batch."""
 
 
 class Rows(NamedTuple):
@@ -127,8 +134,12 @@ def _pointwise(func, args, kwargs, out, rows):
         shift = n - t.dim()
         for d, ids in r.axes:
             e = d + shift
-            if e < 0 or shape[e] != ids.numel():
+            if e < 0:
                 return [_mixed(f"{_name(func)} broadcasts one example's rows over several")] * len(outs)
+            if shape[e] != ids.numel():
+                if ids.numel() != 1:
+                    return [_mixed(f"{_name(func)} broadcasts one example's rows over several")] * len(outs)
+                ids = ids.expand(shape[e])   # one example's data spread along the dimension: all of it its own
             parts.append((e, ids))
     merged = _merge(parts, f"{_name(func)} combines rows of different examples")
     return [merged if o.shape == shape else _reshaped(merged, shape, o.shape, func) for o in outs]
@@ -164,6 +175,8 @@ def _reshaped(r: Rows, old: torch.Size, new: torch.Size, func) -> Rows:
 
 
 def _reshape_axis(ids: torch.Tensor, old: list[int], new: list[int], d: int) -> tuple[int, torch.Tensor] | None:
+    if new and bool((ids == ids[0]).all()):   # one example: every element is its own, whatever the shape
+        return 0, ids[:1].expand(new[0])
     size = old[d]
     inner = 1
     for s in old[d + 1:]:
@@ -234,10 +247,14 @@ def _squeeze(func, args, kwargs, out, rows):
 def _expand(func, args, kwargs, out, rows):
     (t, r), = rows[:1]
     shift = out.dim() - t.dim()
+    axes = []
     for a, ids in r.axes:
         if out.shape[a + shift] != ids.numel():
-            return [_mixed(f"{_name(func)} broadcasts one example over several rows")]
-    return [Rows(tuple((a + shift, ids) for a, ids in r.axes), r.mixed)]
+            if ids.numel() != 1:
+                return [_mixed(f"{_name(func)} broadcasts one example over several rows")]
+            ids = ids.expand(out.shape[a + shift])
+        axes.append((a + shift, ids))
+    return [Rows(tuple(axes), r.mixed)]
 
 
 def _slice(func, args, kwargs, out, rows):
@@ -749,6 +766,64 @@ def _elementwise_loss(func, args, kwargs, out, rows):
     return _reduction(None, None)(func, args, kwargs, out, rows)
 
 
+def _pad(func, args, kwargs, out, rows):
+    """Padding of the last ``len(pad) // 2`` dimensions (constant, reflection, replication, circular): an
+    example axis there would put other examples' rows (or none) beside its rows."""
+    (t, r), = rows[:1]
+    pad = args[1] if len(args) > 1 else kwargs.get("pad", kwargs.get("padding"))
+    k = len(pad) // 2 if isinstance(pad, (list, tuple)) else 1
+    padded = range(t.dim() - k, t.dim())
+    if r.mixed:
+        return [r]
+    if any(a in padded for a, _ in r.axes):
+        return [_mixed(f"{_name(func)} pads along the example axis")]
+    return [r]
+
+
+def _rnn(func, args, kwargs, out, rows):
+    """Recurrent layers (``lstm``, ``gru``, ``rnn_*``, ``mkldnn_rnn_layer``): the input's batch dimension is 0
+    with ``batch_first`` and 1 otherwise (always 1 for the fused kernels), the states' is 1 (0 for a state
+    of one layer); time steps of one example are combined, examples never.  The outputs carry the input's
+    examples."""
+    names = [a.name for a in func._schema.arguments]
+    # the fused kernels take time-major input whatever their batch_first flag says; lstm/gru/rnn_* honour it
+    batch_first = bool(args[names.index("batch_first")]) if "batch_first" in names and \
+        names.index("batch_first") < len(args) and func.overloadpacket.__name__ in ("lstm", "gru", "rnn_tanh",
+                                                                                     "rnn_relu") else False
+    x = args[0]
+    found = None
+    for t, r in rows:
+        if r.mixed:
+            return [r] * len([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+        # states: (layers, B, H), or (B, H) inside the fused kernels
+        want = (0 if batch_first else 1) if t is x else (1 if t.dim() == 3 else 0)
+        for a, ids in r.axes:
+            if a != want or (found is not None and not _same(found, ids)):
+                return [_mixed(f"{_name(func)} runs over the examples (not along its batch dimension)")] * len(
+                    [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+            found = ids
+    results = []
+    for i, o in enumerate(o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)):
+        if found is None:
+            results.append(Rows())
+        elif i == 0 and o.dim() >= 2 and o.shape[0 if batch_first else 1] == found.numel():
+            results.append(Rows(((0 if batch_first else 1, found),)))
+        elif i > 0 and o.dim() == 3 and o.shape[1] == found.numel():
+            results.append(Rows(((1, found),)))
+        elif i > 0 and o.dim() == 2 and o.shape[0] == found.numel():
+            results.append(Rows(((0, found),)))
+        else:
+            results.append(_mixed(f"{_name(func)}: an output without the batch's layout"))
+    return results
+
+
+def _packed(func, args, kwargs, out, rows):
+    """``pack_padded_sequence`` interleaves the examples by time step: no row is one example's."""
+    return [_mixed("a PackedSequence interleaves the examples by time step (pad the sequences instead, and read "
+                   "out[arange(B), lengths - 1])")] * len([o for o in tree_flatten(out)[0]
+                                                           if isinstance(o, torch.Tensor)])
+
+
 def _local_scalar(func, args, kwargs, out, rows):
     return []
 
@@ -816,8 +891,13 @@ RULES.update({
     "nll_loss_forward": _nll_loss, "nll_loss2d_forward": _nll_loss, "nll_loss_nd": _nll_loss,
     "copy_": _copy, "copy": _copy, "topk": _topk, "sort": _topk, "argsort": _topk, "kthvalue": _topk,
     "_local_scalar_dense": _local_scalar, "repeat_interleave": _repeat_interleave, "repeat": _repeat,
-    "one_hot": _one_hot,
+    "one_hot": _one_hot, "_pack_padded_sequence": _packed,
 })
+for _n in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
+           "replication_pad2d", "replication_pad3d", "_pad_circular", "_pad_enum"):
+    RULES[_n] = _pad
+for _n in ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn"):
+    RULES[_n] = _rnn
 for _n in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "soft_margin_loss", "kl_div", "poisson_nll_loss"):
     RULES[_n] = _elementwise_loss
@@ -875,6 +955,28 @@ def _canonical(ids: torch.Tensor) -> torch.Tensor:
     return canon
 
 
+def _view_rows(t: torch.Tensor) -> Rows | None:
+    """Rows of a view taken while no tracker was active (a micro-batch sliced from the batch between two
+    backwards): rows of the base along dimension 0 when the view is a slice of them, mixed for any other view of
+    example data (its layout is not followed)."""
+    base = t._base
+    r = getattr(base, _ATTR, None)
+    if r is None:
+        return None
+    if r.mixed:
+        return r
+    ids = r.axis(0)
+    if ids is not None and len(r.axes) == 1 and t.dim() == base.dim() and t.shape[1:] == base.shape[1:] \
+            and t.stride() == base.stride() and base.stride(0) > 0:
+        offset = t.storage_offset() - base.storage_offset()
+        if offset % base.stride(0) == 0:
+            start = offset // base.stride(0)
+            rows = Rows(((0, ids[start:start + t.shape[0]]),))
+            _set(t, rows)
+            return getattr(t, _ATTR)
+    return _mixed("a view of example data taken outside the tracked step")
+
+
 def _set(t: torch.Tensor, r: Rows) -> None:
     """Record ``r`` on ``t``."""
     if not r.axes and not r.mixed:
@@ -888,17 +990,26 @@ def _set(t: torch.Tensor, r: Rows) -> None:
 
 def _write(t: torch.Tensor, r: Rows) -> None:
     """Record ``r`` on ``t``, written in place: example data written through a view reaches its base (and so
-    every other view of it)."""
+    every other view of it).  The base's dimension that the view's example axis runs along (same stride, same
+    extent) becomes an example axis of the base; any other layout marks the base mixed."""
     _set(t, r)
     base = t._base
-    if base is not None and (r.axes or r.mixed):
-        old = getattr(base, _ATTR, None) or Rows()
-        if old.mixed:
-            return
-        if base.shape == t.shape and base.stride() == t.stride():
-            setattr(base, _ATTR, r)
-        else:
+    if base is None or not (r.axes or r.mixed):
+        return
+    old = getattr(base, _ATTR, None) or Rows()
+    if old.mixed:
+        return
+    if r.mixed:
+        setattr(base, _ATTR, r)
+        return
+    parts = list(old.axes)
+    for d, ids in r.axes:
+        match = [e for e in range(base.dim()) if base.stride(e) == t.stride(d) and base.shape[e] == t.shape[d]]
+        if len(match) != 1:
             setattr(base, _ATTR, _mixed("example data written into a view of another tensor"))
+            return
+        parts.append((match[0], ids))
+    _set(base, _merge(parts, "example data of other examples written into a view of a tensor"))
 
 
 class ExampleTracker(TorchDispatchMode):
@@ -907,8 +1018,8 @@ class ExampleTracker(TorchDispatchMode):
     Parameters
     ----------
     state : callable, optional
-        Returns the tensors that outlive a step (the model's parameters and buffers); writing example data
-        into one of them in place raises :class:`ExampleMixingError` at once.
+        Returns the named tensors that outlive a step (the model's parameters and buffers); writing example
+        data into one of them in place raises :class:`StateChangedError` at once, naming it.
 
     Examples
     --------
@@ -927,14 +1038,15 @@ class ExampleTracker(TorchDispatchMode):
 
     _counter = itertools.count()
 
-    def __init__(self, state: Callable[[], list[torch.Tensor]] | None = None) -> None:
+    def __init__(self, state: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         super().__init__()
         self._state = state
-        self._state_ids: set[int] | None = None
+        self._state_ids: dict[int, str] | None = None
         self.unknown: set[str] = set()
         self.host_reads: list[str] = []
         #: set when the tracker refused an operation: the step is over, and the tracker stays inert until popped
         self.failed = False
+        self._paused = False
 
     # -- activation across calls (the engine's loader yields, the private backward ends) -------------------------
     @property
@@ -944,7 +1056,13 @@ class ExampleTracker(TorchDispatchMode):
         return any(torch._C._get_dispatch_stack_at(i) is self for i in range(n))
 
     def push(self) -> None:
-        """Make the tracker active until :meth:`pop` (``with tracker:`` for a block)."""
+        """Make the tracker active until :meth:`pop` (``with tracker:`` for a block).  A tracker left active by a
+        step that raised (the user caught the error and went on) is popped first: only one follows a step."""
+        n = torch._C._len_torch_dispatch_stack()
+        while n and isinstance(torch._C._get_dispatch_stack_at(n - 1), ExampleTracker) \
+                and torch._C._get_dispatch_stack_at(n - 1) is not self:
+            torch._C._get_dispatch_stack_at(n - 1).abandon()
+            n = torch._C._len_torch_dispatch_stack()
         self.failed = False
         self.__enter__()
 
@@ -970,6 +1088,16 @@ class ExampleTracker(TorchDispatchMode):
                                "backward; exit it before the backward")
         self.__exit__(None, None, None)
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """A block of the engine's own bookkeeping that the step's losses never read (the mean loss it reports
+        for logging): its operations are not followed, and their results are data of no example."""
+        old, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = old
+
     # -- registration and queries -------------------------------------------------------------------------------
     def register(self, batch: object, dim: int = 0) -> torch.Tensor | None:
         """Register every tensor in ``batch`` (nested dicts, lists, tuples, mappings) as example rows along
@@ -992,33 +1120,44 @@ class ExampleTracker(TorchDispatchMode):
 
     def rows(self, t: torch.Tensor) -> Rows:
         """The examples ``t`` was computed from (``Rows()`` for data of no example: parameters, constants)."""
-        return getattr(t, _ATTR, None) or Rows()
+        r = getattr(t, _ATTR, None)
+        if r is None and t._base is not None:
+            r = _view_rows(t)
+        return r or Rows()
 
-    def check_rows(self, t: torch.Tensor, ids: torch.Tensor, what: str) -> None:
-        """Raise :class:`ExampleMixingError` unless the rows of ``t`` along dimension 0 are the examples ``ids``
-        in order, each computed from its own example only (``what`` names ``t`` in the message)."""
+    def check_rows(self, t: torch.Tensor, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """Raise :class:`ExampleMixingError` unless each row of ``t`` along dimension 0 is computed from one
+        example of ``ids`` alone, every row from another example; returns the examples of the rows.  (A
+        micro-batch cut from the batch by hand holds some of its examples.)  ``what`` names ``t``."""
         r = self.rows(t)
         if r.mixed:
-            raise ExampleMixingError(f"{what} depends on several examples: {r.mixed}. Each example's loss must be a "
-                                     f"function of its own data and the parameters only, or one example could move "
-                                     f"the update by more than max_grad_norm")
+            raise ExampleMixingError(f"{what} depend on rows of other examples: {r.mixed}. Each example's loss must "
+                                     f"be a function of its own data and the parameters only, or one example could "
+                                     f"move the update by more than max_grad_norm")
         if any(a != 0 for a, _ in r.axes):
-            raise ExampleMixingError(f"{what} pairs examples along another dimension than its rows")
+            raise ExampleMixingError(f"{what} pair examples along another dimension than their rows")
         got = r.axis(0)
-        if got is None or not _same(got, ids):
-            raise ExampleMixingError(f"{what} is not one row per example of the batch, in the batch's order "
-                                     f"(computed from {'no example data' if got is None else 'other rows'})")
+        if got is None:
+            raise ExampleMixingError(f"{what} were not computed from a batch of the private data loader (its "
+                                     f"batches are followed from the moment it yields them): a batch made by hand "
+                                     f"is not charged by the accountant")
+        if got.numel() != torch.unique(got).numel() or not bool(torch.isin(got, ids).all()):
+            raise ExampleMixingError(f"{what} are not one row per example of the batch drawn (rows repeated, or from "
+                                     f"another batch)")
+        return got
 
     # -- the mode -----------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if self.failed:   # refused already: inert until the engine pops it
+        if self.failed or self._paused:   # refused already (inert until popped), or the engine's own bookkeeping
             return out
         # the fast path: most operations of a forward read a tracked tensor, but finding none must cost little
         rows = []
         for a in args:
             if isinstance(a, torch.Tensor):
                 r = getattr(a, _ATTR, None)
+                if r is None and a._base is not None:
+                    r = _view_rows(a)
                 if r is not None:
                     rows.append((a, r))
             elif isinstance(a, (list, tuple)):
@@ -1062,8 +1201,14 @@ class ExampleTracker(TorchDispatchMode):
             mutated = [args[i] if i < len(args) else (kwargs or {}).get(n) for i, n in mutated_at]
             for t in mutated:
                 if isinstance(t, torch.Tensor):
-                    _write(t, getattr(t, _ATTR, None) or Rows() if outs and t is outs[0] else
-                           results[0] if results else _mixed(f"aten.{name}"))
+                    before = next((r for src, r in rows if src is t), None)
+                    after = getattr(t, _ATTR, None) if outs and t is outs[0] else \
+                        (results[0] if results else _mixed(f"aten.{name}"))
+                    if after is before:
+                        # rows unchanged (a constant written, an operation within each row): nothing new
+                        # reaches the base
+                        continue
+                    _write(t, after or Rows())
                     self._guard_state(t, func)
         return out
 
@@ -1074,25 +1219,23 @@ class ExampleTracker(TorchDispatchMode):
         if self._state is None:
             return
         if self._state_ids is None:
-            self._state_ids = {s.untyped_storage().data_ptr() for s in self._state() if s.numel()}
-        if t.numel() and t.untyped_storage().data_ptr() in self._state_ids:
+            self._state_ids = {s.untyped_storage().data_ptr(): n for n, s in self._state().items() if s.numel()}
+        name = self._state_ids.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if name is not None:
             self.failed = True
-            raise ExampleMixingError(f"{_name(func)} writes example data into a parameter or buffer of the model "
-                                     f"in place: the model would carry un-noised information about the batch into "
-                                     f"later steps")
+            raise StateChangedError(f"{name} changed during a training forward ({_name(func)} wrote example data "
+                                    f"into it in place), so the model would carry un-noised information about the "
+                                    f"batch into later steps. Private training here offers no privatized running "
+                                    f"statistics: remove the update, or freeze the statistics before training")
 
     def _host_read(self, func, rows) -> None:
-        """A value of example data read into Python.  A boolean condition (``mask.all()``) may pick a code path
-        (recorded in ``host_reads``; :func:`audit_isolation` checks that every path computes the same function
-        per example); any other value could be written into other examples' rows, and is refused."""
-        for t, r in rows:
-            if t.dtype != torch.bool:
-                self.failed = True
-                raise ExampleMixingError(
-                    f"a {t.dtype} value computed from example data was read into Python (.item(), .tolist(), "
-                    f"int(), float()) during a private step ({r.mixed or 'one example per row'}): it could be "
-                    f"written into other examples' rows. Keep per-example values in tensors")
-            self.host_reads.append(r.mixed or "a per-example condition")
+        """A value of example data read into Python (``.item()``, ``.tolist()``, ``bool()``): the tracker cannot
+        follow it from there.  Recorded in ``host_reads``; whether such a value feeds back into the losses is
+        what :func:`audit_isolation` checks."""
+        for _, r in rows:
+            self.host_reads.append(r.mixed or "a per-example value")
+            if len(self.host_reads) > 64:
+                del self.host_reads[:32]
 
 
 #: custom autograd Functions whose backward is the true gradient of their forward (torch's own, and dpsgd's)
@@ -1121,37 +1264,55 @@ def check_backward_functions(losses: torch.Tensor) -> None:
         stack.extend(n for n, _ in node.next_functions)
 
 
-def check_call_rows(tracker: ExampleTracker, ids: torch.Tensor, where: str, tensors: list[torch.Tensor]) -> None:
-    """Raise :class:`ExampleMixingError` unless each tensor of a recorded module call is data of no example or
-    has its rows along dimension 0 in the examples' order (``ids``, each repeated as often as the call's
-    rows per example: a call on flattened ``(B T, d)`` rows)."""
+def call_examples(tracker: ExampleTracker, where: str, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The examples of a recorded module call's rows: ``None`` when no tensor of the call holds example data
+    (positions, a bias table); else every tensor that does must hold one example per row (or per block of
+    rows: ``(B T, d)``), the same examples in the same order, along its first dimension (or, for a
+    sequence-first layout such as ``nn.LSTM``'s, one other dimension).  Raises :class:`ExampleMixingError`
+    otherwise (the tracker is then abandoned: the step is over)."""
     try:
-        _check_call_rows(tracker, ids, where, tensors)
+        return _call_examples(tracker, where, tensors)
     except ExampleMixingError:
         tracker.abandon()
         raise
 
 
-def _check_call_rows(tracker: ExampleTracker, ids: torch.Tensor, where: str, tensors: list[torch.Tensor]) -> None:
-    b = ids.numel()
+_EXAMPLES: dict[int, tuple] = {}
+
+
+def _per_example(ids: torch.Tensor) -> torch.Tensor | None:
+    """``ids`` as consecutive equal blocks of one size, one block per example: the examples; else ``None``."""
+    hit = _EXAMPLES.get(id(ids))
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    seq, counts = torch.unique_consecutive(ids, return_counts=True)
+    ok = counts.numel() and bool((counts == counts[0]).all()) and seq.numel() == torch.unique(seq).numel()
+    result = seq if ok else None
+    if len(_EXAMPLES) > 4096:
+        _EXAMPLES.clear()
+    _EXAMPLES[id(ids)] = (ids, result)
+    return result
+
+
+def _call_examples(tracker: ExampleTracker, where: str, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    found = None
     for t in tensors:
         r = tracker.rows(t)
         if r.mixed:
-            raise ExampleMixingError(f"{where} depends on several examples: {r.mixed}. Its per-example gradients "
-                                     f"would mix examples, and one example could move the update by more than "
-                                     f"max_grad_norm")
+            raise ExampleMixingError(f"the inputs or outputs of {where} depend on rows of other examples: {r.mixed}. "
+                                     f"Its per-example gradients would mix examples, and one example could move the "
+                                     f"update by more than max_grad_norm")
         if not r.axes:
             continue
-        # one example axis: along dimension 0 (rows, or flattened (B T) rows), or another dimension that holds
-        # the examples in order (a sequence-first layout such as nn.LSTM's)
-        dim, rows = r.axes[0]
-        ok = len(r.axes) == 1 and rows.numel() % b == 0 and (dim == 0 or rows.numel() == b)
-        if ok:
-            expected = ids if rows.numel() == b else ids.repeat_interleave(rows.numel() // b)
-            ok = _same(rows, expected)
-        if not ok:
-            raise ExampleMixingError(f"{where} runs on rows that are not the batch's examples in order (a permuted, "
-                                     f"gathered or transposed batch): its rows cannot be attributed to examples")
+        if len(r.axes) > 1:
+            raise ExampleMixingError(f"{where} pairs rows of different examples (two example dimensions)")
+        dim, ids = r.axes[0]
+        examples = _per_example(ids) if dim == 0 else (ids if ids.numel() == torch.unique(ids).numel() else None)
+        if examples is None or (found is not None and not _same(examples, found)):
+            raise ExampleMixingError(f"{where} runs on rows that are not examples in order (a permuted, gathered or "
+                                     f"transposed batch): its rows cannot be attributed to examples")
+        found = examples
+    return found
 
 
 def _tensors(batch: object) -> list[torch.Tensor]:

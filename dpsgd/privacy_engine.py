@@ -46,6 +46,7 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
@@ -171,8 +172,10 @@ class DPLoss:
 
     def detach(self) -> torch.Tensor:
         """The mean per-example loss as a detached 0-d tensor (NaN for an empty batch)."""
-        d = self.losses.detach()
-        return d.mean() if d.numel() else torch.tensor(float("nan"))
+        tracker = self._engine._tracker
+        with tracker.suspended() if tracker is not None else contextlib.nullcontext():
+            d = self.losses.detach()
+            return d.mean() if d.numel() else torch.tensor(float("nan"))
 
     def item(self) -> float:
         """Mean per-example loss (for logging)."""
@@ -557,7 +560,7 @@ class PrivacyEngine:
         self.ledger_path = ledger_path
         self._check_every_step = False
         self._check_rate = DEFAULT_CHECK_RATE
-        self._track_examples = False
+        self._track_examples = True
         self._tracker: ExampleTracker | None = None
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
@@ -1026,7 +1029,8 @@ class PrivacyEngine:
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
         # example isolation by structure: active from each batch the private loader yields to its backward
-        self._tracker = ExampleTracker(state=lambda: [*module.parameters(), *module.buffers()])
+        self._tracker = ExampleTracker(state=lambda: {**{f"parameter {n}": p for n, p in module.named_parameters()},
+                                                      **{f"buffer {n}": b for n, b in module.named_buffers()}})
         self._capture.tracker = self._tracker if self._track_examples else None
         _ENGINES[module] = weakref.ref(self)
         self._module = module
@@ -1356,10 +1360,20 @@ class PrivacyEngine:
                 raise ExampleMixingError("the per-example losses were not computed from a batch of the private data "
                                          "loader (its batches are followed from the moment it yields them): a batch "
                                          "made by hand is not charged by the accountant")
-            tracker.check_rows(losses, ids, "the per-example losses")
+            examples = tracker.check_rows(losses, ids, "the per-example losses")
+            for call in capture.calls:
+                seen = call.cache.get("examples")
+                if seen is not None and not (seen.shape == examples.shape and bool(torch.equal(seen, examples))):
+                    name = call.cache["unit"].path or type(call.module).__name__
+                    raise ExampleMixingError(f"a recorded call of {name} ran on other examples, or in another "
+                                             f"order, than the losses' rows: its per-example gradients would be "
+                                             f"attributed to the wrong examples")
             check_backward_functions(losses)
-        finally:
+        except BaseException:
             self._untrack()
+            raise
+        # the backward runs outside the tracker; a second micro-batch of this batch re-arms it at its forward
+        tracker.pop()
 
     def _zero_grad(self) -> None:
         self._require_private()
