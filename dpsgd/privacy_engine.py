@@ -129,6 +129,19 @@ _SHUFFLED = ("poisson_sampling=False draws fixed-size shuffled batches, and no a
              "Poisson epsilon would not be a proven bound for this run")
 
 
+def _per_token_experts(module: nn.Module) -> None:
+    """Hugging Face mixture-of-experts models run their experts per token (``batched_mm``): the grouped and
+    eager implementations sort or count the tokens of the whole batch by expert, which the isolation tracker
+    (rightly) cannot tell from mixing.  The same function per token, so the same training."""
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        current = getattr(config, "_experts_implementation", None)
+        if hasattr(m, "set_experts_implementation") and current not in (None, "batched_mm"):
+            m.set_experts_implementation("batched_mm")
+            logger.info("mixture of experts: experts_implementation %r -> 'batched_mm' (per token, so each "
+                        "example's loss is computed from its own tokens alone)", current)
+
+
 class DPLoss:
     r"""Per-example losses of one batch; ``backward()`` is the private backward.
 
@@ -561,6 +574,7 @@ class PrivacyEngine:
         self._check_every_step = False
         self._check_rate = DEFAULT_CHECK_RATE
         self._track_examples = True
+        self._used_ids: torch.Tensor | None = None   # examples whose losses this step backpropagated
         self._tracker: ExampleTracker | None = None
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
@@ -1028,6 +1042,7 @@ class PrivacyEngine:
         and the loss."""
         self._capture = Capture(plan)
         self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
+        _per_token_experts(module)
         # example isolation by structure: active from each batch the private loader yields to its backward
         self._tracker = ExampleTracker(state=lambda: {**{f"parameter {n}": p for n, p in module.named_parameters()},
                                                       **{f"buffer {n}": b for n, b in module.named_buffers()}})
@@ -1339,10 +1354,16 @@ class PrivacyEngine:
             tracker.pop()
         if not tracker.active:
             tracker.push()
-        capture.batch_ids = tracker.register(batch)
+        ids = tracker.register(batch)
+        if ids is not None:
+            # every chunk drawn for this step (the Hugging Face Trainer draws a logical batch's micro-batches
+            # before their forwards)
+            capture.batch_ids = ids if capture.batch_ids is None else torch.cat([capture.batch_ids, ids])
 
     def _untrack(self) -> None:
+        """The step is over: the tracker stops, and the next batch starts a new set of examples."""
         capture = self._capture
+        self._used_ids = None
         if capture is not None and capture.tracker is not None:
             capture.tracker.pop()
             capture.batch_ids = None
@@ -1357,10 +1378,15 @@ class PrivacyEngine:
             return
         try:
             if ids is None:
-                raise ExampleMixingError("the per-example losses were not computed from a batch of the private data "
+                raise ExampleMixingError("a private backward without a batch drawn from this engine's private data "
                                          "loader (its batches are followed from the moment it yields them): a batch "
                                          "made by hand is not charged by the accountant")
             examples = tracker.check_rows(losses, ids, "the per-example losses")
+            if self._used_ids is not None and bool(torch.isin(examples, self._used_ids).any()):
+                raise ExampleMixingError("some of these per-example losses belong to examples whose losses were "
+                                         "already backpropagated for this step: each example contributes one "
+                                         "clipped gradient per step")
+            self._used_ids = examples if self._used_ids is None else torch.cat([self._used_ids, examples])
             for call in capture.calls:
                 seen = call.cache.get("examples")
                 if seen is not None and not (seen.shape == examples.shape and bool(torch.equal(seen, examples))):
@@ -1389,6 +1415,7 @@ class PrivacyEngine:
             return  # the memory manager's logical batch is not complete: keep the clipped sums
         if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
             self._discarded = True
+        self._used_ids = None   # the dropped batch's losses may be backpropagated again
         self._sums.clear()
         for p in self.plan.params:
             p.grad = None

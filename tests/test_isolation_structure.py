@@ -365,3 +365,32 @@ def test_a_value_read_into_python_is_recorded_and_audit_isolation_finds_its_use(
     assert engine._tracker.host_reads
     with pytest.raises(ExampleMixingError, match="another path"):
         audit_isolation(model.eval(), x, lambda m, b: m(b).squeeze(1))
+
+
+def test_one_micro_batch_backpropagated_twice_in_a_step_is_refused():
+    """Two halves of a drawn batch may be backpropagated separately; the same half twice (with the other never)
+    has the right total count, and is refused by the examples themselves."""
+    engine, model, opt, crit, loader = _private(_Body(), batch=16)
+    for x, y in loader:
+        if x.shape[0] < 4:
+            continue
+        h = x.shape[0] // 2
+        opt.zero_grad()
+        crit(model(x[:h]), y[:h]).backward()
+        with pytest.raises(ExampleMixingError, match="already backpropagated"):
+            crit(model(x[:h]), y[:h]).backward()
+        break
+
+
+def test_micro_batches_cut_from_the_batch_by_hand_train_like_the_whole_batch():
+    engine, model, opt, crit, loader = _private(_Body(), batch=16)
+    for x, y in loader:
+        if x.shape[0] < 4:
+            continue
+        h = x.shape[0] // 2
+        opt.zero_grad()
+        crit(model(x[:h]), y[:h]).backward()
+        crit(model(x[h:]), y[h:]).backward()
+        opt.step()
+        break
+    assert engine.steps == 1
