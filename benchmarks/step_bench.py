@@ -12,7 +12,9 @@ timed step of every round (pooled), and the median over rounds of each process's
 is the one to read for the private methods: the trainer's row check (one extra backward of a weighted half of
 the losses, two on a new layout of calls) runs on a random eighth of the steps by default
 (``engine.check_rate``), which the median hides.  ``hutch-every-step`` is hutch with
-``engine.check_every_step = True`` (every step checked).
+``engine.check_every_step = True`` (every step checked).  Every private method runs with isolation proved on
+every step by the tracker (``engine.track_examples``, the default) except ``hutch-untracked``, which turns it
+off (isolation then only sampled by the row check): their difference is the tracker's cost.
 The "checked" column counts the timed steps that ran the row check (over all rounds), and "check s" is the
 mean time spent in the check's backward(s) on those steps.  Since the number of checked steps is itself random,
 "at rate" gives the expected seconds per step at the default ``check_rate`` r: (1 - r) times the mean of the
@@ -49,7 +51,7 @@ import time
 import warnings
 
 METHODS = ["non-private", "exact", "ghost", "hutch", "hutchpp", "hutch-two-pass", "hutch-every-step",
-           "opacus-ghost", "compiled-non-private", "compiled-hutch"]
+           "hutch-untracked", "opacus-ghost", "compiled-non-private", "compiled-hutch"]
 MODELS = {"tiny": "tiny Llama-style decoder (dim 256, 2 layers, vocab 256; dpsgd.demo's classification task)",
           "gpt2": "HF GPT-2 (n_embd 128, 2 layers, vocab 1000, tied)",
           "llama": "HF Llama (hidden 128, 2 layers, vocab 1000, untied)",
@@ -193,7 +195,7 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
             module=model, optimizer=opt, data_loader=loader, criterion=crit, noise_multiplier=1.0,
             max_grad_norm=1.0, grad_sample_mode="ghost", poisson_sampling=False)
     elif method != "non-private":
-        estimator = method.removesuffix("-two-pass").removesuffix("-every-step")
+        estimator = method.removesuffix("-two-pass").removesuffix("-every-step").removesuffix("-untracked")
         two_pass = method.endswith("-two-pass")
         engine = PrivacyEngine()
         model, opt, crit, loader = engine.make_private(
@@ -202,6 +204,8 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
             clipping_pass="two-pass" if two_pass else "bookkeeping")
         if method.endswith("-every-step"):
             engine.check_every_step = True
+        if method.endswith("-untracked"):   # isolation checked by the sampled row check only
+            engine.track_examples = False
     lm = LM(model)
     batches = endless(loader)
 

@@ -394,3 +394,28 @@ def test_micro_batches_cut_from_the_batch_by_hand_train_like_the_whole_batch():
         opt.step()
         break
     assert engine.steps == 1
+
+
+class _CompiledLate(_Body):
+    mixing = False
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.mixing:
+            h = h - h.mean(0)
+        return self.head(h)
+
+
+def test_a_compiled_model_whose_graph_gains_a_mixing_operation_is_refused_on_that_step():
+    torch._dynamo.reset()
+    model = _CompiledLate()
+    engine, compiled, opt, crit, loader = _private(model)
+    compiled = torch.compile(compiled)
+    with pytest.raises(ExampleMixingError, match="mean"):
+        for _ in range(20):
+            for x, y in loader:
+                model.mixing = engine.steps >= 2
+                opt.zero_grad()
+                crit(compiled(x), y).backward()
+                opt.step()
+    assert engine.steps == 2
