@@ -406,8 +406,6 @@ class Capture:
 
     def _root_post(self, module, args, output):
         self._depth -= 1
-        if self.tracker is not None and self.tracker.failed:   # a refusal inside the forward: out of the stack
-            self.tracker.abandon()
         if self._depth == 0:
             self._batch = None
             state, self._state = self._state, None

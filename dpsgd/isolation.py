@@ -659,10 +659,12 @@ def _first_like(func, args, kwargs, out, rows):
 
 
 def _nll_loss(func, args, kwargs, out, rows):
-    x, target, reduction = args[0], args[1], args[3]
+    x, target, weight, reduction = args[0], args[1], args[2], args[3]
     by_id = {id(t): r for t, r in rows}
     rx, rt = by_id.get(id(x), Rows()), by_id.get(id(target), Rows())
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if weight is not None and id(weight) in by_id:   # class weights from the batch (its class frequencies)
+        return [_mixed(f"{_name(func)} with class weights computed from examples")] * len(outs)
     if rx.mixed or rt.mixed:
         return [rx if rx.mixed else rt] * len(outs)
     if reduction != 0 and (rx.axes or rt.axes):
@@ -1061,18 +1063,18 @@ class ExampleTracker(TorchDispatchMode):
         n = torch._C._len_torch_dispatch_stack()
         while n and isinstance(torch._C._get_dispatch_stack_at(n - 1), ExampleTracker) \
                 and torch._C._get_dispatch_stack_at(n - 1) is not self:
-            torch._C._get_dispatch_stack_at(n - 1).abandon()
+            stale = torch._C._get_dispatch_stack_at(n - 1)
+            stale.failed = True
+            stale.__exit__(None, None, None)
             n = torch._C._len_torch_dispatch_stack()
         self.failed = False
         self.__enter__()
 
     def abandon(self) -> None:
-        """Stop checking after a refusal: inert from now on, and popped when it is the innermost mode (a refusal
-        raised inside the user's forward leaves no backward to pop it)."""
+        """Stop checking after a refusal: inert from now on.  It stays on the stack (a refusal raised inside the
+        user's forward, perhaps inside a compiled region, is no place to change the mode stack) until the engine
+        pops it: at the next batch drawn, step or detach, or the next tracker's :meth:`push`."""
         self.failed = True
-        n = torch._C._len_torch_dispatch_stack()
-        if n and torch._C._get_dispatch_stack_at(n - 1) is self:
-            self.__exit__(None, None, None)
 
     def pop(self) -> None:
         """Deactivate the tracker (nothing when it is not active).  What it followed is kept while those tensors

@@ -419,3 +419,24 @@ def test_a_compiled_model_whose_graph_gains_a_mixing_operation_is_refused_on_tha
                 crit(compiled(x), y).backward()
                 opt.step()
     assert engine.steps == 2
+
+
+def test_class_weights_from_the_batch_are_refused():
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, D, dtype=torch.float64, generator=g), torch.randint(0, 3, (64,), generator=g))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    engine, model, opt, crit, loader = _private(Head(), data=data)
+    for x, y in loader:
+        counts = torch.bincount(y, minlength=3).double() + 1   # the batch's class frequencies
+        losses = torch.nn.functional.cross_entropy(model(x), y, weight=1 / counts, reduction="none")
+        with pytest.raises(ExampleMixingError, match="class weights"):
+            engine.private_loss(losses).backward()
+        break
