@@ -826,6 +826,20 @@ def _packed(func, args, kwargs, out, rows):
                                                            if isinstance(o, torch.Tensor)])
 
 
+def _pool(func, args, kwargs, out, rows):
+    """Pooling over the last 1, 2 or 3 dimensions (``avg_pool2d``, ``max_pool2d_with_indices``,
+    ``adaptive_avg_pool1d``, ...): an example axis there would be pooled across examples."""
+    (t, r), = rows[:1]
+    name = func.overloadpacket.__name__
+    k = 3 if "3d" in name else 2 if "2d" in name else 1
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if r.mixed:
+        return [r] * len(outs)
+    if any(a >= t.dim() - k for a, _ in r.axes):
+        return [_mixed(f"{_name(func)} pools over the example axis")] * len(outs)
+    return [r] * len(outs)
+
+
 def _local_scalar(func, args, kwargs, out, rows):
     return []
 
@@ -895,6 +909,13 @@ RULES.update({
     "_local_scalar_dense": _local_scalar, "repeat_interleave": _repeat_interleave, "repeat": _repeat,
     "one_hot": _one_hot, "_pack_padded_sequence": _packed,
 })
+for _n in ("avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+           "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+           "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
+           "adaptive_max_pool2d", "adaptive_max_pool3d", "max_pool1d_with_indices", "lp_pool1d", "lp_pool2d",
+           "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest3d",
+           "_upsample_nearest_exact2d", "upsample_bicubic2d", "upsample_linear1d"):
+    RULES[_n] = _pool
 for _n in ("constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "replication_pad1d",
            "replication_pad2d", "replication_pad3d", "_pad_circular", "_pad_enum"):
     RULES[_n] = _pad
@@ -955,6 +976,17 @@ def _canonical(ids: torch.Tensor) -> torch.Tensor:
         canon = _CANONICAL[key] = ids
         _KNOWN[id(ids)] = ids
     return canon
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data lives, or ``None`` for an empty tensor or one without readable storage (an FSDP shard
+    that was freed, a tensor subclass)."""
+    if not t.numel():
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _view_rows(t: torch.Tensor) -> Rows | None:
@@ -1221,8 +1253,9 @@ class ExampleTracker(TorchDispatchMode):
         if self._state is None:
             return
         if self._state_ids is None:
-            self._state_ids = {s.untyped_storage().data_ptr(): n for n, s in self._state().items() if s.numel()}
-        name = self._state_ids.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            self._state_ids = {p: n for n, s in self._state().items() if (p := _storage(s)) is not None}
+        p = _storage(t)
+        name = None if p is None else self._state_ids.get(p)
         if name is not None:
             self.failed = True
             raise StateChangedError(f"{name} changed during a training forward ({_name(func)} wrote example data "
