@@ -1080,6 +1080,10 @@ class ExampleTracker(TorchDispatchMode):
         self.host_reads: list[str] = []
         #: set when the tracker refused an operation: the step is over, and the tracker stays inert until popped
         self.failed = False
+        #: hold refusals until the backward instead of raising inside the forward (ranks under FSDP2 must refuse
+        #: together, at the same collective); the first one held
+        self.defer = False
+        self.deferred: Exception | None = None
         self._paused = False
 
     # -- activation across calls (the engine's loader yields, the private backward ends) -------------------------
@@ -1100,7 +1104,17 @@ class ExampleTracker(TorchDispatchMode):
             stale.__exit__(None, None, None)
             n = torch._C._len_torch_dispatch_stack()
         self.failed = False
+        self.deferred = None
         self.__enter__()
+
+    def refuse(self, error: Exception) -> None:
+        """Raise ``error``, or hold it for the backward when :attr:`defer` is set (then the tracker is inert)."""
+        if self.defer:
+            self.failed = True
+            if self.deferred is None:
+                self.deferred = error
+            return
+        raise error
 
     def abandon(self) -> None:
         """Stop checking after a refusal: inert from now on.  It stays on the stack (a refusal raised inside the
@@ -1258,10 +1272,10 @@ class ExampleTracker(TorchDispatchMode):
         name = None if p is None else self._state_ids.get(p)
         if name is not None:
             self.failed = True
-            raise StateChangedError(f"{name} changed during a training forward ({_name(func)} wrote example data "
+            self.refuse(StateChangedError(f"{name} changed during a training forward ({_name(func)} wrote example data "
                                     f"into it in place), so the model would carry un-noised information about the "
                                     f"batch into later steps. Private training here offers no privatized running "
-                                    f"statistics: remove the update, or freeze the statistics before training")
+                                    f"statistics: remove the update, or freeze the statistics before training"))
 
     def _host_read(self, func, rows) -> None:
         """A value of example data read into Python (``.item()``, ``.tolist()``, ``bool()``): the tracker cannot
@@ -1307,9 +1321,10 @@ def call_examples(tracker: ExampleTracker, where: str, tensors: list[torch.Tenso
     otherwise (the tracker is then abandoned: the step is over)."""
     try:
         return _call_examples(tracker, where, tensors)
-    except ExampleMixingError:
+    except ExampleMixingError as e:
         tracker.abandon()
-        raise
+        tracker.refuse(e)
+        return None
 
 
 _EXAMPLES: dict[int, tuple] = {}

@@ -77,6 +77,7 @@ from dpmath.deprecation import renamed_arguments
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import (
     all_sum,
+    any_rank,
     as_grad,
     broadcast_int,
     check_same_on_ranks,
@@ -95,7 +96,7 @@ from .engine import (
     clipped_backward,
     noisy_gradients,
 )
-from .isolation import ExampleMixingError, ExampleTracker, check_backward_functions
+from .isolation import ExampleMixingError, ExampleTracker, StateChangedError, check_backward_functions
 from .noise import GaussianNoise, StepNoise, as_noise
 from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
@@ -1296,7 +1297,7 @@ class PrivacyEngine:
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._require_private()
-        self._check_isolated(losses)
+        recorded = self._recorded_examples()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
         twice = self._sampling if self._sampling.per_coordinate else None
         # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
@@ -1307,6 +1308,7 @@ class PrivacyEngine:
                                   clipping_pass=self.clipping_pass, twice=twice,
                                   mask_generator=None if twice is None else self._mask_rngs(device), groups=groups,
                                   padding=padding)
+        self._check_isolated(losses, recorded)   # before anything of this backward is kept
         for p in self.plan.params:
             s = result.sums.get(id(p))
             if s is None:
@@ -1354,6 +1356,8 @@ class PrivacyEngine:
             tracker.pop()
         if not tracker.active:
             tracker.push()
+        # under FSDP2 the ranks refuse together at the backward: nothing raises inside one rank's forward
+        tracker.defer = rank_world()[1] > 1 and any(is_sharded(p) for p in self.plan.params)
         ids = tracker.register(batch)
         if ids is not None:
             # every chunk drawn for this step (the Hugging Face Trainer draws a logical batch's micro-batches
@@ -1368,15 +1372,31 @@ class PrivacyEngine:
             capture.tracker.pop()
             capture.batch_ids = None
 
-    def _check_isolated(self, losses: torch.Tensor) -> None:
-        """The losses must be one per example of the batch the loader yielded, each computed from its own example
-        only (the tracker's record of the operations that made them), and no custom ``autograd.Function`` whose
-        backward the tracker cannot see may stand between them and the parameters."""
+    def _recorded_examples(self) -> list:
+        """The examples of each recorded call the coming backward consumes, taken before it consumes them; the
+        tracker stops here (the backward runs outside it, and a second micro-batch of this batch re-arms it at
+        its forward)."""
+        capture = self._capture
+        if capture.tracker is None or not self._track_examples:
+            return []
+        capture.tracker.pop()
+        return [(c.cache["unit"].path or type(c.module).__name__, c.cache.get("examples")) for c in capture.calls
+                if not c.cache.get("dropped")]
+
+    def _check_isolated(self, losses: torch.Tensor, recorded: list) -> None:
+        """Before the backward's clipped sums are kept: the losses must be one per example of the batches drawn
+        for this step, each computed from its own example only (the tracker's record of the operations that made
+        them), no example's loss backpropagated twice in the step, every recorded call on the losses' examples in
+        their order, and no custom ``autograd.Function`` whose backward the tracker cannot see between them and
+        the parameters.  Under FSDP2 the ranks refuse together (their next collectives must match)."""
         capture = self._capture
         tracker, ids = capture.tracker, capture.batch_ids
         if tracker is None or not isinstance(losses, torch.Tensor) or not self._track_examples:
             return
+        error = None
         try:
+            if tracker.deferred is not None:
+                raise tracker.deferred
             if ids is None:
                 raise ExampleMixingError("a private backward without a batch drawn from this engine's private data "
                                          "loader (its batches are followed from the moment it yields them): a batch "
@@ -1386,20 +1406,22 @@ class PrivacyEngine:
                 raise ExampleMixingError("some of these per-example losses belong to examples whose losses were "
                                          "already backpropagated for this step: each example contributes one "
                                          "clipped gradient per step")
-            self._used_ids = examples if self._used_ids is None else torch.cat([self._used_ids, examples])
-            for call in capture.calls:
-                seen = call.cache.get("examples")
+            for name, seen in recorded:
                 if seen is not None and not (seen.shape == examples.shape and bool(torch.equal(seen, examples))):
-                    name = call.cache["unit"].path or type(call.module).__name__
                     raise ExampleMixingError(f"a recorded call of {name} ran on other examples, or in another "
                                              f"order, than the losses' rows: its per-example gradients would be "
                                              f"attributed to the wrong examples")
             check_backward_functions(losses)
-        except BaseException:
+        except (ExampleMixingError, StateChangedError) as e:
+            error = e
+        if rank_world()[1] > 1 and any(is_sharded(p) for p in self.plan.params) and any_rank(error is not None) \
+                and error is None:
+            error = ExampleMixingError("the isolation check failed on another rank (see its error): every rank "
+                                       "refuses the step together under FSDP2")
+        if error is not None:
             self._untrack()
-            raise
-        # the backward runs outside the tracker; a second micro-batch of this batch re-arms it at its forward
-        tracker.pop()
+            raise error
+        self._used_ids = examples if self._used_ids is None else torch.cat([self._used_ids, examples])
 
     def _zero_grad(self) -> None:
         self._require_private()
