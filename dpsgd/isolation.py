@@ -1388,13 +1388,15 @@ def _tensors(batch: object) -> list[torch.Tensor]:
 
 
 def audit_isolation(model: torch.nn.Module, batch: object, losses: Callable[[torch.nn.Module, object], torch.Tensor],
-                    atol: float = 0.0) -> None:
+                    atol: float = 0.0, collate_fn: Callable[[list], object] | None = None) -> None:
     """Check that each example's loss is the loss of that example computed alone.
 
     Runs ``losses(model, batch)`` on the whole batch (under an :class:`ExampleTracker`, which refuses mixing
     of tensor data), then once per example on a batch of that example alone, and compares: a code path chosen
-    by a batch-wide condition (``mask.all()``) that computes another function for some example shows as a
-    difference.  Dropout must be off (``model.eval()``) for the comparison to be meaningful.
+    by a batch-wide condition (``mask.all()``), or a value read into Python and used for every example, shows
+    as a difference.  With ``collate_fn``, ``batch`` is a list of raw examples, collated together and one by
+    one: this checks the collation too (rows padded to the batch's longest example whose pads reach the loss).
+    Dropout must be off (``model.eval()``) for the comparison to be meaningful.
 
     Parameters
     ----------
@@ -1402,11 +1404,13 @@ def audit_isolation(model: torch.nn.Module, batch: object, losses: Callable[[tor
         The model, usually in ``eval()`` mode for this check.
     batch : object
         A batch as the private loader yields it (tensors with the examples along dimension 0, in dicts or
-        lists).
+        lists), or with ``collate_fn`` a list of examples as the data set holds them.
     losses : callable
         ``losses(model, batch) -> (B,)`` per-example losses.
     atol : float
         Allowed absolute difference (kernels chosen by batch size round differently; default exact).
+    collate_fn : callable, optional
+        The loader's ``collate_fn``.
 
     Raises
     ------
@@ -1420,20 +1424,27 @@ def audit_isolation(model: torch.nn.Module, batch: object, losses: Callable[[tor
     >>> model = nn.Linear(3, 1).eval()
     >>> audit_isolation(model, torch.randn(4, 3), lambda m, x: m(x).squeeze(1), atol=1e-6)
     """
+    examples = list(batch) if collate_fn is not None else None
+    whole_batch = collate_fn(examples) if collate_fn is not None else batch
     tracker = ExampleTracker()
     with torch.no_grad():
         with tracker:
-            ids = tracker.register(batch)
-            whole = losses(model, batch)
+            ids = tracker.register(whole_batch)
+            whole = losses(model, whole_batch)
         if ids is None:
             raise ValueError("batch holds no tensor with the examples along its first dimension")
         tracker.check_rows(whole, ids, "the per-example losses")
         b = ids.numel()
         for i in range(b):
-            one = tree_map_only(torch.Tensor, lambda t, i=i: t[i:i + 1] if t.dim() and t.shape[0] == b else t, batch)
+            if collate_fn is not None:
+                one = collate_fn([examples[i]])
+            else:
+                one = tree_map_only(torch.Tensor, lambda t, i=i: t[i:i + 1] if t.dim() and t.shape[0] == b else t,
+                                    batch)
             alone = losses(model, one).reshape(-1)
             diff = float((alone[0] - whole[i]).abs())
             if not diff <= atol:
                 raise ExampleMixingError(f"example {i}'s loss is {float(whole[i])!r} in the batch and "
                                          f"{float(alone[0])!r} alone (difference {diff:.3g} > atol {atol}): the "
-                                         f"forward takes another path for it depending on the other examples")
+                                         f"forward (or the collation) takes another path for it depending on the "
+                                         f"other examples")

@@ -440,3 +440,34 @@ def test_class_weights_from_the_batch_are_refused():
         with pytest.raises(ExampleMixingError, match="class weights"):
             engine.private_loss(losses).backward()
         break
+
+
+def _pad_to_longest(examples):
+    """Collation that pads every row to the batch's longest example (with zeros) and a mask."""
+    longest = max(len(e) for e in examples)
+    x = torch.zeros(len(examples), longest, D)
+    mask = torch.zeros(len(examples), longest)
+    for i, e in enumerate(examples):
+        x[i, :len(e)], mask[i, :len(e)] = e, 1
+    return {"x": x, "mask": mask}
+
+
+class _MeanPool(nn.Module):
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.lin, self.masked = nn.Linear(D, 1), masked
+
+    def forward(self, batch):
+        h = self.lin(batch["x"]).squeeze(-1)
+        if self.masked:
+            return (h * batch["mask"]).sum(1) / batch["mask"].sum(1)
+        return h.mean(1)   # the pads enter the mean: a row's result depends on the longest example
+
+
+def test_audit_isolation_finds_pads_of_the_longest_example_that_reach_the_loss():
+    g = torch.Generator().manual_seed(0)
+    examples = [torch.randn(n, D, generator=g) for n in (2, 5, 3)]
+    with pytest.raises(ExampleMixingError, match="collation"):
+        audit_isolation(_MeanPool(masked=False).eval(), examples, lambda m, b: m(b), collate_fn=_pad_to_longest)
+    audit_isolation(_MeanPool(masked=True).eval(), examples, lambda m, b: m(b), atol=1e-6,
+                    collate_fn=_pad_to_longest)
