@@ -367,33 +367,34 @@ def test_a_value_read_into_python_is_recorded_and_audit_isolation_finds_its_use(
         audit_isolation(model.eval(), x, lambda m, b: m(b).squeeze(1))
 
 
+def _batch_of_four_or_more(opt, loader):
+    """The first drawn batch of at least four rows (a smaller one takes its noise-only step)."""
+    for x, y in loader:
+        opt.zero_grad()
+        if x.shape[0] >= 4:
+            return x, y, x.shape[0] // 2
+        opt.step()
+    raise AssertionError("no batch of four rows in an epoch of batches of sixteen expected")
+
+
 def test_one_micro_batch_backpropagated_twice_in_a_step_is_refused():
     """Two halves of a drawn batch may be backpropagated separately; the same half twice (with the other never)
     has the right total count, and is refused by the examples themselves."""
     engine, model, opt, crit, loader = _private(_Body(), batch=16)
-    for x, y in loader:
-        if x.shape[0] < 4:
-            continue
-        h = x.shape[0] // 2
-        opt.zero_grad()
+    x, y, h = _batch_of_four_or_more(opt, loader)
+    crit(model(x[:h]), y[:h]).backward()
+    with pytest.raises(ExampleMixingError, match="already backpropagated"):
         crit(model(x[:h]), y[:h]).backward()
-        with pytest.raises(ExampleMixingError, match="already backpropagated"):
-            crit(model(x[:h]), y[:h]).backward()
-        break
 
 
 def test_micro_batches_cut_from_the_batch_by_hand_train_like_the_whole_batch():
     engine, model, opt, crit, loader = _private(_Body(), batch=16)
-    for x, y in loader:
-        if x.shape[0] < 4:
-            continue
-        h = x.shape[0] // 2
-        opt.zero_grad()
-        crit(model(x[:h]), y[:h]).backward()
-        crit(model(x[h:]), y[h:]).backward()
-        opt.step()
-        break
-    assert engine.steps == 1
+    x, y, h = _batch_of_four_or_more(opt, loader)
+    before = engine.steps
+    crit(model(x[:h]), y[:h]).backward()
+    crit(model(x[h:]), y[h:]).backward()
+    opt.step()
+    assert engine.steps == before + 1
 
 
 class _CompiledLate(_Body):
