@@ -344,8 +344,8 @@ class Capture:
         self.probes: list[tuple[str, torch.Tensor, object]] = []
         self._state: list | None = None
         self._swapped: dict[int, dict] = {}
-        # the engine's ExampleTracker and the ids of the batch being trained on: every recorded call's rows are
-        # checked against them (dpsgd.isolation)
+        # the engine's ExampleTracker and the ids of the examples drawn for this step: each recorded call keeps the
+        # examples of its rows, which the backward compares with the losses' (dpsgd.isolation)
         self.tracker = None
         self.batch_ids: torch.Tensor | None = None
         root = plan.model
@@ -354,11 +354,17 @@ class Capture:
         eager = torch.compiler.disable
         self._handles = [root.register_forward_pre_hook(eager(self._root_pre), with_kwargs=True),
                          root.register_forward_hook(eager(self._root_post), always_call=True)]
-        for unit in plan.units:
-            self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
-                                                                   always_call=True))
-        self._handles += _batch_norm_guards(self)
+        self._handles += self._unit_hooks()
+
+    def _unit_hooks(self) -> list:
+        """The hooks of every unit of the plan, and the frozen batch norms' guards (the root's are registered once)."""
+        eager = torch.compiler.disable
+        handles = []
+        for unit in self.plan.units:
+            handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
+            handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
+                                                             always_call=True))
+        return handles + _batch_norm_guards(self)
 
     def _recording(self) -> bool:
         return self.active and torch.is_grad_enabled() and self.plan.model.training
@@ -547,12 +553,7 @@ class Capture:
             h.remove()
         self._handles = self._handles[:2]
         self.plan = plan
-        eager = torch.compiler.disable
-        for unit in plan.units:
-            self._handles.append(unit.module.register_forward_pre_hook(eager(self._pre_hook(unit)), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(eager(self._post_hook(unit)), with_kwargs=True,
-                                                                   always_call=True))
-        self._handles += _batch_norm_guards(self)
+        self._handles += self._unit_hooks()
 
 
 def _batch_norm_guards(capture: Capture) -> list:

@@ -1227,7 +1227,7 @@ class ExampleTracker(TorchDispatchMode):
             meta = _META[func] = _op_meta(func)
         name, rule, mutated_at = meta
         if rule is _local_scalar:
-            self._host_read(func, rows)
+            self._host_read(rows)
             return out
         if isinstance(out, torch.Tensor):
             outs = [out]
@@ -1277,7 +1277,7 @@ class ExampleTracker(TorchDispatchMode):
                                     f"batch into later steps. Private training here offers no privatized running "
                                     f"statistics: remove the update, or freeze the statistics before training"))
 
-    def _host_read(self, func, rows) -> None:
+    def _host_read(self, rows) -> None:
         """A value of example data read into Python (``.item()``, ``.tolist()``, ``bool()``): the tracker cannot
         follow it from there.  Recorded in ``host_reads``; whether such a value feeds back into the losses is
         what :func:`audit_isolation` checks."""

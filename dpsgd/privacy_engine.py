@@ -1108,8 +1108,8 @@ class PrivacyEngine:
         private loader yields is followed through every operation until its backward, and a loss or recorded
         call that depends on several examples, example data written into the model's state, or a custom
         ``autograd.Function`` on the way to the losses raises :class:`~dpsgd.ExampleMixingError` on the step
-        it happens.  Default ``False`` while the tracker's coverage of the trainer's layouts is completed
-        (then the sampled row check below guards isolation)."""
+        it happens (:class:`~dpsgd.StateChangedError` for state).  Default ``True``; ``False`` leaves isolation to
+        the sampled row check (:attr:`check_rate`)."""
         return self._track_examples
 
     @track_examples.setter
@@ -1414,8 +1414,8 @@ class PrivacyEngine:
             check_backward_functions(losses)
         except (ExampleMixingError, StateChangedError) as e:
             error = e
-        if rank_world()[1] > 1 and any(is_sharded(p) for p in self.plan.params) and any_rank(error is not None) \
-                and error is None:
+        # tracker.defer: the ranks under FSDP2, decided at the batch's draw, refuse together
+        if tracker.defer and any_rank(error is not None) and error is None:
             error = ExampleMixingError("the isolation check failed on another rank (see its error): every rank "
                                        "refuses the step together under FSDP2")
         if error is not None:
