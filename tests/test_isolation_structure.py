@@ -472,3 +472,22 @@ def test_audit_isolation_finds_pads_of_the_longest_example_that_reach_the_loss()
         audit_isolation(_MeanPool(masked=False).eval(), examples, lambda m, b: m(b), collate_fn=_pad_to_longest)
     audit_isolation(_MeanPool(masked=True).eval(), examples, lambda m, b: m(b), atol=1e-6,
                     collate_fn=_pad_to_longest)
+
+
+class _HookMix(_Body):
+    """A gradient hook on an activation that centres its gradient over the batch: backward code, which the
+    tracker does not follow; the row check of the model's first step (a new layout) sees it."""
+
+    def forward(self, x):
+        h = self.body(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g - g.mean(0))
+        return self.head(h)
+
+
+def test_a_gradient_hook_that_mixes_the_batch_is_refused_by_the_first_steps_row_check():
+    engine, model, opt, crit, loader = _private(_HookMix())
+    before = _snapshot(model)
+    with pytest.raises(ExampleMixingError):
+        _loop(engine, model, opt, crit, loader, lambda m, x: m(x))
+    assert _unchanged(model, before) and engine.steps == 0
