@@ -9,6 +9,7 @@ accountant charges, and the ``python -m dpmath epsilon`` options that reproduce 
     python -m dpsgd plan --hf-model-type llama --set num_hidden_layers=2 hidden_size=512 --estimator hutchpp
     python -m dpsgd plan --config-json path/to/config.json --lora 8
     python -m dpsgd plan --module mypackage.models:build_model --projection-dim 16
+    python -m dpsgd plan --hf-model-type gpt2 --target-epsilon 8 --sample-rate 0.01 --steps 3000   # the price
 
 A Hugging Face model is built from its config with random weights on the ``meta`` device (no download, no
 memory: a 7B config takes a second); ``--module`` calls your factory as it is.
@@ -122,10 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                       help="override config fields of --hf-model-type or --config-json (values read as JSON: "
                            "n_layer=2 n_embd=256)")
-    plan.add_argument("--estimator", choices=["hutch", "hutchpp", "ghost", "exact"], default="hutch",
-                      help="per-example norm estimator (default hutch)")
+    plan.add_argument("--estimator", choices=["auto", "hutch", "hutchpp", "ghost", "exact"], default="auto",
+                      help="per-example norm estimator (default auto: hutch where an exact norm costs at least 8x "
+                           "as much, exact elsewhere, as make_private chooses)")
     plan.add_argument("--projection-dim", type=int, default=32, metavar="K",
                       help="k, the random projections of hutch or hutchpp (default 32)")
+    plan.add_argument("--target-epsilon", type=float, metavar="EPS",
+                      help="also calibrate the noise multiplier for this epsilon with the plan's estimate and with "
+                           "exact norms (needs --sample-rate and --steps)")
+    plan.add_argument("--target-delta", type=float, default=1e-5, metavar="DELTA", help="delta (default 1e-5)")
+    plan.add_argument("--sample-rate", type=float, metavar="Q", help="batch size / data-set size")
+    plan.add_argument("--steps", type=int, metavar="N", help="the number of steps")
     plan.add_argument("--lora", type=int, metavar="RANK",
                       help="add LoRA adapters of this rank (needs peft); on --lora-target-modules, else on peft's "
                            "default targets for the model type (c_attn only for gpt2)")
@@ -140,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--set overrides a Hugging Face config: use it with --hf-model-type or --config-json")
     if args.projection_dim < 1:
         parser.error(f"--projection-dim must be a positive integer, got {args.projection_dim}")
+    target = None
+    if args.target_epsilon is not None:
+        if args.sample_rate is None or args.steps is None:
+            parser.error("--target-epsilon needs --sample-rate and --steps")
+        target = (args.target_epsilon, args.target_delta, args.sample_rate, args.steps)
+    elif args.sample_rate is not None or args.steps is not None:
+        parser.error("--sample-rate and --steps go with --target-epsilon")
     if args.module is not None:
         model, what = _factory_model(args.module, parser)
     else:
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from .validator import UnsupportedModuleError
 
     try:
-        print(plan_report(model, args.estimator, args.projection_dim))
+        print(plan_report(model, args.estimator, args.projection_dim, target))
     except UnsupportedModuleError as err:
         print(f"refused: {err}")
         return 1

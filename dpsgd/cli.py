@@ -58,15 +58,20 @@ def show_progress(level: int = logging.INFO, stream: TextIO | None = None) -> No
         logger.addHandler(handler)
 
 
-def plan_report(model, estimator: str, projection_dim: int) -> str:
-    """The text ``python -m dpsgd plan`` prints after its first line: the table, ``D`` and the accounting.
+def plan_report(model, estimator: str, projection_dim: int,
+                target: tuple[float, float, float, int] | None = None) -> str:
+    """The text ``python -m dpsgd plan`` prints after its first line: the table, ``D``, the accounting and, with a
+    ``target``, the noise the plan needs against exact norms' (what ``make_private`` logs).
 
     Parameters
     ----------
     model : torch.nn.Module
-    estimator : {"hutch", "hutchpp", "ghost", "exact"}
+    estimator : {"auto", "hutch", "hutchpp", "ghost", "exact"}
     projection_dim : int
         ``k`` of ``hutch``/``hutchpp``.
+    target : tuple, optional
+        ``(target_epsilon, target_delta, sample_rate, steps)``: calibrate the noise multiplier with this plan's
+        envelope and with exact norms.
 
     Returns
     -------
@@ -84,6 +89,7 @@ def plan_report(model, estimator: str, projection_dim: int) -> str:
     2.weight   Linear  2x3    LinearHandler  hutch      2
     2.bias     Linear  2      LinearHandler  hutch      1
     <BLANKLINE>
+    estimator hutch: 4 of 4 parameters estimated with hutch (D = 7), 0 exact
     envelope dimension D = 7: the terms column summed over all 4 trainable parameters
       (min(rows, cols) per estimated weight, 1 per estimated bias; not the widest layer's)
     accountant's envelope: HutchEnvelope(projection_dim=4, dim=7, family='heavy-light')
@@ -96,11 +102,21 @@ def plan_report(model, estimator: str, projection_dim: int) -> str:
     plan = NormPlan.build(model, estimator, projection_dim)
     envelope = plan.envelope(projection_dim)
     d, exact = plan.envelope_dimension()
-    lines = [str(plan.table()), ""]
+    lines = [str(plan.table()), "", plan.summary()]
+    if target is not None:
+        from dpmath import calibrate_noise_multiplier
+
+        sigma_exact = calibrate_noise_multiplier(*target)
+        if envelope is None:
+            lines.append(f"noise_multiplier {sigma_exact:.4g} for epsilon {target[0]:g} at delta {target[1]:g}")
+        else:
+            sigma = calibrate_noise_multiplier(*target, envelope=envelope)
+            lines.append(f"noise_multiplier {sigma:.4g} with the estimate against {sigma_exact:.4g} with exact norms "
+                         f"(+{100 * (sigma / sigma_exact - 1):.1f} % noise) for epsilon {target[0]:g} at delta "
+                         f"{target[1]:g}")
     sampling = "--noise-multiplier SIGMA --delta DELTA --sample-rate Q --steps STEPS"
     if envelope is None:
-        lines += [f"estimator {estimator}: every per-example norm is exact; the accountant charges DP-SGD's "
-                  f"subsampled Gaussian (no envelope)",
+        lines += ["every per-example norm is exact: the accountant charges DP-SGD's subsampled Gaussian (no envelope)",
                   f"epsilon: python -m dpmath epsilon {sampling}"]
         return "\n".join(lines)
     form = "hutchpp" if isinstance(envelope, HutchPPEnvelope) else "hutch"

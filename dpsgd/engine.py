@@ -69,7 +69,8 @@ from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
 from .shared import Share, SharedOutput, carrying_back, share_output
 from .validator import ModuleValidator, UnsupportedModuleError, frozen_batch_norm, uncompiled
 
-__all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientError", "ExampleMixingError",
+__all__ = ["NormPlan", "PlanRow", "PlanTable", "PLAN_ESTIMATORS", "AUTO_COST_RATIO", "worth_estimating",
+           "Capture", "IncompleteGradientError", "ExampleMixingError",
            "StateChangedError",
            "DEFAULT_CHECK_RATE", "ClippedGradients", "clipped_backward",
            "CLIPPING_PASSES", "check_clipping_pass", "check_groups", "unit_sq_norms",
@@ -80,9 +81,48 @@ __all__ = ["NormPlan", "PlanRow", "PlanTable", "Capture", "IncompleteGradientErr
 DEFAULT_CHECK_RATE = 0.125
 
 
+#: the estimators a plan can be built with: each of :data:`~dpsgd.estimators.ESTIMATORS`, or ``"auto"``
+PLAN_ESTIMATORS = ("auto", *sorted(ESTIMATORS))
+
+#: under ``estimator="auto"`` a parameter is estimated only where its exact norm costs at least this many times the
+#: estimate's (:func:`worth_estimating`): below it, the envelope's price in noise buys too little time or memory
+AUTO_COST_RATIO = 8
+
+
 def _check_estimator_name(estimator: object) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
+    if estimator not in PLAN_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {list(PLAN_ESTIMATORS)}, got {estimator!r}")
+
+
+def worth_estimating(shape: tuple[int, ...], k: int) -> bool:
+    r"""Whether ``estimator="auto"`` estimates a parameter of this shape at ``k`` projections: where its exact
+    per-example norm costs at least :data:`AUTO_COST_RATIO` times Hutchinson's estimate.
+
+    Per example and token, the exact norm of a ``rows x cols`` weight's gradient materializes ``rows * cols``
+    products (ghost clipping's Gram matrices cost ``T (rows + cols)``, no less once the sequence length ``T`` is
+    at least ``k``), and the estimate ``k (rows + cols)`` (paper 000, Table 8), in time and in memory alike.  So a
+    weight is estimated iff ``rows * cols >= AUTO_COST_RATIO * k * (rows + cols)``: at ``k = 32``, square
+    weights from width 512 on; never a bias or a normalization's scale.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The parameter's shape (read as a matrix: its first dimension by the product of the others).
+    k : int
+        The projection dimension.
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> from dpsgd.engine import worth_estimating
+    >>> worth_estimating((2048, 2048), 32), worth_estimating((64, 20), 16), worth_estimating((2048,), 32)
+    (True, False, False)
+    """
+    rows, cols = matrix_view(tuple(shape))
+    return rows * cols >= AUTO_COST_RATIO * k * (rows + cols)
 
 
 def check_estimator(estimator: object, k: object) -> None:
@@ -164,8 +204,10 @@ class PlanTable(list):
 class NormPlan:
     r"""Which modules are hooked, with which handler, and how many ``chi2(k)/k`` terms each parameter adds.
 
-    Built once per model (:meth:`build`).  ``terms[name]`` is a parameter's term count under ``hutch``/
-    ``hutchpp`` (``None``: exact, a point mass in the estimate's law).  The envelope's dimension ``D``
+    Built once per model (:meth:`build`): the one place that decides, per parameter, whether its norm is
+    estimated or exact; the step (:meth:`norm`) and the accountant (:meth:`envelope`) both read it.
+    ``terms[name]`` is a parameter's term count under ``hutch``/``hutchpp`` (``None``: exact, a point mass in the
+    estimate's law).  The envelope's dimension ``D``
     (:meth:`envelope_dimension`) is their **sum over every parameter of the model**, not the widest layer's:
     the model's estimated squared norm is the sum of each parameter's independent estimate, a chi-square
     mixture with one term per singular value of that parameter's per-example gradient, so the sum is one
@@ -203,12 +245,16 @@ class NormPlan:
     def build(cls, model: nn.Module, estimator: str, k: int | None = None) -> NormPlan:
         """The plan of ``model`` under ``estimator``; with ``k`` (the projection dimension) given, a parameter
         whose per-example gradient has rank at most ``k`` under ``hutchpp`` is exact: the sketch's ``k`` columns
-        span it, so the norm is computed exactly and is a point mass in the law, not ``min(rows, cols)`` terms."""
+        span it, so the norm is computed exactly and is a point mass in the law, not ``min(rows, cols)`` terms.
+        ``"auto"`` (``k`` required) estimates with ``hutch`` the parameters :func:`worth_estimating` names and
+        computes the others exactly."""
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _check_estimator_name(estimator)
         if k is not None:
             k = check_k(k)
+        elif estimator == "auto":
+            raise ValueError("estimator='auto' chooses per parameter at the projection dimension: give k")
         model = uncompiled(model)
         ModuleValidator.check(model)
         plan = cls(model, estimator)
@@ -237,19 +283,49 @@ class NormPlan:
             raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
         for p in plan.params:
             check_sharding(plan.names[id(p)], p)
+        method = plan.estimated_with
         for p in plan.params:
             owners = plan.owners[id(p)]
-            ts = [u.handler.terms(u.module, local, estimator) for u, local in owners]
+            ts = [u.handler.terms(u.module, local, method) for u, local in owners]
             if all(t is None for t in ts):
                 t = None
             elif len(owners) == 1:
                 t = ts[0]
             else:  # tied: the summed gradient estimated through every use's products (hutch: one P for all)
-                t = min(matrix_view(p.shape)) if estimator in ("hutch", "hutchpp") else None
+                t = min(matrix_view(p.shape)) if method in ("hutch", "hutchpp") else None
             if estimator == "hutchpp" and k is not None and t is not None and t <= k:
+                t = None
+            if estimator == "auto" and t is not None and not worth_estimating(tuple(p.shape), k):
                 t = None
             plan.terms[plan.names[id(p)]] = t
         return plan
+
+    @property
+    def estimated_with(self) -> str:
+        """The estimator of the parameters the plan estimates (``"hutch"`` under ``"auto"``)."""
+        return "hutch" if self.estimator == "auto" else self.estimator
+
+    @property
+    def all_exact(self) -> bool:
+        """Whether every parameter's norm is exact (no envelope: accounted as DP-SGD)."""
+        return all(t is None for t in self.terms.values())
+
+    def norm(self, name: str) -> str:
+        """How the step computes the per-example norm of the parameter named ``name``: the plan's estimator where it
+        is estimated, else exactly (``"ghost"``, the cheaper exact form, where ``hutchpp`` or ``"auto"`` left it
+        exact; a handler with no estimate of its own computes it exactly whatever it is given)."""
+        if self.terms[name] is not None:
+            return self.estimated_with
+        return "ghost" if self.estimator in ("hutchpp", "auto") else self.estimator
+
+    def summary(self) -> str:
+        """One line: the parameters estimated (and with what) against those exact, and the envelope's dimension."""
+        est = [n for n, t in self.terms.items() if t is not None]
+        if not est:
+            return f"estimator {self.estimator}: every norm exact ({len(self.terms)} parameters), accounted as DP-SGD"
+        d, _ = self.envelope_dimension()
+        return (f"estimator {self.estimator}: {len(est)} of {len(self.terms)} parameters estimated with "
+                f"{self.estimated_with} (D = {d}), {len(self.terms) - len(est)} exact")
 
     def envelope_dimension(self) -> tuple[int, bool]:
         """``(D, has_exact_parts)``: the chi-square terms of the model's estimate, summed over every parameter
@@ -274,17 +350,17 @@ class NormPlan:
         -------
         dpmath.Envelope or None
         """
-        if self.estimator in ("exact", "ghost") or all(t is None for t in self.terms.values()):
+        if self.all_exact:
             return None
         d, exact = self.envelope_dimension()
         if exact:
             return estimator_envelope("hutchpp", k, max(d, k + 1))
-        return estimator_envelope(self.estimator, k, d)
+        return estimator_envelope(self.estimated_with, k, d)
 
     def __str__(self) -> str:
         """The :meth:`table` as aligned text (``print(engine.plan)``), with the envelope's dimension."""
         d, exact = self.envelope_dimension()
-        if self.estimator in ("exact", "ghost") or all(t is None for t in self.terms.values()):
+        if self.all_exact:
             foot = f"estimator {self.estimator}: every norm exact, accounted as DP-SGD (no envelope)"
         else:
             foot = (f"estimator {self.estimator}: envelope dimension D = {d}, the terms column summed over every "
@@ -299,10 +375,8 @@ class NormPlan:
             name = self.names[id(p)]
             owners = self.owners[id(p)]
             t = self.terms[name]
-            if t is not None:
-                norm = self.estimator
-            else:
-                norm = "exact" if self.estimator in ("hutch", "hutchpp") else self.estimator
+            norm = self.estimated_with if t is not None else "exact" if self.estimator in (
+                "hutch", "hutchpp", "auto") else self.estimator
             rows.append(PlanRow(name, ", ".join(dict.fromkeys(module_type(u.module).__name__ for u, _ in owners)),
                                 tuple(p.shape), ", ".join(dict.fromkeys(type(u.handler).__name__ for u, _ in owners)),
                                 norm, t or 0))
@@ -906,7 +980,7 @@ def _refuse_unsound_step(capture: Capture, losses: torch.Tensor, clipping_pass: 
     half-precision parameters.  Returns whether the second backward forms the sums (``"two-pass"``)."""
     check_clipping_pass(clipping_pass)
     two_pass = clipping_pass == "two-pass" and not norms_only
-    if twice is not None and (two_pass or capture.plan.estimator not in ("exact", "ghost") or mask_generator is None):
+    if twice is not None and (two_pass or not capture.plan.all_exact or mask_generator is None):
         raise ValueError("twice sampling needs exact norms (estimator 'exact' or 'ghost'), the bookkeeping pass and "
                          "a mask generator")
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
@@ -1580,9 +1654,7 @@ def _uses(plan: NormPlan, calls: list[Call]) -> list[tuple[nn.Parameter, list[tu
 def _param_sq_norms(plan: NormPlan, p: nn.Parameter, contributions: list, k: int, generator,
                     groups: torch.Tensor | None = None, units: int = 0) -> torch.Tensor:
     """One parameter's squared norms: per example, or with ``groups`` per unit (of the unit's summed gradient)."""
-    estimator = plan.estimator
-    if estimator == "hutchpp" and plan.terms[plan.names[id(p)]] is None:
-        estimator = "ghost"   # exact in the plan (and so in the accounting): computed exactly, the cheaper way
+    estimator = plan.norm(plan.names[id(p)])
     if len(contributions) == 1:
         call, local = contributions[0]
         handler = call.cache["unit"].handler

@@ -105,7 +105,7 @@ class PrivacyArguments:
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     target_delta: float = 1e-5
-    estimator: str = "hutch"
+    estimator: str = "auto"
     projection_dim: int = 32
     clipping_pass: str = "bookkeeping"
     seed: int | None = None

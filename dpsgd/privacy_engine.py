@@ -603,6 +603,8 @@ class PrivacyEngine:
         self.max_grad_norm: float | None = None
         self.clipping_pass: str | None = None
         self.envelope = None
+        #: with a target: the noise multiplier exact norms would need for it (the estimate's price in noise)
+        self.exact_noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
         self._trainable: list = []   # (parameter, requires_grad) as the plan was made: a change is re-planned
@@ -628,7 +630,7 @@ class PrivacyEngine:
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
-                     epochs: float | None = None, steps: int | None = None, estimator: str = "hutch",
+                     epochs: float | None = None, steps: int | None = None, estimator: str = "auto",
                      projection_dim: int = 32,
                      poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
@@ -659,8 +661,15 @@ class PrivacyEngine:
             step beyond that count (:attr:`planned_steps`): the calibration holds for the steps that run, never
             fewer.  Without a target, ``steps`` is ignored.  The calibration (seconds to a minute) logs its
             start and its duration as INFO records of the ``"dpsgd"`` logger (:mod:`dpsgd.cli`).
-        estimator : {"hutch", "hutchpp", "ghost", "exact"}
-            Per-sample norm estimator.
+        estimator : {"auto", "hutch", "hutchpp", "ghost", "exact"}
+            How per-example norms are found.  ``"auto"`` (default) chooses per parameter: Hutchinson's estimate
+            (``"hutch"``) only where the exact norm costs at least :data:`~dpsgd.engine.AUTO_COST_RATIO` times as
+            much (:func:`~dpsgd.engine.worth_estimating`: wide weights, at ``k = 32`` from width 512 on), exact
+            norms elsewhere, so the envelope's noise is paid only for layers where it saves time and memory; where
+            the noise or sampling needs exact norms, all are exact.  ``"hutch"``/``"hutchpp"`` estimate every
+            weight that has an estimate; ``"ghost"``/``"exact"`` estimate none (ghost clipping, or materialized
+            per-example gradients).  ``make_private`` logs the plan's choice and, with a target, the noise
+            multiplier with the estimate against the one exact norms would need (:attr:`exact_noise_multiplier`).
         projection_dim : int
             ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"`` (the old name
             ``k`` works, with a ``DeprecationWarning``, until 0.3).
@@ -760,7 +769,7 @@ class PrivacyEngine:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
                              f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
-        noise, sampling, c, sigma = self._checked_arguments(
+        noise, sampling, c, sigma, estimator = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
             projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
         users = user_level(privacy_unit, user_ids, max_examples_per_user, per_coordinate=sampling.per_coordinate,
@@ -786,7 +795,18 @@ class PrivacyEngine:
         planned = None
         if sigma is None:
             planned = _planned_steps(epochs, steps, len(loader))
-            sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned)
+            sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned, self.envelope)
+            # the estimate's price: the noise exact norms would need for the same target (a DP-SGD calibration,
+            # a fraction of the estimate's)
+            self.exact_noise_multiplier = (sigma if self.envelope is None else
+                                           self._calibrate(noise, sampling, target_epsilon, target_delta, planned,
+                                                           None, quiet=True))
+            price = (f"noise_multiplier {sigma:.4g} with the estimate against {self.exact_noise_multiplier:.4g} with "
+                     f"exact norms (+{100 * (sigma / self.exact_noise_multiplier - 1):.1f} % noise)"
+                     if self.envelope is not None else f"noise_multiplier {sigma:.4g}")
+        else:
+            price = f"noise_multiplier {sigma:.4g} (given)"
+        logger.info("norm plan: %s; %s", plan.summary(), price)
         check_same_on_ranks(sigma, "noise_multiplier")
         self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
         if users is not None:   # example-level runs keep the ledger format of earlier versions
@@ -814,10 +834,11 @@ class PrivacyEngine:
                            sampling: PoissonSampling | TwiceSampling | HybridClipping | None,
                            poisson_sampling: bool,
                            ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
-                                      float | None]:
+                                      float | None, str]:
         """``make_private``'s arguments checked before anything is built (``ValueError`` naming the first one
-        wrong): ``(noise, sampling, max_grad_norm, noise_multiplier)``, the noise and sampling as objects and the
-        noise multiplier ``None`` when it is to be calibrated from the targets."""
+        wrong): ``(noise, sampling, max_grad_norm, noise_multiplier, estimator)``, the noise and sampling as
+        objects, the noise multiplier ``None`` when it is to be calibrated from the targets, and ``"auto"`` made
+        ``"ghost"`` where the noise or sampling needs exact norms."""
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
         noise = as_noise(noise)
@@ -826,6 +847,11 @@ class PrivacyEngine:
         if not isinstance(sampling, (PoissonSampling, TwiceSampling, HybridClipping)):
             raise ValueError(f"sampling must be a dpsgd.sampling.PoissonSampling, TwiceSampling, HybridClipping or "
                              f"None, got {type(sampling).__name__}")
+        if estimator == "auto":
+            try:   # an estimate the noise or sampling does not account for: the choice is exact norms throughout
+                sampling.check("hutch", noise, clipping_pass, gradient_projection)
+            except ValueError:
+                estimator = "ghost"
         sampling.check(estimator, noise, clipping_pass, gradient_projection)
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -845,7 +871,7 @@ class PrivacyEngine:
                                            f"be calibrated for Poisson sampling, which this run does not use; "
                                            f"{_SHUFFLED}. Keep poisson_sampling=True (the default) to calibrate, or "
                                            f"give noise_multiplier for a run without an epsilon")
-        return noise, sampling, c, sigma
+        return noise, sampling, c, sigma, estimator
 
     def _checked_batch_sampling(self, batch_sampling: object, noise: StepNoise,
                                 sampling: PoissonSampling | TwiceSampling | HybridClipping, users: bool,
@@ -994,28 +1020,31 @@ class PrivacyEngine:
         return loader
 
     def _calibrate(self, noise: StepNoise, sampling: PoissonSampling | TwiceSampling | HybridClipping,
-                   target_epsilon: float, target_delta: float, planned: int) -> float:
+                   target_epsilon: float, target_delta: float, planned: int, envelope: Envelope | None,
+                   quiet: bool = False) -> float:
         """The noise multiplier whose epsilon after ``planned`` steps is at most ``target_epsilon`` at
-        ``target_delta`` (the sampling's and noise's own calibration, at this engine's rate and envelope),
-        logged as it starts and with its seconds; ``ValueError`` naming the targets if none reaches them."""
-        # seconds to a minute (a randomized-clipping envelope composes its accountant per candidate sigma)
-        logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
-                    "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
-                    self.sample_rate, self.estimator, self.envelope)
+        ``target_delta`` (the sampling's and noise's own calibration, at this engine's rate, with ``envelope``),
+        logged (unless ``quiet``) as it starts and with its seconds; ``ValueError`` naming the targets if none
+        reaches them."""
+        if not quiet:
+            logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
+                        "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
+                        self.sample_rate, self.estimator, envelope)
         start = time.perf_counter()
         try:
             if self._bound is not None:   # the scheme's mechanism over its events (epochs for an epoch sampler)
                 bound, events, delta = self._bound, self._bound.events(planned), float(target_delta)
                 sigma = calibrate_noise(lambda s: bound.accountant().compose(
-                    bound.mechanism(s, noise, self.envelope), events).epsilon(delta), target_epsilon)
+                    bound.mechanism(s, noise, envelope), events).epsilon(delta), target_epsilon)
             else:
                 sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
-                                           self.max_grad_norm, self._ranks, self.envelope)
+                                           self.max_grad_norm, self._ranks, envelope)
         except ValueError as err:
             raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                              f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
                              f"{err}") from err
-        logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
+        if not quiet:
+            logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
         return sigma
 
     def _fix_settings(self, sigma: float, planned: int | None, noise: StepNoise,
