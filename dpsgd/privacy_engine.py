@@ -603,7 +603,7 @@ class PrivacyEngine:
         self.max_grad_norm: float | None = None
         self.clipping_pass: str | None = None
         self.envelope = None
-        #: with a target: the noise multiplier exact norms would need for it (the estimate's price in noise)
+        #: with a target and Poisson batches: the noise multiplier exact norms would need for it (the estimate's price)
         self.exact_noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
@@ -796,14 +796,18 @@ class PrivacyEngine:
         if sigma is None:
             planned = _planned_steps(epochs, steps, len(loader))
             sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned, self.envelope)
-            # the estimate's price: the noise exact norms would need for the same target (a DP-SGD calibration,
-            # a fraction of the estimate's)
-            self.exact_noise_multiplier = (sigma if self.envelope is None else
-                                           self._calibrate(noise, sampling, target_epsilon, target_delta, planned,
-                                                           None, quiet=True))
-            price = (f"noise_multiplier {sigma:.4g} with the estimate against {self.exact_noise_multiplier:.4g} with "
-                     f"exact norms (+{100 * (sigma / self.exact_noise_multiplier - 1):.1f} % noise)"
-                     if self.envelope is not None else f"noise_multiplier {sigma:.4g}")
+            # the estimate's price: the noise exact norms would need for the same target, for Poisson batches (a
+            # DP-SGD calibration, a fraction of the estimate's; an epoch sampler's exact PLDs would cost a minute)
+            if self.envelope is None:
+                self.exact_noise_multiplier = sigma
+                price = f"noise_multiplier {sigma:.4g}"
+            elif self._bound is None:
+                self.exact_noise_multiplier = self._calibrate(noise, sampling, target_epsilon, target_delta, planned,
+                                                              None, quiet=True)
+                price = (f"noise_multiplier {sigma:.4g} with the estimate against {self.exact_noise_multiplier:.4g} "
+                         f"with exact norms (+{100 * (sigma / self.exact_noise_multiplier - 1):.1f} % noise)")
+            else:
+                price = f"noise_multiplier {sigma:.4g} with the estimate"
         else:
             price = f"noise_multiplier {sigma:.4g} (given)"
         logger.info("norm plan: %s; %s", plan.summary(), price)

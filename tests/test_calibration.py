@@ -52,14 +52,22 @@ def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps)
 
 
 @pytest.mark.parametrize(("target", "step"), [(100.0, 1e-3), (1e3, 1e-2), (1e4, 0.1)])
-def test_a_large_target_is_calibrated_in_about_a_second_on_a_grid_in_proportion(target, step):
+def test_a_large_target_is_searched_on_a_grid_in_proportion(target, step, monkeypatch):
     """At target_epsilon = 1e3 the search took 34 s on the 1e-4 grid (16 s an evaluation near sigma = 0.108);
-    on a step of 1e-5 of the target the returned sigma is one whose certified epsilon there meets it."""
-    import time
+    on a step of 1e-5 of the target (0.3 to 0.5 s) the returned sigma is one whose certified epsilon there meets
+    it.  What makes it fast is asserted, not the clock: every evaluation's grid is at least that step."""
+    import dpmath.calibration as calibration
 
-    start = time.perf_counter()
+    grids = []
+    evaluate = calibration._epsilon
+
+    def counted(sigma, q, steps, delta, envelope, accountant, h, *args):
+        grids.append(h)
+        return evaluate(sigma, q, steps, delta, envelope, accountant, h, *args)
+
+    monkeypatch.setattr(calibration, "_epsilon", counted)
     sigma = calibrate_noise_multiplier(target, 1e-5, 0.01, 1000)
-    assert time.perf_counter() - start < 5.0   # 0.3 to 0.5 s measured; generous for a loaded machine
+    assert grids and min(grids) >= step * (1 - 1e-12) and len(grids) <= 20
 
     def f(s):
         return PLDAccountant(step).compose(SubsampledGaussian(s, 0.01), 1000).epsilon(1e-5)
@@ -152,8 +160,8 @@ def test_cli_reads_fractions_and_exponents(capsys):
     (["epsilon", "--sigma", "1.1", "--q", "0.01"], ["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.01"]),
     (["sigma", "--epsilon", "1", "--q", "0.01", "--delta", "1e-5"],
      ["noise-multiplier", "--target-epsilon", "1", "--sample-rate", "0.01", "--target-delta", "1e-5"]),
-    (["epsilon", "--sigma", "2", "--q", "0.01", "--estimator", "hutch", "--k", "8", "--d", "64"],
-     ["epsilon", "--noise-multiplier", "2", "--sample-rate", "0.01", "--estimator", "hutch", "--projection-dim", "8",
+    (["epsilon", "--sigma", "2", "--q", "0.01", "--estimator", "hutch", "--k", "32", "--d", "64"],
+     ["epsilon", "--noise-multiplier", "2", "--sample-rate", "0.01", "--estimator", "hutch", "--projection-dim", "32",
       "--dim", "64"]),
 ], ids=["epsilon", "sigma", "k-d"])
 def test_cli_old_spellings_say_so_on_stderr_and_give_the_same_number(capsys, old, new):

@@ -184,6 +184,7 @@ def test_sharded_index_batches_are_the_global_batches():
         FixedSize().bind(60, 10).sampler(None, offset=52, size=9)
 
 
+@pytest.mark.slow   # 9 s: two processes per scheme
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_two_process_batch_samplings(tmp_path):
     out = tmp_path / "ranks.pt"

@@ -206,6 +206,7 @@ def _small_parts_worker(rank: int, world: int, store: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow   # 10 s; test_fsdp2_poisson_parts_of_no_example_or_one covers the default run
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_fsdp2_rank_parts_of_no_example_or_one(tmp_path):
     """Fixed-size global batches of 3 over 12 examples, rank 1 holding 2 of them: its part is empty, one example and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -105,10 +106,16 @@ def slug(text: str, limit: int = 48) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower())[:limit].strip("-")
 
 
+#: an audit called from Python with no handler for the ``"verify"`` logger prints its progress to stderr once it has
+#: run this long (seconds)
+QUIET_FOR = 2.0
+
+
 def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterator[T]:
-    """Yield ``items``, logging ``[label] i/total (seconds)`` at each quarter of them (INFO records of the
-    ``"verify"`` logger, which ``python -m verify`` shows on stderr), so that a long audit shows it is alive
-    in a few lines.
+    """Yield ``items``, reporting ``[label] i/total (seconds)`` at each quarter of them, so that a long audit shows
+    it is alive in a few lines: INFO records of the ``"verify"`` logger where something shows them (``python -m
+    verify`` does, on stderr), else, once it has run :data:`QUIET_FOR` seconds, lines on stderr (an audit called
+    from Python with logging left unconfigured).
 
     Examples
     --------
@@ -119,11 +126,16 @@ def progress(items: Iterable[T], label: str, total: int | None = None) -> Iterat
     items = list(items) if total is None and not hasattr(items, "__len__") else items
     n = len(items) if total is None else total  # type: ignore[arg-type]
     start, marks = time.perf_counter(), set()
+    shown = logger.isEnabledFor(logging.INFO) and logger.hasHandlers()
     for i, item in enumerate(items, 1):
         yield item
         if n and (q := 4 * i // n) not in marks and q > 0:
             marks.add(q)
-            logger.info("  [%s] %d/%d (%.1f s)", label, i, n, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            if shown:
+                logger.info("  [%s] %d/%d (%.1f s)", label, i, n, elapsed)
+            elif elapsed > QUIET_FOR:
+                print(f"verify: [{label}] {i}/{n} ({elapsed:.1f} s)", file=sys.stderr, flush=True)
 
 
 def skipped_without(module: str, name: str, kind: str = "check") -> AuditResult | None:
