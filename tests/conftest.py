@@ -2,8 +2,20 @@ import ctypes
 import gc
 import os
 
-import pytest
-from hypothesis import settings
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the suite runs on two worker processes (pyproject's -n 2), one per core: with torch's default of a thread per
+    # core each, four OpenMP threads spin against each other and the suite runs several times slower. One thread per
+    # worker, and for the processes the tests start (set before numpy or torch is imported here)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:   # the core install: the tests that need torch skip
+        pass
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=40, deadline=None)
