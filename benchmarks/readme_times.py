@@ -54,7 +54,7 @@ def main() -> None:
                   flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    lines = [f"# README times at {commit}: {os.cpu_count()} cores, Python {platform.python_version()}, "
+    lines = [f"README times at {commit}: {os.cpu_count()} cores, Python {platform.python_version()}, "
              f"`python benchmarks/readme_times.py`", "",
              "| command | load before | wall s | CPU s | peak GB (largest process) | exit | last line |",
              "|---|---|---|---|---|---|---|"]

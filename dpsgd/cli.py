@@ -127,4 +127,7 @@ def plan_report(model, estimator: str, projection_dim: int,
         lines.append("  (exact parts are point masses, the d -> inf limit: the Hutch++ form with d = max(D, k + 1))")
     lines.append(f"epsilon: python -m dpmath epsilon --estimator {form} --projection-dim {projection_dim} "
                  f"--dim {envelope.dim} {sampling}")
+    if form != plan.estimated_with:
+        lines.append(f"  (--estimator {form} names the envelope's form, which the exact parts give it; the weights are "
+                     f"estimated with {plan.estimated_with})")
     return "\n".join(lines)

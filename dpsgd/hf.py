@@ -57,7 +57,7 @@ from dpmath.deprecation import renamed_arguments
 from .data import EmptyBatch, private_data_loader
 from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
-from .validator import frozen_batch_norm
+from .validator import BATCH_NORMS, frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 
@@ -210,6 +210,7 @@ class DPTrainer(Trainer):
             projection_dim=p.projection_dim,
             seed=p.seed, clipping_pass=p.clipping_pass)
         self._dp_loader = loader.in_chunks(accumulation)
+        self._batch_norms: list | None = None
 
     def optimizer_steps(self, logical_batches: int) -> int:
         """The optimizer steps ``train()`` takes with ``logical_batches`` Poisson batches an epoch.
@@ -254,7 +255,9 @@ class DPTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
-        for m in model.modules():   # a frozen batch norm trains in evaluation mode only (module docstring)
+        if self._batch_norms is None:   # the model's batch norms, found once (a scan of every module costs a step's %)
+            self._batch_norms = [m for m in model.modules() if isinstance(m, BATCH_NORMS)]
+        for m in self._batch_norms:   # a frozen batch norm trains in evaluation mode only (module docstring)
             if frozen_batch_norm(m):
                 m.eval()
         if isinstance(inputs, EmptyBatch):   # a Poisson micro-batch with no example: nothing to backpropagate

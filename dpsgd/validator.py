@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["ModuleValidator", "UnsupportedModuleError", "frozen_batch_norm", "uncompiled"]
+__all__ = ["ModuleValidator", "UnsupportedModuleError", "BATCH_NORMS", "frozen_batch_norm", "uncompiled"]
 
-_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
+#: the batch norm classes (they mix a batch's rows in training mode)
+BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 _INSTANCE_NORMS = (nn.modules.instancenorm._InstanceNorm,)
 _BATCH_FIRST = (nn.MultiheadAttention, nn.RNNBase)
 
@@ -65,7 +66,7 @@ def frozen_batch_norm(module: nn.Module) -> bool:
     parameters requires grad (or it has none, ``affine=False``).  In evaluation mode it then maps each example alone
     through fixed statistics; in training mode it would normalize with the batch's statistics, which the engine
     refuses at the forward."""
-    if not isinstance(module, _BATCH_NORMS) or not module.track_running_stats:
+    if not isinstance(module, BATCH_NORMS) or not module.track_running_stats:
         return False
     if module.running_mean is None or module.running_var is None:
         return False
@@ -84,7 +85,7 @@ def _problems(model: nn.Module) -> list[_Problem]:
                                       "module has none of; parametrize a linear, convolution or embedding layer, or "
                                       "remove the parametrization "
                                       "(torch.nn.utils.parametrize.remove_parametrizations)"))
-        elif isinstance(m, _BATCH_NORMS) and not frozen_batch_norm(m):
+        elif isinstance(m, BATCH_NORMS) and not frozen_batch_norm(m):
             what = ("normalizes with the batch's statistics in every mode (track_running_stats=False)"
                     if not m.track_running_stats or m.running_mean is None else
                     "has trainable parameters (trained through batch statistics in training mode, which mix the "
@@ -160,7 +161,7 @@ class ModuleValidator:
         """Replace batch norms by ``GroupNorm(min(32, C), C)`` (affine as before) and turn off instance norms'
         running statistics, in place; returns ``model`` (or the replacement when ``model`` itself is one).  A frozen
         batch norm (:func:`frozen_batch_norm`), which the validator accepts, is kept with its statistics."""
-        if isinstance(model, _BATCH_NORMS) and not frozen_batch_norm(model):
+        if isinstance(model, BATCH_NORMS) and not frozen_batch_norm(model):
             return _group_norm(model)
         for name, child in list(model.named_children()):
             setattr(model, name, ModuleValidator.fix(child))
