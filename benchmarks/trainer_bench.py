@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.utils import logging
 logging.set_verbosity_error()
-private, steps, out = sys.argv[1] == "private", int(sys.argv[2]), sys.argv[3]
+private, steps, out, extra = sys.argv[1] == "private", int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 torch.manual_seed(0)
 gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_layer=2, n_embd=64, n_head=4))
 model = get_peft_model(gpt2, LoraConfig(r=8, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0))
@@ -39,7 +39,7 @@ start = time.perf_counter()
 if private:
     from dpsgd.hf import DPTrainer, PrivacyArguments
     trainer = DPTrainer(model=model, args=args, train_dataset=examples,
-                        privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5))
+                        privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=8.0, target_delta=1e-5, **extra))
 else:
     trainer = Trainer(model=model, args=args, train_dataset=examples)
 built = time.perf_counter()
@@ -53,17 +53,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--privacy", default="{}", metavar="JSON",
+                        help='more PrivacyArguments, e.g. \'{"estimator": "hutch", "projection_dim": 16}\'')
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {"plain": [], "private": []}
     for _ in range(args.rounds):
         for kind in runs:
-            out = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(args.steps), "/tmp/trainer_bench_out"],
+            out = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(args.steps), "/tmp/trainer_bench_out",
+                                  args.privacy],
                                  capture_output=True, text=True, check=True)
             runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
     per = {k: statistics.median(r["train"] for r in v) / args.steps for k, v in runs.items()}
     build = statistics.median(r["build"] for r in runs["private"])
     print(f"docs' tiny GPT-2 + LoRA r8, {args.steps} optimizer steps (2 micro-batches of 32), log every 2 steps; "
-          f"median of {args.rounds} fresh processes each, alternated")
+          f"median of {args.rounds} fresh processes each, alternated; PrivacyArguments extra: {args.privacy}")
     print(f"{'trainer':<12} {'s / step':>9} {'ratio':>6}  {'construction s':>15}")
     print(f"{'Trainer':<12} {per['plain']:>9.4f} {1.0:>6.2f}")
     print(f"{'DPTrainer':<12} {per['private']:>9.4f} {per['private'] / per['plain']:>6.2f}  {build:>15.2f}")
