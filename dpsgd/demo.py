@@ -14,6 +14,7 @@ a line every 10 seconds.
 
     python -m dpsgd.demo                     # hutch, k = 32, epsilon 8
     python -m dpsgd.demo --estimator ghost   # the exact baseline
+    python -m dpsgd.demo --estimator auto    # make_private's default: here (width 256, k = 32) every norm exact
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def train_epoch(model: nn.Module, optimizer: DPOptimizer, criterion: DPCriterion
 
 def main(argv: list[str] | None = None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--estimator", default="hutch", choices=["hutch", "hutchpp", "ghost", "exact"])
+    ap.add_argument("--estimator", default="hutch", choices=["hutch", "hutchpp", "ghost", "exact", "auto"])
     ap.add_argument("--projection-dim", type=int, default=32, help="k: random projections per layer")
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--delta", type=float, default=1e-5)
