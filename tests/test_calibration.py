@@ -222,3 +222,49 @@ def test_cli_bad_input_exits_2(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def _recorded(monkeypatch):
+    """Record each accountant evaluation of a calibration: ``(grid step, bracket_rtol)``."""
+    import dpmath.calibration as calibration
+
+    calls = []
+    evaluate = calibration._epsilon
+
+    def recorded(sigma, q, steps, delta, envelope, accountant, h, *args):
+        calls.append((h, args[1] if len(args) > 1 else None))
+        return evaluate(sigma, q, steps, delta, envelope, accountant, h, *args)
+
+    monkeypatch.setattr(calibration, "_epsilon", recorded)
+    return calls
+
+
+def test_a_randomized_clipping_calibration_is_confirmed_by_one_evaluation_on_the_requested_grid(monkeypatch):
+    from dpmath import HutchEnvelope, RandomizedClipGaussian
+
+    envelope = HutchEnvelope(32, 64)
+    calls = _recorded(monkeypatch)
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, 0.01, 100, envelope=envelope)
+    fine = [c for c in calls if c[0] == 1e-4]
+    # the search runs on coarser grids; the requested grid is read once, unrefined (the default accountant's upper
+    # end is the least over its grids, the first of which is that one), at the answer
+    assert fine == [(1e-4, None)] and calls[-1] == (1e-4, None) and len(calls) <= 16
+
+    def published(s):
+        return PLDAccountant().compose(RandomizedClipGaussian(s, 0.01, envelope), 100).epsilon(1e-5)
+
+    assert published(sigma) <= 2.0 < published(sigma / (1 + 2e-4))
+
+
+def test_a_long_calibration_logs_each_evaluation(monkeypatch, caplog):
+    import logging
+
+    import dpmath.calibration as calibration
+
+    monkeypatch.setattr(calibration, "PROGRESS_AFTER", 0.0)
+    with caplog.at_level(logging.INFO, logger="dpmath"):
+        sigma = calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dpmath"]
+    assert lines and all(m.startswith("calibrating: noise_multiplier ") and "(target 1; grid step 0.0001)" in m
+                         for m in lines)
+    assert f"noise_multiplier {sigma:.6g} gives epsilon" in "\n".join(lines)

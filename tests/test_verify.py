@@ -227,3 +227,25 @@ def test_verify_runs_on_the_core_install_and_skips_what_needs_torch(tmp_path):
     assert re.search(r"privacy \(check\): PASS - 5 of 5 mechanisms.*SKIPPED the randomized-clipping mechanisms "
                      r"\(DP-SGD-RC Hutch k = 32, d = 8, DP-SGD-RC Hutch\+\+ k = 16, d = 64\): needs torch", run.stderr)
     assert "Traceback" not in run.stderr and "[1/5] estimators ..." in run.stderr
+
+
+def test_an_audit_called_from_python_without_logging_shows_its_progress_on_stderr(monkeypatch, capsys):
+    import verify.result as result
+
+    monkeypatch.setattr(result, "QUIET_FOR", 0.0)
+    monkeypatch.setattr(logging.getLogger("verify"), "handlers", [])
+    monkeypatch.setattr(logging.getLogger("verify"), "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger("verify"), "propagate", False)
+    assert list(result.progress(range(8), "demo")) == list(range(8))
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in err] == [f"verify: [demo] {i}/8" for i in (2, 4, 6, 8)]
+
+
+def test_an_audit_whose_progress_is_logged_prints_nothing_else(monkeypatch, capsys, caplog):
+    import verify.result as result
+
+    monkeypatch.setattr(result, "QUIET_FOR", 0.0)
+    with caplog.at_level(logging.INFO, logger="verify"):
+        list(result.progress(range(4), "demo"))
+    assert not capsys.readouterr().err
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"  [demo] {i}/4" for i in (1, 2, 3, 4)]
