@@ -175,6 +175,10 @@ def _reshaped(r: Rows, old: torch.Size, new: torch.Size, func) -> Rows:
 
 
 def _reshape_axis(ids: torch.Tensor, old: list[int], new: list[int], d: int) -> tuple[int, torch.Tensor] | None:
+    if old[:d + 1] == new[:d + 1]:
+        # the dimensions up to the axis are kept (a split or merge of the ones after it, e.g. heads): index i along
+        # it spans the same flat range before and after, so it stays index i
+        return d, ids
     if new and bool((ids == ids[0]).all()):   # one example: every element is its own, whatever the shape
         return 0, ids[:1].expand(new[0])
     size = old[d]
