@@ -60,6 +60,24 @@ def test_trainer_takes_one_private_step_per_logical_batch_and_logs_epsilon(tmp_p
     assert moved and all("lora_" in n for n in moved)
 
 
+def test_the_trainer_chooses_the_norms_by_default_and_lora_adapters_get_exact_ones(tmp_path, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=2, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    with caplog.at_level(logging.INFO, logger="dpsgd"):
+        trainer = DPTrainer(model=lora_gpt2().train(), args=args, train_dataset=_Ids(48),
+                            privacy=PrivacyArguments(target_epsilon=4.0, target_delta=1e-5))
+    engine = trainer.privacy_engine
+    # rank-8 adapters: r * width products per example and token, far below 8 k (r + width)
+    assert engine.estimator == "auto" and engine.envelope is None and engine.plan.all_exact
+    assert engine.noise_multiplier == engine.exact_noise_multiplier
+    assert "norm plan: estimator auto: every norm exact" in caplog.text
+    trainer.train()
+    assert engine.steps == 2
+
+
 def test_trainer_calibrates_noise_from_a_target_epsilon(tmp_path):
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=2,
