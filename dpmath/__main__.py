@@ -3,8 +3,7 @@
 Three subcommands: ``envelope`` tabulates the envelopes of randomized clipping, ``epsilon`` brackets the
 epsilon of DP-SGD or DP-SGD-RC, ``noise-multiplier`` calibrates the noise multiplier to a target epsilon.
 Options use the Python API's names (``--noise-multiplier``, ``--sample-rate``, ``--projection-dim``,
-``--dim``, ...); the old spellings (``--sigma``, ``--q``, ``--k``, ``--d``, ``--epsilon`` and the
-subcommand ``sigma``) still work until dpmath 0.3, with a message on stderr.
+``--dim``, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from fractions import Fraction
 import numpy as np
 
 from .calibration import calibrate_noise_multiplier, dpsgd_epsilon_bracket, estimator_envelope
-from .deprecation import REMOVAL
 from .envelope import HutchEnvelope, HutchPPEnvelope, pessimistic_discretization
 
 PROG = "python -m dpmath"
@@ -43,10 +41,6 @@ DIM_HELP = ("d, the number of chi-square terms of the envelope (default 2048). F
 
 PROJECTION_HELP = "k, the number of random projections (probes) of Hutchinson or Hutch++ (default 32)"
 
-# option -> its old spelling, accepted until REMOVAL with a message on stderr (--delta is current in `epsilon`)
-OLD_SPELLINGS = {"--noise-multiplier": "--sigma", "--sample-rate": "--q", "--projection-dim": "--k", "--dim": "--d",
-                 "--target-epsilon": "--epsilon", "--target-delta": "--delta"}
-OLD_SUBCOMMANDS = {"sigma": "noise-multiplier"}
 
 
 def _number(text: str) -> float:
@@ -96,23 +90,8 @@ def _dest(option: str) -> str:
 
 
 def _add(parser: argparse.ArgumentParser, option: str, kind, metavar: str, help: str) -> None:
-    """Add ``option`` (default ``None``: whether it was given matters) and its hidden old spelling, which
-    stores under its own name so that :func:`_resolve` can tell which was used."""
+    """Add ``option`` with default ``None`` (whether it was given matters: :func:`_require`)."""
     parser.add_argument(option, type=kind, metavar=metavar, help=help)
-    if option in OLD_SPELLINGS:
-        parser.add_argument(OLD_SPELLINGS[option], dest=f"old_{_dest(option)}", type=kind, help=argparse.SUPPRESS)
-
-
-def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Move each old spelling's value to its option, saying so on stderr; both spellings is an error."""
-    for new, old in OLD_SPELLINGS.items():
-        value = getattr(args, f"old_{_dest(new)}", None)
-        if value is None:
-            continue
-        if getattr(args, _dest(new)) is not None:
-            parser.error(f"give {new} or its old spelling {old}, not both")
-        print(f"{PROG}: {old} is deprecated and will be removed in dpmath {REMOVAL}; use {new}", file=sys.stderr)
-        setattr(args, _dest(new), value)
 
 
 def _require(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
@@ -259,8 +238,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _add(eps, "--delta", _number, "DELTA", "required: delta, in (0, 1)")
     _add_common(eps)
     cal = sub.add_parser(
-        "noise-multiplier", aliases=list(OLD_SUBCOMMANDS), formatter_class=plain,
-        help="calibrate the noise multiplier to a target epsilon (old name: sigma)",
+        "noise-multiplier", formatter_class=plain,
+        help="calibrate the noise multiplier to a target epsilon",
         description="The smallest noise multiplier whose upper-bound epsilon at --target-delta meets "
                     "--target-epsilon,\nand its epsilon bracket.\n\n" + SAMPLING,
         epilog="example:\n  python -m dpmath noise-multiplier --target-epsilon 0.7 --target-delta 1e-5 "
@@ -274,13 +253,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = _parser()
     args = parser.parse_args(argv)
-    if args.command in OLD_SUBCOMMANDS:
-        new = OLD_SUBCOMMANDS[args.command]
-        print(f"{PROG}: the subcommand {args.command} is deprecated and will be removed in dpmath {REMOVAL}; "
-              f"use {new}", file=sys.stderr)
-        args.command = new
     sub = subparsers[args.command]
-    _resolve(sub, args)
     _envelope_dims(sub, args, args.command == "envelope" or args.estimator != "exact")
     _require(sub, args, *{"envelope": (), "epsilon": ("--noise-multiplier", "--delta"),
                           "noise-multiplier": ("--target-epsilon", "--target-delta")}[args.command])

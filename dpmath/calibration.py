@@ -23,10 +23,6 @@ step reaches 1, the accountant's coarsest.
 :func:`dpsgd_epsilon` is the common case in one call (:func:`dpsgd_epsilon_bracket` with both ends of the
 bracket), and :func:`estimator_envelope` maps an estimator name (``"exact"``, ``"hutch"``, ``"hutchpp"``)
 and ``(projection_dim, dim)`` to its envelope.
-
-Until dpmath 0.3, :func:`calibrate_sigma` is a deprecated alias of :func:`calibrate_noise_multiplier`, and
-the float :func:`dpsgd_epsilon` returns can still be unpacked as the ``(lower, upper)`` bracket it used to
-be (with a :class:`DeprecationWarning`).
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .deprecation import deprecated_alias, renamed_arguments, warn_renamed
 from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
@@ -47,7 +42,7 @@ from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["Bracket", "calibrate_noise", "calibrate_noise_multiplier", "calibrate_sigma", "dpsgd_epsilon",
+__all__ = ["Bracket", "calibrate_noise", "calibrate_noise_multiplier", "dpsgd_epsilon",
            "dpsgd_epsilon_bracket", "estimator_envelope"]
 
 _ESTIMATORS = ("exact", "hutch", "hutchpp")
@@ -123,7 +118,6 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
     return math.inf
 
 
-@renamed_arguments({"delta": "target_delta", "q": "sample_rate"})
 def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float, steps: int, *,
                                envelope: Envelope | None = None, accountant: str = "pld",
                                discretization: float = 1e-4, rtol: float = 1e-4,
@@ -249,7 +243,6 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     return published(_search(medium, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope), medium)
 
 
-calibrate_sigma = deprecated_alias(calibrate_noise_multiplier, "calibrate_sigma")
 
 
 def _newton_start(f, guess: float, slope: float) -> tuple[float | None, float]:
@@ -383,44 +376,6 @@ def _search(f, guess: float, factors: list[float], eps_t: float, context: str, r
     return math.exp(x_hi), ((f_hi - f_lo) / (x_hi - x_lo) if finite else -1.0)
 
 
-class _BracketedEpsilon(float):
-    """The upper end of a :class:`Bracket`, a plain float in every use, that still unpacks as the bracket.
-
-    :func:`dpsgd_epsilon` returned the ``Bracket`` itself before dpmath 0.2; until 0.3 this float keeps the
-    old uses working with a :class:`DeprecationWarning`: ``lower, upper = dpsgd_epsilon(...)`` and the
-    ``.lower``/``.upper`` attributes.  Arithmetic on it gives ordinary floats.
-    """
-
-    __slots__ = ("_lower",)
-
-    def __new__(cls, bracket: Bracket | float) -> _BracketedEpsilon | float:
-        if not isinstance(bracket, Bracket):
-            # a number: what float's own machinery (statistics, copy) builds through type(x)(value)
-            return float(bracket)
-        self = super().__new__(cls, bracket.upper)
-        self._lower = bracket.lower
-        return self
-
-    def __reduce__(self) -> tuple:
-        return float, (float(self),)   # pickled as the number it is
-
-    def __iter__(self):
-        warn_renamed("unpacking dpsgd_epsilon(...) as (lower, upper)", "dpsgd_epsilon_bracket(...)")
-        return iter(Bracket(self._lower, float(self)))
-
-    @property
-    def lower(self) -> float:
-        """Deprecated: the bracket's lower end (use :func:`dpsgd_epsilon_bracket`)."""
-        warn_renamed("dpsgd_epsilon(...).lower", "dpsgd_epsilon_bracket(...).lower")
-        return self._lower
-
-    @property
-    def upper(self) -> float:
-        """Deprecated: the number itself."""
-        warn_renamed("dpsgd_epsilon(...).upper", "dpsgd_epsilon(...) itself, a float")
-        return float(self)
-
-
 def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: int, delta: float, *,
                           estimator: str = "exact", projection_dim: int = 32, dim: int = 2048,
                           discretization: float = 1e-4, bracket_rtol: float | str | None = AUTO) -> Bracket:
@@ -476,9 +431,7 @@ def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta
     r"""Epsilon of DP-SGD or DP-SGD-RC at ``delta``, the certified upper bound: like Opacus'
     ``get_epsilon(delta)``, in one call.
 
-    The upper end of :func:`dpsgd_epsilon_bracket` (the same computation and arguments).  Until dpmath
-    0.3 the float it returns can still be unpacked as ``lower, upper`` or read as ``.lower``/``.upper``,
-    with a :class:`DeprecationWarning`.
+    The upper end of :func:`dpsgd_epsilon_bracket` (the same computation and arguments).
 
     Examples
     --------
@@ -486,6 +439,6 @@ def dpsgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta
     >>> round(dpsgd_epsilon(1.0, 0.01, 1000, 1e-5), 3)
     1.828
     """
-    return _BracketedEpsilon(dpsgd_epsilon_bracket(noise_multiplier, sample_rate, steps, delta, estimator=estimator,
-                                                   projection_dim=projection_dim, dim=dim,
-                                                   discretization=discretization, bracket_rtol=bracket_rtol))
+    return dpsgd_epsilon_bracket(noise_multiplier, sample_rate, steps, delta, estimator=estimator,
+                                 projection_dim=projection_dim, dim=dim, discretization=discretization,
+                                 bracket_rtol=bracket_rtol).upper

@@ -54,7 +54,6 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from .chi2mix import two_block_cdf
-from .deprecation import renamed_arguments
 from .validation import positive_int, probability_array, real_array, real_number
 
 __all__ = ["Envelope", "HutchEnvelope", "HutchPPEnvelope", "Maximizer", "PointMassEnvelope", "DiscreteEnvelope",
@@ -276,7 +275,6 @@ class Envelope:
         return float(lo), float(hi)
 
 
-@renamed_arguments({"k": "projection_dim", "d": "dim"})
 class HutchEnvelope(Envelope):
     r"""Envelope of Hutchinson-estimated squared norms, ``F(x) = sup_lambda P(X(lambda) <= x)``.
 
@@ -624,7 +622,6 @@ class HutchEnvelope(Envelope):
         return Maximizer(int(i[0]), int(j[0]), float(lam[0]))
 
 
-@renamed_arguments({"k": "projection_dim", "d": "dim"})
 class HutchPPEnvelope(Envelope):
     r"""Envelope of Hutch++-estimated squared norms (paper 000, App. B.7.2 / B.8, Prop. B.24).
 

@@ -62,7 +62,6 @@ from numpy.typing import ArrayLike
 from scipy import optimize, special
 
 from .conversions import rdp_to_epsilon
-from .deprecation import renamed_arguments
 from .mechanisms import LAPLACE_GDP_FACTOR
 from .rdp import log_subsampled_moment
 from .validation import non_negative, open_probability, positive_int, positive_real, real_array
@@ -136,7 +135,6 @@ def laplace_moment(shift: ArrayLike, eta: ArrayLike, scale: float = 1.0) -> np.n
         return np.exp(_log_moment_terms(u / b, e))
 
 
-@renamed_arguments({"q": "sample_rate"})
 def univariate_log_moment(shift: ArrayLike, order: int, sample_rate: float, scale: float = 1.0) -> np.ndarray:
     r"""Paper 003, Thm III.2: the moments-accountant function of one subsampled Laplace coordinate.
 
@@ -209,7 +207,6 @@ def majorizer(dim: int, clip_norm: float = 1.0) -> np.ndarray:
     return c / (np.sqrt(i) + np.sqrt(i - 1.0))
 
 
-@renamed_arguments({"q": "sample_rate"})
 def published_log_moment(order: int, sample_rate: float, scale: float, clip_norm: float, dim: int) -> float:
     r"""Paper 003, Thm III.7 **as published** (unsound, see the module docstring).
 
@@ -249,7 +246,6 @@ def published_log_moment(order: int, sample_rate: float, scale: float, clip_norm
     return total
 
 
-@renamed_arguments({"q": "sample_rate"})
 def published_epsilon(delta: float, sample_rate: float, steps: int, scale: float, clip_norm: float, dim: int,
                       orders: ArrayLike = tuple(range(1, 129))) -> float:
     r"""Epsilon of LAP2 by the paper's accountant **as published** (unsound; for comparison only).
@@ -298,7 +294,6 @@ def published_epsilon(delta: float, sample_rate: float, steps: int, scale: float
     return eps
 
 
-@renamed_arguments({"q": "sample_rate"})
 def joint_log_moment(gradient: ArrayLike, order: int, sample_rate: float, scale: float = 1.0) -> float:
     r"""Exact ``log E_{Lap(0)^n}[(1 - q + q prod_i L_i)^{lambda+1}]`` of one LAP2 step for gradient ``g``.
 

@@ -25,9 +25,7 @@ How examples are chosen is part of the mechanism too (:doc:`/sampling`):
 * :class:`RandomAllocationGaussian` (balls in bins) and :class:`ShuffledGaussian`: one epoch in which every
   example is in exactly one step, bounded by one Gaussian step (no amplification is certified for them).
 
-A mechanism validates its arguments once, at construction; accountants never see an invalid one.  The
-paper's names (``sigma``, ``q``) still work as keywords and attributes until dpmath 0.3, with a
-:class:`DeprecationWarning` (:mod:`dpmath.deprecation`).
+A mechanism validates its arguments once, at construction; accountants never see an invalid one.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .deprecation import renamed_arguments, warn_renamed
 from .envelope import DiscreteEnvelope, Envelope, ReplacementEnvelope
 from .validation import positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
@@ -44,7 +41,6 @@ __all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "Subsampl
            "FixedSizeSubsampledGaussian", "TruncatedSubsampledGaussian", "RandomAllocationGaussian", "ShuffledGaussian"]
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class Gaussian:
     r"""The Gaussian mechanism with noise multiplier ``sigma`` (noise std / sensitivity).
@@ -86,7 +82,6 @@ class Gaussian:
         return 1.0
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class SubsampledGaussian:
     r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD.
@@ -123,7 +118,6 @@ class SubsampledGaussian:
         object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 @dataclass(frozen=True)
 class RandomizedClipGaussian:
     r"""One step of DP-SGD-RC: a subsampled Gaussian whose sensitivity is the random scale ``1/sqrt(Y)``.
@@ -187,7 +181,6 @@ LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
 """``c = sqrt(pi/2)``: a Laplace shift of ``t`` noise scales is dominated by ``G_{c t}`` (:mod:`dpmath.lap2`)."""
 
 
-@renamed_arguments({"q": "sample_rate"})
 @dataclass(frozen=True)
 class SubsampledL2Laplace:
     r"""LAP2 (paper 003): Poisson sampling ``q``, l2 clipping, independent Laplace noise on each coordinate.
@@ -242,12 +235,6 @@ class SubsampledL2Laplace:
         while scale / LAPLACE_GDP_FACTOR < s:   # rounded up: the dominating Gaussian never has less noise than sigma
             scale = math.nextafter(scale, math.inf)
         return cls(scale, sample_rate)
-
-    @classmethod
-    def for_sigma(cls, sigma: float, q: float) -> SubsampledL2Laplace:
-        """Deprecated name of :meth:`for_noise_multiplier` (warns; removed in dpmath 0.3)."""
-        warn_renamed("SubsampledL2Laplace.for_sigma", "SubsampledL2Laplace.for_noise_multiplier")
-        return cls.for_noise_multiplier(sigma, q)
 
 
 def _count(value: object, name: str) -> int:

@@ -37,7 +37,6 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from . import conversions
-from .deprecation import renamed_arguments
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
@@ -138,7 +137,6 @@ def _log_a_frac(q: float, sigma: float, alpha: float) -> float:
     return _log_sub(log_pos, log_neg)
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders: ArrayLike) -> np.ndarray:
     r"""Renyi divergence of one step of the Poisson-subsampled Gaussian, per order.
 

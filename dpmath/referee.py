@@ -60,7 +60,6 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
-from .deprecation import renamed_arguments
 from .envelope import Envelope, pessimistic_discretization
 from .validation import non_negative, open_probability, positive_int, positive_real, sample_rate
 
@@ -625,7 +624,6 @@ class _RcCurve:
         return first if first.value >= second.value else second
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 def referee_rc_delta(noise_multiplier: float, sample_rate: float, envelope: Envelope, steps: int, epsilon: float,
                      *, resolution: float = 2e-4, tail: float = 1e-16) -> tuple[float, float]:
     r"""``(low, high)`` enclosing ``delta(epsilon)`` of ``steps`` DP-SGD-RC steps
@@ -676,7 +674,6 @@ def referee_rc_delta(noise_multiplier: float, sample_rate: float, envelope: Enve
     return _RcCurve(_ScaleBins(s, qq, envelope, r, t), n)(e)
 
 
-@renamed_arguments({"sigma": "noise_multiplier", "q": "sample_rate"})
 def referee_rc_epsilon(noise_multiplier: float, sample_rate: float, envelope: Envelope, steps: int, delta: float,
                        *, resolution: float = 2e-4, tail: float | None = None, rtol: float = 1e-6
                        ) -> tuple[float, float]:

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .deprecation import renamed_arguments
 from .rdp import log_subsampled_moment, subsampled_gaussian_rdp
 from .validation import positive_int, positive_real, real_array
 from .validation import sample_rate as checked_sample_rate
@@ -73,7 +72,6 @@ def _integer_orders(orders: ArrayLike) -> np.ndarray:
     return o
 
 
-@renamed_arguments({"sigma": "noise_std", "q": "coordinate_rate"})
 def coordinate_sampling_rdp(noise_std: float, coordinate_rate: float, c2: float, c_inf: float,
                             orders: ArrayLike) -> np.ndarray:
     r"""RDP of coordinate-wise Poisson sampling with l2 + l-infinity clipping (paper 002, eq. 7, Remark 5.1).
@@ -126,7 +124,6 @@ def coordinate_sampling_rdp(noise_std: float, coordinate_rate: float, c2: float,
     return out
 
 
-@renamed_arguments({"q1": "sample_rate"})
 def twice_sampling_rdp(sample_rate: float, base_rdp, orders: ArrayLike) -> np.ndarray:
     r"""Paper 002, Thm 5.4 (eq. 8): RDP of a ``q1`` Poisson sample fed to a mechanism of RDP ``eps0``.
 
@@ -174,7 +171,6 @@ def twice_sampling_rdp(sample_rate: float, base_rdp, orders: ArrayLike) -> np.nd
     return out
 
 
-@renamed_arguments({"sigma": "noise_std", "q": "coordinate_rate"})
 @dataclass(frozen=True)
 class CoordinateSampledGaussian:
     """Coordinate-wise Poisson sampling of rate ``coordinate_rate`` with l2 (``c2``) and l-infinity (``c_inf``)
@@ -203,7 +199,6 @@ class CoordinateSampledGaussian:
         return coordinate_sampling_rdp(self.noise_std, self.coordinate_rate, self.c2, self.c_inf, orders)
 
 
-@renamed_arguments({"sigma": "noise_std", "q1": "sample_rate", "q2": "coordinate_rate"})
 @dataclass(frozen=True)
 class TwiceSampledGaussian:
     """Twice sampling (paper 002, Alg. 2): Poisson rate ``sample_rate`` (``q1``) over examples, then rate
@@ -235,7 +230,6 @@ class TwiceSampledGaussian:
             self.noise_std, self.coordinate_rate, self.c2, self.c_inf, o), orders)
 
 
-@renamed_arguments({"sigmas": "noise_stds", "q1": "sample_rate", "q2": "coordinate_rate"})
 @dataclass(frozen=True)
 class HybridTwiceSampledGaussian:
     """Hybrid clipping with twice sampling (paper 002, Thm 5.6): subspace ``j`` is clipped to

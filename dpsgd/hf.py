@@ -52,8 +52,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from dpmath.deprecation import renamed_arguments
-
 from .data import EmptyBatch, private_data_loader
 from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
@@ -70,7 +68,6 @@ _NONPRIVATE_LOGS = frozenset({"loss", "train_loss", "grad_norm", "num_input_toke
                               "train_tokens_per_second"})
 
 
-@renamed_arguments({"k": "projection_dim"})
 @dataclass(frozen=True)
 class PrivacyArguments:
     """The privacy settings of a :class:`DPTrainer` (see :meth:`dpsgd.PrivacyEngine.make_private`).

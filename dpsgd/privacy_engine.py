@@ -72,7 +72,6 @@ from dpmath import (
     RDPAccountant,
     calibrate_noise,
 )
-from dpmath.deprecation import renamed_arguments
 
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import (
@@ -529,7 +528,6 @@ def _entropy_seed() -> int:
 _GENERATOR_STATE_KEYS = ("sampling_rng", "projection_rngs", "mask_rngs", "noise_rngs", "noise_rng")
 
 
-@renamed_arguments({"k": "projection_dim"})   # the attribute's old name reads, with a warning
 class PrivacyEngine:
     r"""Makes a model, optimizer, loss and data loader private with DP-SGD-RC, and keeps the privacy ledger.
 
@@ -626,7 +624,6 @@ class PrivacyEngine:
         if self._user_rows is not None:
             self._user_rows.clear()
 
-    @renamed_arguments({"k": "projection_dim"})
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
                      target_epsilon: float | None = None, target_delta: float | None = None,
@@ -671,8 +668,7 @@ class PrivacyEngine:
             per-example gradients).  ``make_private`` logs the plan's choice and, with a target, the noise
             multiplier with the estimate against the one exact norms would need (:attr:`exact_noise_multiplier`).
         projection_dim : int
-            ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"`` (the old name
-            ``k`` works, with a ``DeprecationWarning``, until 0.3).
+            ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"``.
         poisson_sampling : bool
             Poisson batches (default), the sampling every accountant here assumes.  ``False`` draws fixed-size
             shuffled batches (for benchmarks that need fixed shapes): the run trains, with a ``UserWarning``,
@@ -819,15 +815,15 @@ class PrivacyEngine:
             self._settings["batch_sampling"] = scheme.settings()
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion)
-        if not poisson_sampling:   # stacklevel 3: past renamed_arguments' wrapper, at the caller's line
+        if not poisson_sampling:   # stacklevel 2: at the caller's line
             warnings.warn(f"{_SHUFFLED}. The model trains, but get_epsilon() and accountant() will raise "
                           f"UnaccountedSamplingError; for an epsilon, keep poisson_sampling=True (the default)",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=2)
         if seed is not None:
             warnings.warn(f"make_private(seed={seed!r}) makes the run reproducible: its batches, projections, masks "
                           f"and noise are all derived from the seed, so the run offers no privacy against whoever "
                           f"holds the seed (its epsilon holds only for those who do not). Leave seed=None (the "
-                          f"default) to seed them from os.urandom", UserWarning, stacklevel=3)
+                          f"default) to seed them from os.urandom", UserWarning, stacklevel=2)
         return compiled, optimizer, crit, loader
 
     @staticmethod
@@ -1098,11 +1094,10 @@ class PrivacyEngine:
     # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the
     # steps already taken (a lower sample_rate, a higher noise_multiplier, a larger k, "exact" for an estimator
     # or a narrower envelope would under-charge them)
-    # "k" is projection_dim's deprecated name: refused here too, with this message.  planned_steps bounds the
-    # steps the calibration holds for; secure_mode decides whether a seed is accepted;
+    # planned_steps bounds the steps the calibration holds for; secure_mode decides whether a seed is accepted;
     # ledger_path is where every step is recorded, so a resumed run counts them all
     FIXED_SETTINGS = frozenset({"noise_multiplier", "sample_rate", "expected_batch_size", "estimator", "projection_dim",
-                                "k", "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
+                                "max_grad_norm", "envelope", "planned_steps", "secure_mode", "ledger_path",
                                 "privacy_unit", "max_examples_per_user"})
 
     # the settings that may change at any time (the row check's)
@@ -1115,7 +1110,7 @@ class PrivacyEngine:
                                  f"taken; use a new PrivacyEngine")
         if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
-            fixed = sorted(PrivacyEngine.FIXED_SETTINGS - {"k"})
+            fixed = sorted(PrivacyEngine.FIXED_SETTINGS)
             raise AttributeError(f"PrivacyEngine has no setting {name!r}{_did_you_mean(name, [*self.SETTINGS, *fixed])}"
                                  f", so setting it would change nothing. Its settings: "
                                  f"{', '.join(self.SETTINGS)} (changeable at any time); {', '.join(fixed)} (given to "

@@ -156,30 +156,8 @@ def test_cli_reads_fractions_and_exponents(capsys):
     assert fraction.splitlines()[:2] == decimal.splitlines()[:2] and "steps = 1000" in fraction
 
 
-@pytest.mark.parametrize(("old", "new"), [
-    (["epsilon", "--sigma", "1.1", "--q", "0.01"], ["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.01"]),
-    (["sigma", "--epsilon", "1", "--q", "0.01", "--delta", "1e-5"],
-     ["noise-multiplier", "--target-epsilon", "1", "--sample-rate", "0.01", "--target-delta", "1e-5"]),
-    (["epsilon", "--sigma", "2", "--q", "0.01", "--estimator", "hutch", "--k", "32", "--d", "64"],
-     ["epsilon", "--noise-multiplier", "2", "--sample-rate", "0.01", "--estimator", "hutch", "--projection-dim", "32",
-      "--dim", "64"]),
-], ids=["epsilon", "sigma", "k-d"])
-def test_cli_old_spellings_say_so_on_stderr_and_give_the_same_number(capsys, old, new):
-    rest = ["--steps", "100"] + (["--delta", "1e-5"] if new[0] == "epsilon" else [])
-    assert main(new + rest) == 0
-    expected = capsys.readouterr()
-    assert not expected.err
-    assert main(old + rest) == 0
-    got = capsys.readouterr()
-    assert got.out.splitlines()[:2] == expected.out.splitlines()[:2]
-    for spelling in old:
-        if spelling.startswith("--") and spelling not in new:
-            assert f"{spelling} is deprecated" in got.err
-    assert ("the subcommand sigma is deprecated" in got.err) == (old[0] == "sigma")
-
-
 def test_cli_refuses_projection_dim_without_an_estimator(capsys):
-    for option in ("--projection-dim", "--dim", "--k"):
+    for option in ("--projection-dim", "--dim"):
         with pytest.raises(SystemExit) as exc:
             main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "3", "--delta", "1e-5",
                   option, "8"])

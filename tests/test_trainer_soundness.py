@@ -462,7 +462,7 @@ def test_two_logical_batches_before_one_step_are_refused():
 # each change would have the accountant charge the steps already taken (or to come) less than they spend
 _UNDER_CHARGING = [("sample_rate", 0.01), ("noise_multiplier", 100.0), ("projection_dim", 4096), ("estimator", "exact"),
                    ("envelope", None), ("max_grad_norm", 10.0), ("expected_batch_size", 1e6),
-                   ("planned_steps", 10**9), ("secure_mode", True), ("ledger_path", "elsewhere.jsonl"), ("k", 4096)]
+                   ("planned_steps", 10**9), ("secure_mode", True), ("ledger_path", "elsewhere.jsonl")]
 
 
 @pytest.mark.parametrize(("name", "value"), _UNDER_CHARGING)
@@ -480,6 +480,12 @@ def test_the_engine_settings_cannot_be_changed_after_make_private(name, value):
     assert {n: getattr(engine, n) for n, _ in _UNDER_CHARGING} == before
     ((mech, steps),) = engine.accountant().events
     assert mech.sample_rate == before["sample_rate"] and mech.noise_multiplier == 1.0 and steps == 1
+
+
+def test_the_papers_k_is_no_setting_of_the_engine():
+    engine = _engine(noise=1.0, estimator="hutch")[0]
+    with pytest.raises(AttributeError, match="PrivacyEngine has no setting 'k'"):
+        engine.k = 4096
 
 
 @pytest.mark.parametrize("name", ["noise_multiplier", "max_grad_norm", "expected_batch_size"])
