@@ -34,7 +34,8 @@ The sampling is given either as --sample-rate and --steps, or as --dataset-size,
 --epochs (sample rate = batch size / dataset size, steps = epochs * ceil(dataset size / batch size)).
 Rates accept fractions (256/60000) and numbers accept exponents (1e-5)."""
 
-DIM_HELP = ("d, the number of chi-square terms of the envelope (default 2048). For a model trained by dpsgd it "
+DIM_HELP = ("d, the number of chi-square terms of the envelope (required with an estimator; envelope: default 2048). "
+            "For a model trained by dpsgd it "
             "is summed over the layers, not taken from the widest one: min(rows, cols) of every weight matrix "
             "whose norm is estimated, plus 1 per estimated bias. \"python -m dpsgd plan\" prints it for a model, "
             "and whether some parts are exact (the trainer then accounts with the hutchpp form)")
@@ -81,7 +82,8 @@ def _bracket_line(args: argparse.Namespace) -> str:
     if args.bracket_rtol is None:
         return "one grid (--bracket-rtol none)"
     if args.bracket_rtol == "auto":
-        return "bracket refined to 0.1 % (0.5 % with an estimator) within a budget"
+        width = "0.5 %" if getattr(args, "estimator", "exact") != "exact" else "0.1 %"
+        return f"bracket refined to {width} within a budget"
     return f"refined to {args.bracket_rtol:g} relative width"
 
 
@@ -106,6 +108,10 @@ def _envelope_dims(parser: argparse.ArgumentParser, args: argparse.Namespace, es
     if not estimated and (args.projection_dim is not None or args.dim is not None):
         parser.error("--projection-dim and --dim describe a norm estimator's envelope: give --estimator hutch or "
                      "hutchpp with them (exact norms, the default, have no envelope)")
+    if estimated and args.command != "envelope" and args.dim is None:
+        parser.error("--dim is required with --estimator hutch or hutchpp: it is the envelope's dimension D, the "
+                     "chi-square terms summed over every estimated weight of the model (python -m dpsgd plan prints "
+                     "it), and a guess would give another epsilon")
     args.projection_dim = 32 if args.projection_dim is None else args.projection_dim
     args.dim = 2048 if args.dim is None else args.dim
 
@@ -122,7 +128,8 @@ def _envelope(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     print(f"Envelope of randomized clipping, projection dim k = {k}, dim d = {d} (chi-square terms)")
     print(f"  x_minus = 1 (vertex extremal below), x_plus = {x_plus:.10f} (uniform extremal above);")
-    print(f"  paper 000's asymptotic x_plus = 1 + 2/(dk) = {1 + 2 / (d * k):.10f}")
+    print(f"  (paper 000's Prop. 5.2 asymptote 1 + 2/(dk) = {1 + 2 / (d * k):.10f} is refuted: python -m verify "
+          f"--only envelope_claims)")
     print(f"  support (1e-16 quantiles): [{lo:.6f}, {hi:.6f}]")
     print()
     print(f"  {'x':>10} {'Hutch F(x)':>14} {'maximizer (i, j, lam)':>26} {'Hutch++ F(x)':>14}")

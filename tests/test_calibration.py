@@ -246,3 +246,19 @@ def test_a_long_calibration_logs_each_evaluation(monkeypatch, caplog):
     assert lines and all(m.startswith("calibrating: noise_multiplier ") and "(target 1; grid step 0.0001)" in m
                          for m in lines)
     assert f"noise_multiplier {sigma:.6g} gives epsilon" in "\n".join(lines)
+
+
+def test_cli_needs_the_envelope_dimension_with_an_estimator_and_says_where_to_find_it(capsys):
+    for sub in (["epsilon", "--noise-multiplier", "1", "--delta", "1e-5"],
+                ["noise-multiplier", "--target-epsilon", "1", "--target-delta", "1e-5"]):
+        with pytest.raises(SystemExit) as exc:
+            main(sub + ["--sample-rate", "0.01", "--steps", "10", "--estimator", "hutch"])
+        assert exc.value.code == 2
+        assert "--dim is required with --estimator hutch or hutchpp" in capsys.readouterr().err
+
+
+def test_cli_states_the_bracket_width_of_the_case_it_computed(capsys):
+    assert main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta",
+                 "1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "bracket refined to 0.1 % within a budget" in out and "with an estimator" not in out
