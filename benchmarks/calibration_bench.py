@@ -10,12 +10,14 @@ Settings: the README's (epsilon 2 at delta 1e-5, 60 steps at q = 0.05; its 20-64
 ``estimator="hutch", projection_dim=16`` has the envelope ``HutchEnvelope(16, 24)``), a small study's (a tiny GPT-2
 under Hutch++: ``HutchPPEnvelope(32, 616)``, epsilon 3, 96 steps at q = 0.032) and a long run's (``HutchEnvelope(32,
 2048)``, epsilon 8, 3000 steps at q = 0.01).  ``make_private`` rows time the README's whole call (model, loader,
-calibration; ``"auto"`` also calibrates exact norms to log the estimate's price).
+calibration; ``"auto"`` also calibrates exact norms to log the estimate's price).  ``--compare DIR`` reruns
+our cases with another checkout's library, alternated with this one's (``benchmarks/results/first_contact.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -78,13 +80,16 @@ sigma = engine.noise_multiplier
 CODE["make_private hutch k=16"] = CODE["make_private auto"].replace("epochs=3)", "epochs=3, estimator='hutch', "
                                                                                "projection_dim=16)")
 README_ONLY = ("make_private auto", "make_private hutch k=16")
+OURS = ("ours, estimated", "ours, exact", *README_ONLY)   # the cases --compare reruns at another checkout
 
 
-def run(case: str, setting: str) -> tuple[float, float] | None:
-    """``(seconds, sigma)`` of one cold calibration in a fresh process, or ``None`` where a peer is missing."""
+def run(case: str, setting: str, checkout: str | None = None) -> tuple[float, float] | None:
+    """``(seconds, sigma)`` of one cold calibration in a fresh process (importing the library from ``checkout``
+    where given), or ``None`` where a peer is missing."""
     body = CODE[case].format(**SETTINGS[setting])
     script = f"import time\n{body}\nprint(time.perf_counter() - t, sigma)\n"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": checkout}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=checkout)
     if out.returncode != 0:
         if "ModuleNotFoundError" in out.stderr:
             return None
@@ -97,29 +102,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--compare", metavar="DIR",
+                        help="also run our cases with the library of another checkout (e.g. a git worktree of an "
+                             "older commit), alternated with these: rows marked 'at DIR'")
     args = parser.parse_args()
+    cases = [(case, None) for case in CODE]
+    if args.compare:
+        cases += [(case, args.compare) for case in OURS]
     times: dict[tuple[str, str], list[float]] = {}
     sigmas: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):
         for setting in args.settings:
-            for case in CODE:
+            for case, checkout in cases:
                 if case in README_ONLY and setting != "readme":
                     continue
-                got = run(case, setting)
+                got = run(case, setting, checkout)
                 if got is not None:
-                    times.setdefault((case, setting), []).append(got[0])
-                    sigmas[(case, setting)] = got[1]
+                    label = case if checkout is None else f"{case} at {checkout}"
+                    times.setdefault((label, setting), []).append(got[0])
+                    sigmas[(label, setting)] = got[1]
     print(f"cold calibration, median of {args.rounds} fresh processes each (cases alternated), imports excluded")
     for setting in args.settings:
         s = SETTINGS[setting]
         print(f"\n{setting}: epsilon {s['eps']:g}, delta {s['delta']:g}, q {s['q']:g}, {s['steps']} steps; "
               f"estimated: {s['envelope']}")
         base = statistics.median(times[("ours, exact", setting)])
-        print(f"  {'case':<24} {'sigma':>9} {'median s':>9} {'/ ours exact':>13}")
-        for case in CODE:
-            if (case, setting) in times:
-                m = statistics.median(times[(case, setting)])
-                print(f"  {case:<24} {sigmas[(case, setting)]:>9.5f} {m:>9.3f} {m / base:>13.2f}")
+        labels = list(dict.fromkeys(label for label, at in times if at == setting))
+        w = max(24, *map(len, labels))
+        print(f"  {'case':<{w}} {'sigma':>9} {'median s':>9} {'/ ours exact':>13}")
+        for label in labels:
+            m = statistics.median(times[(label, setting)])
+            print(f"  {label:<{w}} {sigmas[(label, setting)]:>9.5f} {m:>9.3f} {m / base:>13.2f}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ search starts from the plain DP-SGD answer, takes two Newton steps on a coarse g
 the scale bins), narrows to ``rtol`` on a medium grid (10x the loss step: epsilon within a few 1e-5 of the
 requested grid's, at a fifth to a half of the cost), and one evaluation on the requested grid confirms the
 answer (or a last search there moves it); only the requested grid's epsilon decides the result.  The
-README's setting (Hutch, ``k = 16``, ``D = 24``, q = 0.05, 60 steps, epsilon 2) took 3.5 s cold with a search on
-the requested grid and takes 1.9 s (``benchmarks/calibration_bench.py``).  A search that runs longer than
+README's setting (Hutch, ``k = 16``, ``D = 24``, q = 0.05, 60 steps, epsilon 2) took 3.4 s cold with a search on
+the requested grid and takes 2.3 s (``benchmarks/calibration_bench.py --compare``).  A search that runs longer than
 :data:`PROGRESS_AFTER` seconds logs each evaluation as an INFO record of the ``"dpmath"`` logger.
 
 A large target is searched on a coarser grid: the loss step is at least ``1e-5`` times ``target_epsilon``
