@@ -288,13 +288,25 @@ def _narrow(func, args, kwargs, out, rows):
     return [Rows(tuple((a, taken if a == dim else x) for a, x in r.axes), r.mixed)]
 
 
+def _one_example(r: Rows, out: torch.Tensor) -> Rows | None:
+    """The rows of a piece of a tensor every element of which is one example's (all of ``r``'s ids the same: a batch
+    of one example whose rows were merged with time steps, as a recurrent kernel does): the piece is wholly that
+    example's, which is said on its first axis of size 1; ``None`` if the ids differ or there is no such axis."""
+    ids = torch.cat([x for _, x in r.axes]) if r.axes else None
+    if ids is None or r.mixed or not bool((ids == ids[0]).all()):
+        return None
+    axis = next((d for d, n in enumerate(out.shape) if n == 1), None)
+    return None if axis is None else Rows(((axis, ids[:1]),))
+
+
 def _select(func, args, kwargs, out, rows):
     (t, r), = rows[:1]
     dim = _norm_dim(args[1], t.dim())
     if r.mixed:
         return [r]
     if r.axis(dim) is not None:
-        return [_mixed(f"{_name(func)} takes one example's row out of the batch")]
+        whole = _one_example(r, out)
+        return [whole if whole is not None else _mixed(f"{_name(func)} takes one example's row out of the batch")]
     return [Rows(tuple((a - (a > dim), x) for a, x in r.axes))]
 
 
@@ -319,6 +331,9 @@ def _unbind(func, args, kwargs, out, rows):
     (t, r), = rows[:1]
     dim = _norm_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), t.dim())
     if r.axis(dim) is not None:
+        pieces = [_one_example(r, o) for o in out]
+        if all(p is not None for p in pieces):
+            return pieces
         return [_mixed(f"{_name(func)} takes examples' rows out of the batch")] * len(out)
     return [Rows(tuple((a - (a > dim), x) for a, x in r.axes if a != dim), r.mixed)] * len(out)
 
@@ -1358,10 +1373,15 @@ def _call_examples(tracker: ExampleTracker, where: str, tensors: list[torch.Tens
                                      f"update by more than max_grad_norm")
         if not r.axes:
             continue
-        if len(r.axes) > 1:
+        every = torch.cat([ids for _, ids in r.axes])
+        if every.numel() and bool((every == every[0]).all()):
+            # wholly one example's, whatever its layout (a batch of one, its rows merged with time steps or heads)
+            examples = every[:1]
+        elif len(r.axes) > 1:
             raise ExampleMixingError(f"{where} pairs rows of different examples (two example dimensions)")
-        dim, ids = r.axes[0]
-        examples = _per_example(ids) if dim == 0 else (ids if ids.numel() == torch.unique(ids).numel() else None)
+        else:
+            dim, ids = r.axes[0]
+            examples = _per_example(ids) if dim == 0 else (ids if ids.numel() == torch.unique(ids).numel() else None)
         if examples is None or (found is not None and not _same(examples, found)):
             raise ExampleMixingError(f"{where} runs on rows that are not examples in order (a permuted, gathered or "
                                      f"transposed batch): its rows cannot be attributed to examples")

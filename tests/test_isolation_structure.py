@@ -331,6 +331,24 @@ def test_the_tracker_follows_reshapes_and_refuses_reductions_over_the_batch():
         tracker.check_rows(pairs.sum(1), ids, "pairs")
 
 
+def test_pieces_of_a_batch_of_one_example_stay_that_examples_and_pieces_of_two_are_refused():
+    """A recurrent kernel on a batch of one example merges its rows with time steps and unbinds them: every piece is
+    wholly that example's (marked on an axis of size 1), while a piece taken along the example axis of two examples
+    is still refused."""
+    tracker = ExampleTracker()
+    one, two = torch.randn(1, 4, 5), torch.randn(2, 4, 5)
+    with tracker:
+        ids = tracker.register(one)
+        steps = one.transpose(0, 1).reshape(4, 1, 5).unbind(0)     # time-major, then one piece per time step
+        first = one.reshape(4, 5)[0]                                # no axis of size 1 left to say whose it is
+        tracker.register(two)
+        taken = two.reshape(8, 5).unsqueeze(1).unbind(0)
+    for piece in steps:
+        assert tracker.rows(piece).axes[0][1].tolist() == ids.tolist() and not tracker.rows(piece).mixed
+    assert tracker.rows(first).mixed
+    assert all(tracker.rows(p).mixed for p in taken)
+
+
 def test_audit_isolation_finds_a_path_chosen_by_a_batch_wide_condition():
     class Branchy(nn.Module):
         def __init__(self):
