@@ -129,7 +129,7 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
 def main() -> None:
     import torch
 
-    from dpsgd.engine import DEFAULT_CHECK_RATE as rate
+    from dpsgd.capture import DEFAULT_CHECK_RATE as rate
 
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""The private step's noise draw on CPU: ``dpsgd.engine.noisy_gradients`` (drawn in place into one reused buffer)
+"""The private step's noise draw on CPU: ``dpsgd.noise.noisy_gradients`` (drawn in place into one reused buffer)
 against a fresh ``torch.randn`` per tensor, on the parameter shapes of one Llama-3.2-1B-width decoder layer with
 an untied 32000-token vocabulary (191 M coordinates).  One thread, the two alternated, median of ``--rounds``.
 
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dpsgd.engine import noisy_gradients
+from dpsgd.noise import noisy_gradients
 
 SHAPES = [(32000, 2048)] * 2 + [(2048, 2048)] * 2 + [(512, 2048)] * 2 + [(8192, 2048)] * 3 + [(2048,)] * 3
 

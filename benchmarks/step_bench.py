@@ -119,11 +119,11 @@ def build(model: str, t: int):
 
 def count_checks() -> list:
     """A list that receives the seconds of every row check the trainer runs from now on (it looks
-    ``_check_rows`` up in its module on every step)."""
-    import dpsgd.engine
+    ``check_rows`` up in its module on every step)."""
+    import dpsgd.rowcheck
 
     checks: list = []
-    check_rows = dpsgd.engine._check_rows
+    check_rows = dpsgd.rowcheck.check_rows
 
     def counted_check_rows(*args, **kwargs):
         t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def count_checks() -> list:
             return check_rows(*args, **kwargs)
         finally:
             checks.append(time.perf_counter() - t0)
-    dpsgd.engine._check_rows = counted_check_rows
+    dpsgd.rowcheck.check_rows = counted_check_rows
     return checks
 
 
@@ -248,7 +248,7 @@ DEFAULT_T = {"tiny": 512, "cnn": 32, "llama-long": 2048, "mixtral": 512, "llama-
 
 
 def main() -> None:
-    from dpsgd.engine import DEFAULT_CHECK_RATE as rate
+    from dpsgd.capture import DEFAULT_CHECK_RATE as rate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["tiny", "gpt2", "llama", "cnn"], choices=list(MODELS))

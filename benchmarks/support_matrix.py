@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dpsgd import PrivacyEngine, per_sample_sq_norms  # noqa: E402
-from dpsgd.engine import NormPlan  # noqa: E402
+from dpsgd.plan import NormPlan  # noqa: E402
 from tests.hf_families import FAMILIES, exact_ready  # noqa: E402
 from tests.test_parametrizations import Parametrized  # noqa: E402
 from tests.test_parametrizations import losses as parametrized_losses  # noqa: E402

@@ -3,7 +3,8 @@
 :class:`PrivacyEngine` (``make_private``, Opacus-style) trains any model with DP-SGD whose per-example
 gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or
 computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
-a norm plan and the one-backward book-keeping step (:mod:`dpsgd.engine`), example isolation by structure
+a norm plan (:mod:`dpsgd.plan`) and the one-backward book-keeping step (:mod:`dpsgd.capture`, :mod:`dpsgd.rowcheck`,
+:mod:`dpsgd.clipping`), example isolation by structure
 (:mod:`dpsgd.isolation`), a module validator
 (:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
 ``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`),
@@ -12,15 +13,15 @@ or paper 003's Laplace) and paper 002's twice sampling and hybrid clipping (:mod
 Importing this package does not need torch until one of these names is used.
 """
 
-__all__ = ["per_sample_sq_norms", "private_step", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
+__all__ = ["per_sample_sq_norms", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
            "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
            "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise", "UnsupportedSamplerError",
            "UnaccountedSamplingError", "ExampleTracker", "audit_isolation"]
 
-_WHERE = {"per_sample_sq_norms": "engine", "private_step": "engine", "IncompleteGradientError": "isolation",
+_WHERE = {"per_sample_sq_norms": "clipping", "IncompleteGradientError": "isolation",
           "ExampleMixingError": "isolation", "StateChangedError": "isolation", "ExampleTracker": "isolation",
           "audit_isolation": "isolation",
-          "NormPlan": "engine", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
+          "NormPlan": "plan", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
           "HybridClipping": "sampling",
           "GaussianNoise": "noise", "LaplaceNoise": "noise", "UnsupportedSamplerError": "data",

@@ -97,7 +97,7 @@ def plan_report(model, estimator: str, projection_dim: int,
     """
     from dpmath import HutchPPEnvelope
 
-    from .engine import NormPlan
+    from .plan import NormPlan
 
     plan = NormPlan.build(model, estimator, projection_dim)
     envelope = plan.envelope(projection_dim)

@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
+from .capture import DEFAULT_CHECK_RATE
 from .data import EmptyBatch, private_data_loader
-from .engine import DEFAULT_CHECK_RATE, check_positive
 from .privacy_engine import PrivacyEngine
-from .validator import BATCH_NORMS, frozen_batch_norm
+from .validator import BATCH_NORMS, check_positive, frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
 

@@ -25,7 +25,9 @@ SubsampledL2Laplace(scale=2.0, sample_rate=0.01)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,9 @@ from dpmath import (
     SubsampledL2Laplace,
     calibrate_noise_multiplier,
 )
+
+from .distributed import is_sharded, local_part
+from .layers import all_finite
 
 __all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
 
@@ -168,3 +173,62 @@ def as_noise(noise: StepNoise | str) -> StepNoise:
         return _NAMED[noise]
     raise ValueError(f"noise must be a dpsgd.noise.StepNoise (GaussianNoise(), LaplaceNoise()) or one of "
                      f"{sorted(_NAMED)}, got {noise!r}")
+
+
+
+NOISE_CHUNK = 1 << 22
+"""Draws per refill of the noise buffer (16 MB in float32): the step never holds a parameter-sized noise tensor
+(an embedding of 32000 x 2048 would need 262 MB), and a chunk is large enough that the draws run at full speed."""
+
+
+def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
+                    noise_generator: torch.Generator | Callable[[torch.device], torch.Generator] | None,
+                    params: list | None = None,
+                    noise: StepNoise | None = None, in_place: bool = False) -> list[torch.Tensor]:
+    """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
+    draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
+    be a list, one per tensor (hybrid clipping's per-group noise).  ``noise_generator`` is one generator (the
+    noise is drawn on its device and moved), a function from a device to the generator that draws there (each
+    tensor's noise is drawn on its own device), or ``None`` (torch's default generator of each tensor's device).
+
+    With ``params``, the noise of each is drawn at the parameter's full shape and restricted to this rank's
+    shard (:func:`dpsgd.distributed.local_part`; the sums are then the shards' sums).  With ``in_place`` the
+    sums themselves are overwritten (no second parameter-sized buffer: the step's peak memory holds the sums and
+    a buffer of at most :data:`NOISE_CHUNK` draws, refilled for each chunk of each tensor; a sharded
+    parameter's noise is drawn whole, then restricted).  A tensor of at most :data:`NOISE_CHUNK` elements gets
+    the draws of ``torch.randn`` from the same generator state."""
+    out = []
+    noise = GaussianNoise() if noise is None else noise
+    stds = noise_std if isinstance(noise_std, list) else [noise_std] * len(sums)
+    scratch: dict = {}   # one buffer per device and dtype, reused for every chunk of every tensor
+    for i, g in enumerate(sums):
+        std = stds[i]
+        if not in_place:
+            g = g.clone()
+        if std > 0:
+            p = params[i] if params is not None else None
+            gen = noise_generator(g.device) if callable(noise_generator) else noise_generator
+            device = gen.device if gen is not None else g.device
+            sharded = p is not None and is_sharded(p)   # drawn at the full shape, then this rank's part taken
+            whole = sharded or not g.is_contiguous()
+            shape = p.shape if sharded else g.shape
+            n = math.prod(shape)
+            key = (torch.device(device), g.dtype)
+            if key not in scratch or scratch[key].numel() < (n if whole else min(n, NOISE_CHUNK)):
+                scratch[key] = torch.empty(n if whole else min(n, NOISE_CHUNK), device=device, dtype=g.dtype)
+            if whole:
+                xi = noise.sample_into(scratch[key][:n].view(shape), gen)
+                xi = local_part(p, xi) if sharded else xi
+                g.add_(xi.to(g.device), alpha=std)
+                del xi
+            else:
+                flat = g.view(-1)
+                for start in range(0, n, NOISE_CHUNK):
+                    xi = noise.sample_into(scratch[key][:min(NOISE_CHUNK, n - start)], gen)
+                    flat[start:start + xi.numel()].add_(xi.to(g.device), alpha=std)
+                    del xi
+        out.append(g.div_(expected_batch_size))
+    del scratch
+    if not all_finite(*out):
+        raise FloatingPointError("the noisy gradient is not finite; the step was not taken")
+    return out

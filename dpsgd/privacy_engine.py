@@ -19,7 +19,7 @@ keys are unchanged; recording is off in ``eval()`` and under ``no_grad``).  The 
 Soundness checks, each a clear error rather than a silent under-count:
 
 * every trainable parameter's gradient must come from a recorded module call
-  (:class:`~dpsgd.engine.IncompleteGradientError` otherwise, naming the parameter);
+  (:class:`~dpsgd.isolation.IncompleteGradientError` otherwise, naming the parameter);
 * several forwards before one backward, tied parameters and modules called twice are counted as the norm
   of the summed per-example gradient;
 * several backwards before one step accumulate (gradient accumulation); the step refuses if more
@@ -31,8 +31,8 @@ Soundness checks, each a clear error rather than a silent under-count:
 
 The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
 q)`` for ``exact``/``ghost``, ``RandomizedClipGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
-The envelope (:meth:`dpsgd.engine.NormPlan.envelope`) has dimension ``D``, the norm plan's chi-square
-terms summed over every parameter (:meth:`dpsgd.engine.NormPlan.envelope_dimension`; ``python -m dpsgd plan``
+The envelope (:meth:`dpsgd.plan.NormPlan.envelope`) has dimension ``D``, the norm plan's chi-square
+terms summed over every parameter (:meth:`dpsgd.plan.NormPlan.envelope_dimension`; ``python -m dpsgd plan``
 prints it).  Exactly-computed parts are point masses in that
 mixture, the ``d -> inf`` limit of the family, so with ``hutch`` they switch the envelope to that limit,
 ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope` form).  Every step is recorded in
@@ -73,6 +73,8 @@ from dpmath import (
     calibrate_noise,
 )
 
+from .capture import DEFAULT_CHECK_RATE, Capture
+from .clipping import check_clipping_pass, clipped_backward
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import (
     all_sum,
@@ -80,27 +82,17 @@ from .distributed import (
     as_grad,
     broadcast_int,
     check_same_on_ranks,
-    filled_loader,
     is_sharded,
     rank_world,
     reduce_sums,
 )
-from .engine import (
-    DEFAULT_CHECK_RATE,
-    Capture,
-    NormPlan,
-    check_clipping_pass,
-    check_estimator,
-    check_positive,
-    clipped_backward,
-    noisy_gradients,
-)
 from .isolation import ExampleMixingError, ExampleTracker, StateChangedError, check_backward_functions
-from .noise import GaussianNoise, StepNoise, as_noise
-from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling
+from .noise import GaussianNoise, StepNoise, as_noise, noisy_gradients
+from .plan import NormPlan, check_estimator
+from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling, filled_loader
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .users import UserLevel, UserRows, user_data_loader, user_level
-from .validator import uncompiled
+from .validator import check_positive, uncompiled
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion", "UnaccountedSamplingError"]
 
@@ -660,8 +652,8 @@ class PrivacyEngine:
             start and its duration as INFO records of the ``"dpsgd"`` logger (:mod:`dpsgd.cli`).
         estimator : {"auto", "hutch", "hutchpp", "ghost", "exact"}
             How per-example norms are found.  ``"auto"`` (default) chooses per parameter: Hutchinson's estimate
-            (``"hutch"``) only where the exact norm costs at least :data:`~dpsgd.engine.AUTO_COST_RATIO` times as
-            much (:func:`~dpsgd.engine.worth_estimating`: wide weights, at ``k = 32`` from width 512 on), exact
+            (``"hutch"``) only where the exact norm costs at least :data:`~dpsgd.plan.AUTO_COST_RATIO` times as
+            much (:func:`~dpsgd.plan.worth_estimating`: wide weights, at ``k = 32`` from width 512 on), exact
             norms elsewhere, so the envelope's noise is paid only for layers where it saves time and memory; where
             the noise or sampling needs exact norms, all are exact.  ``"hutch"``/``"hutchpp"`` estimate every
             weight that has an estimate; ``"ghost"``/``"exact"`` estimate none (ghost clipping, or materialized

@@ -46,9 +46,9 @@ Examples
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import Sampler
@@ -62,13 +62,14 @@ from dpmath import (
     TruncatedSubsampledGaussian,
 )
 
-from .data import PoissonBatchSampler
+from .data import DPDataLoader, KeepsRowOrder, PoissonBatchSampler
+from .distributed import MIN_ROWS
 from .noise import GaussianNoise, StepNoise
 
 __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
            "WrappedBatchSampler",
            "TruncatedPoissonBatchSampler", "PaddedBatch", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf",
-           "as_batch_sampling"]
+           "as_batch_sampling", "FilledParts", "filled_loader"]
 
 
 class PaddedBatch(list):
@@ -515,3 +516,77 @@ def as_batch_sampling(value: object) -> BatchSampling:
         return _BY_NAME[value]()
     raise ValueError(f"batch_sampling must be a dpsgd.samplers.BatchSampling or one of {sorted(_BY_NAME)}, "
                      f"got {value!r}")
+
+
+
+class FilledParts(WrappedBatchSampler):
+    """A rank's batches under FSDP2, each with at least :data:`MIN_ROWS` rows: a part of fewer examples (none, or
+    one) is completed with filler rows, so that this rank runs the same forward, row check and backward, and
+    therefore gathers the sharded parameters as many times, as the ranks whose parts are larger.
+
+    Every batch is a :class:`~dpsgd.samplers.PaddedBatch`: its first ``real`` rows are the part's examples, the
+    rest filler, which the private step weights exactly 0 (their clipped contribution is zero, so the step and its
+    accounting are those of the part alone).  A filler row repeats the part's example, or is example 0 of this
+    rank's shard for an empty part: rows of the data set itself, which every forward that takes the data takes.
+
+    Because every batch is padded, each must be backpropagated whole (one loss per row), and splitting it is
+    refused on every rank alike before the first batch: by ``BatchMemoryManager``
+    (:meth:`check_physical_batch_size`, whose error says why) and by ``in_chunks`` (``pad``).  ``len``, ``drawn``
+    and ``resume`` are the wrapped sampler's.
+
+    Parameters
+    ----------
+    sampler : torch.utils.data.Sampler
+        This rank's batches of indices into its own shard (possibly empty).
+
+    Examples
+    --------
+    >>> parts = FilledParts([[3, 5, 6], [4], []])
+    >>> [(list(b), b.real) for b in parts]
+    [([3, 5, 6], 3), ([4, 4], 1), ([0, 0], 0)]
+    """
+
+    #: refuses splitting each batch into micro-batches or pieces (the private loader checks this attribute)
+    pad = True
+
+    @staticmethod
+    def check_physical_batch_size(max_physical_batch_size: int) -> None:
+        """Refuse micro-batches: the ranks' parts of a step differ in size, so they would split into different
+        numbers of micro-batches, whose forwards gather the sharded parameters different numbers of times."""
+        raise ValueError(f"max_physical_batch_size={max_physical_batch_size} (BatchMemoryManager) is refused under "
+                         f"FSDP2: the ranks' parts of a step differ in size and would split into different numbers "
+                         f"of micro-batches, while every rank's forwards must gather the sharded parameters "
+                         f"together. Give each rank a loader batch_size whose part fits one forward, or train "
+                         f"replicated (DDP-style, without fully_shard), where micro-batches are supported")
+
+    def __iter__(self) -> Iterator[PaddedBatch]:
+        for batch in self.sampler:
+            batch = list(batch)
+            filler = [batch[0] if batch else 0] * (MIN_ROWS - len(batch))
+            yield PaddedBatch(batch + filler, len(batch))
+
+
+def filled_loader(loader: DPDataLoader, collate_fn: Callable[[list], Any]) -> DPDataLoader:
+    """``loader``'s batches, and callbacks, with every part of fewer than :data:`MIN_ROWS` examples completed by filler
+    rows (:class:`FilledParts`): the private loader of a rank under FSDP2.
+
+    Each batch is collated by one call of ``collate_fn``, declared order-keeping (:class:`~dpsgd.data.KeepsRowOrder`)
+    without trusting it: a batch with filler rows is either all filler (all weighted 0) or one example followed by
+    copies of it, so whichever order ``collate_fn`` gives the rows, the row weighted 1 is that example.  So no
+    ``collate_fn`` is refused for the order or the kind of what it returns.
+
+    Parameters
+    ----------
+    loader : DPDataLoader
+        The private loader of this rank's part of each step (Poisson or a :mod:`dpsgd.samplers` scheme), unsplit.
+    collate_fn : callable
+        The user's loader's ``collate_fn``.
+
+    Returns
+    -------
+    DPDataLoader
+        The same sampler, sampling rate, callbacks and workers; ``len`` unchanged.
+    """
+    return DPDataLoader(loader.dataset, FilledParts(loader.logical_sampler), KeepsRowOrder(collate_fn),
+                        sample_rate=loader.sample_rate, on_batch=loader.on_batch, on_empty=loader.on_empty,
+                        num_workers=loader.num_workers, pin_memory=loader.pin_memory)

@@ -15,9 +15,9 @@ When one person writes many examples, the unit of privacy is the person.  With
   the calls user after user (:class:`~dpsgd.data.DPDataLoader`), so a ``collate_fn`` that reorders its rows
   cannot move a row to another user (a result it cannot join raises :class:`~dpsgd.data.RowOrderError`; a
   ``collate_fn`` declared with :class:`~dpsgd.data.KeepsRowOrder` is called once per chunk instead);
-  :class:`UserRows` gives them to the one backward of that chunk, and :func:`dpsgd.engine.clipped_backward`
+  :class:`UserRows` gives them to the one backward of that chunk, and :func:`dpsgd.clipping.clipped_backward`
   clips each user's **summed** gradient once: ``w_u = min(1, C / ||sum_{i in u} g_i||)`` (the unit's norm:
-  :func:`dpsgd.engine.unit_sq_norms`).
+  :func:`dpsgd.clipping.unit_sq_norms`).
 
 One user then changes a step's clipped sum by at most ``C`` and joins a batch with probability ``q_u``: the
 accountant charges ``SubsampledGaussian(sigma, q_u)`` (``RandomizedClipGaussian`` with the plan's envelope

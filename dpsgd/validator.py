@@ -26,6 +26,7 @@ A ``torch.compile``'d model is checked as the model it compiles (:func:`uncompil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -178,3 +179,12 @@ def _group_norm(bn: nn.Module) -> nn.GroupNorm:
     if bn.affine:
         gn.to(device=bn.weight.device, dtype=bn.weight.dtype)
     return gn
+
+
+
+def check_positive(value: object, name: str, allow_zero: bool = False) -> float:
+    """``float(value)``, or ``ValueError`` naming ``name`` unless finite and positive (or zero if allowed)."""
+    v = float(value)
+    if not (math.isfinite(v) and (v >= 0 if allow_zero else v > 0)):
+        raise ValueError(f"{name} must be {'non-negative (>= 0)' if allow_zero else 'positive (> 0)'}, got {value!r}")
+    return v

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import HutchPPEnvelope
 from dpsgd import PrivacyEngine
-from dpsgd.engine import AUTO_COST_RATIO, NormPlan, per_sample_sq_norms, worth_estimating
+from dpsgd.clipping import per_sample_sq_norms
+from dpsgd.plan import AUTO_COST_RATIO, NormPlan, worth_estimating
 
 
 def _wide():

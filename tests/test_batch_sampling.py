@@ -225,7 +225,9 @@ def test_the_sampler_audit_passes_and_catches_each_schemes_wrong_accounting():
 
 # ------------------------------------------------------------------------------------------------ padded batches
 def test_padded_truncated_batches_have_one_shape_and_their_filler_rows_add_nothing():
-    from dpsgd.engine import Capture, NormPlan, clipped_backward
+    from dpsgd.capture import Capture
+    from dpsgd.clipping import clipped_backward
+    from dpsgd.plan import NormPlan
 
     s = TruncatedPoissonBatchSampler(N, 0.1, 24, steps=50, generator=_gen(5), pad=True)
     batches = list(s)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpsgd import PrivacyEngine, per_sample_sq_norms
-from dpsgd.engine import clipped_backward
+from dpsgd.clipping import clipped_backward
 
 pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
-from dpsgd.engine import Capture, clipped_backward  # noqa: E402
+from dpsgd.capture import Capture  # noqa: E402
+from dpsgd.clipping import clipped_backward  # noqa: E402
 
 from .hf_families import FAMILIES, exact_ready  # noqa: E402
 from .workloads import (  # noqa: E402

@@ -1,5 +1,5 @@
-"""The DP-SGD-RC step: whole-model per-sample norms against torch.func, clipping, noise-free equivalence,
-atomicity on bad input."""
+"""The DP-SGD-RC step: whole-model per-sample norms against torch.func, and the trainer's step (one step of
+:class:`dpsgd.PrivacyEngine` on a whole batch): clipping, noise-free equivalence, atomicity on bad input."""
 
 import math
 
@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpsgd import per_sample_sq_norms, private_step
+from dpsgd import per_sample_sq_norms
+
+from .workloads import private_update
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +50,11 @@ def _data(b=4, t=6, vocab=11, seed=0):
 
 def _loss_fn(idx, tgt):
     return lambda m: F.cross_entropy(m(idx).transpose(1, 2), tgt, reduction="none").sum(1)
+
+
+def _losses(tgt):
+    """``losses(model, rows)`` for :func:`private_update` (its rows are the batch, in order)."""
+    return lambda m, idx: F.cross_entropy(m(idx).transpose(1, 2), tgt, reduction="none").sum(1)
 
 
 def _reference_norms(model, idx, tgt):
@@ -95,8 +102,7 @@ def test_noise_free_step_with_huge_threshold_is_the_non_private_step():
     ref_model.load_state_dict(model.state_dict())
     idx, tgt = _data(b=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    private_step(model, opt, _loss_fn(idx, tgt), max_grad_norm=1e9, noise_multiplier=0.0, expected_batch_size=5,
-                 estimator="hutch", k=4)
+    private_update(model, idx, _losses(tgt), max_grad_norm=1e9, optimizer=opt, estimator="hutch", projection_dim=4)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
     (_loss_fn(idx, tgt)(ref_model).sum() / 5).backward()
     ref_opt.step()
@@ -111,28 +117,23 @@ def test_exact_clipping_bounds_every_example_by_c():
     idx, tgt = _data(b=6, seed=3)
     for i in range(6):
         model = TinyDecoder()
-        before = torch.cat([p.detach().flatten() for p in model.parameters()])
         norm = _reference_norms(model, idx[i:i + 1], tgt[i:i + 1]).sqrt().item()
         c = 0.5 * norm if i % 2 else 2 * norm
-        private_step(model, torch.optim.SGD(model.parameters(), lr=1.0), _loss_fn(idx[i:i + 1], tgt[i:i + 1]),
-                     max_grad_norm=c, noise_multiplier=0.0, expected_batch_size=1, estimator="exact")
-        moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm().item()
+        moved = private_update(model, idx[i:i + 1], _losses(tgt[i:i + 1]), max_grad_norm=c).norm().item()
         assert moved <= c * (1 + 1e-9)
         assert moved == pytest.approx(min(norm, c), rel=1e-9)
 
 
 def test_noise_has_the_stated_scale():
-    """A zero-gradient model: the update is sigma C xi / B-bar; its per-coordinate std within 5%."""
+    """A zero-gradient model: the update is sigma C xi / B-bar (B-bar = 3); its per-coordinate std within 5%."""
     model = nn.Linear(50, 40)
     with torch.no_grad():
         model.weight.zero_()
         model.bias.zero_()
     x = torch.zeros(3, 50)
-    gen = torch.Generator().manual_seed(0)
-    private_step(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda m: m(x).sum(1) * 0.0,
-                 max_grad_norm=2.0, noise_multiplier=1.5, expected_batch_size=4, estimator="exact", noise_generator=gen)
+    private_update(model, x, lambda m, x: m(x).sum(1) * 0.0, max_grad_norm=2.0, noise_multiplier=1.5, lr=1.0)
     std = torch.cat([model.weight.flatten(), model.bias]).std().item()
-    assert std == pytest.approx(1.5 * 2.0 / 4, rel=0.05)
+    assert std == pytest.approx(1.5 * 2.0 / 3, rel=0.05)
 
 
 def test_non_finite_loss_leaves_everything_unchanged():
@@ -140,15 +141,14 @@ def test_non_finite_loss_leaves_everything_unchanged():
     model = TinyDecoder()
     idx, tgt = _data()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    private_step(model, opt, _loss_fn(idx, tgt), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    private_update(model, idx, _losses(tgt), max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in opt.state.values()]
 
-    def bad(m):
-        out = _loss_fn(idx, tgt)(m)
-        return out * torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    def bad(m, rows):
+        return _losses(tgt)(m, rows) * torch.tensor([1.0, float("nan"), 1.0, 1.0])
     with pytest.raises(FloatingPointError, match="not finite|NaN"):
-        private_step(model, opt, bad, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+        private_update(model, idx, bad, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt)
     for k_, v in model.state_dict().items():
         assert torch.equal(v, state[k_])
     for s, ref in zip(opt.state.values(), opt_state, strict=True):
@@ -160,13 +160,12 @@ def test_non_finite_loss_leaves_everything_unchanged():
 def test_refusals_and_bad_arguments():
     idx, tgt = _data()
     model = TinyDecoder()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kw = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    kw = dict(max_grad_norm=1.0, noise_multiplier=1.0)
     for bad, match in [(dict(max_grad_norm=0.0), "max_grad_norm"), (dict(noise_multiplier=-1.0), "noise_multiplier"),
-                       (dict(expected_batch_size=0), "expected_batch_size"), (dict(k=0), "projection_dim"),
+                       (dict(estimator="hutch", projection_dim=0), "projection_dim"),
                        (dict(estimator="jl"), "estimator")]:
         with pytest.raises(ValueError, match=match):
-            private_step(model, opt, _loss_fn(idx, tgt), **{**kw, **bad})
+            private_update(model, idx, _losses(tgt), **{**kw, **bad})
     frozen = nn.Linear(3, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         per_sample_sq_norms(frozen, lambda m: m(torch.ones(2, 3)).sum(1))
@@ -200,7 +199,7 @@ def test_gpt2_conv1d_is_handled_like_linear():
 
 def test_noisy_gradients_in_place_overwrite_the_sums_and_otherwise_leave_them():
     """The trainer's step adds noise into the clipped sums themselves: no second parameter-sized buffer."""
-    from dpsgd.engine import noisy_gradients
+    from dpsgd.noise import noisy_gradients
 
     sums = [torch.ones(3, 2), torch.full((4,), 2.0)]
     kept = [s.clone() for s in sums]
@@ -214,7 +213,7 @@ def test_noisy_gradients_in_place_overwrite_the_sums_and_otherwise_leave_them():
 def test_noise_drawn_into_a_reused_buffer_is_the_generators_gaussian_stream():
     # the same draws as torch.randn from the same generator state, tensor after tensor (a checkpoint's generator
     # state continues the same noise)
-    from dpsgd.engine import noisy_gradients
+    from dpsgd.noise import noisy_gradients
 
     shapes = [(3, 5), (7,), (), (2, 2)]
     got = noisy_gradients([torch.zeros(s) for s in shapes], 1.0, 1.0, torch.Generator().manual_seed(3))
@@ -226,7 +225,7 @@ def test_noise_drawn_into_a_reused_buffer_is_the_generators_gaussian_stream():
 def test_noise_for_a_tensor_larger_than_a_chunk_is_drawn_chunk_by_chunk_from_one_small_buffer(monkeypatch):
     """With chunks of 64 draws, a 1000-element sum gets the generator's draws chunk after chunk (no 1000-element
     noise tensor), and they are standard normal: mean within 5 standard errors of 0, variance within 5 of 1."""
-    import dpsgd.engine as engine
+    import dpsgd.noise as engine
 
     monkeypatch.setattr(engine, "NOISE_CHUNK", 64)
     made = []

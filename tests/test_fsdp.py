@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpsgd import BatchMemoryManager, ExampleMixingError, IncompleteGradientError, PrivacyEngine
-from dpsgd.engine import PlanRow
+from dpsgd.plan import PlanRow
 from dpsgd.samplers import FixedSize
 
 pytest.importorskip("torch.distributed.fsdp")

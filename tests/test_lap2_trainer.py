@@ -12,8 +12,7 @@ from dpmath import (
     calibrate_noise_multiplier,
     estimator_envelope,
 )
-from dpsgd.engine import noisy_gradients
-from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise
+from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise, noisy_gradients
 from dpsgd.sampling import TwiceSampling
 
 from .workloads import one_step_change, private_classifier

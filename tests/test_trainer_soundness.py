@@ -17,10 +17,11 @@ from dpsgd import (
     PrivacyEngine,
     per_sample_sq_norms,
 )
-from dpsgd.engine import Capture, clipped_backward
+from dpsgd.capture import Capture
+from dpsgd.clipping import clipped_backward
 from dpsgd.validator import UnsupportedModuleError
 
-from .workloads import VOCAB, TwiceLM, brute_force_sq_norms, data, flat_params, lm_losses
+from .workloads import VOCAB, TwiceLM, brute_force_sq_norms, data, flat_params, lm_losses, private_update
 
 
 def _engine(model=None, n=48, batch=12, noise=0.0, estimator="exact", c=1.0, seed=0, dtype=torch.float64, **kw):
@@ -393,8 +394,6 @@ def test_a_tiny_target_epsilon_is_met_with_a_large_finite_sigma():
 def test_micro_batched_update_is_the_sum_of_single_example_clipped_updates():
     """BatchMemoryManager with one example per micro-batch, sigma = 0: the logical batch's update is the sum of
     the examples' clipped gradients, each of norm min(||g_i||, C), over the expected batch size."""
-    from dpsgd import private_step
-
     engine, model, opt, crit, loader = _engine(seed=6, c=0.05, n=24, batch=6)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=opt) as mem:
@@ -410,10 +409,7 @@ def test_micro_batched_update_is_the_sum_of_single_example_clipped_updates():
     for x in examples:
         single = TwiceLM().double().train()
         single.load_state_dict(init)
-        before = flat_params(single)
-        private_step(single, torch.optim.SGD(single.parameters(), lr=1.0), lambda m, x=x: lm_losses(m, x),
-                     max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=1, estimator="exact")
-        moved = flat_params(single) - before
+        moved = private_update(single, x, lm_losses, max_grad_norm=0.05)
         assert moved.norm() <= 0.05 * (1 + 1e-9)
         total += moved
     assert torch.allclose(update, total / engine.expected_batch_size, rtol=1e-9, atol=1e-13)
@@ -544,7 +540,7 @@ def _row_models():
 @pytest.mark.parametrize("kind", ["loop", "permuted", "rolled"])
 def test_rows_that_are_not_the_examples_are_refused(kind):
     from dpsgd import per_sample_sq_norms
-    from dpsgd.engine import IncompleteGradientError
+    from dpsgd.isolation import IncompleteGradientError
 
     model = _row_models()[kind].train()
     x = torch.randn(4, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # B = T = 4
@@ -556,7 +552,7 @@ def test_rows_that_are_not_the_examples_are_refused_by_the_engine_before_anythin
     from torch.utils.data import DataLoader, TensorDataset
 
     from dpsgd import PrivacyEngine
-    from dpsgd.engine import IncompleteGradientError
+    from dpsgd.isolation import IncompleteGradientError
 
     model = _row_models()["permuted"].train()
     before = [p.detach().clone() for p in model.parameters()]
@@ -575,21 +571,21 @@ def test_rows_that_are_not_the_examples_are_refused_by_the_engine_before_anythin
 def test_the_row_check_runs_once_per_layout_unless_asked_every_step(monkeypatch):
     from torch import nn
 
-    from dpsgd import engine as eng
+    from dpsgd import rowcheck
 
     ran = []
-    real = eng._check_rows
-    monkeypatch.setattr(eng, "_check_rows", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
+    real = rowcheck.check_rows
+    monkeypatch.setattr(rowcheck, "check_rows", lambda *a, **kw: (ran.append(1), real(*a, **kw)))
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double().train()
-    capture = eng.Capture(eng.NormPlan.build(model, "exact"))
+    capture = Capture(NormPlan.build(model, "exact"))
     capture.check_rate = 0.0   # no scheduled checks: the first forward (always probed) and new layouts only
     try:
         for b in (5, 7, 5, 6):   # Poisson batches: the size changes, the layout does not
             x = torch.randn(b, 3, dtype=torch.float64)
-            eng.clipped_backward(capture, model(x).sum(1), 1.0, 4, None)
+            clipped_backward(capture, model(x).sum(1), 1.0, 4, None)
         assert len(ran) == 1
         capture.check_every_step = True
-        eng.clipped_backward(capture, model(torch.randn(3, 3, dtype=torch.float64)).sum(1), 1.0, 4, None)
+        clipped_backward(capture, model(torch.randn(3, 3, dtype=torch.float64)).sum(1), 1.0, 4, None)
         assert len(ran) == 2
     finally:
         capture.remove()
@@ -599,15 +595,13 @@ def test_a_loss_that_starts_mixing_examples_after_the_first_step_is_refused():
     """The model's calls keep their layout, but step 2's loss reads a neighbour's output: checked again."""
     from torch import nn
 
-    from dpsgd import engine as eng
-
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().train()
-    capture = eng.Capture(eng.NormPlan.build(model, "exact"))
+    capture = Capture(NormPlan.build(model, "exact"))
     try:
         x = torch.randn(5, 3, dtype=torch.float64)
-        eng.clipped_backward(capture, model(x).square().sum(1), 1.0, 4, None)
+        clipped_backward(capture, model(x).square().sum(1), 1.0, 4, None)
         with pytest.raises(IncompleteGradientError, match="rows of [02]"):
-            eng.clipped_backward(capture, model(x).roll(1, dims=0).square().sum(1), 1.0, 4, None)
+            clipped_backward(capture, model(x).roll(1, dims=0).square().sum(1), 1.0, 4, None)
     finally:
         capture.remove()
 

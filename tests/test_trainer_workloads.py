@@ -8,16 +8,16 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from dpsgd import NormPlan, per_sample_sq_norms, private_step  # noqa: E402
+from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
 
 from .workloads import (  # noqa: E402
     WORKLOADS,
     brute_force_sq_norms,
     data,
-    flat_params,
     lm_losses,
     make,
     private_lora_run,
+    private_update,
     sem,
 )
 
@@ -56,11 +56,7 @@ def test_one_example_clipped_update_is_at_most_c(name):
         model = make(name, seed=3)
         norm = brute_force_sq_norms(model, lambda m, j, one=one: lm_losses(m, one)[0], 1).sqrt().item()
         c = 0.5 * norm if i == 0 else 2 * norm
-        before = flat_params(model)
-        private_step(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
-                     lambda m, one=one: lm_losses(m, one), max_grad_norm=c, noise_multiplier=0.0,
-                     expected_batch_size=1, estimator="exact")
-        moved = (flat_params(model) - before).norm().item()
+        moved = private_update(model, one, lm_losses, max_grad_norm=c).norm().item()
         assert moved <= c * (1 + 1e-9)
         assert moved == pytest.approx(min(norm, c), rel=1e-7)
 
@@ -90,11 +86,7 @@ def test_hutch_envelope_dimension_of_a_tied_gpt2_counts_the_shared_weight_once()
 
 
 def _private_update(model, ids, clipping_pass, c):
-    before = flat_params(model)
-    private_step(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0),
-                 lambda m: lm_losses(m, ids), max_grad_norm=c, noise_multiplier=0.0, expected_batch_size=4,
-                 estimator="exact", clipping_pass=clipping_pass)
-    return flat_params(model) - before
+    return private_update(model, ids, lm_losses, max_grad_norm=c, clipping_pass=clipping_pass)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -127,10 +119,9 @@ def test_two_pass_equals_bookkeeping_on_the_float32_tiny_decoder():
         torch.manual_seed(0)
         model = TinyLlama(64, 32, dim=32, heads=2, layers=2).train()
         opt = _Recorder(model.parameters(), lr=1.0)
-        private_step(model, opt,
-                     lambda m: torch.nn.functional.cross_entropy(m(ids), y, reduction="none"), max_grad_norm=0.05,
-                     noise_multiplier=0.0, expected_batch_size=4, estimator="hutch", k=4,
-                     generator=torch.Generator().manual_seed(3), clipping_pass=clipping_pass)
+        private_update(model, ids, lambda m, x: torch.nn.functional.cross_entropy(m(x), y, reduction="none"),
+                       max_grad_norm=0.05, optimizer=opt, estimator="hutch", projection_dim=4,
+                       clipping_pass=clipping_pass)
         return opt.seen
     a, b = update("bookkeeping"), update("two-pass")
     assert (a - b).norm() <= 1e-6 * b.norm(), (a - b).norm() / b.norm()
@@ -139,15 +130,13 @@ def test_two_pass_equals_bookkeeping_on_the_float32_tiny_decoder():
 def test_two_pass_refuses_half_precision_parameters():
     model = make("gpt2_tied", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="clipping_pass='two-pass'.*half"):
-        private_step(model, torch.optim.SGD(model.parameters(), lr=1.0), lambda m: lm_losses(m, data(2)).float(),
-                     max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2, clipping_pass="two-pass")
+        private_update(model, data(2), lambda m, x: lm_losses(m, x).float(), max_grad_norm=1.0,
+                       estimator="hutch", clipping_pass="two-pass")
 
 
 def test_unknown_clipping_pass_is_refused_by_name():
     with pytest.raises(ValueError, match="clipping_pass must be one of"):
-        private_step(make("gpt2_tied"), torch.optim.SGD(make("gpt2_tied").parameters(), lr=1.0),
-                     lambda m: lm_losses(m, data(2)), max_grad_norm=1.0, noise_multiplier=0.0,
-                     expected_batch_size=2, clipping_pass="twice")
+        private_update(make("gpt2_tied"), data(2), lm_losses, max_grad_norm=1.0, clipping_pass="twice")
 
 
 @pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied", "module_called_twice"])

@@ -7,8 +7,10 @@ import torch
 
 from dpmath import PLDAccountant, RDPAccountant, SubsampledGaussian, SubsampledL2Laplace, estimator_envelope
 from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
-from dpsgd.engine import Capture, NormPlan, clipped_backward
+from dpsgd.capture import Capture
+from dpsgd.clipping import clipped_backward
 from dpsgd.noise import LaplaceNoise
+from dpsgd.plan import NormPlan
 from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling, masked_clipped_sum
 
 from .workloads import VOCAB, gpt2, lm_losses, one_step_change, private_classifier

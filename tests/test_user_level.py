@@ -10,8 +10,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
 from dpsgd import BatchMemoryManager, PrivacyEngine
+from dpsgd.capture import Capture
+from dpsgd.clipping import clipped_backward
 from dpsgd.data import KeepsRowOrder, RowOrderError
-from dpsgd.engine import Capture, NormPlan, clipped_backward
+from dpsgd.plan import NormPlan
 from dpsgd.sampling import TwiceSampling
 from dpsgd.users import UserBatch, UserPoissonSampler, user_level
 

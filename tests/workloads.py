@@ -241,6 +241,40 @@ def one_step_change(model: nn.Module, optimizer, criterion, loader) -> torch.Ten
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
 
 
+def private_update(model: nn.Module, batch: torch.Tensor, losses, *, max_grad_norm: float,
+                   noise_multiplier: float = 0.0, optimizer=None, lr: float | None = None, **kw) -> torch.Tensor:
+    """One step of the trainer (:class:`dpsgd.PrivacyEngine`) on the whole ``batch``: sampling rate 1, so every row is
+    drawn, in order, and the expected batch size is ``len(batch)``.  ``losses(model, rows)`` gives the per-example
+    losses.  The optimizer is ``optimizer`` or SGD with ``lr`` (default ``len(batch)``: the update is then the
+    clipped sum plus noise, undivided); ``kw`` goes to ``make_private`` (``estimator`` default "exact").  Returns
+    the flattened change of the trainable parameters."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpsgd import PrivacyEngine
+
+    n = len(batch)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer if optimizer is not None else torch.optim.SGD(trainable, lr=float(n if lr is None else lr))
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the reproducibility seed's warning
+        model, opt, _, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(batch), batch_size=n),
+            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, **{"estimator": "exact", "seed": 0, **kw})
+    before = flat_params(model)
+    try:
+        (rows,) = next(iter(loader))
+        assert torch.equal(rows, batch)
+        opt.zero_grad()
+        engine.private_loss(losses(model, rows)).backward()
+        opt.step()
+    finally:
+        engine.detach()
+    return flat_params(model) - before
+
+
 def engine_generators(engine):
     """Every generator the engine draws secrets from: batches, projections, twice sampling's masks, noise."""
     return [engine._sampling_rng, *engine._projection_rngs._generators.values(),

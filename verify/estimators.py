@@ -131,7 +131,7 @@ def estimator_audit(draws: int = 2000, k: int = 4, alpha: float = 1e-3, seed: in
         return missing
     import torch
 
-    from dpsgd.engine import per_sample_sq_norms
+    from dpsgd.clipping import per_sample_sq_norms
     from dpsgd.estimators import exact, hutch, hutchpp
 
     custom = estimators is not None
