@@ -13,7 +13,7 @@ so both come from one object, chosen in :meth:`dpsgd.PrivacyEngine.make_private`
   no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
 
 The strings ``"gaussian"`` and ``"laplace"`` name these two (:func:`as_noise`).  A noise object refuses,
-with the reason, the estimators its accounting does not cover (:meth:`StepNoise.check_estimator`), and
+the reason its accounting does not cover an estimator (:meth:`StepNoise.refusal`), and
 calibrates its own scale to a target epsilon (:meth:`StepNoise.calibrate`).
 
 Examples
@@ -70,9 +70,9 @@ class StepNoise(ABC):
         """The dpmath mechanism of one Poisson-sampled step with this noise at ``noise_multiplier``
         (``envelope``: the norm estimator's, ``None`` for exact norms)."""
 
-    def check_estimator(self, estimator: str) -> None:
-        """``ValueError`` with the reason if this noise's accounting does not cover ``estimator``'s norms
-        (by default it covers every estimator)."""
+    def refusal(self, estimator: str) -> str | None:
+        """Why this noise's accounting does not cover ``estimator``'s norms, or ``None`` where it does (by default
+        it covers every estimator); :data:`dpsgd.accounting.REFUSED` asks it."""
         return None
 
     @abstractmethod
@@ -124,10 +124,8 @@ class LaplaceNoise(StepNoise):
 
     Examples
     --------
-    >>> LaplaceNoise().check_estimator("hutch")
-    Traceback (most recent call last):
-    ...
-    ValueError: LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator='hutch': ...
+    >>> LaplaceNoise().refusal("hutch")[:69]
+    "LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got es"
     """
 
     name = "laplace"
@@ -142,11 +140,12 @@ class LaplaceNoise(StepNoise):
             raise ValueError("LaplaceNoise has no accountant for estimated norms (an envelope was given)")
         return SubsampledL2Laplace(noise_multiplier, sample_rate)
 
-    def check_estimator(self, estimator):
+    def refusal(self, estimator):
         if estimator not in ("ghost", "exact"):
-            raise ValueError(f"LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator="
-                             f"{estimator!r}: the randomized-clipping envelope accounts Gaussian noise only, and no "
-                             f"accountant here covers Laplace noise on an estimated-norm clipped gradient")
+            return (f"LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator={estimator!r}: the "
+                    f"randomized-clipping envelope accounts Gaussian noise only, and no accountant here covers Laplace "
+                    f"noise on an estimated-norm clipped gradient")
+        return None
 
     def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
         if envelope is not None:

@@ -47,6 +47,7 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import json
@@ -70,9 +71,9 @@ from dpmath import (
     HutchPPEnvelope,
     PLDAccountant,
     RDPAccountant,
-    calibrate_noise,
 )
 
+from .accounting import Combination, RunAccounting, auto_estimator, check_combination, read_record
 from .capture import DEFAULT_CHECK_RATE, Capture
 from .clipping import check_clipping_pass, clipped_backward
 from .data import DPDataLoader, loader_size, private_data_loader
@@ -573,9 +574,7 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
         self._noise_multiplier: float | None = None   # make_private's; read-only afterwards (see noise_multiplier)
-        self._noise: StepNoise = GaussianNoise()   # make_private's; read-only afterwards (the accountant follows it)
-        self._sampling: PoissonSampling | TwiceSampling | HybridClipping = PoissonSampling()   # read-only too
-        self._poisson = True   # make_private's poisson_sampling; False: no epsilon (UnaccountedSamplingError)
+        self._accounting: RunAccounting | None = None   # what the run is accounted as: make_private's, read-only
         self._ranks: list[int] = []   # coordinates per sampling group
         self._mask_rngs = _DeviceGenerators()   # twice sampling's masks; seeded by make_private
         self._epsilons: dict[tuple[int, int, float], float] = {}   # (steps, events charged, delta) -> epsilon
@@ -585,8 +584,7 @@ class PrivacyEngine:
         self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
         self.max_examples_per_user: int | None = None
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
-        self._bound: BoundSampling | None = None   # a non-Poisson batch sampling (dpsgd.samplers), bound to the data
-        self._stream = None   # its sampler (an epoch sampler's position decides the epochs charged)
+        self._stream = None   # a non-Poisson scheme's sampler (an epoch sampler's position decides the epochs charged)
         # make_private's, fixed from then on (FIXED_SETTINGS); declared here, where every public attribute is
         self.estimator: str | None = None
         self.projection_dim: int | None = None
@@ -757,22 +755,28 @@ class PrivacyEngine:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
                              f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
-        noise, sampling, c, sigma, estimator = self._checked_arguments(
+        noise, sampling, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
-            projection_dim, clipping_pass, gradient_projection, noise, sampling, poisson_sampling)
-        users = user_level(privacy_unit, user_ids, max_examples_per_user, per_coordinate=sampling.per_coordinate,
-                           poisson_sampling=poisson_sampling)
-        scheme = self._checked_batch_sampling(batch_sampling, noise, sampling, users is not None,
-                                              poisson_sampling)
+            projection_dim, clipping_pass, noise, sampling, poisson_sampling)
+        users = user_level(privacy_unit, user_ids, max_examples_per_user)
+        scheme = as_batch_sampling(batch_sampling)
+        combination = Combination(estimator, noise, sampling, scheme, users=users is not None,
+                                  poisson_sampling=poisson_sampling, clipping_pass=clipping_pass,
+                                  projected=gradient_projection is not None, processes=rank_world()[1],
+                                  ledger=self.ledger_path is not None)
+        if estimator == "auto":   # an estimate no accountant covers here: exact norms throughout
+            estimator = auto_estimator(combination)
+            combination = dataclasses.replace(combination, estimator=estimator)
+        check_combination(combination)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
         plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
-        loader = (self._user_loader(data_loader, users, world) if users is not None
-                  else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
-                  else self._scheme_loader(data_loader, scheme, seeds))
+        loader, bound = (self._user_loader(data_loader, users, world) if users is not None
+                         else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
+                         else self._scheme_loader(data_loader, scheme, seeds))
         if world > 1 and any(is_sharded(p) for p in plan.params):
             # FSDP2: every rank runs every step's forward and backward, which gather the sharded parameters
             # together, so a part of fewer than two examples is completed by filler rows weighted 0
@@ -780,18 +784,22 @@ class PrivacyEngine:
         self.estimator, self.projection_dim, self.max_grad_norm = estimator, projection_dim, c
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
+        accounting = RunAccounting(
+            sampling=bound, noise=noise, clipping=sampling, max_grad_norm=c, envelope=self.envelope,
+            ranks=tuple(self._ranks), accounted=poisson_sampling, users=users, estimator=estimator,
+            projection_dim=projection_dim)
         planned = None
         if sigma is None:
             planned = _planned_steps(epochs, steps, len(loader))
-            sigma = self._calibrate(noise, sampling, target_epsilon, target_delta, planned, self.envelope)
+            sigma = self._calibrate(accounting, target_epsilon, target_delta, planned)
             # the estimate's price: the noise exact norms would need for the same target, for Poisson batches (a
             # DP-SGD calibration, a fraction of the estimate's; an epoch sampler's exact PLDs would cost a minute)
             if self.envelope is None:
                 self.exact_noise_multiplier = sigma
                 price = f"noise_multiplier {sigma:.4g}"
-            elif self._bound is None:
-                self.exact_noise_multiplier = self._calibrate(noise, sampling, target_epsilon, target_delta, planned,
-                                                              None, quiet=True)
+            elif accounting.poisson_batches:
+                self.exact_noise_multiplier = self._calibrate(accounting.exact(), target_epsilon, target_delta,
+                                                              planned, quiet=True)
                 price = (f"noise_multiplier {sigma:.4g} with the estimate against {self.exact_noise_multiplier:.4g} "
                          f"with exact norms (+{100 * (sigma / self.exact_noise_multiplier - 1):.1f} % noise)")
             else:
@@ -800,11 +808,7 @@ class PrivacyEngine:
             price = f"noise_multiplier {sigma:.4g} (given)"
         logger.info("norm plan: %s; %s", plan.summary(), price)
         check_same_on_ranks(sigma, "noise_multiplier")
-        self._fix_settings(sigma, planned, noise, sampling, basis, bool(poisson_sampling), seeds)
-        if users is not None:   # example-level runs keep the ledger format of earlier versions
-            self._settings.update(users.settings())
-        if self._bound is not None:   # so do Poisson runs
-            self._settings["batch_sampling"] = scheme.settings()
+        self._fix_settings(accounting, sigma, planned, basis, seeds)
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion)
         if not poisson_sampling:   # stacklevel 2: at the caller's line
@@ -821,16 +825,15 @@ class PrivacyEngine:
     @staticmethod
     def _checked_arguments(optimizer: torch.optim.Optimizer, max_grad_norm: float, noise_multiplier: float | None,
                            target_epsilon: float | None, target_delta: float | None, epochs: float | None,
-                           steps: int | None, estimator: str, k: int, clipping_pass: str,
-                           gradient_projection: torch.Tensor | None, noise: StepNoise | str,
+                           steps: int | None, estimator: str, k: int, clipping_pass: str, noise: StepNoise | str,
                            sampling: PoissonSampling | TwiceSampling | HybridClipping | None,
                            poisson_sampling: bool,
                            ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
-                                      float | None, str]:
-        """``make_private``'s arguments checked before anything is built (``ValueError`` naming the first one
-        wrong): ``(noise, sampling, max_grad_norm, noise_multiplier, estimator)``, the noise and sampling as
-        objects, the noise multiplier ``None`` when it is to be calibrated from the targets, and ``"auto"`` made
-        ``"ghost"`` where the noise or sampling needs exact norms."""
+                                      float | None]:
+        """``make_private``'s arguments checked one by one before anything is built (``ValueError`` naming the
+        first one wrong): ``(noise, sampling, max_grad_norm, noise_multiplier)``, the noise and sampling as
+        objects and the noise multiplier ``None`` when it is to be calibrated from the targets.  Their
+        combinations are :data:`dpsgd.accounting.REFUSED`'s."""
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
         noise = as_noise(noise)
@@ -839,12 +842,6 @@ class PrivacyEngine:
         if not isinstance(sampling, (PoissonSampling, TwiceSampling, HybridClipping)):
             raise ValueError(f"sampling must be a dpsgd.sampling.PoissonSampling, TwiceSampling, HybridClipping or "
                              f"None, got {type(sampling).__name__}")
-        if estimator == "auto":
-            try:   # an estimate the noise or sampling does not account for: the choice is exact norms throughout
-                sampling.check("hutch", noise, clipping_pass, gradient_projection)
-            except ValueError:
-                estimator = "ghost"
-        sampling.check(estimator, noise, clipping_pass, gradient_projection)
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -863,34 +860,10 @@ class PrivacyEngine:
                                            f"be calibrated for Poisson sampling, which this run does not use; "
                                            f"{_SHUFFLED}. Keep poisson_sampling=True (the default) to calibrate, or "
                                            f"give noise_multiplier for a run without an epsilon")
-        return noise, sampling, c, sigma, estimator
+        return noise, sampling, c, sigma
 
-    def _checked_batch_sampling(self, batch_sampling: object, noise: StepNoise,
-                                sampling: PoissonSampling | TwiceSampling | HybridClipping, users: bool,
-                                poisson_sampling: bool) -> BatchSampling:
-        """``make_private``'s ``batch_sampling`` as an object, or ``ValueError`` naming what it does not cover."""
-        scheme = as_batch_sampling(batch_sampling)
-        if type(scheme) is Poisson:
-            return scheme
-        what = f"batch_sampling={scheme!r}"
-        if not poisson_sampling:
-            raise ValueError(f"{what} with poisson_sampling=False: give one of them (batch_sampling chooses the "
-                             f"batches, and is accounted)")
-        if sampling.per_coordinate:
-            raise ValueError(f"{what} with sampling={type(sampling).__name__}(...) is refused: twice sampling is "
-                             f"accounted for Poisson batches only")
-        if users:
-            raise ValueError(f"{what} with privacy_unit='user' is refused: users are Poisson-sampled")
-        if getattr(scheme, "pad", False) and rank_world()[1] > 1:
-            raise ValueError(f"{what} is refused under torch.distributed: a rank's part of a padded global batch has "
-                             f"no fixed size; use pad=False")
-        if scheme.per_epoch and self.ledger_path is not None:
-            raise ValueError(f"{what} with ledger_path is refused: its epochs are charged from the sampler's stream "
-                             f"of batches, which a resumed run would restart")
-        scheme.check(noise)
-        return scheme
-
-    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling, seeds: dict[str, int]) -> DPDataLoader:
+    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling,
+                       seeds: dict[str, int]) -> tuple[DPDataLoader, BoundSampling]:
         """The loader of a non-Poisson :mod:`dpsgd.samplers` scheme, bound to the data set: its sampler and the
         mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`.
 
@@ -919,14 +892,14 @@ class PrivacyEngine:
         loader = DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=bound.sample_rate,
                               on_batch=self._on_batch, on_empty=self._empty_step,
                               num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-        self._bound, self._stream = bound, sampler
+        self._stream = sampler
         self.sample_rate = bound.sample_rate
         self.expected_batch_size = bound.sample_rate * total
         check_same_on_ranks(total, "the number of examples over ranks")
         check_same_on_ranks(batch, "the batch size over ranks")
         check_same_on_ranks(self.sample_rate, "the sampling rate")
         check_same_on_ranks(len(loader), "the number of batches per epoch")
-        return loader
+        return loader, bound
 
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
                sampling: PoissonSampling | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
@@ -972,13 +945,14 @@ class PrivacyEngine:
         object): a resumed run's draws are predicted by nothing saved, and not by the run's seed either."""
         seeds = self._fresh_seeds()
         # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
-        self._sampling_rng.manual_seed(seeds["stream"] if self._bound is not None else seeds["sampling"])
+        self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
         self._projection_rngs.reseed(seeds["projection"])
         self._mask_rngs.reseed(seeds["mask"])
         self._noise_rngs.reseed(seeds["noise"])
         self._noise_checked = False   # the first resumed step checks again that every rank drew the same noise
 
-    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool, world: int) -> DPDataLoader:
+    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool,
+                        world: int) -> tuple[DPDataLoader, BoundSampling]:
         """The Poisson loader, and the sampling rate and expected batch size the step and the accountant use: one
         rate for the whole data set, ``q = (expected batch over ranks) / (examples over ranks)``, equal on every
         rank (each rank drawing its own shard's examples independently at ``q`` is a Poisson sample of the
@@ -995,9 +969,10 @@ class PrivacyEngine:
         self.expected_batch_size = self.sample_rate * total
         check_same_on_ranks(self.sample_rate, "the sampling rate")
         check_same_on_ranks(len(loader), "the number of batches per epoch")
-        return loader
+        return loader, Poisson().at_rate(self.sample_rate, round(total))
 
-    def _user_loader(self, data_loader: DataLoader, users: UserLevel, world: int) -> DPDataLoader:
+    def _user_loader(self, data_loader: DataLoader, users: UserLevel,
+                     world: int) -> tuple[DPDataLoader, BoundSampling]:
         """The loader of users (:func:`dpsgd.users.user_data_loader`): the rate charged is the user rate ``q_u``, and
         the step divides by the expected number of users ``q_u U``; single process only."""
         if world > 1:
@@ -1009,28 +984,20 @@ class PrivacyEngine:
         self.expected_batch_size = self.sample_rate * users.num_users
         self.privacy_unit, self.max_examples_per_user = "user", users.max_examples_per_user
         self._user_rows = UserRows()
-        return loader
+        return loader, Poisson().at_rate(self.sample_rate, users.num_users)
 
-    def _calibrate(self, noise: StepNoise, sampling: PoissonSampling | TwiceSampling | HybridClipping,
-                   target_epsilon: float, target_delta: float, planned: int, envelope: Envelope | None,
+    def _calibrate(self, accounting: RunAccounting, target_epsilon: float, target_delta: float, planned: int,
                    quiet: bool = False) -> float:
-        """The noise multiplier whose epsilon after ``planned`` steps is at most ``target_epsilon`` at
-        ``target_delta`` (the sampling's and noise's own calibration, at this engine's rate, with ``envelope``),
-        logged (unless ``quiet``) as it starts and with its seconds; ``ValueError`` naming the targets if none
-        reaches them."""
+        """``accounting``'s noise multiplier for ``target_epsilon`` at ``target_delta`` after ``planned`` steps
+        (:meth:`~dpsgd.accounting.RunAccounting.calibrate`), logged (unless ``quiet``) as it starts and with its
+        seconds; ``ValueError`` naming the targets if none reaches them."""
         if not quiet:
             logger.info("calibrating noise_multiplier for target_epsilon=%g at target_delta=%g over %d steps at "
                         "sample rate %.4g (estimator %s, envelope %s)", target_epsilon, target_delta, planned,
-                        self.sample_rate, self.estimator, envelope)
+                        self.sample_rate, self.estimator, accounting.envelope)
         start = time.perf_counter()
         try:
-            if self._bound is not None:   # the scheme's mechanism over its events (epochs for an epoch sampler)
-                bound, events, delta = self._bound, self._bound.events(planned), float(target_delta)
-                sigma = calibrate_noise(lambda s: bound.accountant().compose(
-                    bound.mechanism(s, noise, envelope), events).epsilon(delta), target_epsilon)
-            else:
-                sigma = sampling.calibrate(noise, target_epsilon, target_delta, self.sample_rate, planned,
-                                           self.max_grad_norm, self._ranks, envelope)
+            sigma = accounting.calibrate(target_epsilon, target_delta, planned)
         except ValueError as err:
             raise ValueError(f"cannot calibrate the noise for target_epsilon={target_epsilon!r}, "
                              f"target_delta={target_delta!r} over {planned} steps at q={self.sample_rate:g}: "
@@ -1039,23 +1006,16 @@ class PrivacyEngine:
             logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
         return sigma
 
-    def _fix_settings(self, sigma: float, planned: int | None, noise: StepNoise,
-                      sampling: PoissonSampling | TwiceSampling | HybridClipping, basis: torch.Tensor | None,
-                      poisson: bool, seeds: dict[str, int]) -> None:
+    def _fix_settings(self, accounting: RunAccounting, sigma: float, planned: int | None,
+                      basis: torch.Tensor | None, seeds: dict[str, int]) -> None:
         """Fix the settings the step and the accountant share (read-only from here on) and the ledger's record of
         them, which a resumed run or a ledger file must match."""
+        self._accounting = accounting
         self._noise_multiplier = sigma
-        self._poisson = poisson
         self.planned_steps = planned
-        self._noise = noise
-        self._sampling = sampling
         self._basis = basis
-        self._settings = {"estimator": self.estimator, "k": self.projection_dim, "max_grad_norm": self.max_grad_norm,
-                          "noise_multiplier": sigma, "sample_rate": self.sample_rate, "poisson": poisson}
-        if noise.name != "gaussian":   # Gaussian runs keep the ledger format of earlier versions
-            self._settings["noise"] = noise.name
-        if sampling.per_coordinate:
-            self._settings["sampling"] = sampling.settings()
+        self._settings = accounting.record(sigma)
+        if accounting.clipping.per_coordinate:
             self._mask_rngs = _DeviceGenerators(seeds["mask"])   # sampling randomness, seeded like the noise
 
     def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -1174,24 +1134,30 @@ class PrivacyEngine:
     def noise(self) -> StepNoise:
         """The noise chosen in ``make_private`` (a :class:`~dpsgd.noise.StepNoise`); the step draws it and
         the accountant composes its mechanism, so it cannot be changed afterwards."""
-        return self._noise
+        return GaussianNoise() if self._accounting is None else self._accounting.noise
 
     @property
     def poisson_sampling(self) -> bool:
         """``make_private``'s ``poisson_sampling`` (read-only); ``False``: fixed-size shuffled batches, for which
         every epsilon is refused (:class:`UnaccountedSamplingError`)."""
-        return self._poisson
+        return True if self._accounting is None else self._accounting.accounted
 
     @property
     def batch_sampling(self) -> BatchSampling:
         """``make_private``'s ``batch_sampling`` (read-only): how each step's examples are chosen and accounted."""
-        return Poisson() if self._bound is None else self._bound.scheme
+        return Poisson() if self._accounting is None else self._accounting.sampling.scheme
 
     @property
     def sampling(self) -> PoissonSampling | TwiceSampling | HybridClipping:
         """The sampling chosen in ``make_private`` (:class:`~dpsgd.sampling.PoissonSampling` by default); the
         step and the accountant both follow it, so it cannot be changed afterwards."""
-        return self._sampling
+        return PoissonSampling() if self._accounting is None else self._accounting.clipping
+
+    @property
+    def accounting(self) -> RunAccounting | None:
+        """What the run is accounted as (:class:`~dpsgd.accounting.RunAccounting`: the mechanism, the accountant,
+        the ledger's record), fixed by ``make_private`` (``None`` before it)."""
+        return self._accounting
 
     @staticmethod
     def _sampling_ranks(sampling: PoissonSampling | TwiceSampling | HybridClipping, plan: NormPlan,
@@ -1288,12 +1254,12 @@ class PrivacyEngine:
             raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
                                f"gradient_projection's basis spans the parameters of the first plan; use a new "
                                f"PrivacyEngine with a basis for the new ones")
-        ranks = self._sampling_ranks(self._sampling, plan, self.max_grad_norm)
-        if self._sampling.per_coordinate and ranks != self._ranks:
+        ranks = self._sampling_ranks(self._accounting.clipping, plan, self.max_grad_norm)
+        if self._accounting.clipping.per_coordinate and ranks != self._ranks:
             raise RuntimeError(f"{which}: the trainable parameters changed after make_private, which changes the "
                                f"coordinates per group ({self._ranks} to {ranks}) that "
-                               f"{type(self._sampling).__name__}'s noise and accounting depend on; use a new "
-                               f"PrivacyEngine")
+                               f"{type(self._accounting.clipping).__name__}'s noise and accounting depend on; use a "
+                               f"new PrivacyEngine")
         self._capture.replan(plan)
         self.plan, self._ranks = plan, ranks
         self._trainable = [(p, p.requires_grad) for p in model.parameters()]
@@ -1311,7 +1277,7 @@ class PrivacyEngine:
 
     def _require_accounted(self) -> None:
         """:class:`UnaccountedSamplingError` unless an accountant here covers this run's sampling (Poisson)."""
-        if not self._poisson:
+        if not self._accounting.accounted:
             raise UnaccountedSamplingError(f"no epsilon for this run: {_SHUFFLED}. Train with "
                                            f"poisson_sampling=True (the default) for an epsilon")
 
@@ -1319,7 +1285,7 @@ class PrivacyEngine:
         self._require_private()
         recorded = self._recorded_examples()
         device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
-        twice = self._sampling if self._sampling.per_coordinate else None
+        twice = self._accounting.clipping if self._accounting.clipping.per_coordinate else None
         # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
         groups = None if self._user_rows is None else self._user_rows.take(losses)
         padding = self._take_padding(losses)
@@ -1487,10 +1453,11 @@ class PrivacyEngine:
             raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
                                f"target_delta) and they have all been taken; another step would spend more than "
                                f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
-        if self.planned_steps is not None and self._bound is not None \
-                and self._events(self.spent_steps) > self._bound.events(self.planned_steps):
-            raise RuntimeError(f"the noise was calibrated for {self._bound.events(self.planned_steps)} epochs of "
-                               f"{self._bound.scheme!r} and this step's batch begins another (batches were drawn "
+        sampling = self._accounting.sampling
+        if self.planned_steps is not None and sampling.scheme.per_epoch \
+                and self._events(self.spent_steps) > sampling.events(self.planned_steps):
+            raise RuntimeError(f"the noise was calibrated for {sampling.events(self.planned_steps)} epochs of "
+                               f"{sampling.scheme!r} and this step's batch begins another (batches were drawn "
                                f"without a step); another step would spend more than the target")
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
@@ -1525,13 +1492,13 @@ class PrivacyEngine:
             sums = self._project(sums)
         # twice sampling keeps each coordinate of an example with probability q2: dividing by q2 too leaves the
         # gradient unbiased (a post-processing; the noise is scaled with it)
-        divisor = self.expected_batch_size * self._sampling.coordinate_rate
+        divisor = self.expected_batch_size * self._accounting.clipping.coordinate_rate
         # one noise level per group (hybrid clipping's shape; else all equal)
-        per_group = self._sampling.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
-        std = [per_group[self._sampling.group_of(self.plan.names[id(p)])] for p in self.plan.params]
+        per_group = self._accounting.clipping.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
+        std = [per_group[self._accounting.clipping.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
             noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,
-                                    noise=self._noise, in_place=True)
+                                    noise=self._accounting.noise, in_place=True)
         except FloatingPointError:
             self._reset_step_state()   # the sums were overwritten: the batch is dropped, nothing was written
             raise
@@ -1585,7 +1552,7 @@ class PrivacyEngine:
         with open(self.ledger_path) as fh:
             lines = [json.loads(line) for line in fh if line.strip()]
         for rec in lines:
-            if rec["settings"] != self._settings:
+            if read_record(rec["settings"], f"ledger {self.ledger_path}") != self._settings:
                 raise ValueError(f"ledger {self.ledger_path} was written with different privacy settings "
                                  f"({rec['settings']}); use a new ledger file")
         self._recorded = len(lines)
@@ -1609,22 +1576,13 @@ class PrivacyEngine:
         return max(self._steps, self._recorded + self._steps - self._resumed)
 
     def _mechanism(self):
-        """The dpmath mechanism of one accounted event (a step; an epoch for an epoch sampler): the one place that
-        maps the run's settings to its accounting."""
-        if self._bound is not None:
-            return self._bound.mechanism(self.noise_multiplier, self._noise, self.envelope)
-        return self._sampling.mechanism(self.noise_multiplier, self.sample_rate, self.max_grad_norm, self._ranks,
-                                        noise=self._noise, envelope=self.envelope)
+        """The dpmath mechanism of one accounted event (a step; an epoch for an epoch sampler)."""
+        return self._accounting.mechanism(self.noise_multiplier)
 
     def _events(self, steps: int) -> int:
         """How many of :meth:`_mechanism`'s events ``steps`` steps charge (an epoch sampler: the epochs its stream
         has begun, counted from the batches drawn when ``steps`` are the steps taken)."""
-        if self._bound is None:
-            return steps
-        return self._bound.events(steps, self._stream if steps == self.spent_steps else None)
-
-    def _new_accountant(self) -> PLDAccountant | RDPAccountant:
-        return self._bound.accountant() if self._bound is not None else self._sampling.accountant()
+        return self._accounting.events(steps, self._stream if steps == self.spent_steps else None)
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
@@ -1642,7 +1600,7 @@ class PrivacyEngine:
     def _composed(self, steps: int) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding ``steps`` steps of this run's mechanism."""
         self._require_accounted()   # every epsilon passes here or through get_epsilon
-        acc = self._new_accountant()
+        acc = self._accounting.accountant()
         if steps:
             if self.noise_multiplier == 0:
                 raise ValueError("noise_multiplier is 0: no privacy guarantee")
@@ -1734,10 +1692,10 @@ class PrivacyEngine:
     def _epsilon_at(self, steps: int, delta: float) -> float:
         """The epsilon of ``steps`` steps: the run's :class:`dpmath.EpsilonSchedule`, or a fresh accountant at the
         calibrated count and where the accountant is not a plain :class:`dpmath.PLDAccountant`."""
-        accountant = self._new_accountant()
+        accountant = self._accounting.accountant()
         # a float bracket_rtol refines without a budget (the accountant's); the default "auto" and None: the schedule
         if (not isinstance(accountant, PLDAccountant) or isinstance(accountant.bracket_rtol, float)
-                or self._bound is not None
+                or not self._accounting.poisson_batches
                 or steps == self.planned_steps or self.noise_multiplier == 0):
             # only the number is kept: the composed accountant holds hundreds of MB of loss grids
             return self._composed(steps).epsilon(delta)
@@ -1769,7 +1727,7 @@ class PrivacyEngine:
         noise of any step, so a checkpoint file can be read by anyone without disclosing the clipped sums of the
         steps after it."""
         self._require_private()
-        epochs = {} if self._bound is None or not self._bound.scheme.per_epoch else {
+        epochs = {} if not self._accounting.sampling.scheme.per_epoch else {
             "epochs": self._events(self.spent_steps)}   # an epoch sampler's epochs charged: the resumed stream's start
         return {"settings": dict(self._settings), "steps": self._steps, **epochs}
 
@@ -1783,14 +1741,14 @@ class PrivacyEngine:
         epsilon counts the same steps.  A state of an earlier version, which also held the generators' states,
         loads with a ``UserWarning``: those states are ignored."""
         self._require_private()
-        if state["settings"] != self._settings:
-            saved = state["settings"]
+        saved = read_record(state["settings"], "this checkpoint")
+        if saved != self._settings:
             # keys of either side: a setting only one of them records (privacy_unit) is a difference too
             diff = {k: (saved.get(k), self._settings.get(k)) for k in sorted(saved.keys() | self._settings.keys())
                     if saved.get(k) != self._settings.get(k)}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
         self._steps = self._resumed = int(state["steps"])
-        if self._bound is not None and self._bound.scheme.per_epoch:
+        if self._accounting.sampling.scheme.per_epoch:
             # the next batch begins a new epoch after those charged, so none of them can see an example twice; the
             # new epoch's allocation or permutation is drawn afresh (below), not the interrupted run's: each epoch
             # charged is one epoch of its own sampler, whatever its draw, so the accounting is the same (the

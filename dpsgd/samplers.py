@@ -344,6 +344,12 @@ class Poisson(BatchSampling):
 
     name = "poisson"
 
+    def at_rate(self, sample_rate: float, num_samples: int) -> BoundSampling:
+        """Poisson sampling of ``num_samples`` examples (or users) at ``sample_rate`` itself: the rate the loader
+        fixed (over ranks, ``sum B / sum N``), not one recomputed from a batch size."""
+        return BoundSampling(self, num_samples, round(sample_rate * num_samples), sample_rate,
+                             max(1, round(1 / sample_rate)))
+
     def make_sampler(self, bound, generator):
         return PoissonBatchSampler(bound.num_samples, bound.sample_rate, generator=generator)
 

@@ -1,6 +1,7 @@
-r"""How the private step samples: Poisson examples (:class:`PoissonSampling`, the default) or twice sampling
-(paper 002, Alg. 2).  The sampling object names the step's accountant and mechanism (handing the choice to
-the noise, :mod:`dpsgd.noise`, when it samples examples only) and refuses what its accounting does not cover.
+r"""How the private step clips: each example to l2 norm ``C`` (:class:`PoissonSampling`, the default: DP-SGD's), or
+twice sampling (paper 002, Alg. 2) and hybrid clipping's coordinate masks and l-infinity bounds.  The objects do
+what the step does to the tensors (bounds, groups, masks, noise shape) and describe their mechanism; the run's
+accounting, and what no accountant here covers, is :mod:`dpsgd.accounting`'s.
 
 DP-SGD samples examples (Poisson, rate ``q1``: the data loader's ``sample_rate``).  Twice sampling then
 forms every *coordinate* of the clipped sum from its own Poisson sub-sample of the batch, of rate ``q2``,
@@ -41,11 +42,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from dpmath import Envelope, PLDAccountant, RDPAccountant, calibrate_noise
 from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
-
-from .distributed import rank_world
-from .noise import GaussianNoise, StepNoise
 
 __all__ = ["PoissonSampling", "TwiceSampling", "HybridClipping", "masked_clipped_sum"]
 
@@ -93,85 +90,28 @@ class _OneGroup:
 @dataclass(frozen=True)
 class PoissonSampling(_OneGroup):
     """Poisson sampling of examples only (DP-SGD's; ``make_private``'s default): every coordinate of every
-    sampled example enters the clipped sum, and the noise decides the mechanism (:mod:`dpsgd.noise`),
-    accounted by a :class:`dpmath.PLDAccountant`.
+    sampled example enters the clipped sum, and the noise decides the mechanism (:mod:`dpsgd.noise`; the run's
+    accounting: :class:`dpsgd.accounting.RunAccounting`).
 
     Examples
     --------
-    >>> from dpsgd.noise import LaplaceNoise
-    >>> PoissonSampling().mechanism(2.0, 0.01, 1.0, noise=LaplaceNoise())
-    SubsampledL2Laplace(scale=2.0, sample_rate=0.01)
+    >>> PoissonSampling().bounds(1.0), PoissonSampling().per_coordinate
+    ([(1.0, 1.0)], False)
     """
 
     coordinate_rate: ClassVar[float] = 1.0
     per_coordinate: ClassVar[bool] = False   # no coordinate masks: the clipped sums are formed as DP-SGD's
 
-    def check(self, estimator: str, noise: StepNoise, clipping_pass: str, projection: object) -> None:
-        """Every combination is covered here; the noise refuses the estimators it does not cover."""
-        noise.check_estimator(estimator)
-
     def bounds(self, max_grad_norm: float) -> list[tuple[float, float]]:
         """``[(C, C)]``: l2 clipping alone."""
         return [(max_grad_norm, max_grad_norm)]
 
-    def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
-                  ranks: Sequence[int] = (1,), *, noise: StepNoise | None = None, envelope: Envelope | None = None):
-        """The noise's mechanism at ``noise_multiplier`` (in units of ``C``), examples sampled at ``sample_rate``."""
-        return (GaussianNoise() if noise is None else noise).mechanism(noise_multiplier, sample_rate, envelope)
-
-    def accountant(self) -> PLDAccountant:
-        """A fresh accountant for this sampling's mechanisms."""
-        return PLDAccountant()
-
-    def calibrate(self, noise: StepNoise, target_epsilon: float, target_delta: float, sample_rate: float,
-                  steps: int, max_grad_norm: float, ranks: Sequence[int], envelope: Envelope | None = None) -> float:
-        """The noise's own calibration (:meth:`dpsgd.noise.StepNoise.calibrate`)."""
-        return noise.calibrate(target_epsilon, target_delta, sample_rate, steps, envelope)
-
-    def settings(self) -> dict:
-        """Nothing to record (a Poisson run keeps the ledger format of earlier versions)."""
-        return {}
-
 
 class _CoordinateSampling:
-    """What twice sampling and hybrid clipping share: their refusals, RDP accounting and calibration."""
+    """What twice sampling and hybrid clipping share: coordinate masks, so exact norms and Gaussian noise (what
+    their accounting covers is :data:`dpsgd.accounting.REFUSED`; an RDP bound is all their mechanisms have)."""
 
     per_coordinate: ClassVar[bool] = True   # the step forms masked per-example sums
-
-    def check(self, estimator: str, noise: StepNoise, clipping_pass: str, projection: object) -> None:
-        """Refuse, with the reason, the combinations twice sampling's accounting does not cover."""
-        kind = type(self).__name__
-        if estimator not in ("exact", "ghost"):
-            raise ValueError(f"sampling={kind}(...) needs exact norms (estimator 'ghost' or 'exact'), got "
-                             f"estimator={estimator!r}: the randomized-clipping envelope does not cover coordinate "
-                             f"sampling or l-infinity clipping")
-        if type(noise) is not GaussianNoise:   # its mechanism is twice sampling's own, Gaussian by construction
-            raise ValueError(f"sampling={kind}(...) is accounted for Gaussian noise only, got noise={noise!r}")
-        if clipping_pass != "bookkeeping":
-            raise ValueError(f"sampling={kind}(...) forms the masked sums from the recorded per-example "
-                             "gradients: use clipping_pass='bookkeeping'")
-        if projection is not None:
-            raise ValueError(f"sampling={kind}(...) with gradient_projection is refused: the projection of a "
-                             "coordinate-clipped sum can exceed the l-infinity bound that its accounting uses")
-        if rank_world()[1] > 1:
-            raise ValueError(f"sampling={kind}(...) is supported in a single process only")
-
-    @staticmethod
-    def _gaussian_only(noise: StepNoise | None, envelope: Envelope | None) -> None:
-        if (noise is not None and type(noise) is not GaussianNoise) or envelope is not None:
-            raise ValueError("twice sampling is accounted for Gaussian noise and exact norms only")
-
-    def accountant(self) -> RDPAccountant:
-        """A fresh accountant for this sampling's mechanisms (an RDP bound is all they have)."""
-        return RDPAccountant()
-
-    def calibrate(self, noise: StepNoise, target_epsilon: float, target_delta: float, sample_rate: float,
-                  steps: int, max_grad_norm: float, ranks: Sequence[int], envelope: Envelope | None = None) -> float:
-        """The smallest ``noise_multiplier`` whose RDP epsilon after ``steps`` is at most the target."""
-        self._gaussian_only(noise, envelope)
-        delta = float(target_delta)
-        return calibrate_noise(lambda s: self.accountant().compose(
-            self.mechanism(s, sample_rate, max_grad_norm, ranks), steps).epsilon(delta), target_epsilon)
 
 
 @dataclass(frozen=True)
@@ -200,12 +140,9 @@ class TwiceSampling(_OneGroup, _CoordinateSampling):
         return [(max_grad_norm, min(self.max_grad_coordinate, max_grad_norm))]
 
     def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
-                  ranks: Sequence[int] = (1,), *, noise: StepNoise | None = None,
-                  envelope: Envelope | None = None) -> TwiceSampledGaussian:
-        """The dpmath mechanism of one step: noise ``noise_multiplier * C`` per coordinate (absolute units,
-        like ``c2 = C`` and ``c_inf``), examples sampled at ``sample_rate``.  Gaussian noise and exact norms
-        only (else ``ValueError``)."""
-        self._gaussian_only(noise, envelope)
+                  ranks: Sequence[int] = (1,)) -> TwiceSampledGaussian:
+        """The dpmath mechanism of one step with Gaussian noise and exact norms: noise ``noise_multiplier * C`` per
+        coordinate (absolute units, like ``c2 = C`` and ``c_inf``), examples sampled at ``sample_rate``."""
         (c2, c_inf), = self.bounds(max_grad_norm)
         return TwiceSampledGaussian(noise_std=noise_multiplier * max_grad_norm, sample_rate=sample_rate,
                                     coordinate_rate=self.coordinate_rate, c2=c2, c_inf=c_inf)
@@ -293,11 +230,9 @@ class HybridClipping(_CoordinateSampling):
         return [float(v) for v in noise_multiplier * max_grad_norm * math.sqrt(float(np.sum(ranks))) * shape]
 
     def mechanism(self, noise_multiplier: float, sample_rate: float, max_grad_norm: float,
-                  ranks: Sequence[int] = (), *, noise: StepNoise | None = None,
-                  envelope: Envelope | None = None) -> HybridTwiceSampledGaussian:
-        """The dpmath mechanism of one step, for groups of ``ranks`` coordinates (Gaussian noise and exact
-        norms only, else ``ValueError``)."""
-        self._gaussian_only(noise, envelope)
+                  ranks: Sequence[int] = ()) -> HybridTwiceSampledGaussian:
+        """The dpmath mechanism of one step with Gaussian noise and exact norms, for groups of ``ranks``
+        coordinates."""
         b = self.bounds(max_grad_norm)
         return HybridTwiceSampledGaussian(tuple(self.noise_stds(noise_multiplier, max_grad_norm, ranks)), sample_rate,
                                           self.coordinate_rate, tuple(c2 for c2, _ in b), tuple(c for _, c in b))

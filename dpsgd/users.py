@@ -120,22 +120,23 @@ def _user_index(user_ids: object) -> tuple[torch.Tensor, int]:
     return torch.tensor(users, dtype=torch.long), len(index)
 
 
-def user_level(privacy_unit: object, user_ids: object, max_examples_per_user: object, *, per_coordinate: bool,
-               poisson_sampling: bool) -> UserLevel | None:
+def user_level(privacy_unit: object, user_ids: object, max_examples_per_user: object) -> UserLevel | None:
     """``make_private``'s user-level arguments checked before anything is built: a :class:`UserLevel` for
     ``privacy_unit="user"``, ``None`` for ``"example"``; ``ValueError`` naming the argument otherwise
-    (``TypeError`` for ``user_ids`` that are not integer or string labels, see :func:`_user_index`).
+    (``TypeError`` for ``user_ids`` that are not integer or string labels, see :func:`_user_index`).  What
+    user-level privacy cannot be combined with is refused with the rest of the run's choices
+    (:data:`dpsgd.accounting.REFUSED`).
 
     Examples
     --------
     >>> from dpsgd.users import user_level
-    >>> u = user_level("user", ["ann", "bob", "ann"], 2, per_coordinate=False, poisson_sampling=True)
+    >>> u = user_level("user", ["ann", "bob", "ann"], 2)
     >>> u.users.tolist(), u.num_users, u.settings()
     ([0, 1, 0], 2, {'privacy_unit': 'user', 'max_examples_per_user': 2})
     >>> import torch
-    >>> user_level("user", list(torch.tensor([7, 8, 7])), None, per_coordinate=False, poisson_sampling=True).num_users
+    >>> user_level("user", list(torch.tensor([7, 8, 7])), None).num_users
     2
-    >>> user_level("example", [0, 1], None, per_coordinate=False, poisson_sampling=True)
+    >>> user_level("example", [0, 1], None)
     Traceback (most recent call last):
     ...
     ValueError: user_ids is given but privacy_unit='example': ...
@@ -153,13 +154,6 @@ def user_level(privacy_unit: object, user_ids: object, max_examples_per_user: ob
                                               or not isinstance(max_examples_per_user, int)
                                               or max_examples_per_user < 1):
         raise ValueError(f"max_examples_per_user must be a positive integer or None, got {max_examples_per_user!r}")
-    if per_coordinate:
-        raise ValueError("privacy_unit='user' cannot be combined with twice sampling or hybrid clipping "
-                         "(sampling=TwiceSampling/HybridClipping): their accounting masks and clips each "
-                         "example's gradient, not each user's")
-    if not poisson_sampling:
-        raise ValueError("privacy_unit='user' needs poisson_sampling=True: users are Poisson-sampled, the sampling "
-                         "the accountant charges")
     users, num_users = _user_index(user_ids)
     return UserLevel(users, num_users, max_examples_per_user)
 
@@ -396,7 +390,7 @@ def user_data_loader(data_loader: DataLoader, users: UserLevel, *, generator: to
     >>> import torch
     >>> from torch.utils.data import DataLoader, TensorDataset
     >>> from dpsgd.users import user_data_loader, user_level
-    >>> users = user_level("user", [i // 4 for i in range(40)], None, per_coordinate=False, poisson_sampling=True)
+    >>> users = user_level("user", [i // 4 for i in range(40)], None)
     >>> loader = user_data_loader(DataLoader(TensorDataset(torch.arange(40.0)), batch_size=2), users)
     >>> loader.sample_rate, len(loader)
     (0.2, 5)

@@ -1,16 +1,19 @@
 """Twice sampling (paper 002, Alg. 2) in the trainer: masks, both clipping bounds, the update, the accounting."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from dpmath import PLDAccountant, RDPAccountant, SubsampledGaussian, SubsampledL2Laplace, estimator_envelope
+from dpmath import PLDAccountant, RDPAccountant, SubsampledGaussian, SubsampledL2Laplace
 from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
+from dpsgd.accounting import Combination, check_combination
 from dpsgd.capture import Capture
 from dpsgd.clipping import clipped_backward
-from dpsgd.noise import LaplaceNoise
+from dpsgd.noise import GaussianNoise, LaplaceNoise
 from dpsgd.plan import NormPlan
+from dpsgd.samplers import Poisson
 from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling, masked_clipped_sum
 
 from .workloads import VOCAB, gpt2, lm_losses, one_step_change, private_classifier
@@ -225,11 +228,12 @@ def test_poisson_sampling_is_the_default_part_and_hands_the_mechanism_to_the_noi
     assert default.sampling == explicit.sampling == PoissonSampling()
     assert default.state_dict()["settings"] == explicit.state_dict()["settings"]   # ledgers stay compatible
     assert "sampling" not in default.state_dict()["settings"]
-    assert PoissonSampling().mechanism(1.0, 0.1, 1.0) == SubsampledGaussian(1.0, 0.1)
-    assert PoissonSampling().mechanism(1.0, 0.1, 1.0, noise=LaplaceNoise()) == SubsampledL2Laplace(1.0, 0.1)
-    assert isinstance(PoissonSampling().accountant(), PLDAccountant)
-    # twice sampling's own mechanism is Gaussian: asked for another noise or an envelope, it refuses
-    with pytest.raises(ValueError, match="Gaussian noise and exact norms only"):
-        TwiceSampling(0.5, 0.1).mechanism(1.0, 0.1, 1.0, noise=LaplaceNoise())
-    with pytest.raises(ValueError, match="Gaussian noise and exact norms only"):
-        TwiceSampling(0.5, 0.1).mechanism(1.0, 0.1, 1.0, envelope=estimator_envelope("hutch", 8, 100))
+    assert default.accounting.mechanism(1.0) == SubsampledGaussian(1.0, default.sample_rate)
+    laplace = dataclasses.replace(default.accounting, noise=LaplaceNoise())
+    assert laplace.mechanism(1.0) == SubsampledL2Laplace(1.0, default.sample_rate)
+    assert isinstance(default.accounting.accountant(), PLDAccountant)
+    # twice sampling's mechanism is Gaussian with exact norms: the table refuses another noise or an estimate
+    with pytest.raises(ValueError, match="Gaussian noise only"):
+        check_combination(Combination("exact", LaplaceNoise(), TwiceSampling(0.5, 0.1), Poisson()))
+    with pytest.raises(ValueError, match="needs exact norms"):
+        check_combination(Combination("hutch", GaussianNoise(), TwiceSampling(0.5, 0.1), Poisson()))

@@ -409,9 +409,9 @@ def test_user_ids_are_users_by_value_whatever_their_container():
                 [f"user-{a}" for a in authors]):
         engine, *_ = _user_run(authors, noise_multiplier=1.0, user_ids=ids)
         assert engine.sample_rate == want.sample_rate and engine.expected_batch_size == want.expected_batch_size
-    users = user_level("user", list(as_tensor), None, per_coordinate=False, poisson_sampling=True)
+    users = user_level("user", list(as_tensor), None)
     assert users.num_users == 12 and users.users.tolist() == user_level(
-        "user", authors, None, per_coordinate=False, poisson_sampling=True).users.tolist()
+        "user", authors, None).users.tolist()
 
 
 @pytest.mark.parametrize("ids, match", [
@@ -429,7 +429,7 @@ def test_user_ids_are_users_by_value_whatever_their_container():
 ])
 def test_user_ids_that_are_not_integer_or_string_labels_are_refused_by_name(ids, match):
     with pytest.raises(TypeError, match=match):
-        user_level("user", ids, None, per_coordinate=False, poisson_sampling=True)
+        user_level("user", ids, None)
 
 
 def test_max_examples_per_user_without_users_is_refused():

@@ -37,6 +37,7 @@ example clipped alone, so a user moves the sum by up to ``m C``); :func:`user_au
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -213,6 +214,19 @@ def _scheme(name: str, batch: int, n: int, steps: int, delta: float):
     return TruncatedPoisson(TruncatedSubsampledGaussian.max_batch_size_for(batch / n, n, steps, delta / 1000), pad=True)
 
 
+def _charged_at(fraction: float):
+    """The run's accounting broken: each event charged at ``fraction`` of the rate its batches are drawn at (the
+    engine's settings are read-only, so the accounting's mechanism is patched)."""
+    from dpsgd.accounting import RunAccounting
+
+    original = RunAccounting.mechanism
+
+    def mechanism(self, noise_multiplier):
+        lower = dataclasses.replace(self.sampling, sample_rate=self.sampling.sample_rate * fraction)
+        return original(dataclasses.replace(self, sampling=lower), noise_multiplier)
+    return mock.patch.object(RunAccounting, "mechanism", mechanism)
+
+
 @contextlib.contextmanager
 def _broken(kind: str | None, engine, examples_per_user: int = 1):
     """The deliberately broken step ``kind`` (see the module docstring), or nothing."""
@@ -255,12 +269,7 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
                 mock.patch.object(BoundSampling, "accountant", lambda self: PLDAccountant()):
             yield
     elif kind == "example-rate":
-        cls = type(engine.sampling)
-
-        def example_rate(self, noise_multiplier, sample_rate, *a, **kw):
-            return original(self, noise_multiplier, sample_rate / examples_per_user, *a, **kw)
-        original = cls.mechanism
-        with mock.patch.object(cls, "mechanism", example_rate):
+        with _charged_at(1 / examples_per_user):
             yield
     elif kind == "unclipped":
         original = pe.clipped_backward
@@ -278,12 +287,7 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
         with mock.patch.object(pe, "noisy_gradients", half):
             yield
     elif kind == "microbatch-rate":
-        cls = type(engine.sampling)       # the engine's settings are read-only: the sampling's accounting is broken
-        original = cls.mechanism
-
-        def microbatch(self, noise_multiplier, sample_rate, *a, **kw):
-            return original(self, noise_multiplier, sample_rate / 4, *a, **kw)   # a micro-batch's rate is charged
-        with mock.patch.object(cls, "mechanism", microbatch):
+        with _charged_at(1 / 4):   # a micro-batch's rate is charged
             yield
     else:
         raise ValueError(f"break must be one of {BREAKS + USER_BREAKS + tuple(SAMPLER_BREAKS.values())} or None, "

@@ -312,7 +312,7 @@ def run(method: str, mode: str, eps: float | None, seed: int, state: dict, data:
                       planned_steps=calibrated[key][1], epsilon_reported=engine.get_epsilon(delta),
                       sample_rate=engine.sample_rate,
                       envelope=None if engine.envelope is None else repr(engine.envelope),
-                      accountant=type(engine.sampling.accountant()).__name__)
+                      accountant=type(engine.accounting.accountant()).__name__)
     seconds = time.perf_counter() - start
     record.update(steps=steps, seconds_per_step=seconds / max(steps, 1), test_ppl=perplexity(model, data.test))
     return record

@@ -1,0 +1,172 @@
+"""One home for what a run is accounted as (dpsgd.accounting): the refusal table, ``auto``'s fallback, the
+versioned ledger record, and a new batch-sampling scheme that needs nothing but its sampler and mechanism."""
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpmath import PLDAccountant, SubsampledGaussian
+from dpsgd import PrivacyEngine
+from dpsgd.accounting import (
+    LEDGER_FORMAT,
+    REFUSED,
+    Combination,
+    RunAccounting,
+    auto_estimator,
+    check_combination,
+    read_record,
+)
+from dpsgd.data import PoissonBatchSampler
+from dpsgd.noise import GaussianNoise, LaplaceNoise
+from dpsgd.samplers import BatchSampling, BoundSampling, FixedSize, Poisson, Shuffling, TruncatedPoisson
+from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling
+
+TWICE = TwiceSampling(0.5, 0.1)
+
+# one combination per entry of REFUSED, in its order, each refused by that entry and by no earlier one
+REFUSED_CASES = [
+    (Combination("hutch", GaussianNoise(), TWICE, Poisson()), "needs exact norms"),
+    (Combination("exact", LaplaceNoise(), TWICE, Poisson()), "Gaussian noise only"),
+    (Combination("exact", GaussianNoise(), TWICE, Poisson(), clipping_pass="two-pass"), "clipping_pass='bookkeeping'"),
+    (Combination("exact", GaussianNoise(), TWICE, Poisson(), projected=True), "gradient_projection"),
+    (Combination("exact", GaussianNoise(), HybridClipping({"": (1.0, 0.1)}), Poisson(), processes=2),
+     "single process"),
+    (Combination("hutch", LaplaceNoise(), PoissonSampling(), Poisson()), "LaplaceNoise needs exact norms"),
+    (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
+    (Combination("hutch", GaussianNoise(), PoissonSampling(), Poisson(), users=True, poisson_sampling=False),
+     "needs poisson_sampling=True"),
+    (Combination("hutch", GaussianNoise(), PoissonSampling(), FixedSize(), poisson_sampling=False),
+     "give one of them"),
+    (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
+    (Combination("hutch", GaussianNoise(), PoissonSampling(), FixedSize(), users=True), "users are Poisson-sampled"),
+    (Combination("hutch", GaussianNoise(), PoissonSampling(), TruncatedPoisson(8, pad=True), processes=2),
+     "padded global batch"),
+    (Combination("hutch", GaussianNoise(), PoissonSampling(), Shuffling(), ledger=True), "ledger_path"),
+    (Combination("exact", LaplaceNoise(), PoissonSampling(), FixedSize()), "Gaussian noise only"),
+]
+
+
+def test_every_entry_of_the_refusal_table_is_reached_in_its_order():
+    assert len(REFUSED_CASES) == len(REFUSED)
+    for i, (combination, match) in enumerate(REFUSED_CASES):
+        applies = [j for j, r in enumerate(REFUSED) if r.applies(combination)]
+        assert applies and applies[0] == i, (i, applies)
+        with pytest.raises(ValueError, match=match):
+            check_combination(combination)
+
+
+@pytest.mark.parametrize("clipping", [PoissonSampling(), TWICE])
+@pytest.mark.parametrize("scheme", [Poisson(), FixedSize(), Shuffling()])
+def test_what_the_table_does_not_refuse_passes(clipping, scheme):
+    estimator = "exact" if clipping.per_coordinate else "hutch"
+    combination = Combination(estimator, GaussianNoise(), clipping, scheme)
+    if clipping.per_coordinate and type(scheme) is not Poisson:
+        with pytest.raises(ValueError):
+            check_combination(combination)
+    else:
+        check_combination(combination)
+
+
+def test_auto_means_exact_norms_where_an_estimate_is_refused():
+    assert auto_estimator(Combination("auto", GaussianNoise(), PoissonSampling(), Poisson())) == "auto"
+    assert auto_estimator(Combination("auto", LaplaceNoise(), PoissonSampling(), Poisson())) == "ghost"
+    assert auto_estimator(Combination("auto", GaussianNoise(), TWICE, Poisson())) == "ghost"
+
+
+def _run(tmp_path=None, batch_sampling="poisson", seed=0):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(60, 4, generator=gen), torch.randint(0, 2, (60,), generator=gen))
+    engine = PrivacyEngine(ledger_path=None if tmp_path is None else tmp_path / "ledger.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the seed's warning
+        model, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=6), max_grad_norm=1.0, noise_multiplier=1.2, estimator="exact",
+            batch_sampling=batch_sampling, seed=seed)
+    return engine, model, opt, crit, loader
+
+
+def _train(engine, model, opt, crit, loader, steps):
+    for x, y in loader:
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        if engine.steps == steps:
+            return
+
+
+def test_the_record_is_format_1_settings_plus_the_format():
+    engine = _run()[0]
+    record = engine.state_dict()["settings"]
+    assert record.pop("format") == LEDGER_FORMAT == 2
+    assert record == {"estimator": "exact", "k": 32, "max_grad_norm": 1.0, "noise_multiplier": 1.2,
+                      "sample_rate": 0.1, "poisson": True}
+    assert engine.accounting.record(1.2) == engine.state_dict()["settings"]
+
+
+def test_a_ledger_written_in_format_1_is_read_and_its_steps_counted(tmp_path):
+    engine, *rest = _run(tmp_path)
+    _train(engine, *rest, steps=3)
+    path = tmp_path / "ledger.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in lines:
+        del rec["settings"]["format"]   # as format 1 wrote them
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    again = _run(tmp_path)[0]
+    assert again.spent_steps == 3
+
+
+def test_a_checkpoint_of_format_1_resumes_and_a_later_format_is_refused_by_name():
+    engine = _run()[0]
+    state = engine.state_dict()
+    del state["settings"]["format"]
+    resumed = _run()[0]
+    resumed.load_state_dict(state)
+    assert resumed.steps == 0
+    with pytest.raises(ValueError, match="ledger format 3, which this version of dpsgd does not read"):
+        read_record({**state["settings"], "format": 3}, "this checkpoint")
+    with pytest.raises(ValueError, match="ledger format 3"):
+        _run()[0].load_state_dict({**state, "settings": {**state["settings"], "format": 3}})
+
+
+class HalfRate(BatchSampling):
+    """A scheme of the test's own: Poisson at half the loader's rate, ``q = B / (2 N)``."""
+
+    name = "half_rate"
+
+    def bind(self, num_samples, batch_size):
+        q = batch_size / (2 * num_samples)
+        return BoundSampling(self, num_samples, batch_size, q, max(1, round(1 / q)))
+
+    def make_sampler(self, bound, generator):
+        return PoissonBatchSampler(bound.num_samples, bound.sample_rate, generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return noise.mechanism(noise_multiplier, bound.sample_rate, envelope)
+
+
+def test_a_new_batch_sampling_scheme_needs_only_its_sampler_and_mechanism():
+    """Defined here, outside the library: the engine binds it, draws with its sampler, records it in the ledger,
+    and charges its mechanism, with nothing else to register."""
+    engine, model, opt, crit, loader = _run(batch_sampling=HalfRate())
+    _train(engine, model, opt, crit, loader, steps=4)
+    assert engine.sample_rate == 0.05 and engine.batch_sampling == engine.accounting.sampling.scheme
+    assert engine.accounting.mechanism(1.2) == SubsampledGaussian(1.2, 0.05)
+    assert engine.state_dict()["settings"]["batch_sampling"] == {"name": "half_rate"}
+    expected = PLDAccountant().compose(SubsampledGaussian(1.2, 0.05), 4).epsilon(1e-5)
+    assert engine.get_epsilon(1e-5) == expected
+
+
+def test_the_run_accounting_is_immutable_and_its_exact_twin_drops_only_the_envelope():
+    run = RunAccounting(sampling=Poisson().bind(1000, 10), noise=GaussianNoise(), clipping=PoissonSampling(),
+                        max_grad_norm=1.0, envelope=None, estimator="hutch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.max_grad_norm = 2.0
+    assert run.exact() == run and run.poisson_batches and run.sample_rate == 0.01
