@@ -3,11 +3,12 @@
 No torch here: chi-square mixture distribution functions (:mod:`dpmath.chi2mix`), the envelope
 distributions that make randomized clipping private (:mod:`dpmath.envelope`) and their pessimistic
 discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod:`dpmath.pld`,
-:mod:`dpmath.rdp`) and noise calibration (:mod:`dpmath.calibration`); majorization and Schur checks
-(:mod:`dpmath.majorization`, :mod:`dpmath.schur`), LAP2 (:mod:`dpmath.lap2`) and twice sampling
-(:mod:`dpmath.twice_sampling`).
+:mod:`dpmath.rdp`, on the common base of :mod:`dpmath.accountant`) and noise calibration
+(:mod:`dpmath.calibration`); majorization and Schur checks (:mod:`dpmath.majorization`, :mod:`dpmath.schur`),
+LAP2 (:mod:`dpmath.lap2`) and twice sampling (:mod:`dpmath.twice_sampling`).
 """
 
+from .accountant import Accountant, Neighboring, UnsupportedMechanismError
 from .calibration import (
     Bracket,
     calibrate_noise,
@@ -63,6 +64,9 @@ __all__ = [
     "FixedSizeSubsampledGaussian",
     "RandomAllocationGaussian",
     "ShuffledGaussian",
+    "Accountant",
+    "Neighboring",
+    "UnsupportedMechanismError",
     "PLDAccountant",
     "EpsilonSchedule",
     "GridTooLargeError",

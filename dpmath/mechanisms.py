@@ -26,23 +26,73 @@ How examples are chosen is part of the mechanism too (:doc:`/sampling`):
   example is in exactly one step, bounded by one Gaussian step (no amplification is certified for them).
 
 A mechanism validates its arguments once, at construction; accountants never see an invalid one.
+
+Every mechanism is a :class:`Mechanism` and is listed in :data:`MECHANISMS`, the registry the accountants read.
+What an accountant needs to know of a mechanism besides its parameters (the step that dominates it, the neighbouring
+relation its analysis covers, whether it is amplified or charged to delta apart) is a member of its class here; only
+how an accountant computes a step is its own, in one table keyed on these classes (:data:`dpmath.pld.steps.STEPS`,
+the RDP accountant's Gaussian steps).  Adding a mechanism is a class here, its entry in :data:`MECHANISMS`, and each
+accountant's handling of it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from .accountant import Neighboring
 from .envelope import DiscreteEnvelope, Envelope, ReplacementEnvelope
 from .validation import positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace",
+__all__ = ["Mechanism", "MECHANISMS", "Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace",
            "FixedSizeSubsampledGaussian", "TruncatedSubsampledGaussian", "RandomAllocationGaussian", "ShuffledGaussian"]
 
 
+class Mechanism:
+    """Base class of the mechanisms: what an accountant reads of every one besides its parameters.
+
+    Each mechanism also has a ``sample_rate``, the probability that a given example takes part in one run, and a
+    ``noise_multiplier`` (LAP2: a ``scale``).  The defaults here are those of a single Gaussian step; a sampling
+    scheme overrides what differs.
+
+    Examples
+    --------
+    >>> from dpmath.mechanisms import FixedSizeSubsampledGaussian, Mechanism, SubsampledGaussian
+    >>> step = SubsampledGaussian(1.0, 0.01)
+    >>> isinstance(step, Mechanism), step.dominating() is step, step.neighboring
+    (True, True, None)
+    >>> FixedSizeSubsampledGaussian.neighboring
+    <Neighboring.REPLACE_ONE: 'replace_one'>
+    """
+
+    #: The one neighbouring relation the mechanism's analysis covers, whose pairs are :meth:`dominating`'s pairs for
+    #: adding and removing an example; ``None`` where it covers both, each by :meth:`dominating`'s pairs for it.
+    neighboring: ClassVar[Neighboring | None] = None
+    #: Why the other relation is not covered, where :attr:`neighboring` names one.
+    uncovered: ClassVar[str] = ""
+
+    def dominating(self) -> Mechanism:
+        """The step whose pairs dominate this mechanism's, composed in its place: the mechanism itself for a Gaussian
+        step (:class:`Gaussian`, :class:`SubsampledGaussian`, :class:`RandomizedClipGaussian`)."""
+        return self
+
+    @property
+    def amplified(self) -> bool:
+        """Whether adding or removing an example is accounted by the mechanism's own PLD rather than by
+        :meth:`dominating` (only an epoch of :class:`RandomAllocationGaussian` has one)."""
+        return False
+
+    @property
+    def charged(self) -> bool:
+        """Whether each run also charges a probability to delta, outside its pairs (only
+        :class:`TruncatedSubsampledGaussian` with randomized clipping: its ``overflow_probability()``)."""
+        return False
+
+
 @dataclass(frozen=True)
-class Gaussian:
+class Gaussian(Mechanism):
     r"""The Gaussian mechanism with noise multiplier ``sigma`` (noise std / sensitivity).
 
     Its privacy-loss distribution is ``N(mu^2/2, mu^2)`` with ``mu = 1/sigma`` in both neighbouring
@@ -83,7 +133,7 @@ class Gaussian:
 
 
 @dataclass(frozen=True)
-class SubsampledGaussian:
+class SubsampledGaussian(Mechanism):
     r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD.
 
     Each example is in the batch independently with probability ``q``; the clipped sum gets
@@ -119,7 +169,7 @@ class SubsampledGaussian:
 
 
 @dataclass(frozen=True)
-class RandomizedClipGaussian:
+class RandomizedClipGaussian(Mechanism):
     r"""One step of DP-SGD-RC: a subsampled Gaussian whose sensitivity is the random scale ``1/sqrt(Y)``.
 
     ``Y`` follows an envelope (:class:`~dpmath.HutchEnvelope`, :class:`~dpmath.HutchPPEnvelope`, or
@@ -182,7 +232,7 @@ LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
 
 
 @dataclass(frozen=True)
-class SubsampledL2Laplace:
+class SubsampledL2Laplace(Mechanism):
     r"""LAP2 (paper 003): Poisson sampling ``q``, l2 clipping, independent Laplace noise on each coordinate.
 
     ``scale`` is the Laplace scale ``b`` in units of the clipping norm ``C`` (``b / C``).  Accountants
@@ -210,6 +260,9 @@ class SubsampledL2Laplace:
 
     scale: float
     sample_rate: float
+
+    neighboring = Neighboring.ADD_OR_REMOVE
+    uncovered = "its Gaussian domination is proved for adding or removing one example"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", positive_real(self.scale, "scale"))
@@ -250,7 +303,7 @@ def _optional_envelope(envelope: object) -> Envelope | None:
 
 
 @dataclass(frozen=True)
-class FixedSizeSubsampledGaussian:
+class FixedSizeSubsampledGaussian(Mechanism):
     r"""One step on a batch of exactly ``B`` examples drawn uniformly without replacement from ``N``.
 
     The batch size is public and constant, so the data-set size is too: the neighbouring relation is
@@ -294,7 +347,9 @@ class FixedSizeSubsampledGaussian:
     dataset_size: int
     envelope: Envelope | None = None
 
-    neighboring = "replace_one"
+    neighboring = Neighboring.REPLACE_ONE
+    uncovered = ("its batches have a fixed size, so a data set with one example more or less is not a neighbour it "
+                 "covers")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
@@ -317,7 +372,7 @@ class FixedSizeSubsampledGaussian:
 
 
 @dataclass(frozen=True)
-class TruncatedSubsampledGaussian:
+class TruncatedSubsampledGaussian(Mechanism):
     r"""Poisson sampling at rate ``q`` with at most ``B = max_batch_size`` examples a step (a larger draw keeps a
     uniformly random ``B`` of them), then the Gaussian (or randomized-clipping) step; adding or removing one example.
 
@@ -374,6 +429,9 @@ class TruncatedSubsampledGaussian:
     max_batch_size: int
     dataset_size: int
     envelope: Envelope | None = None
+
+    neighboring = Neighboring.ADD_OR_REMOVE
+    uncovered = "its analysis is for adding or removing one example"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
@@ -449,7 +507,7 @@ def _binomial_tail(k: int, n: int, q: float) -> float:
     return min(1.0, tail * (1.0 + 1e-9) + 1e-300) if tail > 0 else 0.0
 
 
-class _OneEpoch:
+class _OneEpoch(Mechanism):
     """What the epoch mechanisms share: their checks, and the rate 1 their bound charges."""
 
     def __post_init__(self) -> None:
@@ -557,10 +615,18 @@ class ShuffledGaussian(_OneEpoch):
     steps: int
     envelope: Envelope | None = None
 
-    neighboring = "replace_one"
+    neighboring = Neighboring.REPLACE_ONE
+    uncovered = ("adding an example would shift every later batch's boundaries, so a data set with one example more "
+                 "or less is not a neighbour it covers")
 
     def dominating(self) -> Gaussian | RandomizedClipGaussian:
         """The Gaussian whose adding/removing pair is the epoch's replacing pair."""
         if self.envelope is not None:
             return RandomizedClipGaussian(self.noise_multiplier, 1.0, ReplacementEnvelope(self.envelope))
         return Gaussian(self.noise_multiplier / 2.0)
+
+
+#: Every mechanism, in the order the docs list them: the registry the accountants' tables are keyed on.
+MECHANISMS: tuple[type[Mechanism], ...] = (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace,
+                                           FixedSizeSubsampledGaussian, TruncatedSubsampledGaussian,
+                                           RandomAllocationGaussian, ShuffledGaussian)

@@ -37,10 +37,15 @@ from numpy.typing import ArrayLike
 from scipy import special
 
 from . import conversions
+from .accountant import Accountant, Neighboring
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
 __all__ = ["RDPAccountant", "DEFAULT_ORDERS", "subsampled_gaussian_rdp"]
+
+# accounted through the subsampled Gaussian their dominating() names (a Gaussian step is its own): the RDP
+# accountant's table of the mechanisms of dpmath.mechanisms.MECHANISMS
+_GAUSSIAN_STEPS = (Gaussian, SubsampledGaussian, SubsampledL2Laplace)
 
 #: Orders used when none are given: Opacus' 1.1, 1.2, ..., 10.9, 12, ..., 63 plus four large ones for
 #: small delta and large sigma.
@@ -185,14 +190,15 @@ def subsampled_gaussian_rdp(noise_multiplier: float, sample_rate: float, orders:
     return out.reshape(a.shape)
 
 
-class RDPAccountant:
+class RDPAccountant(Accountant):
     r"""Renyi-DP accountant (Mironov et al. 2019) with the Balle et al. 2020 conversion.
 
     Composes :class:`~dpmath.Gaussian` and :class:`~dpmath.SubsampledGaussian` (add-or-remove
     neighbours), :class:`~dpmath.SubsampledL2Laplace` (through its dominating subsampled Gaussian), and
     any mechanism with an ``rdp(orders)`` method, such as those of :mod:`dpmath.twice_sampling`;
-    composing :class:`~dpmath.RandomizedClipGaussian` raises ``ValueError``, because its
-    Renyi divergence is infinite at every order.  RDP is an upper bound only; for a tight number use
+    composing :class:`~dpmath.RandomizedClipGaussian` raises :class:`~dpmath.UnsupportedMechanismError` (a
+    ``ValueError``), because its Renyi divergence is infinite at every order, and so does composing a sampling scheme
+    (:meth:`supports` says which beforehand).  RDP is an upper bound only; for a tight number use
     :class:`~dpmath.PLDAccountant`.
 
     Parameters
@@ -223,6 +229,11 @@ class RDPAccountant:
         self.conversion = conversion
         self._rdp = np.zeros(o.size)
         self._events: tuple[tuple[object, int], ...] = ()
+
+    @property
+    def neighboring(self) -> Neighboring:
+        """``Neighboring.ADD_OR_REMOVE``: the relation of the Renyi divergences composed (read-only)."""
+        return Neighboring.ADD_OR_REMOVE
 
     def __repr__(self) -> str:
         return f"RDPAccountant(orders=<{self.orders.size}>, conversion={self.conversion!r}, events={len(self._events)})"
@@ -256,6 +267,11 @@ class RDPAccountant:
     def compose(self, mechanism: object, count: int = 1) -> RDPAccountant:
         """Add ``count`` runs of ``mechanism``; returns the accountant.
 
+        Raises
+        ------
+        UnsupportedMechanismError
+            Where :meth:`refusal` gives a reason (:meth:`supports` is False); nothing is composed.
+
         Examples
         --------
         >>> from dpmath import Gaussian, HutchEnvelope, RandomizedClipGaussian
@@ -265,28 +281,39 @@ class RDPAccountant:
         >>> RDPAccountant().compose(RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(4, 8)))
         Traceback (most recent call last):
         ...
-        ValueError: RandomizedClipGaussian has no Renyi-DP guarantee: ...
+        dpmath.accountant.UnsupportedMechanismError: RandomizedClipGaussian has no Renyi-DP guarantee: ...
         """
-        if isinstance(mechanism, RandomizedClipGaussian):
-            raise ValueError(
-                "RandomizedClipGaussian has no Renyi-DP guarantee: its Renyi divergence is infinite for "
-                "every order alpha > 1 (paper 000, App. B.2, Prop. B.1), because the estimated-norm scale "
-                "a = 1/sqrt(Y) has a polynomial tail while the conditional moment grows like "
-                "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
-        if isinstance(mechanism, SubsampledL2Laplace):
+        self._refuse_unsupported(mechanism)
+        if isinstance(mechanism, _GAUSSIAN_STEPS):
             inner = mechanism.dominating()
             step = subsampled_gaussian_rdp(inner.noise_multiplier, inner.sample_rate, self.orders)
-        elif isinstance(mechanism, (Gaussian, SubsampledGaussian)):
-            step = subsampled_gaussian_rdp(mechanism.noise_multiplier, mechanism.sample_rate, self.orders)
-        elif callable(getattr(mechanism, "rdp", None)):
-            step = np.asarray(mechanism.rdp(self.orders), dtype=np.float64)
         else:
-            raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, SubsampledL2Laplace or have an "
-                             f"rdp(orders) method, got {type(mechanism).__name__}")
+            step = np.asarray(mechanism.rdp(self.orders), dtype=np.float64)
         n = positive_int(count, "count")
         self._rdp = self._rdp + n * step
         self._events = self._events + ((mechanism, n),)
         return self
+
+    def refusal(self, mechanism: object) -> str | None:
+        """Why this accountant cannot account for ``mechanism``, or ``None``: it accounts for the Gaussian steps, LAP2
+        and any mechanism with an ``rdp(orders)`` method.
+
+        Examples
+        --------
+        >>> from dpmath import RandomAllocationGaussian
+        >>> from dpmath.rdp import RDPAccountant
+        >>> RDPAccountant().refusal(RandomAllocationGaussian(1.0, steps=10))
+        'mechanism must be Gaussian, SubsampledGaussian, SubsampledL2Laplace or have an rdp(orders) method, got ...'
+        """
+        if isinstance(mechanism, RandomizedClipGaussian):
+            return ("RandomizedClipGaussian has no Renyi-DP guarantee: its Renyi divergence is infinite for "
+                    "every order alpha > 1 (paper 000, App. B.2, Prop. B.1), because the estimated-norm scale "
+                    "a = 1/sqrt(Y) has a polynomial tail while the conditional moment grows like "
+                    "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
+        if isinstance(mechanism, _GAUSSIAN_STEPS) or callable(getattr(mechanism, "rdp", None)):
+            return None
+        return (f"mechanism must be {', '.join(m.__name__ for m in _GAUSSIAN_STEPS)} or have an rdp(orders) method, "
+                f"got {type(mechanism).__name__}")
 
     def epsilon(self, delta: float) -> float:
         """``min`` over orders of the converted epsilon (the best order is :meth:`best_order`).

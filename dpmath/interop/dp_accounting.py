@@ -31,13 +31,17 @@ Requires the ``dp-accounting`` extra.  Nothing in dpmath imports this module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attr
 from dp_accounting import dp_event, privacy_accountant
 
+from ..accountant import Neighboring
 from ..envelope import Envelope
 from ..mechanisms import (
     FixedSizeSubsampledGaussian,
     Gaussian,
+    Mechanism,
     RandomizedClipGaussian,
     SubsampledGaussian,
     TruncatedSubsampledGaussian,
@@ -47,9 +51,6 @@ from ..validation import positive_real
 
 __all__ = ["RandomizedClipDpEvent", "BracketPLDAccountant", "UnsupportedEventError", "to_mechanisms",
            "to_dp_event"]
-
-Mechanism = (Gaussian | SubsampledGaussian | RandomizedClipGaussian | TruncatedSubsampledGaussian
-             | FixedSizeSubsampledGaussian)
 
 
 class UnsupportedEventError(privacy_accountant.UnsupportedEventError, ValueError):
@@ -157,6 +158,28 @@ def to_mechanisms(event: dp_event.DpEvent) -> list[tuple[Mechanism, int]]:
     return [(m, n) for m, n in _leaves(event, 1) if n > 0]
 
 
+def _randomized_clip_event(mechanism: RandomizedClipGaussian) -> dp_event.DpEvent:
+    inner = RandomizedClipDpEvent(mechanism.noise_multiplier, mechanism.envelope, mechanism.scale_resolution)
+    return inner if mechanism.sample_rate == 1.0 else dp_event.PoissonSampledDpEvent(mechanism.sample_rate, inner)
+
+
+# the mechanisms with an exact dp_accounting event, and the event (None: not with randomized clipping, which
+# dp_accounting's events of a sampling scheme do not describe)
+_EVENTS: dict[type[Mechanism], Callable[..., dp_event.DpEvent | None]] = {
+    Gaussian: lambda m: dp_event.GaussianDpEvent(m.noise_multiplier),
+    SubsampledGaussian: lambda m: dp_event.PoissonSampledDpEvent(m.sample_rate,
+                                                                 dp_event.GaussianDpEvent(m.noise_multiplier)),
+    RandomizedClipGaussian: _randomized_clip_event,
+    TruncatedSubsampledGaussian: lambda m: None if m.envelope is not None else (
+        dp_event.TruncatedSubsampledGaussianDpEvent(m.dataset_size, m.sample_rate, m.max_batch_size,
+                                                    m.noise_multiplier)),
+    # the event's noise is over the replacement sensitivity 2 C; ours over C
+    FixedSizeSubsampledGaussian: lambda m: None if m.envelope is not None else (
+        dp_event.SampledWithoutReplacementDpEvent(m.dataset_size, m.batch_size,
+                                                  dp_event.GaussianDpEvent(m.noise_multiplier / 2.0))),
+}
+
+
 def to_dp_event(mechanism: Mechanism, count: int = 1) -> dp_event.DpEvent:
     """The dp_accounting event of ``count`` runs of a dpmath mechanism (exact).
 
@@ -168,31 +191,18 @@ def to_dp_event(mechanism: Mechanism, count: int = 1) -> dp_event.DpEvent:
     SelfComposedDpEvent(event=PoissonSampledDpEvent(sampling_probability=0.01,
         event=GaussianDpEvent(noise_multiplier=1.1)), count=1000)
     """
-    if isinstance(mechanism, Gaussian):
-        event: dp_event.DpEvent = dp_event.GaussianDpEvent(mechanism.noise_multiplier)
-    elif isinstance(mechanism, SubsampledGaussian):
-        event = dp_event.PoissonSampledDpEvent(mechanism.sample_rate,
-                                               dp_event.GaussianDpEvent(mechanism.noise_multiplier))
-    elif isinstance(mechanism, RandomizedClipGaussian):
-        inner = RandomizedClipDpEvent(mechanism.noise_multiplier, mechanism.envelope, mechanism.scale_resolution)
-        event = inner if mechanism.sample_rate == 1.0 else dp_event.PoissonSampledDpEvent(mechanism.sample_rate, inner)
-    elif isinstance(mechanism, TruncatedSubsampledGaussian) and mechanism.envelope is None:
-        event = dp_event.TruncatedSubsampledGaussianDpEvent(mechanism.dataset_size, mechanism.sample_rate,
-                                                            mechanism.max_batch_size, mechanism.noise_multiplier)
-    elif isinstance(mechanism, FixedSizeSubsampledGaussian) and mechanism.envelope is None:
-        event = dp_event.SampledWithoutReplacementDpEvent(
-            mechanism.dataset_size, mechanism.batch_size, dp_event.GaussianDpEvent(mechanism.noise_multiplier / 2.0))
-    else:
-        raise ValueError(f"mechanism must be Gaussian, SubsampledGaussian, RandomizedClipGaussian, "
-                         f"TruncatedSubsampledGaussian or FixedSizeSubsampledGaussian (without envelope), got "
-                         f"{type(mechanism).__name__}")
+    convert = _EVENTS.get(type(mechanism))
+    event = None if convert is None else convert(mechanism)
+    if event is None:
+        raise ValueError(f"mechanism must be {', '.join(m.__name__ for m in _EVENTS)} (a sampling scheme without "
+                         f"envelope), got {type(mechanism).__name__}")
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive int, got {count!r}")
     return event if count == 1 else dp_event.SelfComposedDpEvent(event, count)
 
 
-_RELATIONS = {privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE: "add_or_remove",
-              privacy_accountant.NeighboringRelation.REPLACE_ONE: "replace_one"}
+_RELATIONS = {privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE: Neighboring.ADD_OR_REMOVE,
+              privacy_accountant.NeighboringRelation.REPLACE_ONE: Neighboring.REPLACE_ONE}
 
 
 class BracketPLDAccountant(privacy_accountant.PrivacyAccountant):
@@ -239,8 +249,8 @@ class BracketPLDAccountant(privacy_accountant.PrivacyAccountant):
                        ) -> privacy_accountant.PrivacyAccountant.CompositionErrorDetails | None:
         try:
             pairs = _leaves(event, count)
-            # the relation-dependent refusals (replace_one with randomized clipping) come from compose on a
-            # scratch accountant, so a refused event leaves this one untouched
+            # the accountant's refusals (PLDAccountant.refusal: replace_one with randomized clipping) and a count
+            # beyond its limit come from compose on a scratch accountant, so a refused event leaves this one untouched
             scratch = PLDAccountant(self._accountant.discretization, self._accountant.neighboring)
             for mechanism, n in pairs:
                 scratch.compose(mechanism, max(n, 1))

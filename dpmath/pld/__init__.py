@@ -24,7 +24,6 @@ layer using only those listed before it:
 from .accountant import PLDAccountant
 from .distribution import GridTooLargeError
 from .schedule import EpsilonSchedule
-from .steps import Mechanism
 from .steps import scale_atoms as scale_atoms  # public in dpmath.pld before the split, though not in __all__
 
-__all__ = ["PLDAccountant", "EpsilonSchedule", "Mechanism", "GridTooLargeError"]
+__all__ = ["PLDAccountant", "EpsilonSchedule", "GridTooLargeError"]

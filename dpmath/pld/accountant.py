@@ -15,19 +15,18 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..mechanisms import RandomizedClipGaussian, SubsampledGaussian, TruncatedSubsampledGaussian
+from ..accountant import Accountant, Neighboring
+from ..mechanisms import MECHANISMS, Mechanism, SubsampledGaussian
 from ..validation import non_negative, open_probability, positive_int, probability_array, real_number
 from .compose import Composition
 from .distribution import GridTooLargeError, Pld
 from .gaussian import GaussianCurve
 from .steps import (
-    MECHANISMS,
-    Mechanism,
     accounted_step,
     is_gaussian_step,
     one_pair,
+    random_scale,
     reads_replacement,
-    refusal,
     scale_atoms,
     step_plds,
 )
@@ -50,13 +49,13 @@ _COARSER = 64.0         # an infinite upper end retries on a loss grid this much
 _COARSER_TRIES = 3      # ... this many times
 # directions read: replacing one example reads most steps once ("replace"), but fixed-size and shuffled batches
 # as their dominating step's removing and adding pairs (steps.reads_replacement), so it has two directions too
-_NEIGHBORING = {"add_or_remove": ("remove", "add"), "replace_one": ("remove", "add")}
+_NEIGHBORING = {Neighboring.ADD_OR_REMOVE: ("remove", "add"), Neighboring.REPLACE_ONE: ("remove", "add")}
 
 
 #: The most runs of one mechanism :meth:`PLDAccountant.compose` takes (its counts are used as floats).
 MAX_COUNT = 10**18
 
-class PLDAccountant:
+class PLDAccountant(Accountant):
     r"""Privacy-loss-distribution accountant with FFT composition and a [lower, upper] bracket.
 
     Mechanisms are composed with :meth:`compose`; queries (:meth:`epsilon`, :meth:`delta`,
@@ -83,8 +82,8 @@ class PLDAccountant:
     discretization : float
         Grid step ``h`` of the privacy loss, in ``(0, 1]`` (default ``1e-4``).  The upper bound's error
         shrinks like ``h^2`` per step (connect-the-dots); the composed grid grows like ``1/h``.
-    neighboring : {"add_or_remove", "replace_one"}
-        Neighbouring relation.
+    neighboring : Neighboring or {"add_or_remove", "replace_one"}
+        Neighbouring relation (:class:`~dpmath.Neighboring`, or its value).
     tail_mass : float
         Mass cut from each side whenever a composition is truncated, in ``(0, 1e-6]`` (default
         ``1e-18``); the upper bound charges it to delta.
@@ -117,13 +116,12 @@ class PLDAccountant:
     True
     """
 
-    def __init__(self, discretization: float = 1e-4, neighboring: str = "add_or_remove", *,
+    def __init__(self, discretization: float = 1e-4, neighboring: Neighboring | str = Neighboring.ADD_OR_REMOVE, *,
                  tail_mass: float = 1e-18, bracket_rtol: float | str | None = AUTO) -> None:
         h = real_number(discretization, "discretization", allow_inf=False)
         if not 0 < h <= 1:
             raise ValueError(f"discretization must lie in (0, 1], got {discretization!r}")
-        if neighboring not in _NEIGHBORING:
-            raise ValueError(f"neighboring must be one of {sorted(_NEIGHBORING)}, got {neighboring!r}")
+        relation = Neighboring(neighboring)
         tm = real_number(tail_mass, "tail_mass", allow_inf=False)
         if not 0 < tm <= 1e-6:
             raise ValueError(f"tail_mass must lie in (0, 1e-6], got {tail_mass!r}")
@@ -139,7 +137,7 @@ class PLDAccountant:
         # compose() refused the mechanisms a relation does not cover, so a later change would be read against
         # stale caches (replace-one read off an add-or-remove curve, a refused mechanism let through)
         self._discretization = h
-        self._neighboring = neighboring
+        self._neighboring = relation
         self._tail_mass = tm
         self._bracket_rtol = bracket_rtol
         self._events: tuple[tuple[Mechanism, int], ...] = ()
@@ -153,8 +151,8 @@ class PLDAccountant:
         return self._discretization
 
     @property
-    def neighboring(self) -> str:
-        """``"add_or_remove"`` or ``"replace_one"`` (read-only)."""
+    def neighboring(self) -> Neighboring:
+        """The neighbouring relation, a :class:`~dpmath.Neighboring` (read-only)."""
         return self._neighboring
 
     @property
@@ -169,7 +167,7 @@ class PLDAccountant:
         return self._bracket_rtol
 
     def __repr__(self) -> str:
-        return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring!r}, "
+        return (f"PLDAccountant(discretization={self.discretization!r}, neighboring={self.neighboring.value!r}, "
                 f"events={len(self._events)})")
 
     @property
@@ -195,6 +193,11 @@ class PLDAccountant:
         count : int
             How many times it runs (``>= 1``).
 
+        Raises
+        ------
+        UnsupportedMechanismError
+            Where :meth:`refusal` gives a reason (:meth:`supports` is False); nothing is composed.
+
         Examples
         --------
         >>> from dpmath import Gaussian, PLDAccountant
@@ -202,20 +205,40 @@ class PLDAccountant:
         >>> len(acc.events)
         2
         """
-        if not isinstance(mechanism, MECHANISMS):
-            raise ValueError(f"mechanism must be one of {', '.join(m.__name__ for m in MECHANISMS)}, got "
-                             f"{type(mechanism).__name__}")
+        self._refuse_unsupported(mechanism)
         n = positive_int(count, "count")
         if n > MAX_COUNT:   # the composed tail mass and the loss range are floats: beyond this they overflow
             raise ValueError(f"count must be at most {MAX_COUNT:.0e} (a float's range of steps), got a count of "
                              f"{len(str(n))} digits; no training run takes that many steps")
-        if (reason := refusal(mechanism, self.neighboring)) is not None:
-            raise ValueError(reason)
         self._events = self._events + ((mechanism, n),)
         self._plds = {}
         self._two_scale = []
         self._gaussian = []
         return self
+
+    def refusal(self, mechanism: object) -> str | None:
+        """Why this accountant cannot account for ``mechanism``, or ``None``: it accounts for every mechanism of
+        :data:`~dpmath.mechanisms.MECHANISMS` under the relation its analysis covers
+        (:attr:`~dpmath.mechanisms.Mechanism.neighboring`), except randomized clipping for replacing one example.
+
+        Examples
+        --------
+        >>> from dpmath import FixedSizeSubsampledGaussian, PLDAccountant
+        >>> PLDAccountant().refusal(FixedSizeSubsampledGaussian(2.0, batch_size=100, dataset_size=10_000))
+        "neighboring='add_or_remove' is not supported for FixedSizeSubsampledGaussian: its batches have a fixed ..."
+        """
+        name = type(mechanism).__name__
+        if type(mechanism) not in MECHANISMS:   # the tables are keyed on these classes, never a subclass
+            return f"mechanism must be one of {', '.join(m.__name__ for m in MECHANISMS)}, got {name}"
+        covered = mechanism.neighboring
+        if covered is not None and covered is not self.neighboring:
+            return (f"neighboring={self.neighboring.value!r} is not supported for {name}: {mechanism.uncovered}; use "
+                    f"neighboring={covered.value!r}")
+        if reads_replacement(mechanism, self.neighboring) and random_scale(accounted_step(mechanism)):
+            return (f"neighboring='replace_one' is not supported for {name} with randomized clipping: the two "
+                    f"differing examples carry independent random scales, whose joint pair this accountant does not "
+                    f"discretize; use neighboring='add_or_remove'")
+        return None
 
     def _target(self) -> float:
         """The relative width the queries refine to: a float ``bracket_rtol``, else the default's target (also the
@@ -226,7 +249,7 @@ class PLDAccountant:
 
     def _scaled(self) -> bool:
         """Whether a randomized-clipping step is composed (its bracket has a scale grid's part)."""
-        return any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events)
+        return any(random_scale(accounted_step(m)) for m, _ in self._events)
 
     def _atom_points(self, s: float) -> float:
         """The randomized-clipping steps' part of a grid's cost at the scale factor ``s``, in grid points:
@@ -235,7 +258,7 @@ class PLDAccountant:
         atoms = 0
         for m, _ in self._events:
             step = accounted_step(m)
-            if isinstance(step, RandomizedClipGaussian):
+            if random_scale(step):
                 atoms += scale_atoms(step.envelope, step.scale_resolution * s, True)[0].size
         return float(_ATOM_POINTS * atoms)
 
@@ -416,7 +439,7 @@ class PLDAccountant:
         gaps = [0.0]
         for m, _ in self._events:
             m = accounted_step(m)
-            if isinstance(m, RandomizedClipGaussian):
+            if random_scale(m):
                 up, lo = step_plds(SubsampledGaussian(m.noise_multiplier, m.sample_rate), "remove", h, (True, False))
                 means = [float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * h)) for p in (up, lo)]
                 gaps.append((means[0] - means[1]) / means[0] if means[0] > 0 else 0.0)
@@ -470,7 +493,7 @@ class PLDAccountant:
         by its upper bound on a coarse grid (10 times the loss step, up to ``1e-2``, and 4 times the scale
         step), which costs a fraction of a step built on the query's grid.  Always ``False`` without
         randomized clipping, whose steps are cheap enough to build and bound on the query's grid."""
-        if not any(isinstance(accounted_step(m), RandomizedClipGaussian) for m, _ in self._events):
+        if not any(random_scale(accounted_step(m)) for m, _ in self._events):
             return False
         try:
             coarse = self._composed(True, min(10.0 * self.discretization, 1e-2), 4.0, (direction,))[0]
@@ -555,8 +578,7 @@ class PLDAccountant:
     def _overflow(self) -> float:
         """``sum n eta``: the probability that some truncated randomized-clipping step's Poisson draw overflows,
         charged to delta as ``eta (1 + e^epsilon)`` (:class:`~dpmath.TruncatedSubsampledGaussian`), rounded up."""
-        total = math.fsum(n * m.overflow_probability() for m, n in self._events
-                          if isinstance(m, TruncatedSubsampledGaussian) and m.charged)
+        total = math.fsum(n * m.overflow_probability() for m, n in self._events if m.charged)
         return min(1.0, total * (1.0 + 1e-12))
 
     def _two_scale_lower(self, lower: bool, lo: float, hi: float) -> TwoScaleLower | None:
@@ -573,7 +595,7 @@ class PLDAccountant:
             self._target() if self.bracket_rtol == AUTO else None)
         half = lo < 0.5 * hi
         loose = hi > 0 and (half or (target is not None and hi - lo > target * hi))
-        if not (lower and loose and self.neighboring == "add_or_remove" and len(self._events) == 1
+        if not (lower and loose and self.neighboring is Neighboring.ADD_OR_REMOVE and len(self._events) == 1
                 and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].sample_rate < 1.0):
             return None
         if not self._two_scale:

@@ -37,12 +37,13 @@ import math
 
 import numpy as np
 
-from ..mechanisms import RandomizedClipGaussian, TruncatedSubsampledGaussian
+from ..accountant import Neighboring
+from ..mechanisms import Mechanism
 from ..validation import open_probability, positive_int
 from .accountant import AUTO, AUTO_BUDGET, PLDAccountant
 from .compose import Composition, Spectra
 from .distribution import GridTooLargeError, Pld
-from .steps import Mechanism, accounted_step, is_gaussian_step, one_pair, reads_replacement, step_plds
+from .steps import accounted_step, is_gaussian_step, one_pair, random_scale, reads_replacement, step_plds
 
 __all__ = ["EpsilonSchedule"]
 
@@ -103,8 +104,9 @@ class EpsilonSchedule:
 
     Parameters
     ----------
-    mechanism : Gaussian, SubsampledGaussian, RandomizedClipGaussian or SubsampledL2Laplace
-        The step (LAP2 is composed as the subsampled Gaussian that dominates it).
+    mechanism : Mechanism
+        The step, any the accountant accepts (composed as its accountant does: LAP2 as the subsampled Gaussian that
+        dominates it, a sampling scheme as its dominating step).
     max_count : int
         The largest count asked (``>= 1``): the step's grid is chosen for it.
     discretization, neighboring, tail_mass
@@ -129,7 +131,7 @@ class EpsilonSchedule:
     """
 
     def __init__(self, mechanism: Mechanism, max_count: int, *, discretization: float = 1e-4,
-                 neighboring: str = "add_or_remove", tail_mass: float = 1e-18,
+                 neighboring: Neighboring | str = Neighboring.ADD_OR_REMOVE, tail_mass: float = 1e-18,
                  bracket_rtol: float | str | None = AUTO) -> None:
         n_max = positive_int(max_count, "max_count")
         # the accountant checks the settings and the mechanism (and refuses what it refuses) for us
@@ -143,11 +145,10 @@ class EpsilonSchedule:
         self.bracket_rtol = checked.bracket_rtol
         self._root = self.discretization   # the first schedule's grid: finer ones stop at root / 64
         self._finer: list[EpsilonSchedule] = []   # the schedule on the grid _FINER times this one, once built
-        step = self._step = accounted_step(mechanism, neighboring)
+        step = self._step = accounted_step(mechanism, self.neighboring)
         # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
-        charged = isinstance(mechanism, TruncatedSubsampledGaussian) and mechanism.charged
-        self._closed = is_gaussian_step(step) or charged
-        if reads_replacement(mechanism, neighboring):
+        self._closed = is_gaussian_step(step) or mechanism.charged
+        if reads_replacement(mechanism, self.neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
             self._relations = ("remove",) if one_pair(step) else ("remove", "add")
@@ -248,7 +249,7 @@ class EpsilonSchedule:
         Without ``lower``, the lower end is computed only where a finer schedule may be built (its width decides), so
         the upper end is the same number either way."""
         hi = self._bound(count, delta, True)
-        rc = isinstance(self._step, RandomizedClipGaussian)
+        rc = random_scale(self._step)
         target = self.bracket_rtol if isinstance(self.bracket_rtol, float) else (_AUTO_RC_RTOL if rc else _AUTO_RTOL)
         h = self.discretization * _FINER
         # the finer grid's predicted work: the upper end's, twice (the lower end's is about as much), over _FINER

@@ -1,7 +1,8 @@
 r"""One step of a mechanism in one neighbouring direction, as an upper and a lower discrete PLD.
 
-A :data:`Mechanism` becomes a subsampled-Gaussian pair on a loss grid (:mod:`dpmath.pld.losses`), split
-onto grid points for each bound (:mod:`dpmath.pld.discretize`).
+A :class:`~dpmath.mechanisms.Mechanism` is composed as the step that dominates it (:func:`accounted_step`), and a step
+becomes a subsampled-Gaussian pair on a loss grid (:mod:`dpmath.pld.losses`), split onto grid points for each bound
+(:mod:`dpmath.pld.discretize`), as its entry of :data:`STEPS` says.
 
 For :class:`~dpmath.RandomizedClipGaussian` the scale ``a = 1/sqrt(Y)`` is part of the output of
 the dominating pair, so its hockey-stick curve is the ``Y``-average of subsampled-Gaussian curves,
@@ -15,93 +16,72 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from scipy import special
 
+from ..accountant import Neighboring
 from ..envelope import Envelope, pessimistic_discretization
-from ..mechanisms import (
-    FixedSizeSubsampledGaussian,
-    Gaussian,
-    RandomAllocationGaussian,
-    RandomizedClipGaussian,
-    ShuffledGaussian,
-    SubsampledGaussian,
-    SubsampledL2Laplace,
-    TruncatedSubsampledGaussian,
-)
+from ..mechanisms import Gaussian, Mechanism, RandomAllocationGaussian, RandomizedClipGaussian, SubsampledGaussian
 from .allocation import epoch_plds
 from .discretize import assemble, split
 from .distribution import Pld
 from .losses import MixtureSums, StepMasses, mix, mixture_masses, mixture_sums, pair_cdfs, sparse_points, step_grid
 
-__all__ = ["Mechanism", "MECHANISMS", "accounted_step", "is_gaussian_step", "one_pair", "reads_replacement", "refusal",
+__all__ = ["STEPS", "StepKind", "accounted_step", "is_gaussian_step", "one_pair", "random_scale", "reads_replacement",
            "scale_atoms", "scale_sums", "step_plds"]
 
-Mechanism = (Gaussian | SubsampledGaussian | RandomizedClipGaussian | SubsampledL2Laplace | FixedSizeSubsampledGaussian
-             | TruncatedSubsampledGaussian | RandomAllocationGaussian | ShuffledGaussian)
 
-#: every mechanism the PLD accountant composes
-MECHANISMS = (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace, FixedSizeSubsampledGaussian,
-              TruncatedSubsampledGaussian, RandomAllocationGaussian, ShuffledGaussian)
-
-# composed as the step their dominating() names
-_DOMINATED = (SubsampledL2Laplace, FixedSizeSubsampledGaussian, TruncatedSubsampledGaussian, RandomAllocationGaussian,
-              ShuffledGaussian)
-# their dominating() step's adding and removing pairs are their pairs for replacing one example
-_REPLACED_AS_ADD_REMOVE = (FixedSizeSubsampledGaussian, ShuffledGaussian)
-
-
-Step = Gaussian | SubsampledGaussian | RandomizedClipGaussian | RandomAllocationGaussian
-
-
-def accounted_step(mechanism: Mechanism, neighboring: str = "add_or_remove") -> Step:
-    """The step composed for ``mechanism``: LAP2 as the subsampled Gaussian that dominates it, a sampling scheme as the
-    step its :meth:`dominating` names, any other as itself.  An epoch of random allocation with exact norms and more
-    than one step, adding or removing an example, is composed as itself (:mod:`dpmath.pld.allocation`)."""
-    if (isinstance(mechanism, RandomAllocationGaussian) and mechanism.amplified
-            and neighboring == "add_or_remove"):
+def accounted_step(mechanism: Mechanism, neighboring: Neighboring = Neighboring.ADD_OR_REMOVE) -> Mechanism:
+    """The step composed for ``mechanism``: the step its :meth:`~dpmath.mechanisms.Mechanism.dominating` names (LAP2
+    as the subsampled Gaussian that dominates it, a sampling scheme as its dominating step, a Gaussian step as
+    itself), or, adding or removing an example, the mechanism itself where it is
+    :attr:`~dpmath.mechanisms.Mechanism.amplified` (an epoch of random allocation: :mod:`dpmath.pld.allocation`).
+    It is a key of :data:`STEPS`."""
+    if mechanism.amplified and neighboring is Neighboring.ADD_OR_REMOVE:
         return mechanism
-    return mechanism.dominating() if isinstance(mechanism, _DOMINATED) else mechanism
+    return mechanism.dominating()
 
 
-def reads_replacement(mechanism: Mechanism, neighboring: str) -> bool:
+def reads_replacement(mechanism: Mechanism, neighboring: Neighboring) -> bool:
     """Whether the accounted step's pair is read for replacing one example (the "replace" pair), rather than in
-    the adding and removing directions: under ``neighboring="replace_one"``, except for fixed-size and shuffled
-    batches, whose replacing pairs are their dominating step's adding and removing pairs."""
-    return neighboring == "replace_one" and not isinstance(mechanism, _REPLACED_AS_ADD_REMOVE)
+    the adding and removing directions: under ``Neighboring.REPLACE_ONE``, except for a mechanism whose analysis
+    covers that relation only (fixed-size and shuffled batches): its replacing pairs are its dominating step's
+    adding and removing pairs (:attr:`~dpmath.mechanisms.Mechanism.neighboring`)."""
+    return neighboring is Neighboring.REPLACE_ONE and mechanism.neighboring is None
 
 
-def refusal(mechanism: Mechanism, neighboring: str) -> str | None:
-    """Why ``mechanism`` cannot be accounted under ``neighboring``, or ``None``."""
-    name = type(mechanism).__name__
-    if neighboring == "add_or_remove" and isinstance(mechanism, _REPLACED_AS_ADD_REMOVE):
-        return (f"{name} is accounted for replacing one example only: its batches have a fixed size, so a data "
-                f"set with one example more or less is not a neighbour it covers; use "
-                f"PLDAccountant(neighboring='replace_one')")
-    if neighboring == "replace_one" and isinstance(mechanism, TruncatedSubsampledGaussian):
-        return ("neighboring='replace_one' is not supported for TruncatedSubsampledGaussian: its analysis is for "
-                "adding or removing one example; use neighboring='add_or_remove'")
-    if neighboring == "replace_one" and isinstance(mechanism, SubsampledL2Laplace):
-        return ("neighboring='replace_one' is not supported for SubsampledL2Laplace: its Gaussian domination "
-                "is proved for adding or removing one example; use neighboring='add_or_remove'")
-    if reads_replacement(mechanism, neighboring) and isinstance(accounted_step(mechanism), RandomizedClipGaussian):
-        return (f"neighboring='replace_one' is not supported for {name} with randomized clipping: the two "
-                f"differing examples carry independent random scales, whose joint pair this accountant does not "
-                f"discretize; use neighboring='add_or_remove'")
-    return None
+class StepKind(NamedTuple):
+    """How the PLD accountant builds and reads one kind of accounted step (an entry of :data:`STEPS`)."""
+
+    #: ``build(step, relation, h, bounds, count, scale_refinement)``: the step's PLD for each bound (:func:`step_plds`)
+    build: Callable[..., list[Pld]]
+    #: a fixed scale: at sample rate 1 a Gaussian mechanism, read out in closed form (:func:`is_gaussian_step`)
+    gaussian: bool
+    #: a random scale, discretized on a scale grid (:func:`random_scale`)
+    scaled: bool
+    #: adding and removing an example are one pair at sample rate 1 (:func:`one_pair`)
+    symmetric: bool
 
 
-def is_gaussian_step(step: Step) -> bool:
+def is_gaussian_step(step: Mechanism) -> bool:
     """Whether an accounted step is a Gaussian mechanism (sample rate 1, a fixed scale): it is read out in
     closed form (:mod:`dpmath.pld.gaussian`), no grid."""
-    return type(step) in (Gaussian, SubsampledGaussian) and step.sample_rate == 1.0
+    return STEPS[type(step)].gaussian and step.sample_rate == 1.0
 
 
-def one_pair(step: Step) -> bool:
+def one_pair(step: Mechanism) -> bool:
     """Whether adding and removing an example are the same pair for an accounted step (sample rate 1, one scale or
     a random one): one direction serves both.  Not for random allocation, whose two directions differ."""
-    return step.sample_rate == 1.0 and not isinstance(step, RandomAllocationGaussian)
+    return step.sample_rate == 1.0 and STEPS[type(step)].symmetric
+
+
+def random_scale(step: Mechanism) -> bool:
+    """Whether an accounted step has a random scale (randomized clipping): a scale grid, refined with the loss grid."""
+    return STEPS[type(step)].scaled
+
 
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
@@ -222,46 +202,67 @@ def scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool, 
     return sums, zero, [atoms[b][2] for b in bounds]
 
 
-def step_plds(mechanism: Step, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
+def step_plds(step: Mechanism, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
                scale_refinement: float = 1.0) -> list[Pld]:
-    """One step of ``mechanism`` in one neighbouring direction, as a discrete PLD for each bound in
-    ``bounds`` (``True``: upper, ``False``: lower).  A randomized-clipping step is built from
-    :func:`scale_sums`; the others on one grid of up to :data:`MAX_GRID` points."""
-    if isinstance(mechanism, RandomAllocationGaussian):
-        plds = epoch_plds(mechanism.noise_multiplier, mechanism.steps, relation, h, bounds)
-        if True in bounds:
-            # the unamplified bound is an upper PLD of the epoch too (either is sound): where its epsilon at
-            # _PROBE_DELTA is the smaller (sigma ~ 0.3, whose lognormal tails leave the grid coarse), it is used
-            bound = step_plds(mechanism.dominating(), "remove", h, (True,))[0]
-            at = bounds.index(True)
-            if bound.epsilon(_PROBE_DELTA) < plds[at].epsilon(_PROBE_DELTA):
-                plds[at] = bound
-        return plds
-    q = mechanism.sample_rate
+    """One accounted step (a key of :data:`STEPS`) in one neighbouring direction, as a discrete PLD for each bound in
+    ``bounds`` (``True``: upper, ``False``: lower), built as its :class:`StepKind` says: a randomized-clipping step
+    from :func:`scale_sums`, an epoch of random allocation from :mod:`dpmath.pld.allocation`, the others on one grid
+    of up to :data:`MAX_GRID` points."""
+    return STEPS[type(step)].build(step, relation, h, bounds, count, scale_refinement)
+
+
+def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
+                scale_refinement: float) -> list[Pld]:
+    """An amplified epoch of random allocation (:mod:`dpmath.pld.allocation`)."""
+    plds = epoch_plds(step.noise_multiplier, step.steps, relation, h, bounds)
+    if True in bounds:
+        # the unamplified bound is an upper PLD of the epoch too (either is sound): where its epsilon at
+        # _PROBE_DELTA is the smaller (sigma ~ 0.3, whose lognormal tails leave the grid coarse), it is used
+        bound = step_plds(step.dominating(), "remove", h, (True,))[0]
+        at = bounds.index(True)
+        if bound.epsilon(_PROBE_DELTA) < plds[at].epsilon(_PROBE_DELTA):
+            plds[at] = bound
+    return plds
+
+
+def _fixed_plds(step: Gaussian | SubsampledGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
+                scale_refinement: float) -> list[Pld]:
+    """A (subsampled) Gaussian step: scale 1."""
+    return _point_plds(step, 1.0, relation, h, bounds)
+
+
+def _point_plds(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian, point: float, relation: str, h: float,
+                bounds: tuple[bool, ...]) -> list[Pld]:
+    """A step of the fixed scale ``a = 1 / sqrt(point)``, on one grid."""
+    q = step.sample_rate
+    mu = 1.0 / math.sqrt(point) / step.noise_multiplier
+    if relation == "replace" and q == 1.0:
+        relation, mu = "remove", 2.0 * mu  # N(-mu) against N(mu): a Gaussian with shift 2 mu
+    k_lo, k_hi, _ = step_grid(mu, q, relation, h, float(-special.ndtri(_RANGE_TAIL)))
+    masses = mixture_masses(np.array([mu]), np.ones((len(bounds), 1)), q, relation, h, bounds, k_lo, k_hi, None)
+    return [assemble([split(mix([m]), h, upper)], h, upper) for m, upper in zip(masses, bounds, strict=True)]
+
+
+def _scaled_plds(step: RandomizedClipGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
+                 scale_refinement: float) -> list[Pld]:
+    """A randomized-clipping step: a mixture over the envelope's scales (one scale where it is a point mass)."""
+    point = step.envelope.point_mass()
+    if point is not None:
+        return _point_plds(step, point, relation, h, bounds)
+    q = step.sample_rate
     fine: list[list[StepMasses]] = [[] for _ in bounds]
     pieces: list[list[tuple[np.ndarray, np.ndarray, float, float]]] = [[] for _ in bounds]
-    unbounded = [0.0] * len(bounds)
-    point = mechanism.envelope.point_mass() if isinstance(mechanism, RandomizedClipGaussian) else 1.0
-    if point is None:
-        sums, zero, unbounded = scale_sums(mechanism, h, bounds, count, scale_refinement)
-        for r in range(len(bounds) if zero is not None else 0):
-            fine[r].append(StepMasses(0, np.zeros(0), np.zeros(0), zero[r:r + 1].copy(), 0.0))
-        for sparse, group in sums:
-            masses = (group if relation == "remove" else group.swapped()).masses(bounds)
-            for r, (m, upper) in enumerate(zip(masses, bounds, strict=True)):
-                # a sparse grid's masses are split at once, the dense grids' are added up and split together
-                if sparse:
-                    pieces[r].append(split(m, h, upper))
-                else:
-                    fine[r].append(m)
-    else:
-        mu = 1.0 / math.sqrt(point) / mechanism.noise_multiplier
-        if relation == "replace" and q == 1.0:
-            relation, mu = "remove", 2.0 * mu  # N(-mu) against N(mu): a Gaussian with shift 2 mu
-        k_lo, k_hi, _ = step_grid(mu, q, relation, h, float(-special.ndtri(_RANGE_TAIL)))
-        for r, m in enumerate(mixture_masses(np.array([mu]), np.ones((len(bounds), 1)), q, relation, h, bounds,
-                                             k_lo, k_hi, None)):
-            fine[r].append(m)
+    sums, zero, unbounded = scale_sums(step, h, bounds, count, scale_refinement)
+    for r in range(len(bounds) if zero is not None else 0):
+        fine[r].append(StepMasses(0, np.zeros(0), np.zeros(0), zero[r:r + 1].copy(), 0.0))
+    for sparse, group in sums:
+        masses = (group if relation == "remove" else group.swapped()).masses(bounds)
+        for r, (m, upper) in enumerate(zip(masses, bounds, strict=True)):
+            # a sparse grid's masses are split at once, the dense grids' are added up and split together
+            if sparse:
+                pieces[r].append(split(m, h, upper))
+            else:
+                fine[r].append(m)
     out = []
     for r, upper in enumerate(bounds):
         if unbounded[r] > 0:
@@ -280,3 +281,13 @@ def _unbounded_atom(mass: float, q: float, relation: str, h: float) -> StepMasse
     if relation == "add" and q < 1:
         return StepMasses(math.ceil(-math.log1p(-q) / h), np.zeros(0), np.zeros(0), np.array([mass]), 0.0)
     return StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), mass)
+
+
+#: How each accounted step is built and read: the PLD accountant's one table keyed on mechanism classes
+#: (:func:`accounted_step` takes every mechanism of :data:`~dpmath.mechanisms.MECHANISMS` to one of these).
+STEPS: dict[type[Mechanism], StepKind] = {
+    Gaussian: StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
+    SubsampledGaussian: StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
+    RandomizedClipGaussian: StepKind(_scaled_plds, gaussian=False, scaled=True, symmetric=True),
+    RandomAllocationGaussian: StepKind(_epoch_plds, gaussian=False, scaled=False, symmetric=False),
+}
