@@ -45,7 +45,9 @@ and what it checked first (``tests/test_envelope.py``), is:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -157,6 +159,24 @@ def _local_spacing(grid: np.ndarray, arg: np.ndarray) -> np.ndarray:
     return np.maximum(right, left)
 
 
+def _scalar_or_array(out: np.ndarray) -> np.ndarray:
+    """A distribution function's result: a NumPy scalar for a scalar argument, else the array."""
+    return out[()] if out.ndim == 0 else out
+
+
+def _published(function: Callable[[Envelope, ArrayLike], np.ndarray], cls: type, doc: str
+               ) -> Callable[[Envelope, ArrayLike], np.ndarray]:
+    """``function`` (a public distribution function of :class:`Envelope`) as a method of ``cls`` documented by
+    ``doc``: the same checks and call (and signature), its own docstring."""
+    @functools.wraps(function)
+    def method(self: Envelope, value: ArrayLike) -> np.ndarray:
+        return function(self, value)
+
+    method.__doc__ = doc
+    method.__qualname__ = f"{cls.__qualname__}.{function.__name__}"
+    return method
+
+
 class Maximizer(NamedTuple):
     """A member ``S(i, j, lam)`` of the two-block family: ``lam`` spread over ``i`` coordinates and
     ``1 - lam`` over ``j`` others (``j = 0`` means all weight on ``i`` equal coordinates)."""
@@ -169,11 +189,31 @@ class Maximizer(NamedTuple):
 class Envelope:
     """Base class of the envelope distributions: a frozen, scipy.stats-like distribution on (0, inf).
 
-    Subclasses implement :meth:`cdf` and :meth:`sf`; :meth:`ppf` inverts :meth:`cdf` by bisection.
+    As in :class:`scipy.stats.rv_continuous`, the public distribution functions are this class's: :meth:`cdf` and
+    :meth:`sf` check ``x`` (real numbers, no NaN), :meth:`ppf` checks ``q`` (in ``[0, 1]``), each refusing bad input
+    with a ``ValueError`` that names the argument, converts it to a float64 array once, calls the subclass's
+    ``_cdf``, ``_sf`` or ``_ppf`` on that array, and returns a NumPy scalar for a scalar argument, an array of the
+    argument's shape otherwise.  Subclasses implement ``_cdf`` and ``_sf``, vectorized over arrays of any shape, and
+    may override ``_ppf`` (by default bisection on ``_cdf``); the docstring of an implementation documents its public
+    function (:meth:`__init_subclass__`).
+
     Envelopes whose parameters determine them (this module's) compare and hash by value, so two equal
     envelopes share the accountant's caches and survive a pickle round trip (``torch.distributed``
     ranks compare them); a subclass without ``_parameters`` compares by identity.
     """
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Publish each distribution function a subclass documents: where it gives ``_cdf``, ``_sf`` or ``_ppf`` a
+        docstring, the subclass gets the public ``cdf``, ``sf`` or ``ppf`` of this class (its checks) under that
+        docstring, so ``help()`` and the API reference show each envelope's own formula and example, as
+        scipy.stats fills its distributions' docstrings in.  The docstring moves, so that doctest runs its examples
+        once."""
+        super().__init_subclass__(**kwargs)
+        for public, private in (("cdf", "_cdf"), ("sf", "_sf"), ("ppf", "_ppf")):
+            impl = cls.__dict__.get(private)
+            if impl is not None and impl.__doc__:
+                setattr(cls, public, _published(getattr(Envelope, public), cls, impl.__doc__))
+                impl.__doc__ = None
 
     def _parameters(self) -> tuple | None:
         """The arguments that determine the distribution, or ``None`` (identity semantics)."""
@@ -189,30 +229,96 @@ class Envelope:
         p = self._parameters()
         return id(self) if p is None else hash((type(self).__name__, p))
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def cdf(self, x: ArrayLike) -> np.ndarray:
+        """``P(Y <= x)``, vectorized: ``_cdf`` of ``x`` checked (real numbers, no NaN) and made a float64 array.
 
-    def sf(self, x: ArrayLike) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+        Parameters
+        ----------
+        x : array_like
+            Where to evaluate it.
 
-    def ppf(self, q: ArrayLike) -> np.ndarray:
-        r"""Quantile function ``inf{x : F(x) >= q}``, vectorized; ``ppf(0) = 0`` and ``ppf(1) = inf``.
+        Returns
+        -------
+        numpy.ndarray
+            The shape of ``x``; a NumPy scalar for a scalar ``x``.
 
-        Computed by bisection on :meth:`cdf` (60 halvings of a bracket found by doubling), so the
-        result is within ``1e-15`` relative of the exact quantile of the computed cdf.  Subclasses
-        with closed-form pieces override it.
+        Raises
+        ------
+        ValueError
+            Where ``x`` is not real numbers or contains NaN.
 
         Examples
         --------
         >>> import numpy as np
         >>> from dpmath import Envelope
-        >>> class Exp(Envelope):          # Y ~ Exp(1), for illustration
-        ...     def cdf(self, x):
-        ...         return -np.expm1(-np.maximum(np.asarray(x, float), 0.0))
+        >>> class Uniform(Envelope):      # Y ~ U(0, 1), for illustration: _cdf gets a float64 array
+        ...     def _cdf(self, x):
+        ...         return np.clip(x, 0.0, 1.0)
+        >>> float(Uniform().cdf(0.25)), Uniform().cdf([[0.5], [2]]).tolist()
+        (0.25, [[0.5], [1.0]])
+        >>> Uniform().cdf([0.5, float("nan")])
+        Traceback (most recent call last):
+        ...
+        ValueError: x must not contain NaN
+        """
+        return _scalar_or_array(self._cdf(real_array(x, "x")))
+
+    def sf(self, x: ArrayLike) -> np.ndarray:
+        """``P(Y > x)``, vectorized: ``_sf`` of ``x`` checked (real numbers, no NaN) and made a float64 array.
+
+        Parameters
+        ----------
+        x : array_like
+            Where to evaluate it.
+
+        Returns
+        -------
+        numpy.ndarray
+            The shape of ``x``; a NumPy scalar for a scalar ``x``.
+
+        Raises
+        ------
+        ValueError
+            Where ``x`` is not real numbers or contains NaN.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from dpmath import Envelope
+        >>> class Uniform(Envelope):      # Y ~ U(0, 1), for illustration: _sf gets a float64 array
+        ...     def _sf(self, x):
+        ...         return 1.0 - np.clip(x, 0.0, 1.0)
+        >>> float(Uniform().sf(0.25))
+        0.75
+        """
+        return _scalar_or_array(self._sf(real_array(x, "x")))
+
+    def ppf(self, q: ArrayLike) -> np.ndarray:
+        r"""Quantile function ``inf{x : F(x) >= q}``, vectorized; ``ppf(0) = 0`` and ``ppf(1) = inf``.
+
+        Computed by bisection on the cdf (60 halvings of a bracket found by doubling), so the
+        result is within ``1e-15`` relative of the exact quantile of the computed cdf.  Subclasses
+        with closed-form pieces override ``_ppf``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from dpmath import Envelope
+        >>> class Exp(Envelope):          # Y ~ Exp(1), for illustration: _cdf gets a float64 array
+        ...     def _cdf(self, x):
+        ...         return -np.expm1(-np.maximum(x, 0.0))
         >>> round(float(Exp().ppf(0.5)), 12) == round(float(np.log(2)), 12)
         True
         """
-        qs = probability_array(q, "q")
+        return _scalar_or_array(self._ppf(probability_array(q, "q")))
+
+    def _cdf(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _sf(self, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _ppf(self, qs: np.ndarray) -> np.ndarray:
         flat = qs.ravel()
         out = np.empty(flat.shape)
         out[flat == 0] = 0.0
@@ -223,14 +329,13 @@ class Envelope:
             lo = np.zeros_like(target)
             hi = np.ones_like(target)
             for _ in range(1100):
-                low_cdf = self.cdf(hi) < target
+                low_cdf = self._cdf(hi) < target
                 if not low_cdf.any():
                     break
                 lo = np.where(low_cdf, hi, lo)
                 hi = np.where(low_cdf, 2.0 * hi, hi)
-            out[inner] = _bisect_quantile(self.cdf, target, lo, hi, 60)
-        out = out.reshape(qs.shape)
-        return out[()] if out.ndim == 0 else out
+            out[inner] = _bisect_quantile(self._cdf, target, lo, hi, 60)
+        return out.reshape(qs.shape)
 
     def point_mass(self) -> float | None:
         """The constant ``y`` when ``Y`` is almost surely equal to it, else ``None``.
@@ -289,7 +394,7 @@ class HutchEnvelope(Envelope):
         ``d``, the number of ``chi2(k)/k`` terms (the length of ``lambda``), ``d >= 1``.  For a model
         trained by :mod:`dpsgd` it is summed over the layers, not the widest one: ``min(rows, cols)`` of
         every estimated weight matrix plus 1 per estimated bias
-        (:meth:`dpsgd.engine.NormPlan.envelope_dimension`).
+        (:meth:`dpsgd.plan.NormPlan.envelope_dimension`).
     family : {"heavy-light", "full"}
         ``"heavy-light"`` (default) maximizes over ``S(1, d-1, lam)`` in the middle region;
         ``"full"`` over every two-block form ``S(i, j, lam)``, ``1 <= i + j <= d`` (``O(d^2)`` per point).
@@ -526,7 +631,7 @@ class HutchEnvelope(Envelope):
     def _middle_mask(self, xs: np.ndarray) -> np.ndarray:
         return (xs > 1.0) & (xs < self.x_plus) if self.dim > 1 else np.zeros(xs.shape, dtype=bool)
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:
+    def _cdf(self, xs: np.ndarray) -> np.ndarray:
         r"""Envelope CDF ``sup_lambda P(X(lambda) <= x)``, vectorized; 0 for ``x <= 0``, 1 at ``+inf``.
 
         Examples
@@ -536,15 +641,13 @@ class HutchEnvelope(Envelope):
         >>> round(float(env.cdf(1.5)), 4)   # above both 0.7877 (uniform) and 0.7872 (rank 2)
         0.7952
         """
-        xs = real_array(x, "x")
         out = np.where(xs <= 1.0, self.vertex_cdf(xs), self.uniform_cdf(xs))
         mid = self._middle_mask(xs)
         if mid.any():
             out[mid] = self._family_sup(xs[mid])[0]
-        out = np.clip(out, 0.0, 1.0)
-        return out[()] if out.ndim == 0 else out
+        return np.clip(out, 0.0, 1.0)
 
-    def sf(self, x: ArrayLike) -> np.ndarray:
+    def _sf(self, xs: np.ndarray) -> np.ndarray:
         """``1 - cdf(x)``, computed from the complementary incomplete gamma in the extreme regions
         so that the right tail keeps relative accuracy.
 
@@ -554,7 +657,6 @@ class HutchEnvelope(Envelope):
         >>> float(HutchEnvelope(projection_dim=32, dim=2048).sf(1.1)) < 1e-40
         True
         """
-        xs = real_array(x, "x")
         n = self.projection_dim * self.dim
         with np.errstate(invalid="ignore"):
             half = self.projection_dim / 2.0
@@ -563,10 +665,9 @@ class HutchEnvelope(Envelope):
         mid = self._middle_mask(xs)
         if mid.any():
             out[mid] = 1.0 - self._family_sup(xs[mid])[0]
-        out = np.clip(out, 0.0, 1.0)
-        return out[()] if out.ndim == 0 else out
+        return np.clip(out, 0.0, 1.0)
 
-    def ppf(self, q: ArrayLike) -> np.ndarray:
+    def _ppf(self, qs: np.ndarray) -> np.ndarray:
         """Quantile function: closed form (``gammaincinv``) in the two extreme regions, secant steps
         that close the bracket (to ``2^-40 (x_plus - 1)``) on the middle-region CDF in between.
 
@@ -578,7 +679,6 @@ class HutchEnvelope(Envelope):
         >>> abs(float(env.cdf(x)) - 0.6) < 1e-12
         True
         """
-        qs = probability_array(q, "q")
         k, n = self.projection_dim, self.projection_dim * self.dim
         with np.errstate(invalid="ignore"):
             out = np.where(qs <= self.vertex_cdf(1.0), special.gammaincinv(k / 2.0, qs) * 2.0 / k,
@@ -592,12 +692,11 @@ class HutchEnvelope(Envelope):
 
                 def g(*xs: np.ndarray) -> list[np.ndarray]:
                     # one CDF call for both points; cdf < target left of the quantile
-                    return [target - c for c in np.split(self.cdf(np.concatenate(xs)), len(xs))]
+                    return [target - c for c in np.split(self._cdf(np.concatenate(xs)), len(xs))]
 
                 out[mid] = _close_bracket(g, lo, hi, target - self.vertex_cdf(lo), target - self.uniform_cdf(hi),
                                           (xp - 1.0) * 2.0 ** -40)
-        out = np.where(qs >= 1.0, np.inf, out)
-        return out[()] if out.ndim == 0 else out
+        return np.where(qs >= 1.0, np.inf, out)
 
     def maximizer(self, x: float) -> Maximizer:
         """The member ``S(i, j, lam)`` of the two-block family that attains the envelope at ``x``.
@@ -661,7 +760,7 @@ class HutchPPEnvelope(Envelope):
     def _parameters(self) -> tuple:
         return (self.projection_dim, self.dim)
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:
+    def _cdf(self, xs: np.ndarray) -> np.ndarray:
         """``max(F(x; chi2(k)/k), 1{x >= 1})``, vectorized.
 
         Examples
@@ -670,15 +769,12 @@ class HutchPPEnvelope(Envelope):
         >>> HutchPPEnvelope(projection_dim=2, dim=8).cdf([0.5, 1.0]).round(6).tolist()   # 1 - exp(-0.5), then 1
         [0.393469, 1.0]
         """
-        xs = real_array(x, "x")
         if self.dim <= self.projection_dim:
-            out = np.where(xs >= 1.0, 1.0, 0.0)
-        else:
-            half = self.projection_dim / 2.0
-            out = np.where(xs >= 1.0, 1.0, special.gammainc(half, np.maximum(xs, 0) * half))
-        return out[()] if out.ndim == 0 else out
+            return np.where(xs >= 1.0, 1.0, 0.0)
+        half = self.projection_dim / 2.0
+        return np.where(xs >= 1.0, 1.0, special.gammainc(half, np.maximum(xs, 0) * half))
 
-    def sf(self, x: ArrayLike) -> np.ndarray:
+    def _sf(self, xs: np.ndarray) -> np.ndarray:
         """``1 - cdf(x)``, from the complementary incomplete gamma below 1.
 
         Examples
@@ -687,15 +783,12 @@ class HutchPPEnvelope(Envelope):
         >>> HutchPPEnvelope(projection_dim=2, dim=8).sf([0.5, 1.0]).round(6).tolist()
         [0.606531, 0.0]
         """
-        xs = real_array(x, "x")
         if self.dim <= self.projection_dim:
-            out = np.where(xs >= 1.0, 0.0, 1.0)
-        else:
-            half = self.projection_dim / 2.0
-            out = np.where(xs >= 1.0, 0.0, special.gammaincc(half, np.maximum(xs, 0) * half))
-        return out[()] if out.ndim == 0 else out
+            return np.where(xs >= 1.0, 0.0, 1.0)
+        half = self.projection_dim / 2.0
+        return np.where(xs >= 1.0, 0.0, special.gammaincc(half, np.maximum(xs, 0) * half))
 
-    def ppf(self, q: ArrayLike) -> np.ndarray:
+    def _ppf(self, qs: np.ndarray) -> np.ndarray:
         """Quantile: the ``chi2(k)/k`` quantile below ``F(1; chi2(k)/k)``, and 1 above it.
 
         Examples
@@ -704,14 +797,11 @@ class HutchPPEnvelope(Envelope):
         >>> HutchPPEnvelope(projection_dim=2, dim=8).ppf([0.393469340287, 0.9]).round(6).tolist()
         [0.5, 1.0]
         """
-        qs = probability_array(q, "q")
         if self.dim <= self.projection_dim:
-            out = np.where(qs > 0, 1.0, 0.0)
-        else:
-            k = self.projection_dim
-            below = qs <= special.gammainc(k / 2.0, k / 2.0)
-            out = np.where(below, special.gammaincinv(k / 2.0, qs) * 2.0 / k, 1.0)
-        return out[()] if out.ndim == 0 else out
+            return np.where(qs > 0, 1.0, 0.0)
+        k = self.projection_dim
+        below = qs <= special.gammainc(k / 2.0, k / 2.0)
+        return np.where(below, special.gammaincinv(k / 2.0, qs) * 2.0 / k, 1.0)
 
     def point_mass(self) -> float | None:
         """``1.0`` when ``d <= k`` (the estimate is exact), else ``None``.
@@ -767,20 +857,17 @@ class PointMassEnvelope(Envelope):
     def _parameters(self) -> tuple:
         return (self.value,)
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:
+    def _cdf(self, xs: np.ndarray) -> np.ndarray:
         """``1{x >= value}``, vectorized."""
-        out = np.where(real_array(x, "x") >= self.value, 1.0, 0.0)
-        return out[()] if out.ndim == 0 else out
+        return np.where(xs >= self.value, 1.0, 0.0)
 
-    def sf(self, x: ArrayLike) -> np.ndarray:
+    def _sf(self, xs: np.ndarray) -> np.ndarray:
         """``1{x < value}``, vectorized."""
-        out = np.where(real_array(x, "x") >= self.value, 0.0, 1.0)
-        return out[()] if out.ndim == 0 else out
+        return np.where(xs >= self.value, 0.0, 1.0)
 
-    def ppf(self, q: ArrayLike) -> np.ndarray:
+    def _ppf(self, qs: np.ndarray) -> np.ndarray:
         """``value`` for ``q > 0`` and 0 at ``q = 0``."""
-        out = np.where(probability_array(q, "q") > 0, self.value, 0.0)
-        return out[()] if out.ndim == 0 else out
+        return np.where(qs > 0, self.value, 0.0)
 
     def point_mass(self) -> float | None:
         """``value``."""
@@ -826,19 +913,15 @@ class DiscreteEnvelope(Envelope):
     def _parameters(self) -> tuple:
         return (tuple(self.values.tolist()), tuple(self.weights.tolist()))
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:
+    def _cdf(self, xs: np.ndarray) -> np.ndarray:
         """``P(Y <= x)``, vectorized."""
-        xs = real_array(x, "x")
         out = np.concatenate([[0.0], np.cumsum(self.weights)])[np.searchsorted(self.values, xs, side="right")]
-        out = np.minimum(out, 1.0)
-        return out[()] if out.ndim == 0 else out
+        return np.minimum(out, 1.0)
 
-    def sf(self, x: ArrayLike) -> np.ndarray:
+    def _sf(self, xs: np.ndarray) -> np.ndarray:
         """``P(Y > x)``, vectorized."""
-        xs = real_array(x, "x")
         tail = np.concatenate([np.cumsum(self.weights[::-1])[::-1], [0.0]])
-        out = tail[np.searchsorted(self.values, xs, side="right")]
-        return out[()] if out.ndim == 0 else out
+        return tail[np.searchsorted(self.values, xs, side="right")]
 
     def point_mass(self) -> float | None:
         """The value, where there is one; else ``None``."""
@@ -891,17 +974,15 @@ class ReplacementEnvelope(Envelope):
         inner = self.envelope._parameters()
         return None if inner is None else (type(self.envelope).__name__, inner)
 
-    def cdf(self, x: ArrayLike) -> np.ndarray:
+    def _cdf(self, xs: np.ndarray) -> np.ndarray:
         """``min(1, 2 F(4 x))``, vectorized."""
-        out = np.minimum(1.0, 2.0 * np.asarray(self.envelope.cdf(4.0 * real_array(x, "x")), dtype=np.float64))
-        return out[()] if out.ndim == 0 else out
+        return np.minimum(1.0, 2.0 * np.asarray(self.envelope.cdf(4.0 * xs), dtype=np.float64))
 
-    def sf(self, x: ArrayLike) -> np.ndarray:
+    def _sf(self, xs: np.ndarray) -> np.ndarray:
         """``1 - cdf``, vectorized (``max(0, sf(4x) - F(4x))``: exact in the upper tail)."""
-        xs = 4.0 * real_array(x, "x")
-        out = np.maximum(0.0, np.asarray(self.envelope.sf(xs), dtype=np.float64)
-                         - np.asarray(self.envelope.cdf(xs), dtype=np.float64))
-        return out[()] if out.ndim == 0 else out
+        x4 = 4.0 * xs
+        return np.maximum(0.0, np.asarray(self.envelope.sf(x4), dtype=np.float64)
+                          - np.asarray(self.envelope.cdf(x4), dtype=np.float64))
 
     def point_mass(self) -> float | None:
         """``point / 4`` when the given envelope is a point mass (the two scales then add exactly)."""
