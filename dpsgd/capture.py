@@ -91,7 +91,8 @@ class Capture:
                                                              always_call=True))
         return handles + _batch_norm_guards(self)
 
-    def _recording(self) -> bool:
+    def recording(self) -> bool:
+        """Whether a forward now is recorded: hooks active, gradients enabled, the model in training mode."""
         return self.active and torch.is_grad_enabled() and self.plan.model.training
 
     def _root_pre(self, module, args, kwargs):
@@ -108,7 +109,7 @@ class Capture:
         self._root_ints = {t.untyped_storage().data_ptr() for t in flat_tensors([list(args), kwargs])
                            if not (t.is_floating_point() or t.is_complex())}
         self._forward_probed = False
-        if not self._recording():
+        if not self.recording():
             self._state = None
             return None
         self._state = _state_of(self.plan.model)
@@ -152,7 +153,7 @@ class Capture:
 
     def _pre_hook(self, unit: Unit):
         def hook(module, args, kwargs):
-            if not self._recording():
+            if not self.recording():
                 if self.active and self._depth and self._root_grad and self.plan.model.training:
                     # no_grad inside a training forward (e.g. reentrant checkpointing's first pass): its
                     # parameters would silently not train
@@ -258,6 +259,11 @@ class Capture:
         self.probes.clear()
         self.no_grad_units.clear()
 
+    @property
+    def hooked(self) -> bool:
+        """Whether the hooks are on the model (until :meth:`remove`)."""
+        return bool(self._handles)
+
     def remove(self) -> None:
         """Remove the hooks; the model is as before capture."""
         for h in self._handles:
@@ -287,7 +293,7 @@ def _batch_norm_guards(capture: Capture) -> list:
     the examples) and update its running statistics from private data."""
     def guard(path: str):
         def hook(module, args):
-            if module.training and capture._recording():
+            if module.training and capture.recording():
                 raise UnsupportedModuleError(
                     path, f"{type(module).__name__} is frozen but in training mode in a training forward, where it "
                           f"would normalize with the batch's statistics (mixing the examples) and update its running "

@@ -46,10 +46,8 @@ noise has standard deviation ``sigma C`` in total.  Wrap nothing in ``Distribute
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import inspect
 import json
 import logging
 import math
@@ -64,44 +62,41 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpmath import (
-    Envelope,
     EpsilonSchedule,
     GridTooLargeError,
-    HutchEnvelope,
-    HutchPPEnvelope,
     PLDAccountant,
     RDPAccountant,
 )
 
 from .accounting import Combination, RunAccounting, auto_estimator, check_combination, read_record
-from .capture import DEFAULT_CHECK_RATE, Capture
-from .clipping import check_clipping_pass, clipped_backward
+from .capture import DEFAULT_CHECK_RATE
+from .clipping import check_clipping_pass
 from .data import DPDataLoader, loader_size, private_data_loader
 from .distributed import (
     all_sum,
-    any_rank,
-    as_grad,
     broadcast_int,
     check_same_on_ranks,
     is_sharded,
     rank_world,
-    reduce_sums,
 )
-from .isolation import ExampleMixingError, ExampleTracker, StateChangedError, check_backward_functions
-from .noise import GaussianNoise, StepNoise, as_noise, noisy_gradients
+from .isolation import ExampleTracker
+from .loss import DPCriterion, DPLoss
+from .noise import GaussianNoise, StepNoise, as_noise
+from .optimizer import DPOptimizer
 from .plan import NormPlan, check_estimator
 from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling, filled_loader
 from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .step import PrivateStep, entropy_seed, refuse_uncovered
 from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import check_positive, uncompiled
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DPLoss", "DPCriterion", "UnaccountedSamplingError"]
+__all__ = ["PrivacyEngine", "UnaccountedSamplingError"]
 
 
 logger = logging.getLogger("dpsgd")
 
-# the engine whose hooks each model carries (one at a time)
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the private step whose hooks each model carries (one engine's at a time)
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class UnaccountedSamplingError(ValueError):
@@ -135,340 +130,14 @@ def _per_token_experts(module: nn.Module) -> None:
                         "example's loss is computed from its own tokens alone)", current)
 
 
-class DPLoss:
-    r"""Per-example losses of one batch; ``backward()`` is the private backward.
-
-    It behaves like the scalar loss for logging (``item()``, ``float()``, ``detach()``, ``mean()``,
-    f-strings: the mean of the per-example losses).  Arithmetic on it is refused: scaling a loss before
-    clipping does not scale the clipped gradient (each example is clipped to ``max_grad_norm`` and the sum
-    is divided by the expected batch size at ``step()``), so ``loss / accumulation_steps`` would silently do
-    nothing useful.  Combine per-example terms *before* making the loss private
-    (:meth:`PrivacyEngine.private_loss`).
-
-    Attributes
-    ----------
-    losses : torch.Tensor
-        ``(B,)`` per-example losses, with their graph.
-    """
-
-    def __init__(self, losses: torch.Tensor, engine: PrivacyEngine) -> None:
-        self.losses = losses
-        self._engine = engine
-        self._done = False
-
-    def backward(self, gradient: object = None, retain_graph: bool | None = None, create_graph: bool = False,
-                 inputs: object = None) -> None:
-        """Per-example norms, clip weights and clipped sums (held until ``step()``), in one backward.
-
-        Each private loss is backpropagated once: the backward consumes the module calls its forward
-        recorded.  ``torch.Tensor.backward``'s arguments are accepted only at their defaults (a weighted or
-        partial backward would not be the clipped per-example sum), and each refusal says so.
-        """
-        if gradient is not None or retain_graph or create_graph or inputs is not None:
-            raise TypeError("DPLoss.backward() takes no gradient, retain_graph, create_graph or inputs: the private "
-                            "backward clips each example's whole gradient once and consumes the recorded forward. "
-                            "Combine per-example terms into one loss per example first (PrivacyEngine."
-                            "private_loss), then call backward() once.")
-        if self._done:
-            raise RuntimeError("this private loss was already backpropagated: each example contributes one clipped "
-                               "gradient per step, and the recorded forward was consumed. Run a new forward for "
-                               "a new backward.")
-        self._engine._backward(self.losses)
-        self._done = True
-
-    def detach(self) -> torch.Tensor:
-        """The mean per-example loss as a detached 0-d tensor (NaN for an empty batch)."""
-        tracker = self._engine._tracker
-        with tracker.suspended() if tracker is not None else contextlib.nullcontext():
-            d = self.losses.detach()
-            return d.mean() if d.numel() else torch.tensor(float("nan"))
-
-    def item(self) -> float:
-        """Mean per-example loss (for logging)."""
-        return float(self.detach())
-
-    def mean(self) -> DPLoss:
-        """Itself: it already stands for the mean (so ``criterion(out, y).mean().backward()`` works)."""
-        return self
-
-    def sum(self) -> DPLoss:
-        """Itself: the private backward sums the clipped per-example gradients whatever the reduction."""
-        return self
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size([])
-
-    def __float__(self) -> float:
-        return self.item()
-
-    def __format__(self, spec: str) -> str:
-        return format(self.item(), spec)
-
-    def __repr__(self) -> str:
-        return f"DPLoss({self.item():.6g}, batch_size={self.losses.shape[0]})"
-
-    def _refuse(self, *_args):
-        raise TypeError("arithmetic on a private loss is refused: each example's gradient is clipped to "
-                        "max_grad_norm and the clipped sum is divided by the expected batch size at step(), so "
-                        "scaling the loss (e.g. / gradient_accumulation_steps) would not scale the update. Combine "
-                        "per-example terms first and pass them to PrivacyEngine.private_loss(losses).")
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __neg__ = _refuse
-    __pow__ = __iadd__ = __imul__ = __itruediv__ = _refuse
-
-
-class DPCriterion:
-    r"""Wraps a loss module, or a loss function that takes ``reduction=`` (``F.cross_entropy``, ``F.nll_loss``,
-    ``F.mse_loss``, a ``functools.partial`` of one): ``criterion(output, target)`` returns a :class:`DPLoss` of
-    per-example losses.  A function is called with ``reduction="none"``; its own default ``reduction`` and
-    ``ignore_index`` (read from its signature) play the part of a module's attributes.
-
-    ``output`` may be a tensor, a Hugging Face output object (its ``logits`` are used) or a tuple (its first
-    element).  Token-level targets are accepted in either layout, ``(B, T, V)`` logits with ``(B, T)``
-    targets (the Hugging Face layout) or ``(B, V, T)``.  Each example's loss is the **mean over its
-    non-ignored elements** (``ignore_index``, e.g. padding and ``-100``) when the criterion's reduction is
-    ``"mean"``, and their sum for ``"sum"``; an example whose targets are all ignored has loss 0.  Causal
-    language models: shift yourself, ``criterion(out.logits[:, :-1], input_ids[:, 1:])``.
-    """
-
-    def __init__(self, criterion: nn.Module, engine: PrivacyEngine) -> None:
-        if not callable(criterion):
-            raise ValueError(f"criterion must be a loss module, got {type(criterion).__name__}")
-        self._criterion = criterion
-        self._engine = engine
-        # a loss function: its signature's defaults stand for a module's attributes
-        self._defaults = None if isinstance(criterion, nn.Module) else _loss_defaults(criterion)
-        self.reduction = getattr(criterion, "reduction", "mean") if self._defaults is None \
-            else self._defaults["reduction"]
-        if self.reduction not in ("mean", "sum"):
-            raise ValueError(f"criterion.reduction must be 'mean' or 'sum', got {self.reduction!r}")
-
-    def _elementwise(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The criterion's unreduced losses (a module's ``reduction`` set to ``"none"`` for the call)."""
-        if self._defaults is not None:
-            return self._criterion(logits, target, reduction="none")
-        old = self._criterion.reduction
-        self._criterion.reduction = "none"
-        try:
-            return self._criterion(logits, target)
-        finally:
-            self._criterion.reduction = old
-
-    def __call__(self, output: object, target: torch.Tensor) -> DPLoss:
-        logits = _logits(output)
-        ignore = getattr(self._criterion, "ignore_index", None) if self._defaults is None \
-            else self._defaults["ignore_index"]
-        if not isinstance(target, torch.Tensor):
-            raise ValueError(f"target must be a tensor, got {type(target).__name__}")
-        if logits.dim() == 0 or target.dim() == 0 or logits.shape[0] != target.shape[0]:
-            raise ValueError(f"output and target must start with the same batch dimension, got shapes "
-                             f"{tuple(logits.shape)} and {tuple(target.shape)}")
-        class_last = (ignore is not None and logits.dim() >= 3 and not target.is_floating_point()
-                      and tuple(target.shape) == tuple(logits.shape[:-1]))
-        if class_last and tuple(target.shape) == (logits.shape[0], *logits.shape[2:]):
-            raise ValueError(f"logits of shape {tuple(logits.shape)} with targets {tuple(target.shape)} fit both "
-                             f"(B, T, classes) and (B, classes, T): the classes are ambiguous. Make the per-example "
-                             f"losses yourself and pass them to PrivacyEngine.private_loss(losses)")
-        if class_last:
-            per = self._elementwise(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).reshape(target.shape)
-        else:
-            per = self._elementwise(logits, target)
-        b = logits.shape[0]
-        per = per.reshape(b, -1)
-        if ignore is not None and not target.is_floating_point() and target.reshape(b, -1).shape == per.shape:
-            keep = (target.reshape(b, -1) != ignore).to(per.dtype)
-            total = (per * keep).sum(1)
-            losses = total / keep.sum(1).clamp_min(1) if self.reduction == "mean" else total
-        else:
-            losses = per.mean(1) if self.reduction == "mean" else per.sum(1)
-        return DPLoss(losses, self._engine)
-
-
-def _loss_defaults(criterion) -> dict:
-    """``{"reduction": ..., "ignore_index": ...}`` of a loss function, from its signature (``"mean"`` and ``None``
-    where it gives no default, or has no ``ignore_index``); ``TypeError`` unless it takes ``reduction`` by name."""
-    try:
-        params = inspect.signature(criterion).parameters
-    except (TypeError, ValueError):
-        params = {}
-    named = {n: p.default for n, p in params.items()
-             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    if "reduction" not in named:
-        raise TypeError(f"criterion {getattr(criterion, '__name__', type(criterion).__name__)} is a function "
-                        f"without a reduction keyword, so its per-example losses cannot be asked for: pass a loss "
-                        f"module (nn.CrossEntropyLoss()) or a torch.nn.functional loss (F.cross_entropy, which is "
-                        f"called with reduction='none'); or make the per-example losses yourself and backpropagate "
-                        f"engine.private_loss(losses)")
-    empty = inspect.Parameter.empty
-    return {"reduction": "mean" if named["reduction"] is empty else named["reduction"],
-            "ignore_index": None if named.get("ignore_index", empty) is empty else named["ignore_index"]}
-
-
-def _logits(output: object) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise ValueError(f"output must be a tensor, an object with .logits or a tuple of tensors, got "
-                     f"{type(output).__name__}")
-
-
-class DPOptimizer(torch.optim.Optimizer):
-    r"""A ``torch.optim.Optimizer`` around the user's: ``step()`` adds noise to the clipped sum, normalizes by
-    the expected batch size, steps, and records the step in the ledger.
-
-    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so learning-rate schedulers,
-    ``state_dict`` and ``add_param_group`` work on it.  Between ``backward()`` and ``step()`` the clipped
-    sums are held by the engine and ``p.grad`` stays ``None``: the sum before noise is not private, so it is
-    not exposed for logging, and ``clip_grad_norm_`` has nothing to act on (every example is already clipped
-    to ``max_grad_norm``).  ``step()`` refuses if a ``.grad`` was written by anything else.  Under
-    :class:`~dpsgd.data.BatchMemoryManager`, ``step()`` after a micro-batch that does not end its logical
-    batch only accumulates (``zero_grad()`` then keeps the accumulated sums, as in Opacus).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: PrivacyEngine) -> None:
-        # no Optimizer.__init__: the wrapped optimizer owns the parameter groups and the state
-        self.original_optimizer = optimizer
-        self._engine = engine
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-        self._sealed = True   # from here on a public attribute it does not have is refused (__setattr__)
-
-    def __setattr__(self, name: str, value) -> None:
-        # an Opacus optimizer's setting (loss_reduction, secure_mode, ...) would be accepted and do nothing here;
-        # torch's and schedulers' own attributes (step, _opt_called, ...) pass
-        if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
-                and not hasattr(type(self), name):
-            raise AttributeError(f"DPOptimizer has no setting {name!r}, so setting it would change nothing. Its "
-                                 f"settings are the engine's (noise_multiplier, max_grad_norm, expected_batch_size: "
-                                 f"fixed by make_private; check_every_step and check_rate on the PrivacyEngine) and "
-                                 f"the wrapped optimizer's param_groups (lr, weight_decay, ...)")
-        super().__setattr__(name, value)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict]) -> None:
-        self.original_optimizer.param_groups = groups
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, state) -> None:
-        self.original_optimizer.state = state
-
-    @property
-    def defaults(self) -> dict:
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults: dict) -> None:
-        self.original_optimizer.defaults = defaults
-
-    # Opacus' DPOptimizer carries these, and Opacus' noise schedulers set optimizer.noise_multiplier; here they
-    # are the engine's settings, fixed by make_private, so a schedule is refused instead of silently ignored
-    @property
-    def noise_multiplier(self) -> float:
-        """The engine's ``noise_multiplier`` (read-only: setting it raises ``AttributeError``)."""
-        return self._engine.noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value: float) -> None:
-        self._engine.noise_multiplier = value
-
-    @property
-    def max_grad_norm(self) -> float:
-        """The engine's ``max_grad_norm`` (read-only: setting it raises ``AttributeError``)."""
-        return self._engine.max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float) -> None:
-        self._engine.max_grad_norm = value
-
-    @property
-    def expected_batch_size(self) -> float:
-        """The engine's ``expected_batch_size`` (read-only: setting it raises ``AttributeError``)."""
-        return self._engine.expected_batch_size
-
-    @expected_batch_size.setter
-    def expected_batch_size(self, value: float) -> None:
-        self._engine.expected_batch_size = value
-
-    def __repr__(self) -> str:
-        return f"DPOptimizer({self.original_optimizer!r})"
-
-    def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a group to the wrapped optimizer; its trainable parameters must be ones the engine covers."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._engine._check_covered(params, "add_param_group")
-        self.original_optimizer.add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``.grad`` and the accumulated clipped sums (kept while a logical batch is being accumulated)."""
-        self._engine._zero_grad()
-
-    def step(self, closure=None):
-        """The noisy step (or, inside a logical batch split by the memory manager, accumulation only)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._engine._step()
-        return loss
-
-    def state_dict(self) -> dict:
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
-
-
 def _refuse_hooked(module: nn.Module) -> None:
     """``RuntimeError`` if ``module`` carries the live hooks of another engine: two engines would record its calls
     twice."""
-    holder = _ENGINES.get(module)
-    if holder is not None and holder() is not None and holder()._capture is not None \
-            and holder()._capture._handles:
+    holder = _STEPS.get(module)
+    if holder is not None and holder() is not None and holder().capture.hooked:
         raise RuntimeError("this model already carries the hooks of another PrivacyEngine (a re-run notebook "
                            "cell?); two engines would record its calls twice. Call old_engine.detach() first, "
                            "or build the model again")
-
-
-def _envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool:
-    """Whether the envelope ``charged`` (the accountant's) bounds every estimate that ``planned`` (a new plan's)
-    bounds: ``F_planned(x) <= F_charged(x)`` for every ``x``.  True when they are equal; for Hutchinson envelopes
-    of the same ``k`` when the new dimension is at most the charged one (the supremum over a smaller simplex, which
-    embeds in the larger one); and for the Hutch++ form ``max(F_{chi2(k)/k}, 1{x >= 1})`` (``d > k``) over any
-    Hutchinson or Hutch++ envelope of the same ``k`` and over exact norms (``None``, a point mass at 1): below 1
-    each of those is at most the vertex ``F_{chi2(k)/k}``, and the form is 1 from 1 on.  Exact norms
-    (``charged`` ``None``) bound exact norms only."""
-    if planned == charged:
-        return True
-    if isinstance(charged, HutchPPEnvelope) and charged.dim > charged.projection_dim:
-        return planned is None or (isinstance(planned, (HutchEnvelope, HutchPPEnvelope))
-                                   and planned.projection_dim == charged.projection_dim)
-    return (type(charged) is HutchEnvelope and type(planned) is HutchEnvelope
-            and planned.projection_dim == charged.projection_dim and planned.family == charged.family
-            and planned.dim <= charged.dim)
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:
@@ -484,36 +153,6 @@ def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     return steps
-
-
-class _DeviceGenerators:
-    """One torch generator per device, all seeded alike and made on first use: each draw happens on the device of
-    the tensors it is for (a CUDA device without an index is the current one, so one device has one stream)."""
-
-    def __init__(self, seed: int | None = None):
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def __call__(self, device: torch.device | str) -> torch.Generator:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
-
-    def reseed(self, seed: int) -> None:
-        """Seed every generator made so far, and those made from now on, with ``seed`` (in place: whoever holds
-        one of them draws from the new seed)."""
-        self.seed = seed
-        for g in self._generators.values():
-            g.manual_seed(seed)
-
-
-def _entropy_seed() -> int:
-    """A seed of 63 bits from ``os.urandom`` (the OS's CSPRNG); non-negative, so that :func:`broadcast_int`'s
-    int64 carries it."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 # what a state_dict of an earlier version held besides the ledger: the generators' states, which predicted the
@@ -566,24 +205,21 @@ class PrivacyEngine:
         self._check_every_step = False
         self._check_rate = DEFAULT_CHECK_RATE
         self._track_examples = True
-        self._used_ids: torch.Tensor | None = None   # examples whose losses this step backpropagated
-        self._tracker: ExampleTracker | None = None
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
-        self._capture: Capture | None = None
-        self._basis: torch.Tensor | None = None   # make_private's gradient_projection, orthonormalized
+        self._private_step: PrivateStep | None = None   # the batch in progress and its noisy step (make_private's)
+        self._plan: NormPlan | None = None   # the first plan, until the step follows the model's
         self._noise_multiplier: float | None = None   # make_private's; read-only afterwards (see noise_multiplier)
         self._accounting: RunAccounting | None = None   # what the run is accounted as: make_private's, read-only
         self._ranks: list[int] = []   # coordinates per sampling group
-        self._mask_rngs = _DeviceGenerators()   # twice sampling's masks; seeded by make_private
         self._epsilons: dict[tuple[int, int, float], float] = {}   # (steps, events charged, delta) -> epsilon
         self._schedule: EpsilonSchedule | None = None   # get_epsilon's steps and transforms, built once
-        self.plan: NormPlan | None = None
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
         self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
         self.max_examples_per_user: int | None = None
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
+        self._seeds: dict[str, int] = {}   # the generators' seeds, from os.urandom (or a reproducibility seed)
         self._stream = None   # a non-Poisson scheme's sampler (an epoch sampler's position decides the epochs charged)
         # make_private's, fixed from then on (FIXED_SETTINGS); declared here, where every public attribute is
         self.estimator: str | None = None
@@ -595,24 +231,8 @@ class PrivacyEngine:
         self.exact_noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
-        self._trainable: list = []   # (parameter, requires_grad) as the plan was made: a change is re-planned
-        self._follow_handle = None   # the model's hook that follows those changes
-        self._reset_step_state()
         self._sealed = True   # from here on a public attribute the engine does not have is refused (__setattr__)
 
-    def _reset_step_state(self) -> None:
-        self._pending: int | None = None   # the logical batch handed out and not yet stepped
-        self._sums: dict[int, torch.Tensor] = {}   # the clipped sums, held here: not private before noise
-        self._backpropagated = 0   # per-example losses backpropagated since the last step
-        self._drawn = 0            # examples drawn from the private loader since the last step
-        self._discarded = False    # zero_grad() dropped a backward's sums since the last step
-        self._skip_next = False    # the memory manager: this micro-batch does not end its logical batch
-        self._last_skipped = False  # the last step() only accumulated: zero_grad() keeps the sums
-        self.last_clipped_fraction = 0.0
-        self._padding: torch.Tensor | None = None   # the drawn padded batch's filler rows, for its one backward
-        self._consumed = False     # a private backward ran since the last step() or zero_grad()
-        if self._user_rows is not None:
-            self._user_rows.clear()
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      criterion: nn.Module | None = None, max_grad_norm: float, noise_multiplier: float | None = None,
@@ -749,7 +369,7 @@ class PrivacyEngine:
         from then on) and matched against the ledger file; only then are the model hooked and the optimizer and
         loss wrapped, so a refusal at any stage leaves the model untouched.
         """
-        if self._capture is not None:
+        if self._private_step is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new PrivacyEngine")
         if seed is not None and self.secure_mode:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
@@ -808,9 +428,9 @@ class PrivacyEngine:
             price = f"noise_multiplier {sigma:.4g} (given)"
         logger.info("norm plan: %s; %s", plan.summary(), price)
         check_same_on_ranks(sigma, "noise_multiplier")
-        self._fix_settings(accounting, sigma, planned, basis, seeds)
+        self._fix_settings(accounting, sigma, planned)
         self._read_ledger()
-        optimizer, crit = self._attach(plan, module, optimizer, criterion)
+        optimizer, crit = self._attach(plan, module, optimizer, criterion, basis)
         if not poisson_sampling:   # stacklevel 2: at the caller's line
             warnings.warn(f"{_SHUFFLED}. The model trains, but get_epsilon() and accountant() will raise "
                           f"UnaccountedSamplingError; for an epsilon, keep poisson_sampling=True (the default)",
@@ -906,9 +526,9 @@ class PrivacyEngine:
         """The model's norm plan (:attr:`plan`), its parameters' sampling groups, and the guarantee that every
         trainable parameter the optimizer steps is one the plan clips (``ValueError`` otherwise)."""
         plan = NormPlan.build(module, estimator, k)
-        self.plan = plan
-        self._ranks = self._sampling_ranks(sampling, plan, max_grad_norm)
-        self._check_covered([p for g in optimizer.param_groups for p in g["params"]], "optimizer")
+        self._plan = plan
+        self._ranks = PrivateStep.sampling_ranks(sampling, plan, max_grad_norm)
+        refuse_uncovered(plan, [p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         return plan
 
     def _seed_generators(self, seed: int | None, rank: int, world: int) -> dict[str, int]:
@@ -924,12 +544,7 @@ class PrivacyEngine:
             seeds = {"sampling": drawn[3 + rank], "stream": drawn[3], "projection": drawn[1] + rank,
                      "noise": drawn[2], "mask": drawn[2] + 1}
         self._sampling_rng = torch.Generator().manual_seed(seeds["sampling"])   # each rank samples its own shard
-        self._projection_rngs = _DeviceGenerators(seeds["projection"])
-        # one generator per device, all seeded alike: the same noise on every rank (ranks of one GPU type draw the
-        # same stream; the first step checks it), drawn where the parameters live (a CPU draw of a billion
-        # coordinates, copied to the GPU, would cost seconds a step)
-        self._noise_rngs = _DeviceGenerators(seeds["noise"])
-        self._noise_checked = False
+        self._seeds = seeds   # the step's projection, mask and noise generators are seeded from these
         return seeds
 
     @staticmethod
@@ -937,8 +552,8 @@ class PrivacyEngine:
         """A seed for each generator from ``os.urandom``, each drawn apart: those every rank must share (the
         noise, a scheme's global stream, the masks) are rank 0's draws, broadcast; the others are the rank's own.
         Every rank must call it (the broadcasts are collectives)."""
-        shared = {name: broadcast_int(_entropy_seed()) for name in ("stream", "noise", "mask")}
-        return {"sampling": _entropy_seed(), "projection": _entropy_seed(), **shared}
+        shared = {name: broadcast_int(entropy_seed()) for name in ("stream", "noise", "mask")}
+        return {"sampling": entropy_seed(), "projection": entropy_seed(), **shared}
 
     def _reseed(self) -> None:
         """Reseed every generator from ``os.urandom`` in place (the loader keeps drawing from the same generator
@@ -946,10 +561,7 @@ class PrivacyEngine:
         seeds = self._fresh_seeds()
         # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
         self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
-        self._projection_rngs.reseed(seeds["projection"])
-        self._mask_rngs.reseed(seeds["mask"])
-        self._noise_rngs.reseed(seeds["noise"])
-        self._noise_checked = False   # the first resumed step checks again that every rank drew the same noise
+        self._private_step.reseed(seeds)
 
     def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool,
                         world: int) -> tuple[DPDataLoader, BoundSampling]:
@@ -1006,41 +618,59 @@ class PrivacyEngine:
             logger.info("noise_multiplier %.6g calibrated in %.1f s", sigma, time.perf_counter() - start)
         return sigma
 
-    def _fix_settings(self, accounting: RunAccounting, sigma: float, planned: int | None,
-                      basis: torch.Tensor | None, seeds: dict[str, int]) -> None:
+    def _fix_settings(self, accounting: RunAccounting, sigma: float, planned: int | None) -> None:
         """Fix the settings the step and the accountant share (read-only from here on) and the ledger's record of
         them, which a resumed run or a ledger file must match."""
         self._accounting = accounting
         self._noise_multiplier = sigma
         self.planned_steps = planned
-        self._basis = basis
         self._settings = accounting.record(sigma)
-        if accounting.clipping.per_coordinate:
-            self._mask_rngs = _DeviceGenerators(seeds["mask"])   # sampling randomness, seeded like the noise
 
     def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
-                criterion: nn.Module | None) -> tuple[DPOptimizer, DPCriterion]:
+                criterion: nn.Module | None, basis: torch.Tensor | None) -> tuple[DPOptimizer, DPCriterion]:
         """Hook the model (recording from here on; the model then belongs to this engine) and wrap the optimizer
-        and the loss."""
-        self._capture = Capture(plan)
-        self._capture.check_every_step, self._capture.check_rate = self._check_every_step, self._check_rate
+        and the loss around the run's :class:`~dpsgd.step.PrivateStep`."""
         _per_token_experts(module)
         # example isolation by structure: active from each batch the private loader yields to its backward
-        self._tracker = ExampleTracker(state=lambda: {**{f"parameter {n}": p for n, p in module.named_parameters()},
-                                                      **{f"buffer {n}": b for n, b in module.named_buffers()}})
-        self._capture.tracker = self._tracker if self._track_examples else None
-        _ENGINES[module] = weakref.ref(self)
-        self._module = module
-        self._trainable = [(p, p.requires_grad) for p in module.parameters()]
-        engine = weakref.ref(self)   # the model's hook does not keep the engine alive
+        tracker = ExampleTracker(state=lambda: {**{f"parameter {n}": p for n, p in module.named_parameters()},
+                                                **{f"buffer {n}": b for n, b in module.named_buffers()}})
+        step = PrivateStep(plan, self._accounting, noise_multiplier=self._noise_multiplier,
+                           expected_batch_size=self.expected_batch_size, estimator=self.estimator,
+                           projection_dim=self.projection_dim, clipping_pass=self.clipping_pass, basis=basis,
+                           seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks)
+        step.set_checks(self._check_every_step, self._check_rate, self._track_examples)
+        self._private_step = step
+        _STEPS[module] = weakref.ref(step)
+        self._optimizer = DPOptimizer(optimizer, step, noise_multiplier=self._noise_multiplier,
+                                      max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size,
+                                      admit=self._admit_step, record=self._record_step)
+        return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), step)
 
-        def follow(_module, _args):
-            if engine() is not None and engine()._capture is not None and engine()._capture._recording():
-                engine()._follow_trainable(strict=True)
-        # after the capture's own root hooks: a refusal here leaves them balanced (their post-hooks always run)
-        self._follow_handle = module.register_forward_pre_hook(torch.compiler.disable(follow))
-        self._optimizer = DPOptimizer(optimizer, self)
-        return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), self)
+    def _admit_step(self) -> None:
+        """``RuntimeError`` for a step beyond those the noise was calibrated for (steps, or an epoch sampler's
+        epochs): the target epsilon holds for the calibrated count, never more."""
+        if self.planned_steps is None:
+            return
+        if self.spent_steps >= self.planned_steps:
+            raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
+                               f"target_delta) and they have all been taken; another step would spend more than "
+                               f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
+        sampling = self._accounting.sampling
+        if sampling.scheme.per_epoch and self._events(self.spent_steps) > sampling.events(self.planned_steps):
+            raise RuntimeError(f"the noise was calibrated for {sampling.events(self.planned_steps)} epochs of "
+                               f"{sampling.scheme!r} and this step's batch begins another (batches were drawn "
+                               f"without a step); another step would spend more than the target")
+
+    def _on_batch(self, *args, **kwargs) -> None:
+        """The private loader's call as it yields a batch (before make_private has built the step: refused)."""
+        self._require_private()
+        self._private_step.on_batch(*args, **kwargs)
+
+    def _empty_step(self) -> None:
+        """The private loader's call for an empty Poisson batch: the noise-only step it is charged for."""
+        self._require_private()
+        self._private_step.check_empty()
+        self._optimizer.step()
 
     # fixed by make_private: the step and the accountant both read them, and the accountant charges every step
     # taken at their current values (and the ledger records them), so a change mid-run would mis-charge the
@@ -1056,7 +686,7 @@ class PrivacyEngine:
     SETTINGS = ("check_every_step", "check_rate")
 
     def __setattr__(self, name: str, value) -> None:
-        if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_capture") is not None:
+        if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_private_step") is not None:
             raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
                                  f"its current value, so changing it mid-run would mis-charge the steps already "
                                  f"taken; use a new PrivacyEngine")
@@ -1079,8 +709,7 @@ class PrivacyEngine:
     @check_every_step.setter
     def check_every_step(self, value: bool) -> None:
         self._check_every_step = bool(value)
-        if self._capture is not None:
-            self._capture.check_every_step = self._check_every_step
+        self._set_checks()
 
     @property
     def track_examples(self) -> bool:
@@ -1095,10 +724,7 @@ class PrivacyEngine:
     @track_examples.setter
     def track_examples(self, value: bool) -> None:
         self._track_examples = bool(value)
-        if self._capture is not None:
-            if not self._track_examples:
-                self._untrack()
-            self._capture.tracker = self._tracker if self._track_examples else None
+        self._set_checks()
 
     @property
     def check_rate(self) -> float:
@@ -1119,8 +745,28 @@ class PrivacyEngine:
         if not 0 <= rate <= 1:
             raise ValueError(f"check_rate must lie in [0, 1] (use check_every_step=True for 1), got {value!r}")
         self._check_rate = rate
-        if self._capture is not None:
-            self._capture.check_rate = rate
+        self._set_checks()
+
+    def _set_checks(self) -> None:
+        if self._private_step is not None:
+            self._private_step.set_checks(self._check_every_step, self._check_rate, self._track_examples)
+
+    @property
+    def private_step(self) -> PrivateStep | None:
+        """The step in progress (:class:`~dpsgd.step.PrivateStep`: the batch's recorded forwards, clipped sums and
+        generators, none of which ever leaves the process), made by ``make_private`` (``None`` before it)."""
+        return self._private_step
+
+    @property
+    def plan(self) -> NormPlan | None:
+        """The model's norm plan (:class:`~dpsgd.plan.NormPlan`), following its trainable parameters; ``None``
+        before ``make_private``."""
+        return self._plan if self._private_step is None else self._private_step.plan
+
+    @property
+    def last_clipped_fraction(self) -> float:
+        """The share of the last private backward's examples whose clip weight was below 1."""
+        return 0.0 if self._private_step is None else self._private_step.last_clipped_fraction
 
     @property
     def noise_multiplier(self) -> float | None:
@@ -1159,16 +805,6 @@ class PrivacyEngine:
         the ledger's record), fixed by ``make_private`` (``None`` before it)."""
         return self._accounting
 
-    @staticmethod
-    def _sampling_ranks(sampling: PoissonSampling | TwiceSampling | HybridClipping, plan: NormPlan,
-                        max_grad_norm: float) -> list[int]:
-        """Coordinates per group; every parameter in a group and the groups as the sampling requires (else
-        ValueError)."""
-        ranks = [0] * len(sampling.bounds(max_grad_norm))
-        for p in plan.params:
-            ranks[sampling.group_of(plan.names[id(p)])] += p.numel()
-        sampling.check_groups(ranks, max_grad_norm)
-        return ranks
 
     def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
         """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""
@@ -1188,91 +824,16 @@ class PrivacyEngine:
             raise ValueError("gradient_projection's columns are linearly dependent (rank below k)")
         return q
 
-    def _project(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``V V^T`` applied to the clipped sums, flattened in parameter order (``V`` orthonormal: a contraction,
-        so one example's contribution stays within ``C``)."""
-        flat = torch.cat([s.reshape(-1).to(self._basis.device, torch.float64) for s in sums])
-        flat = self._basis @ (self._basis.T @ flat)
-        out, at = [], 0
-        for s in sums:
-            out.append(flat[at:at + s.numel()].reshape(s.shape).to(s.device, s.dtype))
-            at += s.numel()
-        return out
-
-    def _check_covered(self, params, where: str) -> None:
-        if self._capture is not None:
-            self._follow_trainable(strict=False)
-        covered = {id(p) for p in self.plan.params}
-        for p in params:
-            if p.requires_grad and id(p) not in covered:
-                raise ValueError(f"{where} holds a trainable parameter that is not in the private model "
-                                 f"({tuple(p.shape)}): every trained parameter must be clipped")
-
-    def _follow_trainable(self, strict: bool) -> None:
-        """Re-plan when parameters were frozen or unfrozen (``requires_grad``) since the plan was made: at each
-        training forward (``strict``) and at ``zero_grad()`` and ``add_param_group`` (where a step's batch still
-        in progress defers it to the next forward).
-
-        The accountant charges every step with the envelope fixed at ``make_private``, so the new plan is taken
-        only if that envelope still bounds its estimate (:func:`_envelope_covers`: fewer chi-square terms under
-        ``hutch``, anything under exact norms as long as they stay exact); else ``RuntimeError``, naming the
-        parameters, and nothing changes.  So are a ``gradient_projection`` (its basis spans the parameters of the
-        first plan) and a change of the coordinates per group of twice sampling or hybrid clipping (their noise
-        and accounting depend on them)."""
-        changed = [p for p, flag in self._trainable if p.requires_grad != flag]
-        if not changed:
-            return
-        if self._capture.calls or self._sums or self._backpropagated:
-            if not strict:
-                return
-            raise RuntimeError("requires_grad of a parameter changed while this step's batch was being processed "
-                               "(recorded forwards or clipped sums wait for step()): freeze or unfreeze parameters "
-                               "between optimizer.step() and the next forward")
-        model = self.plan.model
-        names = {id(p): n for n, p in model.named_parameters()}
-        which = ", ".join(names.get(id(p), "?") + (" (unfrozen)" if p.requires_grad else " (frozen)")
-                          for p in changed[:4]) + (", ..." if len(changed) > 4 else "")
-        plan = NormPlan.build(model, self.estimator, self.projection_dim)   # the validator and sharding checks
-        # the hooks of a unit on the model itself: inside the model's own forward, this call's set of them is fixed
-        on_root = {id(p) for old_or_new in (self.plan, plan) for u in old_or_new.units if u.module is model
-                   for p in u.params.values()}
-        if strict and any(id(p) in on_root for p in changed):
-            raise RuntimeError(f"{which}: a parameter of the model itself (not of a submodule) changed requires_grad "
-                               f"after make_private; the engine follows that at optimizer.zero_grad(), not inside "
-                               f"the model's forward. Call optimizer.zero_grad() before this forward (or move the "
-                               f"parameter into a submodule)")
-        envelope = plan.envelope(self.projection_dim)
-        if not _envelope_covers(self.envelope, envelope):
-            raise RuntimeError(
-                f"{which}: the model's trainable parameters changed after make_private, and under estimator "
-                f"{self.estimator!r} the new plan's estimate needs the envelope {envelope!r}, which the accountant's "
-                f"{self.envelope!r} (fixed at make_private, charged for every step) does not bound, so the steps "
-                f"would be under-charged. Make those parameters trainable before make_private (or set them back), "
-                f"use exact norms (estimator='ghost' or 'exact': accounted as DP-SGD whatever trains), or train the "
-                f"new phase with a new PrivacyEngine (the two runs' epsilons and deltas add up)")
-        if self._basis is not None:
-            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
-                               f"gradient_projection's basis spans the parameters of the first plan; use a new "
-                               f"PrivacyEngine with a basis for the new ones")
-        ranks = self._sampling_ranks(self._accounting.clipping, plan, self.max_grad_norm)
-        if self._accounting.clipping.per_coordinate and ranks != self._ranks:
-            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, which changes the "
-                               f"coordinates per group ({self._ranks} to {ranks}) that "
-                               f"{type(self._accounting.clipping).__name__}'s noise and accounting depend on; use a "
-                               f"new PrivacyEngine")
-        self._capture.replan(plan)
-        self.plan, self._ranks = plan, ranks
-        self._trainable = [(p, p.requires_grad) for p in model.parameters()]
 
     def private_loss(self, losses: torch.Tensor) -> DPLoss:
         """A :class:`DPLoss` from your own ``(B,)`` per-example losses (e.g. a paired or DPO-style loss built
         from several forwards: every forward's contribution is counted).  Each loss must depend on its own
         example only (in-batch negatives would mix examples)."""
         self._require_private()
-        return DPLoss(losses, self)
+        return DPLoss(losses, self._private_step)
 
     def _require_private(self) -> None:
-        if self._capture is None:
+        if self._private_step is None:
             raise RuntimeError("call make_private(...) on this PrivacyEngine first")
 
     def _require_accounted(self) -> None:
@@ -1281,270 +842,6 @@ class PrivacyEngine:
             raise UnaccountedSamplingError(f"no epsilon for this run: {_SHUFFLED}. Train with "
                                            f"poisson_sampling=True (the default) for an epsilon")
 
-    def _backward(self, losses: torch.Tensor) -> None:
-        self._require_private()
-        recorded = self._recorded_examples()
-        device = losses.device if isinstance(losses, torch.Tensor) else torch.device("cpu")
-        twice = self._accounting.clipping if self._accounting.clipping.per_coordinate else None
-        # user-level: the rows of the chunk the loader yielded, each with its user (never taken from the caller)
-        groups = None if self._user_rows is None else self._user_rows.take(losses)
-        padding = self._take_padding(losses)
-        result = clipped_backward(self._capture, losses, self.max_grad_norm, self.projection_dim,
-                                  self._projection_rngs(device),
-                                  clipping_pass=self.clipping_pass, twice=twice,
-                                  mask_generator=None if twice is None else self._mask_rngs(device), groups=groups,
-                                  padding=padding)
-        self._check_isolated(losses, recorded)   # before anything of this backward is kept
-        for p in self.plan.params:
-            s = result.sums.get(id(p))
-            if s is None:
-                continue
-            total = self._sums.get(id(p))
-            self._sums[id(p)] = s if total is None else total + s
-        b = int(losses.shape[0])
-        self._backpropagated += b
-        self._consumed = True
-        self._discarded = False   # a backward after zero_grad(): this batch's losses must be complete again
-        clipped = result.weights < 1 if padding is None else (result.weights < 1)[~padding.to(result.weights.device)]
-        self.last_clipped_fraction = float(clipped.double().mean()) if clipped.numel() else 0.0
-
-    def _take_padding(self, losses: torch.Tensor) -> torch.Tensor | None:
-        """The filler rows of the padded batch drawn for this backward (``None`` for an unpadded loader): the loader
-        says which rows they are, and the backward must be of that whole batch."""
-        padding, self._padding = self._padding, None
-        if padding is not None and (not isinstance(losses, torch.Tensor) or losses.shape != padding.shape):
-            raise RuntimeError(f"a padded batch of {padding.numel()} rows (TruncatedPoisson(pad=True), or a rank's "
-                               f"part under FSDP2) must be "
-                               f"backpropagated whole, one loss per row, got losses of shape "
-                               f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
-        return padding
-
-    def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None,
-                  padding: torch.Tensor | None = None, batch: object = None) -> None:
-        if self._pending is not None and logical != self._pending:
-            raise RuntimeError(self._drawn_twice)
-        self._track(batch)
-        self._padding = padding
-        if self._user_rows is not None:
-            self._user_rows.drawn(groups)
-        self._pending = logical
-        self._drawn += size
-        self._skip_next = not last
-
-    def _track(self, batch: object) -> None:
-        """Register the batch the loader yields with the tracker, and make the tracker active until its backward:
-        every tensor computed from it, wherever the user's code takes it, is followed (:mod:`dpsgd.isolation`)."""
-        capture = self._capture
-        tracker = capture.tracker
-        if tracker is None:
-            return
-        if tracker.active and tracker.failed:   # a refused step left it on the stack
-            tracker.pop()
-        if not tracker.active:
-            tracker.push()
-        # under FSDP2 the ranks refuse together at the backward: nothing raises inside one rank's forward
-        tracker.defer = rank_world()[1] > 1 and any(is_sharded(p) for p in self.plan.params)
-        ids = tracker.register(batch)
-        if ids is not None:
-            # every chunk drawn for this step (the Hugging Face Trainer draws a logical batch's micro-batches
-            # before their forwards)
-            capture.batch_ids = ids if capture.batch_ids is None else torch.cat([capture.batch_ids, ids])
-
-    def _untrack(self) -> None:
-        """The step is over: the tracker stops, and the next batch starts a new set of examples."""
-        capture = self._capture
-        self._used_ids = None
-        if capture is not None and capture.tracker is not None:
-            capture.tracker.pop()
-            capture.batch_ids = None
-
-    def _recorded_examples(self) -> list:
-        """The examples of each recorded call the coming backward consumes, taken before it consumes them; the
-        tracker stops here (the backward runs outside it, and a second micro-batch of this batch re-arms it at
-        its forward)."""
-        capture = self._capture
-        if capture.tracker is None or not self._track_examples:
-            return []
-        capture.tracker.pop()
-        return [(c.cache["unit"].path or type(c.module).__name__, c.cache.get("examples")) for c in capture.calls
-                if not c.cache.get("dropped")]
-
-    def _check_isolated(self, losses: torch.Tensor, recorded: list) -> None:
-        """Before the backward's clipped sums are kept: the losses must be one per example of the batches drawn
-        for this step, each computed from its own example only (the tracker's record of the operations that made
-        them), no example's loss backpropagated twice in the step, every recorded call on the losses' examples in
-        their order, and no custom ``autograd.Function`` whose backward the tracker cannot see between them and
-        the parameters.  Under FSDP2 the ranks refuse together (their next collectives must match)."""
-        capture = self._capture
-        tracker, ids = capture.tracker, capture.batch_ids
-        if tracker is None or not isinstance(losses, torch.Tensor) or not self._track_examples:
-            return
-        error = None
-        try:
-            if tracker.deferred is not None:
-                raise tracker.deferred
-            if ids is None:
-                raise ExampleMixingError("a private backward without a batch drawn from this engine's private data "
-                                         "loader (its batches are followed from the moment it yields them): a batch "
-                                         "made by hand is not charged by the accountant")
-            examples = tracker.check_rows(losses, ids, "the per-example losses")
-            if self._used_ids is not None and bool(torch.isin(examples, self._used_ids).any()):
-                raise ExampleMixingError("some of these per-example losses belong to examples whose losses were "
-                                         "already backpropagated for this step: each example contributes one "
-                                         "clipped gradient per step")
-            for name, seen in recorded:
-                if seen is not None and not (seen.shape == examples.shape and bool(torch.equal(seen, examples))):
-                    raise ExampleMixingError(f"a recorded call of {name} ran on other examples, or in another "
-                                             f"order, than the losses' rows: its per-example gradients would be "
-                                             f"attributed to the wrong examples")
-            check_backward_functions(losses)
-        except (ExampleMixingError, StateChangedError) as e:
-            error = e
-        # tracker.defer: the ranks under FSDP2, decided at the batch's draw, refuse together
-        if tracker.defer and any_rank(error is not None) and error is None:
-            error = ExampleMixingError("the isolation check failed on another rank (see its error): every rank "
-                                       "refuses the step together under FSDP2")
-        if error is not None:
-            self._untrack()
-            raise error
-        self._used_ids = examples if self._used_ids is None else torch.cat([self._used_ids, examples])
-
-    def _zero_grad(self) -> None:
-        self._require_private()
-        self._follow_trainable(strict=False)
-        # the forwards recorded so far are dropped with the batch (a private backward may still consume them):
-        # a gradient a plain backward left on their parameters' aliases is cleared with the .grad it stands for
-        for c in self._capture.calls:
-            c.cache["dropped"] = True
-            for alias in c.aliases.values():
-                alias.grad = None
-        self._consumed = False
-        if self._last_skipped:
-            return  # the memory manager's logical batch is not complete: keep the clipped sums
-        if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
-            self._discarded = True
-        self._used_ids = None   # the dropped batch's losses may be backpropagated again
-        self._sums.clear()
-        for p in self.plan.params:
-            p.grad = None
-
-    _drawn_twice = ("a batch was drawn from the private data loader before optimizer.step() of the batch drawn "
-                    "before it: one noisy step per Poisson batch, or the accountant charges rate q for a step that "
-                    "used more (two batches concatenated, a buffer of batches). Call optimizer.step() after every "
-                    "batch (after optimizer.zero_grad() it takes a noise-only step for a batch you skip); split a "
-                    "large batch with BatchMemoryManager; to stop early, stop before drawing the next batch.")
-
-    def _empty_step(self) -> None:
-        if self._pending is not None:
-            raise RuntimeError(self._drawn_twice)
-        if self._backpropagated or self._sums:
-            raise RuntimeError("an empty Poisson batch was drawn while a backward's clipped sums wait for step(); "
-                               "call optimizer.step() after every batch")
-        self._step()
-
-    def _step(self) -> None:
-        self._require_private()
-        self._untrack()
-        if self._skip_next:
-            self._refuse_untrained_step()
-            self._skip_next, self._last_skipped = False, True
-            return
-        if self.planned_steps is not None and self.spent_steps >= self.planned_steps:
-            raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
-                               f"target_delta) and they have all been taken; another step would spend more than "
-                               f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
-        sampling = self._accounting.sampling
-        if self.planned_steps is not None and sampling.scheme.per_epoch \
-                and self._events(self.spent_steps) > sampling.events(self.planned_steps):
-            raise RuntimeError(f"the noise was calibrated for {sampling.events(self.planned_steps)} epochs of "
-                               f"{sampling.scheme!r} and this step's batch begins another (batches were drawn "
-                               f"without a step); another step would spend more than the target")
-        if self._drawn and not self._backpropagated and not self._discarded:
-            raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
-        if self._backpropagated > self._drawn:
-            raise RuntimeError(f"{self._backpropagated} per-example losses were backpropagated but only {self._drawn} "
-                               f"examples were drawn from the private data loader since the last step: an example "
-                               f"may contribute one clipped gradient per step (a second backward of the same batch, "
-                               f"or batches from another loader, would break the privacy guarantee)")
-        if self._backpropagated < self._drawn and not self._discarded:
-            raise RuntimeError(f"{self._backpropagated} per-example losses (rows) were backpropagated for "
-                               f"{self._drawn} examples drawn from the private data loader: each example must be one "
-                               f"row of the batch with a loss of its own. A collate_fn that packs several examples "
-                               f"into one row gives each row up to k examples' influence while the accountant charges "
-                               f"per example; pack within an example, or use one row per example. (Call "
-                               f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
-        self._refuse_untrained_step()
-        written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
-        if written:
-            raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
-                               f"loss.backward() on an unrecorded forward, or an assignment); the private step "
-                               f"uses only the clipped sums of DPLoss.backward(). Call optimizer.zero_grad() "
-                               f"first if that gradient is to be dropped.")
-        # a parameter no example reached gets zeros (made only then: dict.get's default would fill one
-        # parameter-sized tensor for every parameter)
-        sums = [self._sums[id(p)] if id(p) in self._sums else
-                torch.zeros(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
-                for p in self.plan.params]
-        # per-example norms stay local; the clipped sums add up across ranks (all-reduce, or reduce-scatter
-        # for FSDP2's sharded parameters)
-        sums = reduce_sums(self.plan.params, sums)
-        if self._basis is not None:
-            sums = self._project(sums)
-        # twice sampling keeps each coordinate of an example with probability q2: dividing by q2 too leaves the
-        # gradient unbiased (a post-processing; the noise is scaled with it)
-        divisor = self.expected_batch_size * self._accounting.clipping.coordinate_rate
-        # one noise level per group (hybrid clipping's shape; else all equal)
-        per_group = self._accounting.clipping.noise_stds(self.noise_multiplier, self.max_grad_norm, self._ranks)
-        std = [per_group[self._accounting.clipping.group_of(self.plan.names[id(p)])] for p in self.plan.params]
-        try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
-            noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,
-                                    noise=self._accounting.noise, in_place=True)
-        except FloatingPointError:
-            self._reset_step_state()   # the sums were overwritten: the batch is dropped, nothing was written
-            raise
-        if not self._noise_checked:   # replicated parameters' noisy gradients are equal on every rank
-            first = next((g for p, g in zip(self.plan.params, noisy, strict=True) if not is_sharded(p)), None)
-            try:
-                check_same_on_ranks(0.0 if first is None else float(first.sum()),
-                                    "the first step's noisy gradient (the noise generators are seeded alike on every "
-                                    "rank, but GPUs of different types can draw different streams from one seed)")
-            except ValueError:
-                self._reset_step_state()
-                raise
-            self._noise_checked = True
-        del sums
-        self._sums = {}
-        for i, p in enumerate(self.plan.params):
-            p.grad = as_grad(p, noisy[i])   # the same tensor when p is float32; else one cast at a time
-            noisy[i] = None
-        self._optimizer.original_optimizer.step()
-        self._record_step()  # the ledger: only after the step has happened
-        self._capture.clear()
-        self._reset_step_state()
-        for p in self.plan.params:
-            p.grad = None
-
-    _UNTRAINED_FIX = ("Backpropagate the loss of the criterion returned by make_private (crit = make_private(...)[2]; "
-                      "crit(model(x), y).backward()), or your own per-example losses through "
-                      "engine.private_loss(losses).backward(); a loss module or function of your own with a plain "
-                      "loss.backward() trains nothing here. (Call optimizer.zero_grad() first to drop this batch "
-                      "with a noise-only step.)")
-
-    def _refuse_untrained_step(self) -> None:
-        """``RuntimeError`` for a step whose batch was forwarded but not privately backpropagated: the step would
-        add noise only and train nothing, silently.  The recorded forwards that no private backward consumed are
-        still in the capture: a plain ``loss.backward()`` left its gradient on their parameters' aliases, and a
-        forward recorded since the last ``zero_grad()`` with no private backward since is one nothing trained
-        from.  A noise-only step without a forward, or after ``zero_grad()`` dropped the batch, passes."""
-        pending = self._capture.calls
-        if any(a.grad is not None for c in pending for a in c.aliases.values()):
-            raise RuntimeError(f"a plain loss.backward() reached the model's training forward: its gradient went to "
-                               f"the engine's per-call stand-ins for the parameters, not into a clipped per-example "
-                               f"sum, so this step would add noise only and train nothing. {self._UNTRAINED_FIX}")
-        if not self._consumed and any(not c.cache.get("dropped") for c in pending):
-            raise RuntimeError(f"a training forward of the model was recorded since the last step, but no private "
-                               f"backward consumed it, so this step would add noise only and train nothing. "
-                               f"{self._UNTRAINED_FIX}")
 
     def _read_ledger(self) -> None:
         if self.ledger_path is None or not os.path.exists(self.ledger_path):
@@ -1714,10 +1011,8 @@ class PrivacyEngine:
 
     def detach(self) -> None:
         """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""
-        if self._capture is not None:
-            self._untrack()
-            self._capture.remove()
-            self._follow_handle.remove()
+        if self._private_step is not None:
+            self._private_step.remove()
 
     def state_dict(self) -> dict:
         """The ledger's count and the settings: ``{"settings": ..., "steps": ...}``, with ``"epochs"`` (the epochs

@@ -60,5 +60,5 @@ def test_a_compiled_model_trains_privately_with_the_eager_per_example_norms(when
         engine.private_loss(_losses(model, x)).backward()
         opt.step()
     assert engine.steps == len(loader)
-    got = clipped_backward(engine._capture, _losses(model, ids[:6]), 1.0, 1, None, norms_only=True).sq_norms
+    got = clipped_backward(engine.private_step.capture, _losses(model, ids[:6]), 1.0, 1, None, norms_only=True).sq_norms
     assert torch.allclose(got.double(), eager.double(), rtol=1e-4, atol=0)

@@ -32,7 +32,7 @@ def _private(model, n=64, batch=8, data=None, criterion=None):
             data_loader=DataLoader(data, batch_size=batch), criterion=criterion or nn.MSELoss(),
             max_grad_norm=1.0, estimator="exact", noise_multiplier=0.0)
     # the first step's row check is the attribution check of a new layout; it must not be what refuses here
-    engine._capture.checked_layouts.clear()
+    engine.private_step.capture.checked_layouts.clear()
     return engine, model, opt, crit, loader
 
 
@@ -380,7 +380,7 @@ def test_a_value_read_into_python_is_recorded_and_audit_isolation_finds_its_use(
         crit(model(x), y).backward()
         opt.step()
         break
-    assert engine._tracker.host_reads
+    assert engine.private_step.tracker.host_reads
     with pytest.raises(ExampleMixingError, match="another path"):
         audit_isolation(model.eval(), x, lambda m, b: m(b).squeeze(1))
 

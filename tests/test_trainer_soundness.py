@@ -317,7 +317,7 @@ def test_model_keeps_its_identity_state_dict_and_generate():
     with torch.no_grad():
         out = model.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, do_sample=False, pad_token_id=0)
         model(data(2))  # an evaluation forward records nothing
-    assert out.shape == (1, 7) and not engine._capture.calls
+    assert out.shape == (1, 7) and not engine.private_step.capture.calls
     engine.detach()
     model.train()
     lm_losses(model, data(2)).sum().backward()  # plain training again, without hooks

@@ -468,7 +468,7 @@ def test_epsilon_is_per_user_at_the_user_rate():
 def test_hutch_epsilon_charges_the_user_rate_with_the_plans_envelope():
     engine, *_ = _user_run([i // 5 for i in range(60)], noise_multiplier=1.2, estimator="hutch", projection_dim=8)
     rc = RandomizedClipGaussian(noise_multiplier=1.2, sample_rate=4 / 12, envelope=engine.envelope)
-    assert engine._mechanism() == rc
+    assert engine.accounting.mechanism(engine.noise_multiplier) == rc
 
 
 def test_target_epsilon_calibrates_for_the_user_rate():

@@ -277,8 +277,7 @@ def private_update(model: nn.Module, batch: torch.Tensor, losses, *, max_grad_no
 
 def engine_generators(engine):
     """Every generator the engine draws secrets from: batches, projections, twice sampling's masks, noise."""
-    return [engine._sampling_rng, *engine._projection_rngs._generators.values(),
-            *engine._mask_rngs._generators.values(), *engine._noise_rngs._generators.values()]
+    return [engine._sampling_rng, *engine.private_step.generators]
 
 
 def _leaves(obj, path="state"):

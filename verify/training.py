@@ -230,18 +230,18 @@ def _charged_at(fraction: float):
 @contextlib.contextmanager
 def _broken(kind: str | None, engine, examples_per_user: int = 1):
     """The deliberately broken step ``kind`` (see the module docstring), or nothing."""
-    import dpsgd.privacy_engine as pe
+    import dpsgd.step as ps  # the step looks them up in its module
 
     if kind in USER_BREAKS and examples_per_user == 1:
         raise ValueError(f"break {kind!r} needs a configuration with users (examples_per_user > 1)")
     if kind is None:
         yield
     elif kind == "per-example-clipping":
-        original = pe.clipped_backward
+        original = ps.clipped_backward
 
         def per_example(capture, losses, max_grad_norm, k, generator, groups=None, **kw):
             return original(capture, losses, max_grad_norm, k, generator, **kw)   # the users' rows forgotten
-        with mock.patch.object(pe, "clipped_backward", per_example):
+        with mock.patch.object(ps, "clipped_backward", per_example):
             yield
     elif kind in ("one-epoch", "quarter-rate"):
         from dpsgd.samplers import BoundSampling, TruncatedPoisson
@@ -272,19 +272,19 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
         with _charged_at(1 / examples_per_user):
             yield
     elif kind == "unclipped":
-        original = pe.clipped_backward
+        original = ps.clipped_backward
 
         def unclipped(capture, losses, max_grad_norm, k, generator, **kw):
             return original(capture, losses, math.inf, k, generator, **kw)
-        with mock.patch.object(pe, "clipped_backward", unclipped):
+        with mock.patch.object(ps, "clipped_backward", unclipped):
             yield
     elif kind == "half-noise":
-        original = pe.noisy_gradients
+        original = ps.noisy_gradients
 
         def half(sums, noise_std, *a, **kw):
             half_std = [v / 2 for v in noise_std] if isinstance(noise_std, list) else noise_std / 2
             return original(sums, half_std, *a, **kw)
-        with mock.patch.object(pe, "noisy_gradients", half):
+        with mock.patch.object(ps, "noisy_gradients", half):
             yield
     elif kind == "microbatch-rate":
         with _charged_at(1 / 4):   # a micro-batch's rate is charged
