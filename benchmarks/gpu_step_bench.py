@@ -90,7 +90,7 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
             noise_multiplier=1.0, estimator=method.removesuffix("-untracked"), projection_dim=32,
-            poisson_sampling=False, seed=0)
+            batch_sampling="fixed_size", seed=0)
         # every private method proves isolation on every step (the tracker) but hutch-untracked, which only samples
         # it with the row check: their difference is the tracker's cost
         engine.track_examples = not method.endswith("-untracked")

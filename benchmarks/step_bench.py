@@ -24,8 +24,8 @@ before the first warm-up step to the end of the last timed step, median over rou
 top of the model, optimizer and data.  It includes the first step, which the private trainer always checks
 (a new layout of calls: two check passes).  Ratios are against the non-private step of the same model and T,
 measured in the same run.  Batches come from each method's own
-data loader (the private ones: fixed-size batches, ``poisson_sampling=False``, so that every step has the
-same size).
+data loader (the private ones: fixed-size batches, ``batch_sampling="fixed_size"``, Opacus' ``poisson_sampling=False``,
+so that every step has the same size).
 
     python benchmarks/step_bench.py                                   # tiny, gpt2, llama, cnn
     python benchmarks/step_bench.py --models llama-long --seq-len 512 2048 4096 --batch 2 --steps 3
@@ -200,7 +200,7 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
         engine = PrivacyEngine()
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, criterion=crit, max_grad_norm=1.0,
-            noise_multiplier=1.0, estimator=estimator, projection_dim=32, poisson_sampling=False, seed=0,
+            noise_multiplier=1.0, estimator=estimator, projection_dim=32, batch_sampling="fixed_size", seed=0,
             clipping_pass="two-pass" if two_pass else "bookkeeping")
         if method.endswith("-every-step"):
             engine.check_every_step = True

@@ -65,7 +65,7 @@ def trains(build, autocast: bool) -> str:
         model, opt, _, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
             data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
-            estimator="hutch", projection_dim=8, seed=0, poisson_sampling=False)
+            estimator="hutch", projection_dim=8, seed=0, batch_sampling="fixed_size")
         for (x,) in loader:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 per = losses(model, inputs(x))

@@ -16,7 +16,7 @@ Importing this package does not need torch until one of these names is used.
 __all__ = ["per_sample_sq_norms", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
            "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
            "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise", "UnsupportedSamplerError",
-           "UnaccountedSamplingError", "ExampleTracker", "audit_isolation"]
+           "ExampleTracker", "audit_isolation"]
 
 _WHERE = {"per_sample_sq_norms": "clipping", "IncompleteGradientError": "isolation",
           "ExampleMixingError": "isolation", "StateChangedError": "isolation", "ExampleTracker": "isolation",
@@ -24,8 +24,7 @@ _WHERE = {"per_sample_sq_norms": "clipping", "IncompleteGradientError": "isolati
           "NormPlan": "plan", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
           "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
           "HybridClipping": "sampling",
-          "GaussianNoise": "noise", "LaplaceNoise": "noise", "UnsupportedSamplerError": "data",
-          "UnaccountedSamplingError": "privacy_engine"}
+          "GaussianNoise": "noise", "LaplaceNoise": "noise", "UnsupportedSamplerError": "data"}
 
 
 def __getattr__(name: str):

@@ -50,7 +50,8 @@ from .users import UserLevel
 __all__ = ["RunAccounting", "Combination", "Refusal", "REFUSED", "check_combination", "auto_estimator",
            "LEDGER_FORMAT", "read_record"]
 
-#: the ledger record's format: 2 adds the ``"format"`` key to format 1's settings (read as they were)
+#: the ledger record's format: 2 is format 1's settings with ``"format"`` and without ``"poisson"`` (format 1's flag of
+#: the unaccounted shuffled batches, which are gone)
 LEDGER_FORMAT = 2
 
 Clipping = PoissonSampling | TwiceSampling | HybridClipping
@@ -70,8 +71,6 @@ class Combination:
     batch_sampling : BatchSampling
     users : bool
         ``privacy_unit="user"``.
-    poisson_sampling : bool
-        ``False``: fixed-size shuffled batches, trained but never accounted.
     clipping_pass : str
     projected : bool
         A ``gradient_projection`` is given.
@@ -86,7 +85,6 @@ class Combination:
     clipping: Clipping
     batch_sampling: BatchSampling
     users: bool = False
-    poisson_sampling: bool = True
     clipping_pass: str = "bookkeeping"
     projected: bool = False
     processes: int = 1
@@ -147,13 +145,7 @@ REFUSED: tuple[Refusal, ...] = (
             lambda c: "privacy_unit='user' cannot be combined with twice sampling or hybrid clipping "
                       "(sampling=TwiceSampling/HybridClipping): their accounting masks and clips each example's "
                       "gradient, not each user's"),
-    Refusal(lambda c: c.users and not c.poisson_sampling,
-            lambda c: "privacy_unit='user' needs poisson_sampling=True: users are Poisson-sampled, the sampling "
-                      "the accountant charges"),
     # the other batch-sampling schemes (dpsgd.samplers)
-    Refusal(lambda c: _other_scheme(c) and not c.poisson_sampling,
-            lambda c: f"{c.scheme} with poisson_sampling=False: give one of them (batch_sampling chooses the "
-                      f"batches, and is accounted)"),
     Refusal(lambda c: _other_scheme(c) and _per_coordinate(c),
             lambda c: f"{c.scheme} with sampling={type(c.clipping).__name__}(...) is refused: twice sampling is "
                       f"accounted for Poisson batches only"),
@@ -216,9 +208,6 @@ class RunAccounting:
         The estimator's envelope (``None``: exact norms).
     ranks : tuple of int
         Coordinates per clipping group (twice sampling and hybrid clipping's noise and accounting use them).
-    accounted : bool
-        ``False`` for ``poisson_sampling=False``: no accountant here covers the run (the engine refuses every
-        epsilon).
     users : UserLevel, optional
         User-level privacy (:mod:`dpsgd.users`), recorded in the ledger.
     estimator, projection_dim
@@ -231,7 +220,6 @@ class RunAccounting:
     max_grad_norm: float
     envelope: Envelope | None
     ranks: tuple[int, ...] = (1,)
-    accounted: bool = True
     users: UserLevel | None = None
     estimator: str = "exact"
     projection_dim: int = 32
@@ -284,7 +272,7 @@ class RunAccounting:
         """The ledger's record of the run at ``noise_multiplier``: plain numbers and strings, which a resumed run
         or a ledger file must match (a key only where it differs from the default, as format 1 wrote it)."""
         out = {"estimator": self.estimator, "k": self.projection_dim, "max_grad_norm": self.max_grad_norm,
-               "noise_multiplier": noise_multiplier, "sample_rate": self.sample_rate, "poisson": self.accounted}
+               "noise_multiplier": noise_multiplier, "sample_rate": self.sample_rate}
         if self.noise.name != "gaussian":
             out["noise"] = self.noise.name
         if self.clipping.per_coordinate:
@@ -299,11 +287,14 @@ class RunAccounting:
 
 def read_record(record: dict, where: str) -> dict:
     """A ledger or checkpoint record of any format so far, as :meth:`RunAccounting.record` writes it now: format 1
-    (no ``"format"`` key) had the same settings; a later format than this version reads is ``ValueError`` naming
-    ``where``."""
+    (no ``"format"`` key) had the same settings and ``"poisson": True``; a format-1 run of unaccounted shuffled
+    batches (``"poisson": False``) or a later format than this version reads is ``ValueError`` naming ``where``."""
     fmt = record.get("format", 1)
     if fmt == 1:
-        return {**record, "format": LEDGER_FORMAT}
+        if record.get("poisson") is not True:
+            raise ValueError(f"{where} records a run of fixed-size shuffled batches that no accountant covered "
+                             f"(poisson=False): it had no epsilon, and its steps cannot be charged now")
+        return {**{k: v for k, v in record.items() if k != "poisson"}, "format": LEDGER_FORMAT}
     if fmt != LEDGER_FORMAT:
         raise ValueError(f"{where} was written in ledger format {fmt!r}, which this version of dpsgd does not read "
                          f"(it reads formats 1 to {LEDGER_FORMAT}); use the dpsgd that wrote it")

@@ -3,8 +3,8 @@ r"""Batch sampling for DP-SGD: Poisson sampling (what the accountant assumes) an
 With Poisson sampling each example joins each batch independently with probability ``q``; batch sizes
 vary (an empty batch is possible and still takes a noise-only step), and gradients are normalized by the
 expected batch size ``q N``.  :func:`private_data_loader` rebuilds a ``DataLoader`` around
-:class:`PoissonBatchSampler` (a :class:`DPDataLoader`); ``poisson=False`` keeps fixed-size shuffled batches,
-which no accountant here covers.  It keeps the loader's dataset and ``collate_fn`` only, so it accepts only a
+:class:`PoissonBatchSampler` (a :class:`DPDataLoader`; fixed-size batches, accounted as such, are
+:mod:`dpsgd.samplers`' schemes).  It keeps the loader's dataset and ``collate_fn`` only, so it accepts only a
 loader whose batching means "this dataset, batched by ``batch_size``" (the default sequential sampler or
 ``shuffle=True``, ``drop_last=False``) and refuses any other sampler, batch sampler or ``drop_last`` with
 :class:`UnsupportedSamplerError` rather than drop it.  :class:`BatchMemoryManager` splits each
@@ -554,7 +554,7 @@ def loader_size(data_loader: DataLoader) -> tuple[int, int]:
     return n, data_loader.batch_size
 
 
-def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, generator: torch.Generator | None = None,
+def private_data_loader(data_loader: DataLoader, *, generator: torch.Generator | None = None,
                         on_batch=None, on_empty=None, sample_rate: float | None = None) -> DPDataLoader:
     r"""The same dataset and collate function, batched by Poisson sampling at ``q = batch_size / N``.
 
@@ -564,9 +564,6 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
         A loader with a fixed ``batch_size`` (at most the dataset size) over a sized, non-empty, map-style
         dataset, with the default sampler or ``shuffle=True`` and ``drop_last=False``; any other sampler, a
         ``batch_sampler`` or ``drop_last=True`` raises :class:`UnsupportedSamplerError` (it would be dropped).
-    poisson : bool
-        ``False`` keeps fixed-size shuffled batches (a new permutation each epoch), which no accountant here
-        covers: :class:`~dpsgd.PrivacyEngine` then refuses to report an epsilon.
     generator : torch.Generator, optional
         Source of the sampling.
     on_batch, on_empty : callable, optional
@@ -609,11 +606,7 @@ def private_data_loader(data_loader: DataLoader, *, poisson: bool = True, genera
     q = batch / n if sample_rate is None else float(sample_rate)
     if not 0 < q <= 1:
         raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
-    if poisson:
-        sampler = PoissonBatchSampler(n, q, generator=generator)
-    else:   # no accountant here covers it: the engine warns at make_private and refuses every epsilon
-        shuffled = torch.utils.data.RandomSampler(data_loader.dataset, generator=generator)
-        sampler = torch.utils.data.BatchSampler(shuffled, data_loader.batch_size, drop_last=False)
+    sampler = PoissonBatchSampler(n, q, generator=generator)
     return DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=q, on_batch=on_batch,
                         on_empty=on_empty, num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
 

@@ -90,31 +90,13 @@ from .step import PrivateStep, entropy_seed, refuse_uncovered
 from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import check_positive, uncompiled
 
-__all__ = ["PrivacyEngine", "UnaccountedSamplingError"]
+__all__ = ["PrivacyEngine"]
 
 
 logger = logging.getLogger("dpsgd")
 
 # the private step whose hooks each model carries (one engine's at a time)
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class UnaccountedSamplingError(ValueError):
-    """An epsilon asked of a run whose sampling no accountant here covers: ``poisson_sampling=False``.
-
-    Fixed-size shuffled batches (each example in exactly one batch per epoch) are not Poisson sampling, and the
-    privacy amplification of shuffling needs a different analysis, which this library does not implement; an
-    epsilon charged as Poisson sampling would not be a proven bound.  Raised by
-    :meth:`PrivacyEngine.get_epsilon` and :meth:`PrivacyEngine.accountant` of such a run, and by
-    ``make_private`` for ``poisson_sampling=False`` with ``target_epsilon`` (the calibration would be for
-    another mechanism).  The run itself trains.
-    """
-
-
-# what every refusal of an epsilon for shuffled batches says
-_SHUFFLED = ("poisson_sampling=False draws fixed-size shuffled batches, and no accountant here covers them: the "
-             "accountants charge Poisson sampling, and the epsilon of shuffling needs a different analysis, so a "
-             "Poisson epsilon would not be a proven bound for this run")
 
 
 def _per_token_experts(module: nn.Module) -> None:
@@ -239,7 +221,6 @@ class PrivacyEngine:
                      target_epsilon: float | None = None, target_delta: float | None = None,
                      epochs: float | None = None, steps: int | None = None, estimator: str = "auto",
                      projection_dim: int = 32,
-                     poisson_sampling: bool = True,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
@@ -279,11 +260,6 @@ class PrivacyEngine:
             multiplier with the estimate against the one exact norms would need (:attr:`exact_noise_multiplier`).
         projection_dim : int
             ``k``, the number of random projections per layer of ``"hutch"`` and ``"hutchpp"``.
-        poisson_sampling : bool
-            Poisson batches (default), the sampling every accountant here assumes.  ``False`` draws fixed-size
-            shuffled batches (for benchmarks that need fixed shapes): the run trains, with a ``UserWarning``,
-            but no accountant here covers shuffling, so :meth:`get_epsilon` and :meth:`accountant` raise
-            :class:`UnaccountedSamplingError`, and so does ``make_private`` with ``target_epsilon``.
         seed : int, optional
             Reproducibility mode, for tests and benchmarks: the batches, projections, masks and noise are all
             derived from this seed (rank 0's under torch.distributed), and a ``UserWarning`` says so: **whoever
@@ -335,7 +311,7 @@ class PrivacyEngine:
             ``max_examples_per_user`` of them), the sum of a user's per-example gradients is clipped once to
             ``max_grad_norm``, and the accountant charges ``q_u``: :meth:`get_epsilon` is an epsilon per user.
             Each physical batch holds whole users and is backpropagated by one backward.  Not with twice
-            sampling, hybrid clipping, ``poisson_sampling=False`` or torch.distributed.  ``exact`` / ``ghost``
+            sampling, hybrid clipping, another ``batch_sampling`` or torch.distributed.  ``exact`` / ``ghost``
             norms materialize each parameter's per-example gradients (``B x numel``, one parameter at a time).
         batch_sampling : BatchSampling or str
             How each step's examples are chosen, and so how they are accounted (:mod:`dpsgd.samplers`):
@@ -377,11 +353,11 @@ class PrivacyEngine:
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
         noise, sampling, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
-            projection_dim, clipping_pass, noise, sampling, poisson_sampling)
+            projection_dim, clipping_pass, noise, sampling)
         users = user_level(privacy_unit, user_ids, max_examples_per_user)
         scheme = as_batch_sampling(batch_sampling)
         combination = Combination(estimator, noise, sampling, scheme, users=users is not None,
-                                  poisson_sampling=poisson_sampling, clipping_pass=clipping_pass,
+                                  clipping_pass=clipping_pass,
                                   projected=gradient_projection is not None, processes=rank_world()[1],
                                   ledger=self.ledger_path is not None)
         if estimator == "auto":   # an estimate no accountant covers here: exact norms throughout
@@ -395,7 +371,7 @@ class PrivacyEngine:
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
         loader, bound = (self._user_loader(data_loader, users, world) if users is not None
-                         else self._private_loader(data_loader, poisson_sampling, world) if type(scheme) is Poisson
+                         else self._private_loader(data_loader, world) if type(scheme) is Poisson
                          else self._scheme_loader(data_loader, scheme, seeds))
         if world > 1 and any(is_sharded(p) for p in plan.params):
             # FSDP2: every rank runs every step's forward and backward, which gather the sharded parameters
@@ -406,7 +382,7 @@ class PrivacyEngine:
         self.envelope = plan.envelope(projection_dim)
         accounting = RunAccounting(
             sampling=bound, noise=noise, clipping=sampling, max_grad_norm=c, envelope=self.envelope,
-            ranks=tuple(self._ranks), accounted=poisson_sampling, users=users, estimator=estimator,
+            ranks=tuple(self._ranks), users=users, estimator=estimator,
             projection_dim=projection_dim)
         planned = None
         if sigma is None:
@@ -431,10 +407,6 @@ class PrivacyEngine:
         self._fix_settings(accounting, sigma, planned)
         self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion, basis)
-        if not poisson_sampling:   # stacklevel 2: at the caller's line
-            warnings.warn(f"{_SHUFFLED}. The model trains, but get_epsilon() and accountant() will raise "
-                          f"UnaccountedSamplingError; for an epsilon, keep poisson_sampling=True (the default)",
-                          UserWarning, stacklevel=2)
         if seed is not None:
             warnings.warn(f"make_private(seed={seed!r}) makes the run reproducible: its batches, projections, masks "
                           f"and noise are all derived from the seed, so the run offers no privacy against whoever "
@@ -447,7 +419,6 @@ class PrivacyEngine:
                            target_epsilon: float | None, target_delta: float | None, epochs: float | None,
                            steps: int | None, estimator: str, k: int, clipping_pass: str, noise: StepNoise | str,
                            sampling: PoissonSampling | TwiceSampling | HybridClipping | None,
-                           poisson_sampling: bool,
                            ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
                                       float | None]:
         """``make_private``'s arguments checked one by one before anything is built (``ValueError`` naming the
@@ -473,13 +444,6 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
-        if not isinstance(poisson_sampling, bool):   # a truthy string would silently mean Poisson
-            raise ValueError(f"poisson_sampling must be True or False, got {poisson_sampling!r}")
-        if not poisson_sampling and target_epsilon is not None:
-            raise UnaccountedSamplingError(f"target_epsilon with poisson_sampling=False is refused: the noise would "
-                                           f"be calibrated for Poisson sampling, which this run does not use; "
-                                           f"{_SHUFFLED}. Keep poisson_sampling=True (the default) to calibrate, or "
-                                           f"give noise_multiplier for a run without an epsilon")
         return noise, sampling, c, sigma
 
     def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling,
@@ -563,7 +527,7 @@ class PrivacyEngine:
         self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
         self._private_step.reseed(seeds)
 
-    def _private_loader(self, data_loader: DataLoader, poisson_sampling: bool,
+    def _private_loader(self, data_loader: DataLoader,
                         world: int) -> tuple[DPDataLoader, BoundSampling]:
         """The Poisson loader, and the sampling rate and expected batch size the step and the accountant use: one
         rate for the whole data set, ``q = (expected batch over ranks) / (examples over ranks)``, equal on every
@@ -575,7 +539,7 @@ class PrivacyEngine:
         if q is not None and q > 1:
             raise ValueError(f"the batch sizes over all ranks add up to more than the {int(total)} examples over all "
                              f"ranks: the sampling rate must be at most 1")
-        loader = private_data_loader(data_loader, poisson=poisson_sampling, generator=self._sampling_rng,
+        loader = private_data_loader(data_loader, generator=self._sampling_rng,
                                      on_batch=self._on_batch, on_empty=self._empty_step, sample_rate=q)
         self.sample_rate = loader.sample_rate
         self.expected_batch_size = self.sample_rate * total
@@ -783,12 +747,6 @@ class PrivacyEngine:
         return GaussianNoise() if self._accounting is None else self._accounting.noise
 
     @property
-    def poisson_sampling(self) -> bool:
-        """``make_private``'s ``poisson_sampling`` (read-only); ``False``: fixed-size shuffled batches, for which
-        every epsilon is refused (:class:`UnaccountedSamplingError`)."""
-        return True if self._accounting is None else self._accounting.accounted
-
-    @property
     def batch_sampling(self) -> BatchSampling:
         """``make_private``'s ``batch_sampling`` (read-only): how each step's examples are chosen and accounted."""
         return Poisson() if self._accounting is None else self._accounting.sampling.scheme
@@ -836,13 +794,6 @@ class PrivacyEngine:
         if self._private_step is None:
             raise RuntimeError("call make_private(...) on this PrivacyEngine first")
 
-    def _require_accounted(self) -> None:
-        """:class:`UnaccountedSamplingError` unless an accountant here covers this run's sampling (Poisson)."""
-        if not self._accounting.accounted:
-            raise UnaccountedSamplingError(f"no epsilon for this run: {_SHUFFLED}. Train with "
-                                           f"poisson_sampling=True (the default) for an epsilon")
-
-
     def _read_ledger(self) -> None:
         if self.ledger_path is None or not os.path.exists(self.ledger_path):
             return
@@ -884,19 +835,12 @@ class PrivacyEngine:
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
         sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only).
-
-        Raises
-        ------
-        UnaccountedSamplingError
-            For a run made with ``poisson_sampling=False`` (no accountant here covers shuffled batches).
         """
         self._require_private()
-        self._require_accounted()
         return self._composed(self.spent_steps)
 
     def _composed(self, steps: int) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding ``steps`` steps of this run's mechanism."""
-        self._require_accounted()   # every epsilon passes here or through get_epsilon
         acc = self._accounting.accountant()
         if steps:
             if self.noise_multiplier == 0:
@@ -936,12 +880,6 @@ class PrivacyEngine:
         -------
         float
 
-        Raises
-        ------
-        UnaccountedSamplingError
-            For a run made with ``poisson_sampling=False`` (no accountant here covers shuffled batches), even
-            before its first step.
-
         Examples
         --------
         >>> import torch
@@ -967,7 +905,6 @@ class PrivacyEngine:
         True
         """
         self._require_private()
-        self._require_accounted()
         steps = self.spent_steps
         if not steps:
             return 0.0

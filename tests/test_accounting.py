@@ -38,10 +38,6 @@ REFUSED_CASES = [
      "single process"),
     (Combination("hutch", LaplaceNoise(), PoissonSampling(), Poisson()), "LaplaceNoise needs exact norms"),
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
-    (Combination("hutch", GaussianNoise(), PoissonSampling(), Poisson(), users=True, poisson_sampling=False),
-     "needs poisson_sampling=True"),
-    (Combination("hutch", GaussianNoise(), PoissonSampling(), FixedSize(), poisson_sampling=False),
-     "give one of them"),
     (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
     (Combination("hutch", GaussianNoise(), PoissonSampling(), FixedSize(), users=True), "users are Poisson-sampled"),
     (Combination("hutch", GaussianNoise(), PoissonSampling(), TruncatedPoisson(8, pad=True), processes=2),
@@ -102,12 +98,12 @@ def _train(engine, model, opt, crit, loader, steps):
             return
 
 
-def test_the_record_is_format_1_settings_plus_the_format():
+def test_the_record_is_format_1s_settings_with_the_format_and_without_the_poisson_flag():
     engine = _run()[0]
     record = engine.state_dict()["settings"]
     assert record.pop("format") == LEDGER_FORMAT == 2
     assert record == {"estimator": "exact", "k": 32, "max_grad_norm": 1.0, "noise_multiplier": 1.2,
-                      "sample_rate": 0.1, "poisson": True}
+                      "sample_rate": 0.1}
     assert engine.accounting.record(1.2) == engine.state_dict()["settings"]
 
 
@@ -118,6 +114,7 @@ def test_a_ledger_written_in_format_1_is_read_and_its_steps_counted(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     for rec in lines:
         del rec["settings"]["format"]   # as format 1 wrote them
+        rec["settings"]["poisson"] = True
     path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     again = _run(tmp_path)[0]
     assert again.spent_steps == 3
@@ -127,9 +124,12 @@ def test_a_checkpoint_of_format_1_resumes_and_a_later_format_is_refused_by_name(
     engine = _run()[0]
     state = engine.state_dict()
     del state["settings"]["format"]
+    state["settings"]["poisson"] = True   # format 1's flag of Poisson batches
     resumed = _run()[0]
     resumed.load_state_dict(state)
     assert resumed.steps == 0
+    with pytest.raises(ValueError, match="shuffled batches that no accountant covered"):
+        resumed.load_state_dict({**state, "settings": {**state["settings"], "poisson": False}})
     with pytest.raises(ValueError, match="ledger format 3, which this version of dpsgd does not read"):
         read_record({**state["settings"], "format": 3}, "this checkpoint")
     with pytest.raises(ValueError, match="ledger format 3"):

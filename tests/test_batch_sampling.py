@@ -181,7 +181,6 @@ def test_fixed_size_randomized_clipping_charges_two_scales_together():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"batch_sampling": "fixed_size", "noise": "laplace"}, "Gaussian noise only"),
-    ({"batch_sampling": "fixed_size", "poisson_sampling": False}, "give one of them"),
     ({"batch_sampling": "truncated_poisson"}, "needs its max_batch_size"),
     ({"batch_sampling": TruncatedPoisson(10)}, "below the loader's batch_size"),
     ({"batch_sampling": "uniform"}, "batch_sampling must be"),

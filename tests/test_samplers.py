@@ -1,8 +1,7 @@
 """What make_private does with the data loader's sampling: the samplers it keeps (by Poisson sampling of the same
-dataset), the ones it refuses rather than drop, and poisson_sampling=False, which trains but has no epsilon."""
+dataset) and the ones it refuses rather than drop."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from dpsgd import PrivacyEngine, UnaccountedSamplingError, UnsupportedSamplerError
+from dpsgd import PrivacyEngine, UnsupportedSamplerError
 
 N, B = 100, 10
 
@@ -110,7 +109,7 @@ def test_a_loader_that_chooses_its_own_examples_is_refused_naming_its_choice_and
 def test_the_default_and_shuffled_loaders_are_kept_as_poisson_batches_of_the_same_dataset(shuffle):
     data = _data()
     engine, model, opt, crit, loader = _private(DataLoader(data, batch_size=B, shuffle=shuffle))
-    assert loader.dataset is data and engine.sample_rate == B / N and engine.poisson_sampling
+    assert loader.dataset is data and engine.sample_rate == B / N
     sizes = _epoch(model, opt, crit, loader)
     assert engine.steps == len(loader) == N // B
     assert len(set(sizes)) > 1   # Poisson: the batch size varies
@@ -123,43 +122,11 @@ def test_the_loader_make_private_returned_is_not_made_private_again():
         _private(loader)
 
 
-def test_shuffled_fixed_size_batches_train_but_every_epsilon_is_refused():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine, model, opt, crit, loader = _private(DataLoader(_data(), batch_size=B), poisson_sampling=False)
-    shuffled = [w for w in caught if "poisson_sampling=False" in str(w.message)]
-    assert len(shuffled) == 1 and shuffled[0].category is UserWarning
-    assert "UnaccountedSamplingError" in str(shuffled[0].message)
-    assert shuffled[0].filename == __file__   # it points at the make_private call
-    assert engine.poisson_sampling is False
-    with pytest.raises(AttributeError):
-        engine.poisson_sampling = True
-    with pytest.raises(UnaccountedSamplingError, match="poisson_sampling=True"):
-        engine.get_epsilon(1e-5)   # even before the first step: the run is not one any accountant covers
-    before = [p.detach().clone() for p in model.parameters()]
-    sizes = _epoch(model, opt, crit, loader)
-    assert sizes == [B] * (N // B) and engine.steps == N // B
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-    for ask in (lambda: engine.get_epsilon(1e-5), lambda: engine.get_epsilon(1e-5, overcount=0.25),
-                engine.accountant):
-        with pytest.raises(UnaccountedSamplingError, match="no accountant here covers") as refused:
-            ask()
-        assert isinstance(refused.value, ValueError)
-
-
-def test_shuffled_batches_with_a_target_epsilon_are_refused_before_anything_is_built():
-    model = nn.Linear(4, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # refused before the warning of a run that trains
-        with pytest.raises(UnaccountedSamplingError, match="target_epsilon with poisson_sampling=False"):
-            _private(DataLoader(_data(), batch_size=B), model, poisson_sampling=False, target_epsilon=3.0,
-                     target_delta=1e-5, epochs=1)
-    _private(DataLoader(_data(), batch_size=B), model)   # the model was not hooked
-
-
-def test_poisson_sampling_must_be_a_bool():
-    with pytest.raises(ValueError, match="poisson_sampling must be True or False, got 'no'"):
-        _private(DataLoader(_data(), batch_size=B), poisson_sampling="no")
+def test_make_private_has_no_unaccounted_sampling():
+    """Fixed-size batches are accounted schemes (batch_sampling="fixed_size" or "shuffling"); there is no switch for
+    batches no accountant covers."""
+    with pytest.raises(TypeError, match="poisson_sampling"):
+        _private(DataLoader(_data(), batch_size=B), poisson_sampling=False)
 
 
 def test_a_calibrated_poisson_run_still_reports_its_target():

@@ -375,7 +375,6 @@ def test_split_rows_keeps_users_whole_and_numbers_them_per_piece():
     ({"user_ids": None}, "needs user_ids"),
     ({"user_ids": torch.zeros(60, 2, dtype=torch.long)}, "1-D tensor"),
     ({"sampling": TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)}, "twice sampling"),
-    ({"poisson_sampling": False}, "poisson_sampling=True"),
     ({"user_ids": [i % 3 for i in range(60)]}, "exceeds the 3 users"),
 ])
 def test_bad_user_level_arguments_are_refused_by_name(kw, match):
