@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,11 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 
 from .capture import DEFAULT_CHECK_RATE
-from .data import EmptyBatch, private_data_loader
+from .data import EmptyBatch
+from .noise import StepNoise
 from .privacy_engine import PrivacyEngine
+from .samplers import BatchSampling
+from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .validator import BATCH_NORMS, check_positive, frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
@@ -68,9 +71,29 @@ _NONPRIVATE_LOGS = frozenset({"loss", "train_loss", "grad_norm", "num_input_toke
                               "train_tokens_per_second"})
 
 
+# PrivacyArguments' fields by where they go (tests/test_hf_trainer.py checks these against make_private's
+# signature, so that every option of make_private is one of DPTrainer's and the other way round)
+#: the engine's constructor arguments
+ENGINE_ARGUMENTS = ("secure_mode", "ledger_path")
+#: the engine's settings, changeable at any time
+ENGINE_SETTINGS = ("check_every_step", "check_rate", "track_examples")
+#: the trainer's own
+TRAINER_OPTIONS = ("epsilon_overcount", "log_nonprivate_metrics")
+#: make_private's that the trainer derives: the objects it builds, and the steps from ``TrainingArguments``
+DERIVED = ("module", "optimizer", "data_loader", "criterion", "epochs", "steps")
+
+
 @dataclass(frozen=True)
 class PrivacyArguments:
-    """The privacy settings of a :class:`DPTrainer` (see :meth:`dpsgd.PrivacyEngine.make_private`).
+    """The privacy settings of a :class:`DPTrainer`: every option of :meth:`dpsgd.PrivacyEngine.make_private` (but
+    the model, optimizer, loader and loss, which the trainer has, and ``epochs``/``steps``, which
+    ``TrainingArguments`` give), of :class:`dpsgd.PrivacyEngine` (``secure_mode``, ``ledger_path``, and its settings
+    ``check_every_step``, ``check_rate``, ``track_examples``), and two of the trainer's own.
+
+    The defaults are ``make_private``'s, but ``max_grad_norm`` (1.0) and ``target_delta`` (``1e-5``, also the delta
+    at which ``epsilon`` is logged).  ``user_ids`` labels the examples of ``train_dataset`` in its index order
+    (``privacy_unit="user"``: ``per_device_train_batch_size * gradient_accumulation_steps`` is then the expected
+    number of users per step).
 
     ``target_delta`` is also the delta at which ``epsilon`` is logged.  ``ledger_path`` is passed to
     ``PrivacyEngine(ledger_path=...)``: an append-only file with one line per noisy step, flushed to disk
@@ -106,12 +129,25 @@ class PrivacyArguments:
     projection_dim: int = 32
     clipping_pass: str = "bookkeeping"
     seed: int | None = None
+    gradient_projection: torch.Tensor | None = None
+    noise: StepNoise | str = "gaussian"
+    sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None
+    privacy_unit: str = "example"
+    user_ids: object = None
+    max_examples_per_user: int | None = None
+    batch_sampling: BatchSampling | str = "poisson"
     secure_mode: bool = False
     ledger_path: str | os.PathLike | None = None
     check_every_step: bool = False
     check_rate: float = DEFAULT_CHECK_RATE
+    track_examples: bool = True
     epsilon_overcount: float = 0.0
     log_nonprivate_metrics: bool = False
+
+    def make_private_options(self) -> dict:
+        """The fields that are ``make_private``'s options, by name."""
+        skip = {*ENGINE_ARGUMENTS, *ENGINE_SETTINGS, *TRAINER_OPTIONS}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
 class DPTrainer(Trainer):
@@ -188,24 +224,28 @@ class DPTrainer(Trainer):
         self.args.ignore_data_skip = True
         self.privacy_engine = PrivacyEngine(secure_mode=self.privacy.secure_mode,
                                             ledger_path=self.privacy.ledger_path)
-        self.privacy_engine.check_every_step = self.privacy.check_every_step
-        self.privacy_engine.check_rate = self.privacy.check_rate
+        for name in ENGINE_SETTINGS:
+            setattr(self.privacy_engine, name, getattr(self.privacy, name))
         accumulation = self.args.gradient_accumulation_steps
+        if self.privacy.privacy_unit == "user" and accumulation > 1:
+            raise ValueError(f"PrivacyArguments(privacy_unit='user') needs TrainingArguments(gradient_accumulation_"
+                             f"steps=1), got {accumulation}: the Trainer draws a step's micro-batches before their "
+                             f"backwards, and a user-level engine clips each drawn batch of whole users in the "
+                             f"backward before the next draw")
         logical = DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size * accumulation,
                              collate_fn=self.data_collator)
-        steps = None
+        options = self.privacy.make_private_options()
         if self.privacy.noise_multiplier is None:
             if self.privacy.target_epsilon is None:
                 raise ValueError("PrivacyArguments needs noise_multiplier or target_epsilon")
-            steps = self.optimizer_steps(len(private_data_loader(logical)))
+            # the steps train() takes (optimizer_steps), counted by make_private from its own loader's batches
+            options.update({"steps": int(self.args.max_steps)} if self.args.max_steps > 0
+                           else {"epochs": float(self.args.num_train_epochs)})
+        else:   # target_delta is also the delta epsilon is logged at: a given noise multiplier is not calibrated
+            options.update(target_epsilon=None, target_delta=None)
         self.create_optimizer()
-        p = self.privacy
         self.model, self.optimizer, _, loader = self.privacy_engine.make_private(
-            module=self.model, optimizer=self.optimizer, data_loader=logical, max_grad_norm=p.max_grad_norm,
-            noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon if steps is not None else None,
-            target_delta=p.target_delta if steps is not None else None, steps=steps, estimator=p.estimator,
-            projection_dim=p.projection_dim,
-            seed=p.seed, clipping_pass=p.clipping_pass)
+            module=self.model, optimizer=self.optimizer, data_loader=logical, **options)
         self._dp_loader = loader.in_chunks(accumulation)
         self._batch_norms: list | None = None
 

@@ -296,3 +296,48 @@ def test_a_frozen_batch_norm_stays_in_evaluation_mode_under_the_trainer(tmp_path
                         privacy=PrivacyArguments(noise_multiplier=1.0, estimator="exact", check_every_step=True))
     trainer.train()
     assert trainer.privacy_engine.steps == 3 and torch.equal(net.bn.running_mean, stats)
+
+
+def test_privacy_arguments_are_make_privates_options_and_the_engines():
+    """One spec: every option of make_private (but what the trainer has or derives) is a field, every field is an
+    option of make_private, the engine or the trainer, and the defaults are make_private's (but two)."""
+    import dataclasses
+    import inspect
+
+    from dpsgd import PrivacyEngine
+    from dpsgd.hf import DERIVED, ENGINE_ARGUMENTS, ENGINE_SETTINGS, TRAINER_OPTIONS
+
+    make_private = inspect.signature(PrivacyEngine.make_private).parameters
+    options = set(make_private) - {"self", *DERIVED}
+    assert set(PrivacyArguments().make_private_options()) == options
+    assert set(inspect.signature(PrivacyEngine).parameters) == set(ENGINE_ARGUMENTS)
+    assert all(isinstance(getattr(PrivacyEngine, name), property) for name in ENGINE_SETTINGS)
+    fields = {f.name: f.default for f in dataclasses.fields(PrivacyArguments)}
+    assert set(fields) == options | {*ENGINE_ARGUMENTS, *ENGINE_SETTINGS, *TRAINER_OPTIONS}
+    differ = {name for name in options if fields[name] != make_private[name].default}
+    assert differ == {"max_grad_norm", "target_delta"}   # make_private has no default C; delta is also the log's
+
+
+@pytest.mark.parametrize("privacy, scheme, accumulation", [
+    ({"batch_sampling": "fixed_size"}, "FixedSize", 2),
+    ({"privacy_unit": "user", "user_ids": [i // 2 for i in range(48)]}, "Poisson", 1),
+])
+def test_the_trainer_reaches_batch_sampling_and_user_level_privacy(tmp_path, privacy, scheme, accumulation):
+    torch.manual_seed(0)
+    args = _args(tmp_path, per_device_train_batch_size=4 // accumulation, gradient_accumulation_steps=accumulation,
+                 num_train_epochs=1)
+    trainer = DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48),
+                        privacy=PrivacyArguments(target_epsilon=4.0, estimator="exact", seed=0, **privacy))
+    trainer.train()
+    engine = trainer.privacy_engine
+    assert type(engine.batch_sampling).__name__ == scheme
+    assert engine.privacy_unit == privacy.get("privacy_unit", "example")
+    assert engine.steps == trainer.state.global_step == engine.planned_steps
+    assert engine.get_epsilon(1e-5) <= 4.0
+
+
+def test_user_level_privacy_with_gradient_accumulation_is_refused_before_training(tmp_path):
+    args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1)
+    with pytest.raises(ValueError, match="privacy_unit='user'.*gradient_accumulation_steps=1"):
+        DPTrainer(model=lora_gpt2(), args=args, train_dataset=_Ids(48),
+                  privacy=PrivacyArguments(noise_multiplier=1.0, privacy_unit="user", user_ids=list(range(48))))
