@@ -1,6 +1,6 @@
-"""The support matrix of docs/huggingface.md, measured: every stock Hugging Face family of ``tests/hf_families.py``
-(tiny, random weights, built from its config) and the common idioms of ``tests/test_shared_outputs.py`` and
-``tests/test_parametrizations.py``.
+"""The support matrix of docs/huggingface.md, measured: every stock Hugging Face family of ``verify/hf_families.py``
+(tiny, random weights, built from its config) and the common idioms of ``tests/dpsgd/test_shared.py`` and
+``tests/dpsgd/test_parametrizations.py``.
 
 For each model: how the norm plan reads it (modules per handler; the chi-square terms of ``hutch``), the largest
 relative error of exact per-example norms against brute force in float64 at B = 1, 3 and T (T = 8), and whether
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-import sys
 import time
 import warnings
 from collections import Counter
@@ -23,16 +22,12 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from dpsgd import PrivacyEngine, per_sample_sq_norms
+from dpsgd.plan import NormPlan
+from verify.hf_families import FAMILIES, exact_ready
+from verify.workloads import SHARED_OUTPUTS, VOCAB, Parametrized, brute_force_sq_norms, parametrized_losses
 
-from dpsgd import PrivacyEngine, per_sample_sq_norms  # noqa: E402
-from dpsgd.plan import NormPlan  # noqa: E402
-from tests.hf_families import FAMILIES, exact_ready  # noqa: E402
-from tests.test_parametrizations import Parametrized  # noqa: E402
-from tests.test_parametrizations import losses as parametrized_losses  # noqa: E402
-from tests.test_shared_outputs import CASES  # noqa: E402
-from tests.workloads import VOCAB, brute_force_sq_norms  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "benchmarks" / "results" / "support_matrix.json"
 T = 8
@@ -105,7 +100,7 @@ def main() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     rows = [row(name, build) for name, build in FAMILIES.items()]
-    cases = {**CASES, **{kind: (lambda kind=kind: Parametrized(kind), parametrized_losses)
+    cases = {**SHARED_OUTPUTS, **{kind: (lambda kind=kind: Parametrized(kind), parametrized_losses)
                          for kind in ("weight_norm", "orthogonal")}}
     idioms = [row(name, _idiom(build, losses)) for name, (build, losses) in cases.items()]
     import transformers

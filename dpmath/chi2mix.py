@@ -26,7 +26,7 @@ so the number of *distinct* weights, the number of blocks, decides the method:
   ``1e-14 x`` are dropped first (:func:`_drop_negligible` states the bound).
 
 Error: the panel quadrature agrees with the mpmath reference to about ``1e-14`` absolute in the bulk and
-``1e-10`` relative in the left tail (see ``tests/test_chi2mix.py``); Ruben's series is truncated when the
+``1e-10`` relative in the left tail (see ``tests/dpmath/test_chi2mix.py``); Ruben's series is truncated when the
 discarded coefficient mass is below ``1e-17``; the contour inversion targets ``1e-14`` relative and
 returns its bound.  The arbitrary-precision path (``precision=`` digits) evaluates Ruben's series term by
 term in mpmath, or, when that series is too long, mpmath's tanh-sinh quadrature of the convolution

@@ -17,7 +17,7 @@ the tightest is the *envelope*
     F_Y(x) = \sup_{\lambda \in \Delta^{d-1}} P(X(\lambda) \le x).
 
 Paper 000 (Thm 5.1, Prop 5.2, App. B.5-B.9) describes it in three regions.  What this module uses,
-and what it checked first (``tests/test_envelope.py``), is:
+and what it checked first (``tests/dpmath/test_envelope.py``), is:
 
 * ``x <= 1``: the vertex ``e = (1, 0, ..., 0)`` is extremal, ``F_Y(x) = F(x; chi2(k)/k)``
   (the paper's ``x_- = 1``, App. B.5 and Prop. B.10).  Checked by brute force over the whole two-block
@@ -37,7 +37,7 @@ and what it checked first (``tests/test_envelope.py``), is:
   ``lambda e_1 + (1 - lambda)/(d - 1) (0, 1, ..., 1)`` (a two-block form ``S(1, d-1, lambda)``); this
   one-parameter family contains both ``e`` (``lambda = 1``) and ``u`` (``lambda = 1/d``).  It is the
   structure of the Szekely-Bakirov counterexample (App. B.1) and, in every comparison with the full
-  two-block family ``1 <= i + j <= d`` (``tests/test_envelope.py``: d in {3, 5, 8} for k in {1, 2, 32};
+  two-block family ``1 <= i + j <= d`` (``tests/dpmath/test_envelope.py``: d in {3, 5, 8} for k in {1, 2, 32};
   the slow set adds d = 16 for k in {1, 4, 32} and d = 48 for k = 32), it attains the same supremum
   and the same ``x_plus``.  This is verified numerically, not proved.  ``family="full"`` searches the
   whole two-block family instead (cost ``O(d^2)`` per point) for anyone who wants to check a larger d.

@@ -24,7 +24,7 @@ and by Chebyshev's sum inequality (all ``F(u, eta)`` increase with ``eta``) it i
 product of the per-coordinate sums that Thm III.7 adds up.  For ``q < 1`` the gap grows with
 ``C/b``; e.g. ``q = 0.01``, ``C/b = 2``, ``n = 1000``, ``lambda = 8``: the gradient
 ``g = (C/sqrt(10)) (1, ..., 1, 0, ...)`` (ten equal entries, ``||g||_2 = C``) has log-moment 4.41 while
-Thm III.7 claims at most 0.0392 for every ``g`` (tested in ``tests/test_lap2.py``).  In ``(eps, delta)``
+Thm III.7 claims at most 0.0392 for every ``g`` (tested in ``tests/dpmath/test_lap2.py``).  In ``(eps, delta)``
 terms: at ``q = 0.001``, ``T = 1000``, ``b = C/2``, ``n = 10^4``, ``delta = 1e-5`` the published
 accountant gives ``eps = 0.43``, while spreading ``g`` evenly over the coordinates approaches (central
 limit theorem, ``n -> inf``) the subsampled Gaussian with ``sigma = b/C``, whose ``eps`` is 3.22.  The rest of the
@@ -39,7 +39,7 @@ mechanism whose subsampling is shared.
    Laplace mechanism, and ``f_t >= G_{c t}`` for all ``t > 0`` with ``c = sqrt(pi/2)``
    (:func:`laplace_gdp_mu`: the smallest ``mu`` with ``f_t >= G_mu`` is ``< c t``, tends to ``c t`` as
    ``t -> 0`` from the slope at ``alpha = 1/2``, and falls to ``0.34 t`` at ``t = 30``; checked on a
-   grid of ``t`` in ``tests/test_lap2.py``);
+   grid of ``t`` in ``tests/dpmath/test_lap2.py``);
 2. coordinates are independent, so the un-sampled step's pair is the composition
    ``f_{g_1/b} (x) ... (x) f_{g_n/b} >= G_{c ||g||_2 / b} >= G_{c C / b}``;
 3. Poisson subsampling of a mechanism dominated by ``G_mu`` is dominated, in both neighbouring

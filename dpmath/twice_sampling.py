@@ -25,7 +25,7 @@ others, which any accountant may safely take.  Noise allocations: :func:`hypercu
 and :func:`hybrid_noise` (Thm 4.6).  The paper's argument names (``sigma``, ``q``, ``q1``, ``q2``,
 ``sigmas``) still work as keywords and attributes until dpmath 0.3, with a :class:`DeprecationWarning`.
 
-Checked against the paper (``tests/test_twice_sampling.py``, ``benchmarks/twice_sampling.py``): with
+Checked against the paper (``tests/dpmath/test_twice_sampling.py``, ``benchmarks/twice_sampling.py``): with
 the *classic* conversion of its Lemma 2.3 (integer orders 2-256), ``q = 0.005``, ``T = 10^4``,
 ``delta = 1e-5``, ``sigma = 0.48`` gives 30.43 for input-wise sampling (paper: 30.4) and 8.25 for twice
 sampling ``(0.01, 1/2)`` at ``d0 = 64`` (paper: "8"); Table 1's noise-variance ratios are reproduced

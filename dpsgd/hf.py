@@ -71,7 +71,7 @@ _NONPRIVATE_LOGS = frozenset({"loss", "train_loss", "grad_norm", "num_input_toke
                               "train_tokens_per_second"})
 
 
-# PrivacyArguments' fields by where they go (tests/test_hf_trainer.py checks these against make_private's
+# PrivacyArguments' fields by where they go (tests/dpsgd/test_hf.py checks these against make_private's
 # signature, so that every option of make_private is one of DPTrainer's and the other way round)
 #: the engine's constructor arguments
 ENGINE_ARGUMENTS = ("secure_mode", "ledger_path")

@@ -90,7 +90,7 @@ def claims_audit(samples: int = 200_000, seed: int = 0) -> AuditResult:
     rows.append({"claim": "paper 002 Table 1, eps = 4: ratios 82.2 for (0.06, 1/3) and 77.4 for (0.04, 1/2)",
                  "holds": abs(a - 82.2) < 1 and abs(b - 77.4) < 1,
                  "numbers": f"{a:.1f} and {b:.1f}: the two published entries are swapped (the other 14 of 16 "
-                            "entries agree within 3 points, tests/test_twice_sampling.py)"})
+                            "entries agree within 3 points, tests/dpmath/test_twice_sampling.py)"})
     lap2 = privacy_audit(samples=samples, seed=seed, mechanisms=[
         {"name": "LAP2 b = C/4, q = 0.05, one step", "kind": "lap2", "scale": 0.25, "q": 0.05, "dim": 1000}]).rows[0]
     rows.append({"claim": "paper 003 Thm III.7: LAP2 b = C/4, q = 0.05, one step, n = 1000 has "

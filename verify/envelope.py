@@ -228,7 +228,7 @@ def envelope_claims(ks: tuple[int, ...] = (1, 4, 32, 128), ds: tuple[int, ...] =
     [True, True, True, True, False, False]
 
     (``x_- = 1`` twice, ``x_+`` in [1, 2], Prop. 5.2 at d = 2 and 8, Thm 5.1.  Skipped in the doctest run: 15 s,
-    and ``tests/test_verify.py::test_findings_report_refuted_claims_without_failing`` (``-m slow``) makes
+    and ``tests/verify/test_verify.py::test_findings_report_refuted_claims_without_failing`` (``-m slow``) makes
     the same call with the same assertion.)
     """
     from dpmath import HutchEnvelope

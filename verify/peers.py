@@ -75,7 +75,7 @@ PEER_CONFIGS = [
     (2.0, 0.3, 5000, 1e-5),
 ]
 """``(sigma, q, steps, delta)``: epsilon from about 0.1 to 70, q from 1e-3 to 1, steps from 1 to 50,000, delta from
-1e-5 to 1e-10 (shared by tests/test_peers.py and benchmarks/accountant_bench.py)."""
+1e-5 to 1e-10 (shared by tests/dpmath/test_peers.py and benchmarks/accountant_bench.py)."""
 
 QUICK_PEER_CONFIGS = [PEER_CONFIGS[i] for i in (0, 7, 10, 11, 15)]
 """A fast subset for ``python -m verify --quick``."""

@@ -15,19 +15,10 @@ pytest.importorskip("peft")
 from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
 from dpsgd.capture import Capture  # noqa: E402
 from dpsgd.clipping import clipped_backward  # noqa: E402
+from verify.hf_families import FAMILIES, exact_ready  # noqa: E402
+from verify.workloads import VOCAB, brute_force_sq_norms, data, gpt2, lm_losses, make  # noqa: E402
 
-from .hf_families import FAMILIES, exact_ready  # noqa: E402
-from .workloads import (  # noqa: E402
-    VOCAB,
-    assert_holds_no_generator_state,
-    brute_force_sq_norms,
-    data,
-    engine_generators,
-    gpt2,
-    lm_losses,
-    make,
-    private_lora_run,
-)
+from ..helpers import assert_holds_no_generator_state, engine_generators, private_lora_run  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied", "bert", "lora_gpt2", "multihead_attention", "lstm",

@@ -13,8 +13,9 @@ pytest.importorskip("peft")
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from dpsgd.hf import PRIVACY_STATE_NAME, DPTrainer, PrivacyArguments  # noqa: E402
+from verify.workloads import lora_gpt2  # noqa: E402
 
-from .workloads import assert_holds_no_generator_state, lora_gpt2  # noqa: E402
+from ..helpers import assert_holds_no_generator_state
 
 
 class _Ids(torch.utils.data.Dataset):

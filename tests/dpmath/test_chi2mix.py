@@ -8,34 +8,17 @@ from scipy import special, stats
 
 from dpmath import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
 from dpmath.chi2mix import contour_inversion
+from verify.mixtures import MIXTURES, SLOW_MIXTURES, bulk_points
 
 # (weights, dof): one block, two blocks of every kind the envelope meets (chi2(1) singularities, the
 # hot path's huge dof ratio), and three or more distinct weights (Ruben's series)
-MIXTURES = [
-    ([0.3, 0.7], [1, 1]),
-    ([0.2, 0.16], [2, 10]),
-    ([0.71, 0.145, 0.145], 1),
-    ([0.9 / 32, 0.1 / (2047 * 32)], [32, 2047 * 32]),
-    # about 8 s of mpmath each: the kinds above cover them in the default run (two blocks with a huge dof
-    # ratio; three distinct weights), all three run with -m slow
-    pytest.param([0.5 / 32, 0.5 / (1000 * 32)], [32, 32000], marks=pytest.mark.slow),
-    pytest.param([0.5, 0.3, 0.2], 1, marks=pytest.mark.slow),
-    pytest.param([0.05, 0.25, 0.7], [3, 1, 2], marks=pytest.mark.slow),   # about 16 s of mpmath
-    ([1.0 / 64], [64]),
-]
+# the slow ones' kinds are covered by the others in the default run; all run with -m slow
+CASES = [*MIXTURES, *(pytest.param(w, nu, marks=pytest.mark.slow) for w, nu in SLOW_MIXTURES)]
 
 
-def _bulk_points(weights, dof):
-    mc = np.random.default_rng(0)
-    w = np.asarray(weights, float)
-    nu = np.broadcast_to(np.asarray(dof, float), w.shape)
-    sample = (w * mc.chisquare(nu, size=(4000, w.size))).sum(axis=1)
-    return np.quantile(sample, [0.002, 0.05, 0.3, 0.5, 0.8, 0.97, 0.998])
-
-
-@pytest.mark.parametrize("weights,dof", MIXTURES)
+@pytest.mark.parametrize("weights,dof", CASES)
 def test_float64_matches_mpmath_in_the_bulk(weights, dof):
-    x = _bulk_points(weights, dof)
+    x = bulk_points(weights, dof)
     for fn in (chi2_mixture_cdf, chi2_mixture_sf):
         fast = fn(x, weights, dof)
         ref = np.array(fn(x, weights, dof, precision=30), dtype=float)

@@ -1,4 +1,4 @@
-"""The family matrix, exactly: every stock Hugging Face family of ``tests/hf_families.py`` (and its adapters), built
+"""The family matrix, exactly: every stock Hugging Face family of ``verify/hf_families.py`` (and its adapters), built
 tiny in float64 with dropout off, gives per-example gradient norms equal to brute force (one backward per example)
 to 1e-6 relative at B = 1, B = T (the row count of a sequence, where shapes are ambiguous) and another B."""
 
@@ -12,8 +12,8 @@ from dpsgd import per_sample_sq_norms
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from .hf_families import FAMILIES, exact_ready  # noqa: E402
-from .workloads import VOCAB, brute_force_sq_norms  # noqa: E402
+from verify.hf_families import FAMILIES, exact_ready  # noqa: E402
+from verify.workloads import VOCAB, brute_force_sq_norms  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 T = 8

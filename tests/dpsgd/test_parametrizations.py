@@ -9,29 +9,9 @@ from torch.nn.utils import parametrizations as P
 
 from dpsgd import PrivacyEngine, per_sample_sq_norms
 from dpsgd.validator import UnsupportedModuleError
-
-from .workloads import VOCAB, brute_force_sq_norms
+from verify.workloads import VOCAB, Parametrized, brute_force_sq_norms, parametrized_losses
 
 T = 6
-
-
-class Parametrized(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        wrap = getattr(P, kind)
-        self.wte = wrap(nn.Embedding(VOCAB, 8)) if kind != "orthogonal" else nn.Embedding(VOCAB, 8)
-        self.conv = wrap(nn.Conv1d(8, 8, 3, padding=1))
-        self.lin = wrap(nn.Linear(8, 8))
-        self.head = nn.Linear(8, VOCAB)
-
-    def forward(self, ids):
-        h = self.conv(self.wte(ids).transpose(1, 2)).transpose(1, 2)
-        return self.head(torch.tanh(self.lin(torch.tanh(h))))
-
-
-def losses(m, ids):
-    logits = m(ids)
-    return nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
 @pytest.mark.parametrize("b", [1, 3, T])
@@ -46,8 +26,8 @@ def test_parametrized_layers_give_exact_per_example_norms_of_their_original_para
             for _ in range(300):
                 model(torch.zeros(1, 2, dtype=torch.long))
     ids = torch.randint(1, VOCAB, (b, T), generator=torch.Generator().manual_seed(b))
-    ref = brute_force_sq_norms(model, lambda m, i: losses(m, ids)[i], b)
-    got = per_sample_sq_norms(model, lambda m: losses(m, ids), "exact")
+    ref = brute_force_sq_norms(model, lambda m, i: parametrized_losses(m, ids)[i], b)
+    got = per_sample_sq_norms(model, lambda m: parametrized_losses(m, ids), "exact")
     assert torch.allclose(got, ref, rtol=1e-6 if kind == "spectral_norm" else 1e-10, atol=0)
 
 
@@ -61,7 +41,7 @@ def test_spectral_norm_trains_privately_its_power_iteration_is_not_a_state_chang
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", projection_dim=4, seed=0)
     for (x,) in loader:
-        engine.private_loss(losses(model, x)).backward()
+        engine.private_loss(parametrized_losses(model, x)).backward()
         opt.step()
     assert engine.steps == len(loader)
     assert "ParametrizedHandler" in str(engine.plan)

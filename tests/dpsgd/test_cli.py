@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dpsgd import PrivacyEngine
 from dpsgd.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_GPT2 = ["n_layer=1", "n_embd=32", "n_head=2", "vocab_size=100", "n_positions=16"]
 
 

@@ -15,8 +15,9 @@ from dpsgd.noise import GaussianNoise, LaplaceNoise
 from dpsgd.plan import NormPlan
 from dpsgd.samplers import Poisson
 from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling, masked_clipped_sum
+from verify.workloads import VOCAB, gpt2, lm_losses
 
-from .workloads import VOCAB, gpt2, lm_losses, one_step_change, private_classifier
+from ..helpers import one_step_change, private_classifier
 
 
 def _sums(model, losses_of, twice, seed=0, estimator="exact"):

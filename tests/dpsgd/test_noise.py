@@ -15,7 +15,7 @@ from dpmath import (
 from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise, noisy_gradients
 from dpsgd.sampling import TwiceSampling
 
-from .workloads import one_step_change, private_classifier
+from ..helpers import one_step_change, private_classifier
 
 
 def test_laplace_noise_has_the_stated_scale():
@@ -48,7 +48,7 @@ def test_laplace_training_is_accounted_as_subsampled_l2_laplace_and_meets_its_ta
     assert isinstance(mech, SubsampledL2Laplace) and steps == 10 and mech.scale == engine.noise_multiplier
     eps = engine.get_epsilon(1e-5)
     fresh = PLDAccountant().compose(SubsampledL2Laplace(mech.scale, 0.1), 10)
-    # within a fresh accountant's bracket (tests/test_epsilon_schedule.py: the tolerance)
+    # within a fresh accountant's bracket (tests/dpmath/test_schedule.py: the tolerance)
     assert fresh.epsilon_bracket(1e-5)[0] <= eps <= min(4.0, fresh.epsilon(1e-5 * (1 - 2e-3)))
     # the noise and the accounted mechanism cannot be switched apart after make_private
     with pytest.raises(AttributeError):

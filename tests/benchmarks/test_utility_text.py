@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("matplotlib")
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "utility"))
 
 import text as study  # noqa: E402
 

@@ -3,13 +3,13 @@ per-example gradient to compare against."""
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations as P
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -182,126 +182,107 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().double() for p in model.parameters() if p.requires_grad])
 
 
-def private_lora_run(device: str = "cpu", autocast: bool = False):
-    """A private training epoch of the LoRA GPT-2 (Hutch, k = 8) on ``device``: ``(engine, model, loader)``."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from dpsgd import PrivacyEngine
-
-    torch.manual_seed(0)
-    model = make("lora_gpt2", dtype=torch.float32).to(device)
-    ids = torch.randint(1, VOCAB, (64, T))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine = PrivacyEngine()
-    same, opt, crit, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
-        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch",
-        projection_dim=8, seed=0)
-    assert same is model
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        opt.zero_grad()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x).logits
-        crit(logits[:, :-1].float(), y[:, 1:]).backward()
-        opt.step()
-    return engine, model, loader
-
-
 def sem(x: torch.Tensor) -> torch.Tensor:
     return x.std(0) / math.sqrt(x.shape[0])
 
 
-def private_classifier(**kw):
-    """``(engine, model, optimizer, criterion, loader)`` of a small tanh MLP on 200 random 3-class examples,
-    made private with ghost norms, C = 1, batch 20 and seed 2; ``kw`` overrides ``make_private``'s arguments."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from dpsgd import PrivacyEngine
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(200, 6, generator=gen), torch.randint(0, 3, (200,), generator=gen))
-    engine = PrivacyEngine()
-    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                data_loader=DataLoader(data, batch_size=20), criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0,
-                estimator="ghost", seed=2)
-    args.update(kw)
-    return engine, *engine.make_private(**args)
 
 
-def one_step_change(model: nn.Module, optimizer, criterion, loader) -> torch.Tensor:
-    """The flattened parameter change of one private step on the loader's first batch."""
-    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-    x, y = next(iter(loader))
-    optimizer.zero_grad()
-    criterion(model(x), y).backward()
-    optimizer.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+
+def token_losses(logits, ids):
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
-def private_update(model: nn.Module, batch: torch.Tensor, losses, *, max_grad_norm: float,
-                   noise_multiplier: float = 0.0, optimizer=None, lr: float | None = None, **kw) -> torch.Tensor:
-    """One step of the trainer (:class:`dpsgd.PrivacyEngine`) on the whole ``batch``: sampling rate 1, so every row is
-    drawn, in order, and the expected batch size is ``len(batch)``.  ``losses(model, rows)`` gives the per-example
-    losses.  The optimizer is ``optimizer`` or SGD with ``lr`` (default ``len(batch)``: the update is then the
-    clipped sum plus noise, undivided); ``kw`` goes to ``make_private`` (``estimator`` default "exact").  Returns
-    the flattened change of the trainable parameters."""
-    import warnings
+class NanoPositions(nn.Module):
+    """nanoGPT's ``self.wpe(torch.arange(T))``: a ``(T, d)`` output every example reads."""
 
-    from torch.utils.data import DataLoader, TensorDataset
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(VOCAB, 8), nn.Embedding(16, 8), nn.Linear(8, VOCAB)
 
-    from dpsgd import PrivacyEngine
-
-    n = len(batch)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer if optimizer is not None else torch.optim.SGD(trainable, lr=float(n if lr is None else lr))
-    engine = PrivacyEngine()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # the reproducibility seed's warning
-        model, opt, _, loader = engine.make_private(
-            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(batch), batch_size=n),
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, **{"estimator": "exact", "seed": 0, **kw})
-    before = flat_params(model)
-    try:
-        (rows,) = next(iter(loader))
-        assert torch.equal(rows, batch)
-        opt.zero_grad()
-        engine.private_loss(losses(model, rows)).backward()
-        opt.step()
-    finally:
-        engine.detach()
-    return flat_params(model) - before
+    def forward(self, ids):
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))))
 
 
-def engine_generators(engine):
-    """Every generator the engine draws secrets from: batches, projections, twice sampling's masks, noise."""
-    return [engine._sampling_rng, *engine.private_step.generators]
+class OwnParameters(nn.Module):
+    """A position table and a temperature kept on the model itself, used by slicing, broadcasting and matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(16, 8))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.mix = nn.Parameter(torch.randn(8, 8) / 3)
+        self.wte, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        h = torch.tanh(self.wte(ids) + self.pos[: ids.shape[1]])
+        return self.head(h @ self.mix) * self.scale
 
 
-def _leaves(obj, path="state"):
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _leaves(value, f"{path}[{i}]")
-    else:
-        yield path, obj
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                                               num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
 
 
-def assert_holds_no_generator_state(state, engine):
-    """``state`` (a state_dict, or a loaded checkpoint file) holds plain settings and counts only: no tensor or
-    bytes anywhere in it, and no stretch of any of the engine's generator states in its serialized form."""
-    for path, leaf in _leaves(state):
-        assert leaf is None or isinstance(leaf, (bool, int, float, str)), f"{path} holds a {type(leaf).__name__}"
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    saved = buffer.getvalue()
-    generators = engine_generators(engine)
-    assert len(generators) >= 3
-    for g in generators:
-        raw = g.get_state().numpy().tobytes()
-        middle = raw[len(raw) // 2:len(raw) // 2 + 64] if len(raw) > 64 else raw
-        assert middle not in saved
+def bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0))
+
+
+def prompt_tuning():
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+
+def seq2seq_losses(m, ids):
+    return token_losses(m(input_ids=ids, decoder_input_ids=ids).logits, ids)
+
+
+def from_labels_losses(m, ids):
+    """Only labels given: the model shifts them right into its decoder inputs (a new tensor, not a view)."""
+    logits = m(input_ids=ids, labels=ids).logits
+    return F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none").mean(1)
+
+
+SHARED_OUTPUTS = {
+    "nanogpt-arange": (NanoPositions, lambda m, ids: token_losses(m(ids), ids)),
+    "own-parameters": (OwnParameters, lambda m, ids: token_losses(m(ids), ids)),
+    "t5-relative-bias": (t5, seq2seq_losses),
+    "bart-positions": (bart, seq2seq_losses),
+    "prompt-tuning": (prompt_tuning, lambda m, ids: token_losses(m(input_ids=ids).logits[:, 4:], ids)),
+    "t5-from-labels": (t5, from_labels_losses),
+    "bart-from-labels": (bart, from_labels_losses),
+}
+
+
+
+class Parametrized(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        wrap = getattr(P, kind)
+        self.wte = wrap(nn.Embedding(VOCAB, 8)) if kind != "orthogonal" else nn.Embedding(VOCAB, 8)
+        self.conv = wrap(nn.Conv1d(8, 8, 3, padding=1))
+        self.lin = wrap(nn.Linear(8, 8))
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        h = self.conv(self.wte(ids).transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.tanh(self.lin(torch.tanh(h))))
+
+
+def parametrized_losses(m, ids):
+    """Next-token cross-entropy of a :class:`Parametrized` model, per example."""
+    logits = m(ids)
+    return nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)

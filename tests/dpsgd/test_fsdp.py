@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, store: str) -> None:
             _train(True, data, 1.0, leak=True)
     finally:
         dist.destroy_process_group()
-    os._exit(0)   # see tests/test_distributed.py: a clean exit skips gloo's flaky teardown
+    os._exit(0)   # see tests/dpsgd/test_distributed.py: a clean exit skips gloo's flaky teardown
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")

@@ -7,103 +7,25 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dpsgd import IncompleteGradientError, PrivacyEngine, per_sample_sq_norms
 from dpsgd.layers import RootParameterHandler
+from verify.workloads import SHARED_OUTPUTS, VOCAB, OwnParameters, brute_force_sq_norms, token_losses
 
-from .workloads import VOCAB, brute_force_sq_norms, private_update
+from ..helpers import private_update
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 T = 6
 
 
-def _token_losses(logits, ids):
-    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
-
-
-class NanoPositions(nn.Module):
-    """nanoGPT's ``self.wpe(torch.arange(T))``: a ``(T, d)`` output every example reads."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte, self.wpe, self.head = nn.Embedding(VOCAB, 8), nn.Embedding(16, 8), nn.Linear(8, VOCAB)
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))))
-
-
-class OwnParameters(nn.Module):
-    """A position table and a temperature kept on the model itself, used by slicing, broadcasting and matmul."""
-
-    def __init__(self):
-        super().__init__()
-        self.pos = nn.Parameter(torch.randn(16, 8))
-        self.scale = nn.Parameter(torch.tensor(1.5))
-        self.mix = nn.Parameter(torch.randn(8, 8) / 3)
-        self.wte, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
-
-    def forward(self, ids):
-        h = torch.tanh(self.wte(ids) + self.pos[: ids.shape[1]])
-        return self.head(h @ self.mix) * self.scale
-
-
-def _t5():
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1,
-                                               num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
-                                               decoder_start_token_id=0, pad_token_id=0))
-
-
-def _bart():
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    return BartForConditionalGeneration(BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
-        attention_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0))
-
-
-def _prompt_tuning():
-    import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                         bos_token_id=0, eos_token_id=0, pad_token_id=0))
-    return peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
-
-
-def _seq2seq(m, ids):
-    return _token_losses(m(input_ids=ids, decoder_input_ids=ids).logits, ids)
-
-
-def _from_labels(m, ids):
-    """Only labels given: the model shifts them right into its decoder inputs (a new tensor, not a view)."""
-    logits = m(input_ids=ids, labels=ids).logits
-    return F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none").mean(1)
-
-
-CASES = {
-    "nanogpt-arange": (NanoPositions, lambda m, ids: _token_losses(m(ids), ids)),
-    "own-parameters": (OwnParameters, lambda m, ids: _token_losses(m(ids), ids)),
-    "t5-relative-bias": (_t5, _seq2seq),
-    "bart-positions": (_bart, _seq2seq),
-    "prompt-tuning": (_prompt_tuning, lambda m, ids: _token_losses(m(input_ids=ids).logits[:, 4:], ids)),
-    "t5-from-labels": (_t5, _from_labels),
-    "bart-from-labels": (_bart, _from_labels),
-}
-
-
 @pytest.mark.parametrize("b", [1, 3, T], ids=["B=1", "B=3", "B=T"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(SHARED_OUTPUTS))
 def test_outputs_shared_by_the_batch_give_exact_per_example_norms(name, b):
     if name not in ("nanogpt-arange", "own-parameters"):
         pytest.importorskip("transformers")
         pytest.importorskip("peft")
-    build, losses = CASES[name]
+    build, losses = SHARED_OUTPUTS[name]
     torch.manual_seed(0)
     model = build().double().train()
     ids = torch.randint(1, VOCAB, (b, T), generator=torch.Generator().manual_seed(b))
@@ -124,7 +46,7 @@ def test_parameters_of_the_model_itself_get_their_own_handler_and_train_without_
     assert "RootParameterHandler" in str(engine.plan)
     before = model.pos.detach().clone()
     for (x,) in loader:
-        engine.private_loss(_token_losses(model(x), x)).backward()
+        engine.private_loss(token_losses(model(x), x)).backward()
         opt.step()
     assert engine.steps == len(loader) and not torch.equal(before, model.pos)
 
@@ -292,7 +214,7 @@ def test_adding_one_example_moves_the_clipped_sum_by_at_most_c_through_shared_ou
     """The bound itself, through outputs every example reads: with sigma = 0 and lr = 1, the update of a batch and of
     the same batch plus one example differ by at most C (float64), the added example's whole gradient (its part
     through the shared positions and the model's own parameters included) clipped once."""
-    build, losses = CASES[name]
+    build, losses = SHARED_OUTPUTS[name]
     c = 0.05
     ids = torch.randint(1, VOCAB, (6, T), generator=torch.Generator().manual_seed(3))
 

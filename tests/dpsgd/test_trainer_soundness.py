@@ -20,8 +20,9 @@ from dpsgd import (
 from dpsgd.capture import Capture
 from dpsgd.clipping import clipped_backward
 from dpsgd.validator import UnsupportedModuleError
+from verify.workloads import VOCAB, TwiceLM, brute_force_sq_norms, data, flat_params, lm_losses
 
-from .workloads import VOCAB, TwiceLM, brute_force_sq_norms, data, flat_params, lm_losses, private_update
+from ..helpers import private_update
 
 
 def _engine(model=None, n=48, batch=12, noise=0.0, estimator="exact", c=1.0, seed=0, dtype=torch.float64, **kw):
@@ -173,7 +174,7 @@ def test_batchnorm2d_cnn_is_refused_before_any_torch_func_error_and_fixed_cnn_tr
 def test_second_backward_of_the_same_batch_is_refused():
     engine, model, opt, crit, loader = _engine()
     # pins the step's row count, the backstop behind the tracker (which refuses the second backward itself:
-    # tests/test_isolation_structure.py)
+    # tests/dpsgd/test_isolation_structure.py)
     engine.track_examples = False
     (x,) = next(iter(loader))
     _lm(engine, model, x).backward()
@@ -305,7 +306,7 @@ def test_loss_behaves_like_a_tensor_for_logging_and_refuses_arithmetic():
 
 def test_model_keeps_its_identity_state_dict_and_generate():
     pytest.importorskip("transformers")
-    from .workloads import gpt2
+    from verify.workloads import gpt2
 
     torch.manual_seed(0)
     model = gpt2().train()
@@ -326,7 +327,7 @@ def test_model_keeps_its_identity_state_dict_and_generate():
 
 def test_criterion_takes_hf_outputs_and_averages_over_non_ignored_tokens():
     pytest.importorskip("transformers")
-    from .workloads import gpt2
+    from verify.workloads import gpt2
 
     engine, model, opt, crit, loader = _engine(model=gpt2(), dtype=torch.float32)
     (x,) = next(iter(loader))
@@ -346,7 +347,7 @@ def test_criterion_takes_hf_outputs_and_averages_over_non_ignored_tokens():
 def test_bf16_weights_and_autocast_keep_every_clipped_contribution_within_c():
     """One example at a time: the clipped sum, formed in float32 from bf16 (A, G), has norm <= C."""
     pytest.importorskip("transformers")
-    from .workloads import gpt2
+    from verify.workloads import gpt2
 
     torch.manual_seed(0)
     ids = data(4)
@@ -418,7 +419,7 @@ def test_micro_batched_update_is_the_sum_of_single_example_clipped_updates():
 def test_batch_size_comes_from_the_main_input_even_after_a_broadcast_keyword():
     """``position_ids`` of shape (1, T) given before ``input_ids`` must not make the forward's batch size 1."""
     pytest.importorskip("transformers")
-    from .workloads import gpt2
+    from verify.workloads import gpt2
 
     model = gpt2().double().train()
     ids = data(3)
@@ -611,7 +612,7 @@ def test_under_autocast_each_examples_contribution_to_a_batch_sum_is_within_c():
     the batch without j (clip weights are per example), and its norm is at most C up to float32 rounding of the
     other examples' sums (the norms and the sums read the same (A, G), whichever precision they are in)."""
     pytest.importorskip("transformers")
-    from .workloads import gpt2
+    from verify.workloads import gpt2
 
     torch.manual_seed(0)
     ids = data(4)

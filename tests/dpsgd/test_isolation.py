@@ -19,7 +19,7 @@ def _private(model, n=40, batch=8, d=4, every_step=True, seed=0, **kw):
     y = torch.randn(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     engine = PrivacyEngine()
     # these tests pin the gradient row check, which guards isolation when the tracker is off;
-    # tests/test_isolation_structure.py pins the tracker on the same and more cases
+    # tests/dpsgd/test_isolation_structure.py pins the tracker on the same and more cases
     engine.track_examples = False
     engine.check_every_step = every_step
     noise = dict(target_epsilon=2.0, target_delta=1e-5) if "steps" in kw else dict(noise_multiplier=0.0)
@@ -160,7 +160,7 @@ def test_the_default_schedule_catches_a_late_violation_within_its_stated_miss_pr
 def _train_lm(model, batch, autocast=False):
     """An epoch of 24 random 8-token sequences with hutch and the row check on every step (bf16 autocast
     optional): ``(engine, loader)``."""
-    from .workloads import VOCAB, lm_losses
+    from verify.workloads import VOCAB, lm_losses
 
     engine = PrivacyEngine()
     engine.check_every_step = True
@@ -180,7 +180,7 @@ def _train_lm(model, batch, autocast=False):
 def test_ordinary_models_pass_the_isolation_check_on_every_step():
     """Row-wise models (attention within an example, layer norm over features, dropout, a causal LM's shifted
     loss) give exact zeros in other examples' rows: never refused."""
-    from .workloads import WORKLOADS, make
+    from verify.workloads import WORKLOADS, make
 
     for name in WORKLOADS:
         engine, loader = _train_lm(make(name).train(), batch=4)
@@ -345,7 +345,7 @@ def test_a_parameter_changed_during_a_training_forward_is_refused():
 
 def test_bf16_autocast_on_a_float32_model_trains_at_batch_above_one():
     """The row check compares in the dtype the backward ran in (bf16 under autocast), not the parameters'."""
-    from .workloads import make
+    from verify.workloads import make
 
     engine, loader = _train_lm(make("llama_tied", dtype=torch.float32).train(), batch=8, autocast=True)
     assert engine.steps == len(loader)

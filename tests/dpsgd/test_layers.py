@@ -8,8 +8,7 @@ from torch import nn
 
 from dpsgd import NormPlan, per_sample_sq_norms
 from dpsgd.layers import ConvHandler, FunctionalHandler, NormalizationHandler, ScaledRMSNormHandler, handler_for
-
-from .workloads import brute_force_sq_norms, sem
+from verify.workloads import brute_force_sq_norms, sem
 
 
 def brute(model, x, b):

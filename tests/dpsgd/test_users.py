@@ -16,9 +16,9 @@ from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.plan import NormPlan
 from dpsgd.sampling import TwiceSampling
 from dpsgd.users import UserBatch, UserPoissonSampler, user_level
+from verify.workloads import data, lm_losses, make
 
-from .test_batch_sampling import LongestFirst, by_value, reversed_rows, text_run, text_tokenizer, texts
-from .workloads import data, lm_losses, make
+from .test_samplers import LongestFirst, by_value, reversed_rows, text_run, text_tokenizer, texts
 
 C = 0.2   # small enough that some users are clipped and others not
 GROUPS = torch.tensor([0, 0, 1, 2, 2, 2])   # six rows: users of 2, 1 and 3 examples
@@ -432,7 +432,7 @@ def test_user_ids_that_are_not_integer_or_string_labels_are_refused_by_name(ids,
 
 
 def test_max_examples_per_user_without_users_is_refused():
-    from .workloads import private_classifier
+    from ..helpers import private_classifier
 
     with pytest.raises(ValueError, match="max_examples_per_user is given"):
         private_classifier(max_examples_per_user=3, noise_multiplier=1.0)
@@ -497,7 +497,7 @@ def test_privacy_unit_is_a_fixed_setting_recorded_in_checkpoints():
     other, *_ = _user_run(users, max_examples_per_user=4)
     with pytest.raises(ValueError, match="max_examples_per_user"):
         other.load_state_dict(engine.state_dict())
-    from .workloads import private_classifier
+    from ..helpers import private_classifier
 
     example, *_ = private_classifier(noise_multiplier=1.0)
     assert "privacy_unit" not in example.state_dict()["settings"]   # example-level ledgers keep their format

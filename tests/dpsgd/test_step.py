@@ -10,7 +10,7 @@ from torch import nn
 
 from dpsgd import per_sample_sq_norms
 
-from .workloads import private_update
+from ..helpers import private_update
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from dpmath import EpsilonSchedule, HutchEnvelope, HutchPPEnvelope, PLDAccountan
 from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms
 from dpsgd.sampling import TwiceSampling
 
-from .workloads import assert_holds_no_generator_state, engine_generators
+from ..helpers import assert_holds_no_generator_state, engine_generators
 
 
 def _setup(estimator="hutch", seed=0, n=120, batch=12, ledger_path=None, **kw):
@@ -46,14 +46,14 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert engine.envelope.dim == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
     ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(32, 9)), 10)
     assert engine.accountant().events == ref.events
-    assert ref.epsilon_bracket(1e-5)[0] <= eps <= ref.epsilon(1e-5 * (1 - 2e-3))   # tests/test_epsilon_schedule.py
+    assert ref.epsilon_bracket(1e-5)[0] <= eps <= ref.epsilon(1e-5 * (1 - 2e-3))   # tests/dpmath/test_schedule.py
     _epoch(model, opt, crit, loader)
     assert engine.get_epsilon(1e-5) > eps
 
 
 def test_frequent_get_epsilon_calls_meet_a_fresh_accountant_at_the_same_step_count():
     """A logging loop asks between steps and at every step, at two deltas: each answer is the same number however
-    often it is asked, and within a fresh accountant's bracket (tests/test_epsilon_schedule.py: the tolerance)."""
+    often it is asked, and within a fresh accountant's bracket (tests/dpmath/test_schedule.py: the tolerance)."""
     engine, model, opt, crit, loader = _setup(n=36)
     mechanism = RandomizedClipGaussian(1.5, 12 / 36, HutchEnvelope(32, 9))
     for xb, yb in loader:
@@ -159,7 +159,7 @@ def test_a_resume_draws_fresh_batches_projections_and_noise_even_with_the_seed()
     """Two resumes of one checkpoint, with the run's own seed, take different noisy steps, and neither takes the
     step the interrupted run took next: nothing saved, and not the seed either, predicts a resumed run's draws.
     The ledger continues."""
-    from .workloads import one_step_change
+    from ..helpers import one_step_change
 
     engine, model, opt, crit, loader = _setup(seed=3)
     _epoch(model, opt, crit, loader)

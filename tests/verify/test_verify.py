@@ -211,7 +211,7 @@ def test_verify_runs_on_the_core_install_and_skips_what_needs_torch(tmp_path):
     for entry in site.iterdir():
         if entry.name.split("-")[0].split(".")[0] in ("numpy", "scipy", "mpmath"):
             (core / entry.name).symlink_to(entry)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(core)])}
     audits = [arg for name in ("estimators", "privacy", "symbolic", "trainer", "peers") for arg in ("--only", name)]
     run = subprocess.run([sys.executable, "-S", "-m", "verify", "--quick", "--report", str(tmp_path / "report"),

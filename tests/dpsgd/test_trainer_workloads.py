@@ -9,17 +9,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from dpsgd import NormPlan, per_sample_sq_norms  # noqa: E402
+from verify.workloads import WORKLOADS, brute_force_sq_norms, data, lm_losses, make, sem  # noqa: E402
 
-from .workloads import (  # noqa: E402
-    WORKLOADS,
-    brute_force_sq_norms,
-    data,
-    lm_losses,
-    make,
-    private_lora_run,
-    private_update,
-    sem,
-)
+from ..helpers import private_lora_run, private_update  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

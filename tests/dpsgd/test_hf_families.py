@@ -12,8 +12,8 @@ from dpsgd import PrivacyEngine
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from .hf_families import FAMILIES  # noqa: E402
-from .workloads import VOCAB, brute_force_sq_norms  # noqa: E402
+from verify.hf_families import FAMILIES  # noqa: E402
+from verify.workloads import VOCAB, brute_force_sq_norms  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -46,8 +46,7 @@ def test_rows_that_flatten_the_batch_give_exact_per_example_norms(b):
     """OPT runs its MLP and final layer norms on ``(B * T, d)`` rows: read as B examples of T rows each,
     brute force to 1e-10 in float64 at B = 1, B = T (6) and B = 3."""
     from dpsgd import per_sample_sq_norms
-
-    from .hf_families import opt
+    from verify.hf_families import opt
 
     torch.manual_seed(0)
     model, inputs, losses = opt(dropout=0.0)   # no dropout: brute force and the private pass see one function

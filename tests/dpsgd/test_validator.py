@@ -85,7 +85,7 @@ def test_the_norm_plan_prints_as_a_table():
 
 def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
     """dpsgd/layers.py converted a tensor that requires grad to a float on every call (torch's UserWarning)."""
-    from .workloads import VOCAB, RecurrentLM, lm_losses
+    from verify.workloads import VOCAB, RecurrentLM, lm_losses
 
     torch.manual_seed(0)
     model = RecurrentLM().train()

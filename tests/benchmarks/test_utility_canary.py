@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("torch")
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "utility"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "utility"))
 
 import canary_audit  # noqa: E402
 
