@@ -2,14 +2,12 @@ r"""The private optimizer: :class:`DPOptimizer`, a ``torch.optim.Optimizer`` tha
 
 Its ``step()`` is the step of DP-SGD-RC, in this order: the batch's backwards are closed
 (:meth:`~dpsgd.step.PrivateStep.begin_step`; a micro-batch that does not end its logical batch only accumulates),
-the engine admits the step (a calibrated run refuses a step beyond the steps it was calibrated for), the clipped
-sums become the noisy gradients (:meth:`~dpsgd.step.PrivateStep.noisy_gradients`), the wrapped optimizer steps,
-the engine records the step in its ledger (only after the step happened), and the batch is cleared.
+the clipped sums become the noisy gradients (:meth:`~dpsgd.step.PrivateStep.noisy_gradients`: admitted by the
+engine's calibration and charged in its ledger as they are made), the wrapped optimizer steps, and the batch is
+cleared.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -43,21 +41,15 @@ class DPOptimizer(torch.optim.Optimizer):
         The batch in progress and its noisy gradients.
     noise_multiplier, max_grad_norm, expected_batch_size : float
         The run's (read-only here: setting one raises ``AttributeError``, as the engine does).
-    admit : callable
-        Called before the noise is drawn; raises to refuse the step (the engine's calibrated step count).
-    record : callable
-        Called after the wrapped optimizer's step (the engine's ledger).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, private_step: PrivateStep, *, noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: float, admit: Callable[[], None],
-                 record: Callable[[], None]) -> None:
+                 max_grad_norm: float, expected_batch_size: float) -> None:
         # no Optimizer.__init__: the wrapped optimizer owns the parameter groups and the state
         self.original_optimizer = optimizer
         self.private_step = private_step
         self._settings = {"noise_multiplier": noise_multiplier, "max_grad_norm": max_grad_norm,
                           "expected_batch_size": expected_batch_size}
-        self._admit, self._record = admit, record
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
         self._optimizer_state_dict_pre_hooks = {}
@@ -147,10 +139,8 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.private_step.begin_step():
-            self._admit()
-            self.private_step.noisy_gradients()
+            self.private_step.noisy_gradients()   # admitted and charged
             self.original_optimizer.step()
-            self._record()   # the ledger: only after the step has happened
             self.private_step.end_step()
         return loss
 

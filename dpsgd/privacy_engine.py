@@ -36,7 +36,8 @@ terms summed over every parameter (:meth:`dpsgd.plan.NormPlan.envelope_dimension
 prints it).  Exactly-computed parts are point masses in that
 mixture, the ``d -> inf`` limit of the family, so with ``hutch`` they switch the envelope to that limit,
 ``max(F_{chi2(k)/k}, 1{x >= 1})`` (the :class:`~dpmath.HutchPPEnvelope` form).  Every step is recorded in
-the ledger *after* the optimizer's step succeeded.
+the ledger as its noisy gradients are made, before the wrapped optimizer steps with them: noisy gradients never
+exist uncharged (:meth:`dpsgd.step.PrivateStep.noisy_gradients`).
 
 Under ``torch.distributed`` (initialized before ``make_private``) each rank passes a loader over its own
 shard; per-example norms and clipping stay local, the clipped sums are all-reduced, and the same noise
@@ -601,13 +602,13 @@ class PrivacyEngine:
         step = PrivateStep(plan, self._accounting, noise_multiplier=self._noise_multiplier,
                            expected_batch_size=self.expected_batch_size, estimator=self.estimator,
                            projection_dim=self.projection_dim, clipping_pass=self.clipping_pass, basis=basis,
-                           seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks)
+                           seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks,
+                           admit=self._admit_step, record=self._record_step)
         step.set_checks(self._check_every_step, self._check_rate, self._track_examples)
         self._private_step = step
         _STEPS[module] = weakref.ref(step)
         self._optimizer = DPOptimizer(optimizer, step, noise_multiplier=self._noise_multiplier,
-                                      max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size,
-                                      admit=self._admit_step, record=self._record_step)
+                                      max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size)
         return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), step)
 
     def _admit_step(self) -> None:

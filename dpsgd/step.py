@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -125,12 +126,18 @@ class PrivateStep:
         Proves example isolation by structure while :attr:`track_examples`.
     user_rows : UserRows, optional
         With ``privacy_unit="user"``: which user each drawn row belongs to.
+    ranks : list of int
+        Coordinates per clipping group.
+    admit, record : callable
+        The engine's: ``admit()`` raises to refuse a step its calibration does not cover; ``record()`` charges a
+        step in the ledger.  :meth:`noisy_gradients` calls both, so noisy gradients never exist uncharged.
     """
 
     def __init__(self, plan: NormPlan, accounting: RunAccounting, *, noise_multiplier: float,
                  expected_batch_size: float, estimator: str, projection_dim: int, clipping_pass: str,
                  basis: torch.Tensor | None, seeds: dict[str, int], tracker: ExampleTracker,
-                 user_rows: UserRows | None, ranks: list[int]) -> None:
+                 user_rows: UserRows | None, ranks: list[int], admit: Callable[[], None],
+                 record: Callable[[], None]) -> None:
         self.plan = plan
         self._accounting = accounting
         self._noise_multiplier = noise_multiplier
@@ -138,6 +145,7 @@ class PrivateStep:
         self._estimator, self._projection_dim, self._clipping_pass = estimator, projection_dim, clipping_pass
         self._basis = basis
         self._ranks = ranks
+        self._admit, self._record = admit, record
         self._user_rows = user_rows
         self._projection_rngs = DeviceGenerators(seeds["projection"])
         # one generator per device, all seeded alike: the same noise on every rank (ranks of one GPU type draw the
@@ -469,7 +477,10 @@ class PrivateStep:
         """Refuse a step whose batch was not privately backpropagated whole (each refusal names the fix), then
         set every parameter's ``.grad`` to its noisy gradient: the clipped sums (zeros where no example reached),
         reduced over ranks, projected on ``gradient_projection``'s span, plus the noise, over the expected batch
-        size.  Nothing is written if it raises."""
+        size.  Nothing is written if it raises.  The step is admitted before (the engine's calibration) and charged
+        in the ledger as soon as the noisy gradients exist, before anything steps with them: whoever obtains them
+        has a charged step (a wrapped optimizer that then fails over-counts one, on the safe side)."""
+        self._admit()
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
         if self._backpropagated > self._drawn:
@@ -529,6 +540,7 @@ class PrivateStep:
         for i, p in enumerate(self.plan.params):
             p.grad = as_grad(p, noisy[i])   # the same tensor when p is float32; else one cast at a time
             noisy[i] = None
+        self._record()
 
     def end_step(self) -> None:
         """After the optimizer's step: the recorded forwards and the noisy gradients are dropped, and a new batch

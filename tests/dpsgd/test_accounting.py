@@ -170,3 +170,17 @@ def test_the_run_accounting_is_immutable_and_its_exact_twin_drops_only_the_envel
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.max_grad_norm = 2.0
     assert run.exact() == run and run.poisson_batches and run.sample_rate == 0.01
+
+
+def test_noisy_gradients_made_outside_the_optimizer_are_charged():
+    """Whoever makes the noisy gradients (the public PrivateStep, bypassing DPOptimizer.step) has a charged step."""
+    engine, model, opt, crit, loader = _run()
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    step = engine.private_step
+    assert step.begin_step()
+    step.noisy_gradients()
+    assert engine.steps == 1 and all(p.grad is not None for p in model.parameters())
+    opt.original_optimizer.step()
+    step.end_step()
+    assert engine.get_epsilon(1e-5) > 0
