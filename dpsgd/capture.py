@@ -339,7 +339,7 @@ def _unbatched(args: tuple, kwargs: dict, root_ints: set, b: int) -> bool:
     ids), outputs shared by the batch, or none at all.  Either misreading is safe: a batched output read as shared
     meets the batch row by row and is read as batched again; a shared one read as batched fails the row check."""
     for t in flat_tensors([list(args), kwargs]):
-        if isinstance(t, SharedOutput) and t._dp_shares:
+        if isinstance(t, SharedOutput) and t.shared:
             continue
         if t.is_floating_point() or t.is_complex() or t.untyped_storage().data_ptr() in root_ints:
             return False

@@ -112,6 +112,11 @@ class SharedOutput(torch.Tensor):
 
     _dp_shares: tuple = ()
 
+    @property
+    def shared(self) -> bool:
+        """Whether it still carries shares (it has not met the batch)."""
+        return bool(self._dp_shares)
+
     @classmethod
     @torch.compiler.disable   # followed eagerly inside a torch.compile'd model (a graph break per operation)
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -163,7 +163,7 @@ class PrivateStep:
         step = weakref.ref(self)   # the model's hook does not keep the step alive
 
         def follow(_module, _args):
-            if step() is not None and step()._capture.recording():
+            if step() is not None and step().capture.recording():
                 step().follow_trainable(strict=True)
         # after the capture's own root hooks: a refusal here leaves them balanced (their post-hooks always run)
         self._follow_handle = plan.model.register_forward_pre_hook(torch.compiler.disable(follow))
