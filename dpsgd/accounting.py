@@ -48,7 +48,7 @@ from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .users import UserLevel
 
 __all__ = ["RunAccounting", "Combination", "Refusal", "REFUSED", "check_combination", "auto_estimator",
-           "LEDGER_FORMAT", "read_record"]
+           "LEDGER_FORMAT", "read_record", "fixed_setting"]
 
 #: the ledger record's format: 2 is format 1's settings with ``"format"`` and without ``"poisson"`` (format 1's flag of
 #: the unaccounted shuffled batches, which are gone)
@@ -283,6 +283,13 @@ class RunAccounting:
             out["batch_sampling"] = self.sampling.scheme.settings()
         out["format"] = LEDGER_FORMAT
         return out
+
+
+def fixed_setting(name: str) -> AttributeError:
+    """The error of a setting changed after ``make_private``: the accountant charges every step at it."""
+    return AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at its current "
+                          f"value, so changing it mid-run would mis-charge the steps already taken; use a new "
+                          f"PrivacyEngine")
 
 
 def read_record(record: dict, where: str) -> dict:

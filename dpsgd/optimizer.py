@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .accounting import fixed_setting
 from .step import PrivateStep
 
 __all__ = ["DPOptimizer"]
@@ -60,9 +61,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __setattr__(self, name: str, value) -> None:
         if name in _FIXED and self.__dict__.get("_sealed"):
-            raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
-                                 f"its current value, so changing it mid-run would mis-charge the steps already "
-                                 f"taken; use a new PrivacyEngine")
+            raise fixed_setting(name)
         # an Opacus optimizer's setting (loss_reduction, secure_mode, ...) would be accepted and do nothing here;
         # torch's and schedulers' own attributes (step, _opt_called, ...) pass
         if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \

@@ -69,7 +69,7 @@ from dpmath import (
     RDPAccountant,
 )
 
-from .accounting import Combination, RunAccounting, auto_estimator, check_combination, read_record
+from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting, read_record
 from .capture import DEFAULT_CHECK_RATE
 from .clipping import check_clipping_pass
 from .data import DPDataLoader, loader_size, private_data_loader
@@ -652,9 +652,7 @@ class PrivacyEngine:
 
     def __setattr__(self, name: str, value) -> None:
         if name in PrivacyEngine.FIXED_SETTINGS and self.__dict__.get("_private_step") is not None:
-            raise AttributeError(f"{name} is fixed by make_private: the accountant charges every step taken at "
-                                 f"its current value, so changing it mid-run would mis-charge the steps already "
-                                 f"taken; use a new PrivacyEngine")
+            raise fixed_setting(name)
         if self.__dict__.get("_sealed") and not name.startswith("_") and name not in self.__dict__ \
                 and not hasattr(type(self), name):
             fixed = sorted(PrivacyEngine.FIXED_SETTINGS)
