@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpsgd import PrivacyEngine
 from dpsgd.noise import LaplaceNoise
-from dpsgd.sampling import HybridClipping, TwiceSampling
 from dpsgd.spectrum import top_singular
+from dpsgd.strategies import HybridClipping, TwiceSampling
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

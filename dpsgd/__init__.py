@@ -9,12 +9,12 @@ a norm plan (:mod:`dpsgd.plan`) and the one-backward book-keeping step (:mod:`dp
 (:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
 ``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`),
 paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`), the step's noise (:mod:`dpsgd.noise`: Gaussian,
-or paper 003's Laplace) and paper 002's twice sampling and hybrid clipping (:mod:`dpsgd.sampling`).
+or paper 003's Laplace) and paper 002's twice sampling and hybrid clipping (:mod:`dpsgd.strategies`).
 Importing this package does not need torch until one of these names is used.
 """
 
 __all__ = ["per_sample_sq_norms", "PrivacyEngine", "ModuleValidator", "BatchMemoryManager",
-           "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "PoissonSampling",
+           "IncompleteGradientError", "ExampleMixingError", "StateChangedError", "NormPlan", "L2Clipping",
            "TwiceSampling", "HybridClipping", "GaussianNoise", "LaplaceNoise", "UnsupportedSamplerError",
            "ExampleTracker", "audit_isolation"]
 
@@ -22,8 +22,8 @@ _WHERE = {"per_sample_sq_norms": "clipping", "IncompleteGradientError": "isolati
           "ExampleMixingError": "isolation", "StateChangedError": "isolation", "ExampleTracker": "isolation",
           "audit_isolation": "isolation",
           "NormPlan": "plan", "PrivacyEngine": "privacy_engine", "ModuleValidator": "validator",
-          "BatchMemoryManager": "data", "PoissonSampling": "sampling", "TwiceSampling": "sampling",
-          "HybridClipping": "sampling",
+          "BatchMemoryManager": "data", "L2Clipping": "strategies", "TwiceSampling": "strategies",
+          "HybridClipping": "strategies",
           "GaussianNoise": "noise", "LaplaceNoise": "noise", "UnsupportedSamplerError": "data"}
 
 

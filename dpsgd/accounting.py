@@ -4,7 +4,7 @@ accountant both come from.
 A private run's guarantee is decided by a handful of choices: how each step's batch is drawn (a
 :class:`~dpsgd.samplers.BatchSampling` bound to the data: Poisson by default), whose privacy it is (each example,
 or each user's examples together: :mod:`dpsgd.users`), how each contribution is clipped (l2 to ``C``, or twice
-sampling and hybrid clipping's coordinate masks and l-infinity bounds: :mod:`dpsgd.sampling`), the noise
+sampling and hybrid clipping's coordinate masks and l-infinity bounds: :mod:`dpsgd.strategies`), the noise
 (:mod:`dpsgd.noise`) and the estimator's envelope (:meth:`dpsgd.plan.NormPlan.envelope`; ``None`` with exact
 norms).  :class:`RunAccounting` holds them and alone answers
 
@@ -24,8 +24,8 @@ Examples
 >>> from dpsgd.accounting import RunAccounting
 >>> from dpsgd.noise import GaussianNoise
 >>> from dpsgd.samplers import Poisson
->>> from dpsgd.sampling import PoissonSampling
->>> run = RunAccounting(sampling=Poisson().bind(1000, 10), noise=GaussianNoise(), clipping=PoissonSampling(),
+>>> from dpsgd.strategies import L2Clipping
+>>> run = RunAccounting(sampling=Poisson().bind(1000, 10), noise=GaussianNoise(), clipping=L2Clipping(),
 ...                     max_grad_norm=1.0, envelope=None)
 >>> run.mechanism(1.0)
 SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
@@ -44,7 +44,7 @@ from dpmath import Envelope, PLDAccountant, RDPAccountant, calibrate_noise
 
 from .noise import GaussianNoise, StepNoise
 from .samplers import BatchSampling, BoundSampling, Poisson
-from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserLevel
 
 __all__ = ["RunAccounting", "Combination", "Refusal", "REFUSED", "check_combination", "auto_estimator",
@@ -54,7 +54,7 @@ __all__ = ["RunAccounting", "Combination", "Refusal", "REFUSED", "check_combinat
 #: the unaccounted shuffled batches, which are gone)
 LEDGER_FORMAT = 2
 
-Clipping = PoissonSampling | TwiceSampling | HybridClipping
+Clipping = L2Clipping | TwiceSampling | HybridClipping
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Combination:
     estimator : str
         ``make_private``'s estimator (``"auto"`` resolved).
     noise : StepNoise
-    clipping : PoissonSampling, TwiceSampling or HybridClipping
+    clipping : L2Clipping, TwiceSampling or HybridClipping
         ``make_private``'s ``sampling``: l2 clipping alone, or coordinate masks and l-infinity bounds.
     batch_sampling : BatchSampling
     users : bool
@@ -96,8 +96,8 @@ class Combination:
 
     @property
     def coordinates(self) -> str:
-        """``sampling=TwiceSampling(...)`` or ``HybridClipping``, as the messages name it."""
-        return f"sampling={type(self.clipping).__name__}(...)"
+        """``clipping=TwiceSampling(...)`` or ``HybridClipping``, as the messages name it."""
+        return f"clipping={type(self.clipping).__name__}(...)"
 
     @property
     def scheme(self) -> str:
@@ -143,11 +143,11 @@ REFUSED: tuple[Refusal, ...] = (
     # users are Poisson-sampled, each user's gradient clipped once
     Refusal(lambda c: c.users and _per_coordinate(c),
             lambda c: "privacy_unit='user' cannot be combined with twice sampling or hybrid clipping "
-                      "(sampling=TwiceSampling/HybridClipping): their accounting masks and clips each example's "
+                      "(clipping=TwiceSampling/HybridClipping): their accounting masks and clips each example's "
                       "gradient, not each user's"),
     # the other batch-sampling schemes (dpsgd.samplers)
     Refusal(lambda c: _other_scheme(c) and _per_coordinate(c),
-            lambda c: f"{c.scheme} with sampling={type(c.clipping).__name__}(...) is refused: twice sampling is "
+            lambda c: f"{c.scheme} with clipping={type(c.clipping).__name__}(...) is refused: twice sampling is "
                       f"accounted for Poisson batches only"),
     Refusal(lambda c: _other_scheme(c) and c.users,
             lambda c: f"{c.scheme} with privacy_unit='user' is refused: users are Poisson-sampled"),
@@ -170,8 +170,8 @@ def check_combination(combination: Combination) -> None:
     >>> from dpsgd.accounting import Combination, check_combination
     >>> from dpsgd.noise import LaplaceNoise
     >>> from dpsgd.samplers import Poisson
-    >>> from dpsgd.sampling import PoissonSampling
-    >>> check_combination(Combination("hutch", LaplaceNoise(), PoissonSampling(), Poisson()))
+    >>> from dpsgd.strategies import L2Clipping
+    >>> check_combination(Combination("hutch", LaplaceNoise(), L2Clipping(), Poisson()))
     Traceback (most recent call last):
     ...
     ValueError: LaplaceNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator='hutch': ...
@@ -200,7 +200,7 @@ class RunAccounting:
         How each step's batch is drawn, bound to the data (Poisson at the loader's rate by default; for
         ``privacy_unit="user"``, users at the user rate ``q_u``).
     noise : StepNoise
-    clipping : PoissonSampling, TwiceSampling or HybridClipping
+    clipping : L2Clipping, TwiceSampling or HybridClipping
         l2 clipping alone (DP-SGD's), or twice sampling's coordinate masks and l-infinity bounds.
     max_grad_norm : float
         ``C``.

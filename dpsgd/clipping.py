@@ -52,7 +52,7 @@ from .layers import (
 )
 from .plan import NormPlan, check_estimator
 from .rowcheck import output_gradients, row_check
-from .sampling import HybridClipping, TwiceSampling, masked_clipped_sum
+from .strategies import HybridClipping, TwiceSampling, masked_clipped_sum
 
 
 @dataclass
@@ -110,8 +110,8 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
     could push a clipped contribution above ``C``.
 
     ``twice`` (with ``mask_generator``, on the losses' device) forms each parameter's per-example gradients
-    from the recorded calls and sums them with :func:`dpsgd.sampling.masked_clipped_sum`: l2 clipping of each
-    example's part in the parameter's group (one group for :class:`~dpsgd.sampling.TwiceSampling`), then
+    from the recorded calls and sums them with :func:`dpsgd.strategies.masked_clipped_sum`: l2 clipping of each
+    example's part in the parameter's group (one group for :class:`~dpsgd.strategies.TwiceSampling`), then
     l-infinity clipping and coordinate masks; bookkeeping pass and exact norms only.  ``weights`` are then
     the whole-gradient factors, reported only.
 
@@ -307,7 +307,7 @@ def _twice_sampled_sums(plan: NormPlan, uses: list, group_n: torch.Tensor, twice
                         mask_generator: torch.Generator) -> dict:
     """Twice sampling's sums: each parameter's per-example gradients (summed over its calls, one parameter at a
     time: ``B x numel`` floats at most), clipped to its group's l2 bound ``c2`` and to ``c_inf`` per coordinate,
-    masked coordinate-wise (:func:`dpsgd.sampling.masked_clipped_sum`)."""
+    masked coordinate-wise (:func:`dpsgd.strategies.masked_clipped_sum`)."""
     bounds = twice.bounds(max_grad_norm)
     b = group_n.shape[1]
     # each group's l2 clipping factors, and its l-infinity bound kept below c_inf after rounding (float32's

@@ -57,7 +57,7 @@ from .data import EmptyBatch
 from .noise import StepNoise
 from .privacy_engine import PrivacyEngine
 from .samplers import BatchSampling
-from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .validator import BATCH_NORMS, check_positive, frozen_batch_norm
 
 __all__ = ["DPTrainer", "PrivacyArguments", "PRIVACY_STATE_NAME"]
@@ -131,7 +131,7 @@ class PrivacyArguments:
     seed: int | None = None
     gradient_projection: torch.Tensor | None = None
     noise: StepNoise | str = "gaussian"
-    sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None
+    clipping: L2Clipping | TwiceSampling | HybridClipping | None = None
     privacy_unit: str = "example"
     user_ids: object = None
     max_examples_per_user: int | None = None

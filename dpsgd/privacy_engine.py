@@ -86,8 +86,8 @@ from .noise import GaussianNoise, StepNoise, as_noise
 from .optimizer import DPOptimizer
 from .plan import NormPlan, check_estimator
 from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling, filled_loader
-from .sampling import HybridClipping, PoissonSampling, TwiceSampling
 from .step import PrivateStep, entropy_seed, refuse_uncovered
+from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import check_positive, uncompiled
 
@@ -224,7 +224,7 @@ class PrivacyEngine:
                      projection_dim: int = 32,
                      seed: int | None = None, clipping_pass: str = "bookkeeping",
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
-                     sampling: PoissonSampling | TwiceSampling | HybridClipping | None = None,
+                     clipping: L2Clipping | TwiceSampling | HybridClipping | None = None,
                      privacy_unit: str = "example", user_ids=None, max_examples_per_user: int | None = None,
                      batch_sampling: BatchSampling | str = "poisson",
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
@@ -290,18 +290,18 @@ class PrivacyEngine:
             and a target epsilon calibrates ``b / C = sqrt(pi / 2) sigma`` from the dominating Gaussian's
             ``sigma``.  Exact norms only (``estimator`` "ghost" or "exact"): no accountant here covers
             Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
-        sampling : PoissonSampling, TwiceSampling or HybridClipping, optional
-            How a step samples (:mod:`dpsgd.sampling`); ``None`` is :class:`~dpsgd.sampling.PoissonSampling`
-            (examples only, DP-SGD's).  :class:`~dpsgd.sampling.TwiceSampling` is twice sampling (paper 002,
-            Alg. 2): inside each Poisson batch every coordinate of the clipped sum is formed from its own
-            Poisson sub-sample of rate ``coordinate_rate``, with each example also clipped to l-infinity norm
-            ``max_grad_coordinate``.
+        clipping : L2Clipping, TwiceSampling or HybridClipping, optional
+            How each example's contribution is clipped (:mod:`dpsgd.strategies`); ``None`` is
+            :class:`~dpsgd.strategies.L2Clipping` (each example to l2 norm ``max_grad_norm``, DP-SGD's).
+            :class:`~dpsgd.strategies.TwiceSampling` is twice sampling (paper 002, Alg. 2): inside each Poisson
+            batch every coordinate of the clipped sum is formed from its own Poisson sub-sample of rate
+            ``coordinate_rate``, with each example also clipped to l-infinity norm ``max_grad_coordinate``.
             The step divides by ``coordinate_rate`` times the expected batch size (an unbiased gradient).
             Accounted by :class:`dpmath.twice_sampling.TwiceSampledGaussian` (an RDP bound, so
             :meth:`accountant` is then an :class:`dpmath.RDPAccountant`).  It needs per-example gradients:
             exact norms (``estimator`` "ghost" or "exact"), Gaussian noise, the bookkeeping pass, no
             ``gradient_projection`` (a projection could break the l-infinity bound the accounting
-            uses), one process.  :class:`~dpsgd.sampling.HybridClipping` (Thm 5.6) clips parameter groups to
+            uses), one process.  :class:`~dpsgd.strategies.HybridClipping` (Thm 5.6) clips parameter groups to
             their own bounds with Thm 4.6's noise shape, accounted by
             :class:`dpmath.twice_sampling.HybridTwiceSampledGaussian`; ``max_grad_norm`` must then be its
             overall bound ``sqrt(sum_j c2_j^2)``.
@@ -352,12 +352,12 @@ class PrivacyEngine:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
                              f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
-        noise, sampling, c, sigma = self._checked_arguments(
+        noise, clipping, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
-            projection_dim, clipping_pass, noise, sampling)
+            projection_dim, clipping_pass, noise, clipping)
         users = user_level(privacy_unit, user_ids, max_examples_per_user)
         scheme = as_batch_sampling(batch_sampling)
-        combination = Combination(estimator, noise, sampling, scheme, users=users is not None,
+        combination = Combination(estimator, noise, clipping, scheme, users=users is not None,
                                   clipping_pass=clipping_pass,
                                   projected=gradient_projection is not None, processes=rank_world()[1],
                                   ledger=self.ledger_path is not None)
@@ -367,7 +367,7 @@ class PrivacyEngine:
         check_combination(combination)
         compiled, module = module, uncompiled(module)   # a torch.compile wrapper: hooks on the model it runs
         _refuse_hooked(module)
-        plan = self._cover(module, optimizer, estimator, projection_dim, sampling, c)
+        plan = self._cover(module, optimizer, estimator, projection_dim, clipping, c)
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
@@ -382,7 +382,7 @@ class PrivacyEngine:
         self.clipping_pass = clipping_pass
         self.envelope = plan.envelope(projection_dim)
         accounting = RunAccounting(
-            sampling=bound, noise=noise, clipping=sampling, max_grad_norm=c, envelope=self.envelope,
+            sampling=bound, noise=noise, clipping=clipping, max_grad_norm=c, envelope=self.envelope,
             ranks=tuple(self._ranks), users=users, estimator=estimator,
             projection_dim=projection_dim)
         planned = None
@@ -419,21 +419,21 @@ class PrivacyEngine:
     def _checked_arguments(optimizer: torch.optim.Optimizer, max_grad_norm: float, noise_multiplier: float | None,
                            target_epsilon: float | None, target_delta: float | None, epochs: float | None,
                            steps: int | None, estimator: str, k: int, clipping_pass: str, noise: StepNoise | str,
-                           sampling: PoissonSampling | TwiceSampling | HybridClipping | None,
-                           ) -> tuple[StepNoise, PoissonSampling | TwiceSampling | HybridClipping, float,
+                           clipping: L2Clipping | TwiceSampling | HybridClipping | None,
+                           ) -> tuple[StepNoise, L2Clipping | TwiceSampling | HybridClipping, float,
                                       float | None]:
         """``make_private``'s arguments checked one by one before anything is built (``ValueError`` naming the
-        first one wrong): ``(noise, sampling, max_grad_norm, noise_multiplier)``, the noise and sampling as
+        first one wrong): ``(noise, clipping, max_grad_norm, noise_multiplier)``, the noise and clipping as
         objects and the noise multiplier ``None`` when it is to be calibrated from the targets.  Their
         combinations are :data:`dpsgd.accounting.REFUSED`'s."""
         check_estimator(estimator, k)
         check_clipping_pass(clipping_pass)
         noise = as_noise(noise)
-        if sampling is None:
-            sampling = PoissonSampling()
-        if not isinstance(sampling, (PoissonSampling, TwiceSampling, HybridClipping)):
-            raise ValueError(f"sampling must be a dpsgd.sampling.PoissonSampling, TwiceSampling, HybridClipping or "
-                             f"None, got {type(sampling).__name__}")
+        if clipping is None:
+            clipping = L2Clipping()
+        if not isinstance(clipping, (L2Clipping, TwiceSampling, HybridClipping)):
+            raise ValueError(f"clipping must be a dpsgd.strategies.L2Clipping, TwiceSampling, HybridClipping or "
+                             f"None, got {type(clipping).__name__}")
         c = check_positive(max_grad_norm, "max_grad_norm")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -445,7 +445,7 @@ class PrivacyEngine:
         elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
             raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
                              "required")
-        return noise, sampling, c, sigma
+        return noise, clipping, c, sigma
 
     def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling,
                        seeds: dict[str, int]) -> tuple[DPDataLoader, BoundSampling]:
@@ -487,12 +487,12 @@ class PrivacyEngine:
         return loader, bound
 
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
-               sampling: PoissonSampling | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
-        """The model's norm plan (:attr:`plan`), its parameters' sampling groups, and the guarantee that every
+               clipping: L2Clipping | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
+        """The model's norm plan (:attr:`plan`), its parameters' clipping groups, and the guarantee that every
         trainable parameter the optimizer steps is one the plan clips (``ValueError`` otherwise)."""
         plan = NormPlan.build(module, estimator, k)
         self._plan = plan
-        self._ranks = PrivateStep.sampling_ranks(sampling, plan, max_grad_norm)
+        self._ranks = PrivateStep.sampling_ranks(clipping, plan, max_grad_norm)
         refuse_uncovered(plan, [p for g in optimizer.param_groups for p in g["params"]], "optimizer")
         return plan
 
@@ -751,10 +751,10 @@ class PrivacyEngine:
         return Poisson() if self._accounting is None else self._accounting.sampling.scheme
 
     @property
-    def sampling(self) -> PoissonSampling | TwiceSampling | HybridClipping:
-        """The sampling chosen in ``make_private`` (:class:`~dpsgd.sampling.PoissonSampling` by default); the
-        step and the accountant both follow it, so it cannot be changed afterwards."""
-        return PoissonSampling() if self._accounting is None else self._accounting.clipping
+    def clipping(self) -> L2Clipping | TwiceSampling | HybridClipping:
+        """How each example's contribution is clipped, chosen in ``make_private`` (:class:`~dpsgd.strategies.L2Clipping`
+        by default); the step and the accountant both follow it, so it cannot be changed afterwards."""
+        return L2Clipping() if self._accounting is None else self._accounting.clipping
 
     @property
     def accounting(self) -> RunAccounting | None:

@@ -36,7 +36,7 @@ from .distributed import any_rank, as_grad, check_same_on_ranks, is_sharded, ran
 from .isolation import ExampleMixingError, ExampleTracker, StateChangedError, check_backward_functions
 from .noise import noisy_gradients
 from .plan import NormPlan
-from .sampling import HybridClipping, PoissonSampling, TwiceSampling
+from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserRows
 
 __all__ = ["PrivateStep", "DeviceGenerators", "entropy_seed", "envelope_covers", "refuse_uncovered"]
@@ -221,7 +221,7 @@ class PrivateStep:
             self._user_rows.clear()
 
     @staticmethod
-    def sampling_ranks(sampling: PoissonSampling | TwiceSampling | HybridClipping, plan: NormPlan,
+    def sampling_ranks(sampling: L2Clipping | TwiceSampling | HybridClipping, plan: NormPlan,
                         max_grad_norm: float) -> list[int]:
         """Coordinates per group; every parameter in a group and the groups as the sampling requires (else
         ValueError)."""

@@ -88,7 +88,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpsgd import PrivacyEngine
-from dpsgd.sampling import HybridClipping, TwiceSampling
+from dpsgd.strategies import HybridClipping, TwiceSampling
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
@@ -154,7 +154,7 @@ def private_kwargs(method: str, c: float) -> dict:
         return {"estimator": "exact", "noise": "laplace", "max_grad_norm": c}
     if method == "twice":
         return {"estimator": "exact", "max_grad_norm": c,
-                "sampling": TwiceSampling(coordinate_rate=COORDINATE_RATE, max_grad_coordinate=COORDINATE_BOUND * c)}
+                "clipping": TwiceSampling(coordinate_rate=COORDINATE_RATE, max_grad_coordinate=COORDINATE_BOUND * c)}
     if method == "hybrid":
         sampling = HybridClipping({p: (s * c, COORDINATE_BOUND * c) for p, s in HYBRID_SPLIT.items()},
                                   coordinate_rate=COORDINATE_RATE)
@@ -236,9 +236,9 @@ def tune(args: argparse.Namespace) -> dict:
 def refused_combinations(split: Split, batch: int) -> dict[str, str]:
     """The library's error for each combination of methods it does not cover (recorded, not worked around)."""
     tries = {"lap2 with hutch": {"estimator": "hutch", "noise": "laplace"},
-             "twice with hutch": {"estimator": "hutch", "sampling": TwiceSampling(COORDINATE_RATE, COORDINATE_BOUND)},
+             "twice with hutch": {"estimator": "hutch", "clipping": TwiceSampling(COORDINATE_RATE, COORDINATE_BOUND)},
              "twice with laplace": {"estimator": "exact", "noise": "laplace",
-                                    "sampling": TwiceSampling(COORDINATE_RATE, COORDINATE_BOUND)}}
+                                    "clipping": TwiceSampling(COORDINATE_RATE, COORDINATE_BOUND)}}
     out = {}
     for name, kw in tries.items():
         model = DigitsCNN()

@@ -24,7 +24,7 @@ from dpsgd.accounting import (
 from dpsgd.data import PoissonBatchSampler
 from dpsgd.noise import GaussianNoise, LaplaceNoise
 from dpsgd.samplers import BatchSampling, BoundSampling, FixedSize, Poisson, Shuffling, TruncatedPoisson
-from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling
+from dpsgd.strategies import HybridClipping, L2Clipping, TwiceSampling
 
 TWICE = TwiceSampling(0.5, 0.1)
 
@@ -36,14 +36,14 @@ REFUSED_CASES = [
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), projected=True), "gradient_projection"),
     (Combination("exact", GaussianNoise(), HybridClipping({"": (1.0, 0.1)}), Poisson(), processes=2),
      "single process"),
-    (Combination("hutch", LaplaceNoise(), PoissonSampling(), Poisson()), "LaplaceNoise needs exact norms"),
+    (Combination("hutch", LaplaceNoise(), L2Clipping(), Poisson()), "LaplaceNoise needs exact norms"),
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
     (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
-    (Combination("hutch", GaussianNoise(), PoissonSampling(), FixedSize(), users=True), "users are Poisson-sampled"),
-    (Combination("hutch", GaussianNoise(), PoissonSampling(), TruncatedPoisson(8, pad=True), processes=2),
+    (Combination("hutch", GaussianNoise(), L2Clipping(), FixedSize(), users=True), "users are Poisson-sampled"),
+    (Combination("hutch", GaussianNoise(), L2Clipping(), TruncatedPoisson(8, pad=True), processes=2),
      "padded global batch"),
-    (Combination("hutch", GaussianNoise(), PoissonSampling(), Shuffling(), ledger=True), "ledger_path"),
-    (Combination("exact", LaplaceNoise(), PoissonSampling(), FixedSize()), "Gaussian noise only"),
+    (Combination("hutch", GaussianNoise(), L2Clipping(), Shuffling(), ledger=True), "ledger_path"),
+    (Combination("exact", LaplaceNoise(), L2Clipping(), FixedSize()), "Gaussian noise only"),
 ]
 
 
@@ -56,7 +56,7 @@ def test_every_entry_of_the_refusal_table_is_reached_in_its_order():
             check_combination(combination)
 
 
-@pytest.mark.parametrize("clipping", [PoissonSampling(), TWICE])
+@pytest.mark.parametrize("clipping", [L2Clipping(), TWICE])
 @pytest.mark.parametrize("scheme", [Poisson(), FixedSize(), Shuffling()])
 def test_what_the_table_does_not_refuse_passes(clipping, scheme):
     estimator = "exact" if clipping.per_coordinate else "hutch"
@@ -69,8 +69,8 @@ def test_what_the_table_does_not_refuse_passes(clipping, scheme):
 
 
 def test_auto_means_exact_norms_where_an_estimate_is_refused():
-    assert auto_estimator(Combination("auto", GaussianNoise(), PoissonSampling(), Poisson())) == "auto"
-    assert auto_estimator(Combination("auto", LaplaceNoise(), PoissonSampling(), Poisson())) == "ghost"
+    assert auto_estimator(Combination("auto", GaussianNoise(), L2Clipping(), Poisson())) == "auto"
+    assert auto_estimator(Combination("auto", LaplaceNoise(), L2Clipping(), Poisson())) == "ghost"
     assert auto_estimator(Combination("auto", GaussianNoise(), TWICE, Poisson())) == "ghost"
 
 
@@ -165,7 +165,7 @@ def test_a_new_batch_sampling_scheme_needs_only_its_sampler_and_mechanism():
 
 
 def test_the_run_accounting_is_immutable_and_its_exact_twin_drops_only_the_envelope():
-    run = RunAccounting(sampling=Poisson().bind(1000, 10), noise=GaussianNoise(), clipping=PoissonSampling(),
+    run = RunAccounting(sampling=Poisson().bind(1000, 10), noise=GaussianNoise(), clipping=L2Clipping(),
                         max_grad_norm=1.0, envelope=None, estimator="hutch")
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.max_grad_norm = 2.0

@@ -13,7 +13,7 @@ from dpmath import (
     estimator_envelope,
 )
 from dpsgd.noise import GaussianNoise, LaplaceNoise, StepNoise, as_noise, noisy_gradients
-from dpsgd.sampling import TwiceSampling
+from dpsgd.strategies import TwiceSampling
 
 from ..helpers import one_step_change, private_classifier
 
@@ -129,7 +129,7 @@ def test_a_noise_of_the_users_own_is_drawn_and_accounted_as_it_says():
     assert engine.state_dict()["settings"]["noise"] == "half-gaussian"   # a resumed run must use it too
     # twice sampling accounts its own Gaussian mechanism, so it refuses any other noise, subclasses included
     with pytest.raises(ValueError, match="Gaussian noise only"):
-        private_classifier(noise=HalfGaussian(), noise_multiplier=2.0, sampling=TwiceSampling(0.5, 0.1))
+        private_classifier(noise=HalfGaussian(), noise_multiplier=2.0, clipping=TwiceSampling(0.5, 0.1))
 
 
 def test_without_noise_lap2_takes_dp_sgds_clipped_step():

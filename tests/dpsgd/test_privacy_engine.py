@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import EpsilonSchedule, HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
 from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms
-from dpsgd.sampling import TwiceSampling
+from dpsgd.strategies import TwiceSampling
 
 from ..helpers import assert_holds_no_generator_state, engine_generators
 
@@ -143,7 +143,7 @@ def test_a_checkpoint_keeps_the_ledger_and_refuses_other_settings():
 
 
 @pytest.mark.parametrize("kw", [{"estimator": "hutch"},
-                                {"estimator": "exact", "sampling": TwiceSampling(0.5, 0.3)}],
+                                {"estimator": "exact", "clipping": TwiceSampling(0.5, 0.3)}],
                          ids=["hutch", "twice_sampling"])
 def test_a_state_dict_holds_nothing_that_predicts_batches_projections_masks_or_noise(kw):
     """The issue's measurement: a state_dict held the noise generator's state, from which the next step's noise,

@@ -14,7 +14,7 @@ from dpsgd.capture import Capture
 from dpsgd.clipping import clipped_backward
 from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.plan import NormPlan
-from dpsgd.sampling import TwiceSampling
+from dpsgd.strategies import TwiceSampling
 from dpsgd.users import UserBatch, UserPoissonSampler, user_level
 from verify.workloads import data, lm_losses, make
 
@@ -374,7 +374,7 @@ def test_split_rows_keeps_users_whole_and_numbers_them_per_piece():
     ({"max_examples_per_user": 0}, "max_examples_per_user must be a positive integer"),
     ({"user_ids": None}, "needs user_ids"),
     ({"user_ids": torch.zeros(60, 2, dtype=torch.long)}, "1-D tensor"),
-    ({"sampling": TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)}, "twice sampling"),
+    ({"clipping": TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)}, "twice sampling"),
     ({"user_ids": [i % 3 for i in range(60)]}, "exceeds the 3 users"),
 ])
 def test_bad_user_level_arguments_are_refused_by_name(kw, match):

@@ -14,7 +14,7 @@ from dpsgd.clipping import clipped_backward
 from dpsgd.noise import GaussianNoise, LaplaceNoise
 from dpsgd.plan import NormPlan
 from dpsgd.samplers import Poisson
-from dpsgd.sampling import HybridClipping, PoissonSampling, TwiceSampling, masked_clipped_sum
+from dpsgd.strategies import HybridClipping, L2Clipping, TwiceSampling, masked_clipped_sum
 from verify.workloads import VOCAB, gpt2, lm_losses
 
 from ..helpers import one_step_change, private_classifier
@@ -69,11 +69,11 @@ def test_every_clipped_contribution_obeys_the_l2_and_the_coordinate_bound(seed):
 
 
 def _setup(**kw):
-    return private_classifier(**{"sampling": TwiceSampling(0.5, 0.2), **kw})
+    return private_classifier(**{"clipping": TwiceSampling(0.5, 0.2), **kw})
 
 
 def test_without_noise_and_at_rate_one_the_step_is_the_doubly_clipped_gradient_step():
-    engine, m, opt, crit, loader = _setup(noise_multiplier=0.0, sampling=TwiceSampling(1.0, 0.2))
+    engine, m, opt, crit, loader = _setup(noise_multiplier=0.0, clipping=TwiceSampling(1.0, 0.2))
     params = list(m.parameters())
     before = [p.detach().clone() for p in params]
     x, y = next(iter(loader))
@@ -94,7 +94,7 @@ def test_without_noise_and_at_rate_one_the_step_is_the_doubly_clipped_gradient_s
 
 def test_the_step_divides_by_q2_times_the_expected_batch_size():
     # zero learning signal (C tiny): the update is the noise alone, lr sigma C / (q2 B) per coordinate
-    engine, m, opt, crit, loader = _setup(noise_multiplier=1e6, max_grad_norm=1e-6, sampling=TwiceSampling(0.25, 1.0))
+    engine, m, opt, crit, loader = _setup(noise_multiplier=1e6, max_grad_norm=1e-6, clipping=TwiceSampling(0.25, 1.0))
     step = one_step_change(m, opt, crit, loader)
     expected = 0.1 * 1.0 / (0.25 * engine.expected_batch_size)
     assert abs(float(step.std()) / expected - 1) < 0.3        # 48 coordinates: the sample sd is within 30 %
@@ -115,7 +115,7 @@ def test_twice_sampling_is_accounted_by_its_rdp_bound_and_meets_a_target():
     full = RDPAccountant().compose(mech, 20).epsilon(1e-5)
     assert 3.0 * 0.99 < full <= 3.0
     with pytest.raises(AttributeError):
-        engine.sampling = None
+        engine.clipping = None
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -123,7 +123,7 @@ def test_twice_sampling_is_accounted_by_its_rdp_bound_and_meets_a_target():
     (dict(noise="laplace"), "Gaussian noise only"),
     (dict(clipping_pass="two-pass"), "bookkeeping"),
     (dict(gradient_projection=torch.eye(48)[:, :4]), "gradient_projection"),
-    (dict(sampling="twice"), "TwiceSampling"),
+    (dict(clipping="twice"), "TwiceSampling"),
 ])
 def test_unsupported_twice_sampling_combinations_are_refused_with_the_reason(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -156,15 +156,15 @@ def test_hybrid_clipping_bounds_each_groups_part_of_every_contribution():
 
 
 def test_hybrid_clipping_with_one_group_is_twice_sampling():
-    one = _setup(noise_multiplier=1.0, sampling=HybridClipping({"": (1.0, 0.2)}, coordinate_rate=0.5))
-    two = _setup(noise_multiplier=1.0, sampling=TwiceSampling(0.5, 0.2))
+    one = _setup(noise_multiplier=1.0, clipping=HybridClipping({"": (1.0, 0.2)}, coordinate_rate=0.5))
+    two = _setup(noise_multiplier=1.0, clipping=TwiceSampling(0.5, 0.2))
     torch.testing.assert_close(one_step_change(*one[1:]), one_step_change(*two[1:]), rtol=0, atol=0)
     assert one[0].get_epsilon(1e-5) == pytest.approx(two[0].get_epsilon(1e-5), rel=1e-12)
 
 
 def test_hybrid_clipping_adds_each_groups_noise_and_is_accounted_by_thm_5_6():
     c = math.hypot(0.6, 0.8)
-    engine, m, opt, crit, loader = _setup(noise_multiplier=1.0, max_grad_norm=c, sampling=HybridClipping(HYBRID))
+    engine, m, opt, crit, loader = _setup(noise_multiplier=1.0, max_grad_norm=c, clipping=HybridClipping(HYBRID))
     shape = hybrid_noise([0.6, 0.8], [35, 18])
     sigmas = 1.0 * c * math.sqrt(53) * shape
     assert float((shape ** 2 * [35, 18]).sum()) == pytest.approx(1.0)
@@ -178,10 +178,10 @@ def test_hybrid_clipping_adds_each_groups_noise_and_is_accounted_by_thm_5_6():
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    (dict(sampling=HybridClipping(HYBRID)), "overall bound"),
-    (dict(max_grad_norm=1.0, sampling=HybridClipping({"0.": (0.6, 0.1), "2.": (0.8, 0.05), "9.": (0.1, 0.1)})),
+    (dict(clipping=HybridClipping(HYBRID)), "overall bound"),
+    (dict(max_grad_norm=1.0, clipping=HybridClipping({"0.": (0.6, 0.1), "2.": (0.8, 0.05), "9.": (0.1, 0.1)})),
      "hold no trainable"),
-    (dict(max_grad_norm=0.6, sampling=HybridClipping({"0.": (0.6, 0.1)})), "matches no prefix"),
+    (dict(max_grad_norm=0.6, clipping=HybridClipping({"0.": (0.6, 0.1)})), "matches no prefix"),
 ])
 def test_hybrid_clipping_refuses_groups_that_do_not_cover_the_model(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -210,7 +210,7 @@ def test_micro_batches_take_the_same_doubly_clipped_step():
 
     changes = []
     for physical in (None, 3):
-        engine, m, opt, crit, loader = _setup(noise_multiplier=0.0, sampling=HybridClipping(HYBRID, 1.0),
+        engine, m, opt, crit, loader = _setup(noise_multiplier=0.0, clipping=HybridClipping(HYBRID, 1.0),
                                               max_grad_norm=1.0)
         before = torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
         if physical is None:
@@ -224,9 +224,9 @@ def test_micro_batches_take_the_same_doubly_clipped_step():
 
 
 def test_poisson_sampling_is_the_default_part_and_hands_the_mechanism_to_the_noise():
-    default = _setup(noise_multiplier=1.0, sampling=None)[0]
-    explicit = _setup(noise_multiplier=1.0, sampling=PoissonSampling())[0]
-    assert default.sampling == explicit.sampling == PoissonSampling()
+    default = _setup(noise_multiplier=1.0, clipping=None)[0]
+    explicit = _setup(noise_multiplier=1.0, clipping=L2Clipping())[0]
+    assert default.clipping == explicit.clipping == L2Clipping()
     assert default.state_dict()["settings"] == explicit.state_dict()["settings"]   # ledgers stay compatible
     assert "sampling" not in default.state_dict()["settings"]
     assert default.accounting.mechanism(1.0) == SubsampledGaussian(1.0, default.sample_rate)

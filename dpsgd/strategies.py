@@ -1,4 +1,4 @@
-r"""How the private step clips: each example to l2 norm ``C`` (:class:`PoissonSampling`, the default: DP-SGD's), or
+r"""How the private step clips: each example to l2 norm ``C`` (:class:`L2Clipping`, the default: DP-SGD's), or
 twice sampling (paper 002, Alg. 2) and hybrid clipping's coordinate masks and l-infinity bounds.  The objects do
 what the step does to the tensors (bounds, groups, masks, noise shape) and describe their mechanism; the run's
 accounting, and what no accountant here covers, is :mod:`dpsgd.accounting`'s.
@@ -27,7 +27,7 @@ gradients one parameter at a time (``B x numel`` floats for the largest paramete
 
 Examples
 --------
->>> from dpsgd.sampling import TwiceSampling
+>>> from dpsgd.strategies import TwiceSampling
 >>> TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05).mechanism(1.0, 0.01, 1.0)
 TwiceSampledGaussian(noise_std=1.0, sample_rate=0.01, coordinate_rate=0.5, c2=1.0, c_inf=0.05)
 """
@@ -44,7 +44,7 @@ import torch
 
 from dpmath.twice_sampling import HybridTwiceSampledGaussian, TwiceSampledGaussian, hybrid_noise
 
-__all__ = ["PoissonSampling", "TwiceSampling", "HybridClipping", "masked_clipped_sum"]
+__all__ = ["L2Clipping", "TwiceSampling", "HybridClipping", "masked_clipped_sum"]
 
 
 def _rate(q2: object) -> float:
@@ -88,14 +88,14 @@ class _OneGroup:
 
 
 @dataclass(frozen=True)
-class PoissonSampling(_OneGroup):
-    """Poisson sampling of examples only (DP-SGD's; ``make_private``'s default): every coordinate of every
-    sampled example enters the clipped sum, and the noise decides the mechanism (:mod:`dpsgd.noise`; the run's
-    accounting: :class:`dpsgd.accounting.RunAccounting`).
+class L2Clipping(_OneGroup):
+    """Each example's gradient clipped to l2 norm ``C`` (DP-SGD's; ``make_private``'s default): every coordinate
+    of every sampled example enters the clipped sum, and the noise decides the mechanism (:mod:`dpsgd.noise`; the
+    run's accounting: :class:`dpsgd.accounting.RunAccounting`).
 
     Examples
     --------
-    >>> PoissonSampling().bounds(1.0), PoissonSampling().per_coordinate
+    >>> L2Clipping().bounds(1.0), L2Clipping().per_coordinate
     ([(1.0, 1.0)], False)
     """
 
@@ -174,7 +174,7 @@ class HybridClipping(_CoordinateSampling):
 
     Examples
     --------
-    >>> from dpsgd.sampling import HybridClipping
+    >>> from dpsgd.strategies import HybridClipping
     >>> h = HybridClipping({"0.": (0.6, 0.1), "": (0.8, 0.05)})
     >>> h.group_of("0.weight"), h.group_of("2.bias")
     (0, 1)
