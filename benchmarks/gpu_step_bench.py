@@ -93,7 +93,8 @@ def one(method: str, layers: int, t: int, batch: int, steps: int, precision: str
             batch_sampling="fixed_size", seed=0)
         # every private method proves isolation on every step (the tracker) but hutch-untracked, which only samples
         # it with the row check: their difference is the tracker's cost
-        engine.track_examples = not method.endswith("-untracked")
+        engine._track_examples = not method.endswith("-untracked")   # no public switch: the tracker measured off
+        engine._set_checks()
     lm = LM(model)
     batches = endless(loader)
 

@@ -13,7 +13,7 @@ is the one to read for the private methods: the trainer's row check (one extra b
 the losses, two on a new layout of calls) runs on a random eighth of the steps by default
 (``engine.check_rate``), which the median hides.  ``hutch-every-step`` is hutch with
 ``engine.check_every_step = True`` (every step checked).  Every private method runs with isolation proved on
-every step by the tracker (``engine.track_examples``, the default) except ``hutch-untracked``, which turns it
+every step by the tracker (always on for users) except ``hutch-untracked``, which turns it
 off (isolation then only sampled by the row check): their difference is the tracker's cost.
 The "checked" column counts the timed steps that ran the row check (over all rounds), and "check s" is the
 mean time spent in the check's backward(s) on those steps.  Since the number of checked steps is itself random,
@@ -205,7 +205,8 @@ def one(model_name: str, method: str, t: int, batch: int, steps: int) -> dict:
         if method.endswith("-every-step"):
             engine.check_every_step = True
         if method.endswith("-untracked"):   # isolation checked by the sampled row check only
-            engine.track_examples = False
+            engine._track_examples = False   # no public switch: the tracker measured off
+        engine._set_checks()
     lm = LM(model)
     batches = endless(loader)
 

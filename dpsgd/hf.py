@@ -76,7 +76,7 @@ _NONPRIVATE_LOGS = frozenset({"loss", "train_loss", "grad_norm", "num_input_toke
 #: the engine's constructor arguments
 ENGINE_ARGUMENTS = ("secure_mode", "ledger_path")
 #: the engine's settings, changeable at any time
-ENGINE_SETTINGS = ("check_every_step", "check_rate", "track_examples")
+ENGINE_SETTINGS = ("check_every_step", "check_rate")
 #: the trainer's own
 TRAINER_OPTIONS = ("epsilon_overcount", "log_nonprivate_metrics")
 #: make_private's that the trainer derives: the objects it builds, and the steps from ``TrainingArguments``
@@ -88,7 +88,7 @@ class PrivacyArguments:
     """The privacy settings of a :class:`DPTrainer`: every option of :meth:`dpsgd.PrivacyEngine.make_private` (but
     the model, optimizer, loader and loss, which the trainer has, and ``epochs``/``steps``, which
     ``TrainingArguments`` give), of :class:`dpsgd.PrivacyEngine` (``secure_mode``, ``ledger_path``, and its settings
-    ``check_every_step``, ``check_rate``, ``track_examples``), and two of the trainer's own.
+    ``check_every_step``, ``check_rate``), and two of the trainer's own.
 
     The defaults are ``make_private``'s, but ``max_grad_norm`` (1.0) and ``target_delta`` (``1e-5``, also the delta
     at which ``epsilon`` is logged).  ``user_ids`` labels the examples of ``train_dataset`` in its index order
@@ -140,7 +140,6 @@ class PrivacyArguments:
     ledger_path: str | os.PathLike | None = None
     check_every_step: bool = False
     check_rate: float = DEFAULT_CHECK_RATE
-    track_examples: bool = True
     epsilon_overcount: float = 0.0
     log_nonprivate_metrics: bool = False
 

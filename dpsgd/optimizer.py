@@ -137,6 +137,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # every parameter the wrapped optimizer steps must be one the plan clips (a group added to the wrapped
+        # optimizer directly, or param_groups edited by hand, would step with a gradient nobody clipped or noised)
+        self.private_step.check_covered([p for g in self.param_groups for p in g["params"]], "the optimizer's "
+                                        "param_groups")
         if self.private_step.begin_step():
             self.private_step.noisy_gradients()   # admitted and charged
             self.original_optimizer.step()

@@ -86,7 +86,7 @@ from .noise import GaussianNoise, StepNoise, as_noise
 from .optimizer import DPOptimizer
 from .plan import NormPlan, check_estimator
 from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling, filled_loader
-from .step import PrivateStep, entropy_seed, refuse_uncovered
+from .step import PrivateStep, StepControls, entropy_seed, refuse_uncovered
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserLevel, UserRows, user_data_loader, user_level
 from .validator import check_positive, uncompiled
@@ -187,7 +187,8 @@ class PrivacyEngine:
         self.ledger_path = ledger_path
         self._check_every_step = False
         self._check_rate = DEFAULT_CHECK_RATE
-        self._track_examples = True
+        self._track_examples = True   # isolation proved by structure; no public switch (tests and benchmarks only)
+        self._controls = StepControls()   # what only this engine may do with its step
         self._steps = 0
         self._recorded = 0  # steps in the ledger file from earlier runs
         self._resumed = 0   # steps already counted by the checkpoint this run resumed from
@@ -526,7 +527,7 @@ class PrivacyEngine:
         seeds = self._fresh_seeds()
         # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
         self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
-        self._private_step.reseed(seeds)
+        self._controls.reseed(seeds)
 
     def _private_loader(self, data_loader: DataLoader,
                         world: int) -> tuple[DPDataLoader, BoundSampling]:
@@ -603,8 +604,8 @@ class PrivacyEngine:
                            expected_batch_size=self.expected_batch_size, estimator=self.estimator,
                            projection_dim=self.projection_dim, clipping_pass=self.clipping_pass, basis=basis,
                            seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks,
-                           admit=self._admit_step, record=self._record_step)
-        step.set_checks(self._check_every_step, self._check_rate, self._track_examples)
+                           admit=self._admit_step, record=self._record_step, controls=self._controls)
+        self._controls.set_checks(self._check_every_step, self._check_rate, self._track_examples)
         self._private_step = step
         _STEPS[module] = weakref.ref(step)
         self._optimizer = DPOptimizer(optimizer, step, noise_multiplier=self._noise_multiplier,
@@ -629,12 +630,12 @@ class PrivacyEngine:
     def _on_batch(self, *args, **kwargs) -> None:
         """The private loader's call as it yields a batch (before make_private has built the step: refused)."""
         self._require_private()
-        self._private_step.on_batch(*args, **kwargs)
+        self._controls.on_batch(*args, **kwargs)
 
     def _empty_step(self) -> None:
         """The private loader's call for an empty Poisson batch: the noise-only step it is charged for."""
         self._require_private()
-        self._private_step.check_empty()
+        self._controls.check_empty()
         self._optimizer.step()
 
     # fixed by make_private: the step and the accountant both read them, and the accountant charges every step
@@ -675,21 +676,6 @@ class PrivacyEngine:
         self._set_checks()
 
     @property
-    def track_examples(self) -> bool:
-        """Whether every step proves example isolation by structure (:mod:`dpsgd.isolation`): each batch the
-        private loader yields is followed through every operation until its backward, and a loss or recorded
-        call that depends on several examples, example data written into the model's state, or a custom
-        ``autograd.Function`` on the way to the losses raises :class:`~dpsgd.ExampleMixingError` on the step
-        it happens (:class:`~dpsgd.StateChangedError` for state).  Default ``True``; ``False`` leaves isolation to
-        the sampled row check (:attr:`check_rate`)."""
-        return self._track_examples
-
-    @track_examples.setter
-    def track_examples(self, value: bool) -> None:
-        self._track_examples = bool(value)
-        self._set_checks()
-
-    @property
     def check_rate(self) -> float:
         """Probability in ``[0, 1]`` that a step is checked (drawn from ``os.urandom`` at its forward); default
         0.125.  A check costs one extra backward without weight gradients (about 0.6 of a non-private step on
@@ -697,8 +683,8 @@ class PrivacyEngine:
         another given example's input or activations with probability at least 1/4 (a batch-wide statistic
         almost surely), so a violation present on ``m`` steps is missed with probability at most
         ``(1 - check_rate / 4)^m`` (0.042 for 100 steps, 7e-5 for 300, at the default rate; a
-        batch-wide statistic about ``(1 - check_rate)^m``).  With :attr:`track_examples` isolation is proved on
-        every step by structure, and ``check_rate = 0`` leaves the row check to a model's first step and
+        batch-wide statistic about ``(1 - check_rate)^m``).  Isolation is proved on every step by structure
+        (:mod:`dpsgd.isolation`), and ``check_rate = 0`` leaves the row check to a model's first step and
         each new layout of calls, where it checks each handler's per-example gradients against autograd."""
         return self._check_rate
 
@@ -712,7 +698,7 @@ class PrivacyEngine:
 
     def _set_checks(self) -> None:
         if self._private_step is not None:
-            self._private_step.set_checks(self._check_every_step, self._check_rate, self._track_examples)
+            self._controls.set_checks(self._check_every_step, self._check_rate, self._track_examples)
 
     @property
     def private_step(self) -> PrivateStep | None:
@@ -829,7 +815,8 @@ class PrivacyEngine:
     def _events(self, steps: int) -> int:
         """How many of :meth:`_mechanism`'s events ``steps`` steps charge (an epoch sampler: the epochs its stream
         has begun, counted from the batches drawn when ``steps`` are the steps taken)."""
-        return self._accounting.events(steps, self._stream if steps == self.spent_steps else None)
+        # a count at or above the steps taken includes the epochs the stream has begun (batches drawn without a step)
+        return self._accounting.events(steps, self._stream if steps >= self.spent_steps else None)
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
@@ -978,13 +965,17 @@ class PrivacyEngine:
             diff = {k: (saved.get(k), self._settings.get(k)) for k in sorted(saved.keys() | self._settings.keys())
                     if saved.get(k) != self._settings.get(k)}
             raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
+        # the steps known spent stay spent: a checkpoint older than steps this engine took (or its ledger holds)
+        # moves the count of this run, never the spent count down
+        spent, epochs = self.spent_steps, self._events(self.spent_steps)
+        self._recorded = spent
         self._steps = self._resumed = int(state["steps"])
         if self._accounting.sampling.scheme.per_epoch:
             # the next batch begins a new epoch after those charged, so none of them can see an example twice; the
             # new epoch's allocation or permutation is drawn afresh (below), not the interrupted run's: each epoch
             # charged is one epoch of its own sampler, whatever its draw, so the accounting is the same (the
             # partial epoch cut off by the checkpoint stays charged whole, as before)
-            self._stream.resume(int(state["epochs"]))
+            self._stream.resume(max(int(state["epochs"]), epochs))
         old = sorted(k for k in _GENERATOR_STATE_KEYS if k in state)
         if old:
             warnings.warn(f"this state_dict, of an earlier version of dpsgd, holds generator states "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +40,7 @@ from .plan import NormPlan
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserRows
 
-__all__ = ["PrivateStep", "DeviceGenerators", "entropy_seed", "envelope_covers", "refuse_uncovered"]
+__all__ = ["PrivateStep", "StepControls", "DeviceGenerators", "entropy_seed", "envelope_covers", "refuse_uncovered"]
 
 
 class DeviceGenerators:
@@ -96,12 +97,32 @@ def envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool:
 
 
 def refuse_uncovered(plan: NormPlan, params, where: str) -> None:
-    """``ValueError`` naming ``where`` if a trainable parameter of ``params`` is not one ``plan`` clips."""
+    """``ValueError`` naming ``where`` if a parameter of ``params`` that the optimizer would step (trainable, or with
+    a ``.grad``) is not one ``plan`` clips."""
     covered = {id(p) for p in plan.params}
     for p in params:
-        if p.requires_grad and id(p) not in covered:
+        if id(p) in covered:
+            continue
+        if p.requires_grad:
             raise ValueError(f"{where} holds a trainable parameter that is not in the private model "
                              f"({tuple(p.shape)}): every trained parameter must be clipped")
+        if p.grad is not None:
+            raise ValueError(f"{where} holds a frozen parameter ({tuple(p.shape)}) with a .grad the private backward "
+                             f"did not make: the optimizer would step it unclipped; set its .grad to None")
+
+
+@dataclass
+class StepControls:
+    """What only the engine that built a :class:`PrivateStep` may do with it, filled by the step's constructor: the
+    private loader's callbacks (``on_batch`` as it yields a batch, ``check_empty`` before an empty batch's noise-only
+    step), ``reseed`` (a resumed run's fresh generators) and ``set_checks`` (the row check's schedule).  None of
+    them is a method a user of the step can call: a batch registered by hand, a seed chosen by hand or a drawn
+    batch forgotten would each break the accounting."""
+
+    on_batch: Callable | None = None
+    check_empty: Callable | None = None
+    reseed: Callable | None = None
+    set_checks: Callable | None = None
 
 
 class PrivateStep:
@@ -131,13 +152,15 @@ class PrivateStep:
     admit, record : callable
         The engine's: ``admit()`` raises to refuse a step its calibration does not cover; ``record()`` charges a
         step in the ledger.  :meth:`noisy_gradients` calls both, so noisy gradients never exist uncharged.
+    controls : StepControls
+        Filled with the operations only the engine may use.
     """
 
     def __init__(self, plan: NormPlan, accounting: RunAccounting, *, noise_multiplier: float,
                  expected_batch_size: float, estimator: str, projection_dim: int, clipping_pass: str,
                  basis: torch.Tensor | None, seeds: dict[str, int], tracker: ExampleTracker,
                  user_rows: UserRows | None, ranks: list[int], admit: Callable[[], None],
-                 record: Callable[[], None]) -> None:
+                 record: Callable[[], None], controls: StepControls) -> None:
         self.plan = plan
         self._accounting = accounting
         self._noise_multiplier = noise_multiplier
@@ -167,7 +190,10 @@ class PrivateStep:
                 step().follow_trainable(strict=True)
         # after the capture's own root hooks: a refusal here leaves them balanced (their post-hooks always run)
         self._follow_handle = plan.model.register_forward_pre_hook(torch.compiler.disable(follow))
-        self.reset()
+        self._released = False   # noisy_gradients made this step's gradients: end_step may close it
+        self._reset()
+        controls.on_batch, controls.check_empty = self._on_batch, self._check_empty
+        controls.reseed, controls.set_checks = self._reseed, self._set_checks
 
     @property
     def capture(self) -> Capture:
@@ -179,12 +205,7 @@ class PrivateStep:
         """The isolation tracker (:class:`~dpsgd.isolation.ExampleTracker`)."""
         return self._tracker
 
-    @property
-    def generators(self) -> list[torch.Generator]:
-        """Every generator the step draws secrets from: the projections, twice sampling's masks, the noise."""
-        return [*self._projection_rngs.generators, *self._mask_rngs.generators, *self._noise_rngs.generators]
-
-    def set_checks(self, check_every_step: bool, check_rate: float, track_examples: bool) -> None:
+    def _set_checks(self, check_every_step: bool, check_rate: float, track_examples: bool) -> None:
         """The row check's schedule and whether isolation is proved by structure (the engine's settings)."""
         self._capture.check_every_step, self._capture.check_rate = check_every_step, check_rate
         if not track_examples and self._track_examples:
@@ -192,7 +213,7 @@ class PrivateStep:
         self._track_examples = track_examples
         self._capture.tracker = self._tracker if track_examples else None
 
-    def reseed(self, seeds: dict[str, int]) -> None:
+    def _reseed(self, seeds: dict[str, int]) -> None:
         """Reseed the projection, mask and noise generators in place (a resumed run's)."""
         self._projection_rngs.reseed(seeds["projection"])
         self._mask_rngs.reseed(seeds["mask"])
@@ -205,7 +226,7 @@ class PrivateStep:
         self._capture.remove()
         self._follow_handle.remove()
 
-    def reset(self) -> None:
+    def _reset(self) -> None:
         """Forget the batch in progress (its draws, backwards and clipped sums)."""
         self._pending: int | None = None   # the logical batch handed out and not yet stepped
         self._sums: dict[int, torch.Tensor] = {}   # the clipped sums, held here: not private before noise
@@ -341,7 +362,7 @@ class PrivateStep:
                                f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__}")
         return padding
 
-    def on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None,
+    def _on_batch(self, size: int, last: bool, logical: int, groups: torch.Tensor | None = None,
                   padding: torch.Tensor | None = None, batch: object = None) -> None:
         if self._pending is not None and logical != self._pending:
             raise RuntimeError(self._drawn_twice)
@@ -445,6 +466,7 @@ class PrivateStep:
         if self._backpropagated or self._drawn:   # the batch so far is dropped: a noise-only step is allowed
             self._discarded = True
         self._used_ids = None   # the dropped batch's losses may be backpropagated again
+        self._backpropagated = 0
         self._sums.clear()
         for p in self.plan.params:
             p.grad = None
@@ -455,7 +477,7 @@ class PrivateStep:
                     "batch (after optimizer.zero_grad() it takes a noise-only step for a batch you skip); split a "
                     "large batch with BatchMemoryManager; to stop early, stop before drawing the next batch.")
 
-    def check_empty(self) -> None:
+    def _check_empty(self) -> None:
         """Before the noise-only step of an empty Poisson batch: nothing of another batch may be pending."""
         if self._pending is not None:
             raise RuntimeError(self._drawn_twice)
@@ -523,7 +545,7 @@ class PrivateStep:
             noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,
                                     noise=self._accounting.noise, in_place=True)
         except FloatingPointError:
-            self.reset()   # the sums were overwritten: the batch is dropped, nothing was written
+            self._reset()   # the sums were overwritten: the batch is dropped, nothing was written
             raise
         if not self._noise_checked:   # replicated parameters' noisy gradients are equal on every rank
             first = next((g for p, g in zip(self.plan.params, noisy, strict=True) if not is_sharded(p)), None)
@@ -532,7 +554,7 @@ class PrivateStep:
                                     "the first step's noisy gradient (the noise generators are seeded alike on every "
                                     "rank, but GPUs of different types can draw different streams from one seed)")
             except ValueError:
-                self.reset()
+                self._reset()
                 raise
             self._noise_checked = True
         del sums
@@ -541,12 +563,18 @@ class PrivateStep:
             p.grad = as_grad(p, noisy[i])   # the same tensor when p is float32; else one cast at a time
             noisy[i] = None
         self._record()
+        self._released = True
 
     def end_step(self) -> None:
         """After the optimizer's step: the recorded forwards and the noisy gradients are dropped, and a new batch
-        begins."""
+        begins.  ``RuntimeError`` unless :meth:`noisy_gradients` made this step's gradients: a drawn batch is
+        closed only by its charged step."""
+        if not self._released:
+            raise RuntimeError("end_step() without noisy_gradients(): a drawn batch ends only with its (charged) "
+                               "noisy step; call optimizer.step()")
+        self._released = False
         self._capture.clear()
-        self.reset()
+        self._reset()
         for p in self.plan.params:
             p.grad = None
 

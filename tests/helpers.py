@@ -102,7 +102,9 @@ def private_update(model: nn.Module, batch: torch.Tensor, losses, *, max_grad_no
 
 def engine_generators(engine):
     """Every generator the engine draws secrets from: batches, projections, twice sampling's masks, noise."""
-    return [engine._sampling_rng, *engine.private_step.generators]
+    step = engine.private_step   # the generators are the step's own: nothing public hands them out
+    return [engine._sampling_rng, *(g for rngs in (step._projection_rngs, step._mask_rngs, step._noise_rngs)
+                                    for g in rngs.generators)]
 
 
 def _leaves(obj, path="state"):

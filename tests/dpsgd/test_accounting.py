@@ -184,3 +184,49 @@ def test_noisy_gradients_made_outside_the_optimizer_are_charged():
     opt.original_optimizer.step()
     step.end_step()
     assert engine.get_epsilon(1e-5) > 0
+
+
+def test_reloading_an_earlier_state_never_lowers_the_spent_steps():
+    """A checkpoint older than steps this engine took (or a save and reload with a ledger of an earlier run)
+    moves this run's count, never the spent one: epsilon keeps every step taken."""
+    engine, *rest = _run()
+    early = engine.state_dict()
+    _train(engine, *rest, steps=6)
+    engine.load_state_dict(early)
+    assert engine.spent_steps == 6
+    _train(engine, *rest, steps=2)
+    assert engine.spent_steps == 8
+
+
+def test_a_group_added_to_the_wrapped_optimizer_is_refused_at_the_step():
+    engine, model, opt, crit, loader = _run()
+    outside = nn.Parameter(torch.ones(()))
+    opt.original_optimizer.add_param_group({"params": [outside]})
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    with pytest.raises(ValueError, match="param_groups holds a trainable parameter that is not in the private"):
+        opt.step()
+
+
+def test_the_step_hands_none_of_the_engines_controls_to_its_users():
+    """A batch registered by hand, a chosen seed, a drawn batch forgotten: none is a public method of the step, and
+    closing a step is refused until its charged noisy gradients exist."""
+    engine, model, opt, crit, loader = _run()
+    step = engine.private_step
+    for name in ("on_batch", "check_empty", "reseed", "reset", "set_checks", "generators"):
+        assert not hasattr(step, name), name
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="end_step\\(\\) without noisy_gradients"):
+        step.end_step()
+    assert not hasattr(engine, "track_examples")
+
+
+def test_a_batch_dropped_by_zero_grad_can_be_backpropagated_again():
+    engine, model, opt, crit, loader = _run()
+    x, y = next(iter(loader))
+    crit(model(x), y).backward()
+    opt.zero_grad()
+    crit(model(x), y).backward()   # the same batch again, after the first backward was dropped
+    opt.step()
+    assert engine.steps == 1

@@ -91,7 +91,7 @@ def test_cuda_half_precision_sums_use_the_wide_kernel_and_equal_float32_arithmet
 
 def test_cuda_noise_is_drawn_on_the_gpu():
     engine, model, loader = private_lora_run("cuda", autocast=True)
-    assert {g.device.type for g in engine.private_step.generators} == {"cuda"}
+    assert {g.device.type for g in engine_generators(engine)[1:]} == {"cuda"}
 
 
 def test_a_cuda_runs_state_dict_holds_no_generator_state_and_a_resume_reseeds_the_gpu_generators():

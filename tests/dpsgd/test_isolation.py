@@ -20,7 +20,8 @@ def _private(model, n=40, batch=8, d=4, every_step=True, seed=0, **kw):
     engine = PrivacyEngine()
     # these tests pin the gradient row check, which guards isolation when the tracker is off;
     # tests/dpsgd/test_isolation_structure.py pins the tracker on the same and more cases
-    engine.track_examples = False
+    engine._track_examples = False
+    engine._set_checks()
     engine.check_every_step = every_step
     noise = dict(target_epsilon=2.0, target_delta=1e-5) if "steps" in kw else dict(noise_multiplier=0.0)
     model, opt, crit, loader = engine.make_private(

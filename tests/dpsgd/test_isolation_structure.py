@@ -1,6 +1,6 @@
 """Example isolation by structure (dpsgd.isolation): every way found to let one example reach another's
 loss is refused on the step it happens, whatever calling pattern the loop has, with no check rate
-(``track_examples`` on; the sampled row check off: ``check_rate = 0``, ``check_every_step = False``).  Each
+(the tracker on; the sampled row check off: ``check_rate = 0``, ``check_every_step = False``).  Each
 case below released steps at 1.2 C to 37 C without an error before the tracker."""
 
 import warnings
@@ -24,7 +24,8 @@ def _private(model, n=64, batch=8, data=None, criterion=None):
                              torch.randn(n, 1, dtype=torch.float64, generator=g))
     engine = PrivacyEngine()
     engine.check_rate = 0.0
-    engine.track_examples = True
+    engine._track_examples = True
+    engine._set_checks()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, crit, loader = engine.make_private(

@@ -333,7 +333,7 @@ def test_secure_mode_draws_batches_projections_and_noise_from_the_os():
         batches.append([b for b in loader.logical_sampler])
         _epoch(model, opt, crit, loader)
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        probes.append(torch.randn(8, generator=engine.private_step.generators[0]))
+        probes.append(torch.randn(8, generator=engine.private_step._projection_rngs("cpu")))
         assert_holds_no_generator_state(engine.state_dict(), engine)
     assert batches[0] != batches[1]
     assert not torch.allclose(finals[0], finals[1])

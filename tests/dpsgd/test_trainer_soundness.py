@@ -175,7 +175,8 @@ def test_second_backward_of_the_same_batch_is_refused():
     engine, model, opt, crit, loader = _engine()
     # pins the step's row count, the backstop behind the tracker (which refuses the second backward itself:
     # tests/dpsgd/test_isolation_structure.py)
-    engine.track_examples = False
+    engine._track_examples = False
+    engine._set_checks()
     (x,) = next(iter(loader))
     _lm(engine, model, x).backward()
     _lm(engine, model, x).backward()
