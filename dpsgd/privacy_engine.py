@@ -56,7 +56,6 @@ import os
 import time
 import warnings
 import weakref
-import zlib
 
 import torch
 from torch import nn
@@ -72,23 +71,23 @@ from dpmath import (
 from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting, read_record
 from .capture import DEFAULT_CHECK_RATE
 from .clipping import check_clipping_pass
-from .data import DPDataLoader, loader_size, private_data_loader
+from .data import DPDataLoader
 from .distributed import (
-    all_sum,
     broadcast_int,
     check_same_on_ranks,
     is_sharded,
     rank_world,
 )
 from .isolation import ExampleTracker
+from .loaders import private_loader
 from .loss import DPCriterion, DPLoss
 from .noise import GaussianNoise, StepNoise, as_noise
 from .optimizer import DPOptimizer
 from .plan import NormPlan, check_estimator
-from .samplers import BatchSampling, BoundSampling, Poisson, as_batch_sampling, filled_loader
+from .samplers import BatchSampling, Poisson, as_batch_sampling, filled_loader
 from .step import PrivateStep, StepControls, entropy_seed, refuse_uncovered
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
-from .users import UserLevel, UserRows, user_data_loader, user_level
+from .users import UserRows, user_level
 from .validator import check_positive, uncompiled
 
 __all__ = ["PrivacyEngine"]
@@ -372,9 +371,13 @@ class PrivacyEngine:
         rank, world = rank_world()
         basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
         seeds = self._seed_generators(seed, rank, world)
-        loader, bound = (self._user_loader(data_loader, users, world) if users is not None
-                         else self._private_loader(data_loader, world) if type(scheme) is Poisson
-                         else self._scheme_loader(data_loader, scheme, seeds))
+        built = private_loader(data_loader, scheme, users, self._sampling_rng, stream_seed=seeds["stream"],
+                               on_batch=self._on_batch, on_empty=self._empty_step)
+        loader, bound, self._stream = built.loader, built.sampling, built.stream
+        self.sample_rate, self.expected_batch_size = bound.sample_rate, built.expected_batch_size
+        if users is not None:
+            self.privacy_unit, self.max_examples_per_user = "user", users.max_examples_per_user
+            self._user_rows = UserRows()
         if world > 1 and any(is_sharded(p) for p in plan.params):
             # FSDP2: every rank runs every step's forward and backward, which gather the sharded parameters
             # together, so a part of fewer than two examples is completed by filler rows weighted 0
@@ -448,45 +451,6 @@ class PrivacyEngine:
                              "required")
         return noise, clipping, c, sigma
 
-    def _scheme_loader(self, data_loader: DataLoader, scheme: BatchSampling,
-                       seeds: dict[str, int]) -> tuple[DPDataLoader, BoundSampling]:
-        """The loader of a non-Poisson :mod:`dpsgd.samplers` scheme, bound to the data set: its sampler and the
-        mechanism the accountant composes come from the same :class:`~dpsgd.samplers.BoundSampling`.
-
-        Under torch.distributed the scheme is bound to the global data set, the ranks' shards concatenated in rank
-        order (``N`` and ``B`` the sums over ranks of the shard sizes and loader batch sizes): every rank draws the
-        same stream of global batches and keeps its shard's part (:class:`~dpsgd.samplers.ShardOf`), so the union
-        of the ranks' batches is the batch the accountant charges at ``N`` and ``B``."""
-        n, batch = loader_size(data_loader)
-        rank, world = rank_world()
-        # every rank's shard size, in rank order (one all-reduce per rank, once per run)
-        sizes = [n] if world == 1 else [round(all_sum(float(n) if r == rank else 0.0)) for r in range(world)]
-        total, offset = sum(sizes), sum(sizes[:rank])
-        batch = round(all_sum(float(batch)))
-        over = " over ranks" if world > 1 else ""
-        if batch > total:
-            raise ValueError(f"data_loader's batch_size ({batch}{over}) exceeds the dataset size ({total}{over})")
-        # before bind, which may refuse the scheme: a refusal on some ranks only would leave the others waiting
-        check_same_on_ranks(zlib.crc32(json.dumps(scheme.settings(), sort_keys=True).encode()),
-                            f"the batch sampling ({scheme!r} on this rank)")
-        bound = scheme.bind(total, batch)
-        # rank 0's sampling seed on every rank, derived from the seed all ranks share: one stream of global batches,
-        # the same as a single-process run with this seed draws (a rank-local seed would give each rank other
-        # batches than the one charged)
-        self._sampling_rng.manual_seed(seeds["stream"])
-        sampler = bound.sampler(self._sampling_rng, offset=offset, size=n if world > 1 else None)
-        loader = DPDataLoader(data_loader.dataset, sampler, data_loader.collate_fn, sample_rate=bound.sample_rate,
-                              on_batch=self._on_batch, on_empty=self._empty_step,
-                              num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-        self._stream = sampler
-        self.sample_rate = bound.sample_rate
-        self.expected_batch_size = bound.sample_rate * total
-        check_same_on_ranks(total, "the number of examples over ranks")
-        check_same_on_ranks(batch, "the batch size over ranks")
-        check_same_on_ranks(self.sample_rate, "the sampling rate")
-        check_same_on_ranks(len(loader), "the number of batches per epoch")
-        return loader, bound
-
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
                clipping: L2Clipping | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
         """The model's norm plan (:attr:`plan`), its parameters' clipping groups, and the guarantee that every
@@ -528,41 +492,6 @@ class PrivacyEngine:
         # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
         self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
         self._controls.reseed(seeds)
-
-    def _private_loader(self, data_loader: DataLoader,
-                        world: int) -> tuple[DPDataLoader, BoundSampling]:
-        """The Poisson loader, and the sampling rate and expected batch size the step and the accountant use: one
-        rate for the whole data set, ``q = (expected batch over ranks) / (examples over ranks)``, equal on every
-        rank (each rank drawing its own shard's examples independently at ``q`` is a Poisson sample of the
-        union; ``ValueError`` if it exceeds 1)."""
-        n, batch = loader_size(data_loader)
-        total = all_sum(float(n))
-        q = all_sum(float(batch)) / total if world > 1 else None
-        if q is not None and q > 1:
-            raise ValueError(f"the batch sizes over all ranks add up to more than the {int(total)} examples over all "
-                             f"ranks: the sampling rate must be at most 1")
-        loader = private_data_loader(data_loader, generator=self._sampling_rng,
-                                     on_batch=self._on_batch, on_empty=self._empty_step, sample_rate=q)
-        self.sample_rate = loader.sample_rate
-        self.expected_batch_size = self.sample_rate * total
-        check_same_on_ranks(self.sample_rate, "the sampling rate")
-        check_same_on_ranks(len(loader), "the number of batches per epoch")
-        return loader, Poisson().at_rate(self.sample_rate, round(total))
-
-    def _user_loader(self, data_loader: DataLoader, users: UserLevel,
-                     world: int) -> tuple[DPDataLoader, BoundSampling]:
-        """The loader of users (:func:`dpsgd.users.user_data_loader`): the rate charged is the user rate ``q_u``, and
-        the step divides by the expected number of users ``q_u U``; single process only."""
-        if world > 1:
-            raise ValueError("privacy_unit='user' is supported in a single process only: under torch.distributed a "
-                             "user's examples on different ranks would be clipped separately")
-        loader = user_data_loader(data_loader, users, generator=self._sampling_rng, on_batch=self._on_batch,
-                                  on_empty=self._empty_step)
-        self.sample_rate = loader.sample_rate
-        self.expected_batch_size = self.sample_rate * users.num_users
-        self.privacy_unit, self.max_examples_per_user = "user", users.max_examples_per_user
-        self._user_rows = UserRows()
-        return loader, Poisson().at_rate(self.sample_rate, users.num_users)
 
     def _calibrate(self, accounting: RunAccounting, target_epsilon: float, target_delta: float, planned: int,
                    quiet: bool = False) -> float:
