@@ -153,7 +153,7 @@ def main() -> None:
     check_times = count_checks()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     if args.device == "cuda":   # whether half-precision clipped sums run on the half-precision kernel
-        from dpsgd.layers import wide_kernel_available
+        from dpsgd.handler import wide_kernel_available
 
         dev = torch.device("cuda", torch.cuda.current_device())
         name += f" (bf16 kernel with a float32 result: {wide_kernel_available(dev, torch.bfloat16)})"

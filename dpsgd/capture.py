@@ -1,6 +1,6 @@
 r"""The recorded forward: :class:`Capture` hooks every handled module of a :class:`~dpsgd.plan.NormPlan`, runs each
 call with its parameters replaced by fresh leaf aliases, and records the call's inputs and outputs
-(:class:`~dpsgd.layers.Call`), so that a parameter used outside a recorded call is detected rather than missed;
+(:class:`~dpsgd.handler.Call`), so that a parameter used outside a recorded call is detected rather than missed;
 with the first backward and the graph walks the step and the row check share.
 """
 
@@ -14,14 +14,9 @@ from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 
 from .distributed import is_sharded
+from .handler import Call, flat_tensors, secret_seed
 from .isolation import IncompleteGradientError, StateChangedError, call_examples
-from .layers import (
-    Call,
-    RootParameterHandler,
-    flat_tensors,
-    per_leaf,
-    secret_seed,
-)
+from .materialized import RootParameterHandler, per_leaf
 from .plan import NormPlan, Unit
 from .shared import Share, SharedOutput, share_output
 from .validator import UnsupportedModuleError, frozen_batch_norm
@@ -590,6 +585,6 @@ def leak_message(names: list[str], plan: NormPlan) -> str:
             f"not be clipped; the step was not taken. Causes: the forward ran in eval mode or without the "
             f"private engine's hooks (call model.train()); the parameter is used by another module's forward "
             f"(e.g. F.linear(x, self.other.weight)) -- let that module's handler cover its submodules' parameters: "
-            f"class Whole(dpsgd.layers.FunctionalHandler): recursive = True, then "
-            f"dpsgd.layers.register_handler(TheModuleClass, Whole()) before make_private; or it became trainable "
+            f"class Whole(dpsgd.materialized.FunctionalHandler): recursive = True, then "
+            f"dpsgd.handler.register_handler(TheModuleClass, Whole()) before make_private; or it became trainable "
             f"after make_private. {len(plan.units)} modules are hooked.")

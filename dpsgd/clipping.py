@@ -3,7 +3,7 @@ r"""The DP-SGD-RC step's clipped sums (paper 000, Alg. 1), by book-keeping, and 
 One step, for per-example losses ``L_i`` of a forward that :class:`Capture` recorded:
 
 1. **forward**: every handled module's call (:mod:`dpsgd.layers`) runs with its parameters replaced by
-   fresh leaf *aliases*, and its inputs and outputs are recorded (:class:`~dpsgd.layers.Call`).  A
+   fresh leaf *aliases*, and its inputs and outputs are recorded (:class:`~dpsgd.handler.Call`).  A
    parameter used outside a recorded call (by a parent's forward, after a hook did not fire, ...) is then
    the only way gradient can reach the real parameter, so it is detected rather than missed;
 2. **the row check** on checked steps (a new layout of calls, a probed forward, or every step with
@@ -42,14 +42,8 @@ from torch import nn
 
 from .capture import Capture, check_unchanged, release_call
 from .estimators import gaussian_projection, hutchpp_operator
+from .handler import Call, all_finite, full_float32, matrix_view, segment_sum
 from .isolation import IncompleteGradientError
-from .layers import (
-    Call,
-    all_finite,
-    full_float32,
-    matrix_view,
-    segment_sum,
-)
 from .plan import NormPlan, check_estimator
 from .rowcheck import output_gradients, row_check
 from .strategies import HybridClipping, TwiceSampling, masked_clipped_sum
@@ -254,7 +248,7 @@ def unit_sq_norms(plan: NormPlan, uses: list, k: int, generator: torch.Generator
     r"""Each unit's squared norm ``||sum_{i in u} g_i||^2`` over every parameter the losses reached (float64,
     ``(U,)``; ``FloatingPointError`` if not finite): the norm of the unit's *summed* gradient, cross terms included.
 
-    Per parameter with one call, by its handler's :meth:`~dpsgd.layers.Handler.unit_sq_norms` where it has one
+    Per parameter with one call, by its handler's :meth:`~dpsgd.handler.Handler.unit_sq_norms` where it has one
     (linear layers: the estimator on each unit's rows laid end to end along the token dimension; embeddings: rows
     summed per unit and token id); otherwise, and for a parameter with several calls, as
     :func:`_param_sq_norms` sums several calls: exactly from the per-example

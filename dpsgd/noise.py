@@ -41,7 +41,7 @@ from dpmath import (
 )
 
 from .distributed import is_sharded, local_part
-from .layers import all_finite
+from .handler import all_finite
 
 __all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
 

@@ -17,15 +17,9 @@ from dpmath import Envelope, estimator_envelope
 
 from .distributed import check_sharding
 from .estimators import ESTIMATORS, check_k
-from .layers import (
-    ROOT_PARAMETERS,
-    FunctionalHandler,
-    Handler,
-    handler_for,
-    is_parameter_container,
-    matrix_view,
-    module_type,
-)
+from .handler import Handler, is_parameter_container, matrix_view, module_type
+from .layers import ROOT_PARAMETERS, handler_for
+from .materialized import FunctionalHandler
 from .validator import ModuleValidator, UnsupportedModuleError, uncompiled
 
 #: the estimators a plan can be built with: each of :data:`~dpsgd.estimators.ESTIMATORS`, or ``"auto"``

@@ -23,11 +23,8 @@ from .capture import (
     reset_shares,
 )
 from .distributed import MIN_ROWS, any_rank, is_sharded, max_over_ranks, rank_world
+from .handler import Call, secret_seed
 from .isolation import ExampleMixingError, IncompleteGradientError
-from .layers import (
-    Call,
-    secret_seed,
-)
 from .shared import carrying_back
 
 

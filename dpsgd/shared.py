@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .layers import quiet_batching
+from .materialized import quiet_batching
 
 __all__ = ["SharedOutput", "Share", "share_output", "carrying_back"]
 

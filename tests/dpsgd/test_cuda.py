@@ -78,7 +78,7 @@ def test_every_family_gives_exact_per_example_norms_on_cuda(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_precision_sums_use_the_wide_kernel_and_equal_float32_arithmetic(dtype):
-    from dpsgd.layers import weighted_products, wide_kernel_available
+    from dpsgd.handler import weighted_products, wide_kernel_available
 
     gen = torch.Generator().manual_seed(0)
     g, a = torch.randn(4, 64, 48, generator=gen).to(dtype), torch.randn(4, 64, 40, generator=gen).to(dtype)

@@ -191,7 +191,8 @@ def test_ordinary_models_pass_the_isolation_check_on_every_step():
 def test_the_mixing_check_of_the_exact_fallback_is_relative_to_each_row():
     """A re-run that differs by 1e-5 of a row's own scale is refused even when another row is 1e6 times larger
     (a tolerance relative to the batch's largest output let it pass)."""
-    from dpsgd.layers import Call, _check_per_example
+    from dpsgd.handler import Call
+    from dpsgd.materialized import _check_per_example
 
     full = torch.tensor([[1e6, 1e6], [1.0, -1.0], [2.0, 0.5]])
     per = full.clone()

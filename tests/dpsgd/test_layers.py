@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from dpsgd import NormPlan, per_sample_sq_norms
-from dpsgd.layers import ConvHandler, FunctionalHandler, NormalizationHandler, ScaledRMSNormHandler, handler_for
+from dpsgd.layers import ConvHandler, handler_for
+from dpsgd.materialized import FunctionalHandler, NormalizationHandler, ScaledRMSNormHandler
 from verify.workloads import brute_force_sq_norms, sem
 
 
@@ -205,7 +206,7 @@ def test_initial_states_and_attention_masks_give_exact_per_example_norms(make):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weighted_products_of_half_inputs_are_the_wide_arithmetic_of_the_same_values(dtype):
-    from dpsgd.layers import weighted_products
+    from dpsgd.handler import weighted_products
 
     gen = torch.Generator().manual_seed(0)
     g, a = torch.randn(4, 16, 6, generator=gen).to(dtype), torch.randn(4, 16, 5, generator=gen).to(dtype)
@@ -217,7 +218,7 @@ def test_weighted_products_of_half_inputs_are_the_wide_arithmetic_of_the_same_va
 
 
 def test_full_float32_turns_tf32_off_inside_and_restores_the_settings():
-    from dpsgd.layers import full_float32
+    from dpsgd.handler import full_float32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
     with full_float32():

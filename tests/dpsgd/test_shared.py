@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dpsgd import IncompleteGradientError, PrivacyEngine, per_sample_sq_norms
-from dpsgd.layers import RootParameterHandler
+from dpsgd.materialized import RootParameterHandler
 from verify.workloads import SHARED_OUTPUTS, VOCAB, OwnParameters, brute_force_sq_norms, token_losses
 
 from ..helpers import private_update
@@ -199,7 +199,8 @@ class _GatedLinear(nn.Linear):
 
 
 def test_a_linear_subclass_with_parameters_of_its_own_goes_to_the_exact_fallback():
-    from dpsgd.layers import FunctionalHandler, handler_for
+    from dpsgd.layers import handler_for
+    from dpsgd.materialized import FunctionalHandler
 
     assert type(handler_for(_GatedLinear(4, 3))) is FunctionalHandler
     torch.manual_seed(0)
