@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
 import math
 import os
@@ -62,13 +61,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpmath import (
-    EpsilonSchedule,
-    GridTooLargeError,
     PLDAccountant,
     RDPAccountant,
 )
 
-from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting, read_record
+from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting
 from .capture import DEFAULT_CHECK_RATE
 from .clipping import check_clipping_pass
 from .data import DPDataLoader
@@ -79,6 +76,7 @@ from .distributed import (
     rank_world,
 )
 from .isolation import ExampleTracker
+from .ledger import Ledger
 from .loaders import private_loader
 from .loss import DPCriterion, DPLoss
 from .noise import GaussianNoise, StepNoise, as_noise
@@ -137,10 +135,6 @@ def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int
     return steps
 
 
-# what a state_dict of an earlier version held besides the ledger: the generators' states, which predicted the
-# batches, projections, masks and noise of the steps after the checkpoint
-_GENERATOR_STATE_KEYS = ("sampling_rng", "projection_rngs", "mask_rngs", "noise_rngs", "noise_rng")
-
 
 class PrivacyEngine:
     r"""Makes a model, optimizer, loss and data loader private with DP-SGD-RC, and keeps the privacy ledger.
@@ -188,16 +182,12 @@ class PrivacyEngine:
         self._check_rate = DEFAULT_CHECK_RATE
         self._track_examples = True   # isolation proved by structure; no public switch (tests and benchmarks only)
         self._controls = StepControls()   # what only this engine may do with its step
-        self._steps = 0
-        self._recorded = 0  # steps in the ledger file from earlier runs
-        self._resumed = 0   # steps already counted by the checkpoint this run resumed from
+        self._ledger: Ledger | None = None   # the steps charged and their epsilon (make_private's)
         self._private_step: PrivateStep | None = None   # the batch in progress and its noisy step (make_private's)
         self._plan: NormPlan | None = None   # the first plan, until the step follows the model's
         self._noise_multiplier: float | None = None   # make_private's; read-only afterwards (see noise_multiplier)
         self._accounting: RunAccounting | None = None   # what the run is accounted as: make_private's, read-only
         self._ranks: list[int] = []   # coordinates per sampling group
-        self._epsilons: dict[tuple[int, int, float], float] = {}   # (steps, events charged, delta) -> epsilon
-        self._schedule: EpsilonSchedule | None = None   # get_epsilon's steps and transforms, built once
         self.planned_steps: int | None = None   # the steps a target epsilon was calibrated for (None: not calibrated)
         self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
         self.max_examples_per_user: int | None = None
@@ -410,7 +400,6 @@ class PrivacyEngine:
         logger.info("norm plan: %s; %s", plan.summary(), price)
         check_same_on_ranks(sigma, "noise_multiplier")
         self._fix_settings(accounting, sigma, planned)
-        self._read_ledger()
         optimizer, crit = self._attach(plan, module, optimizer, criterion, basis)
         if seed is not None:
             warnings.warn(f"make_private(seed={seed!r}) makes the run reproducible: its batches, projections, masks "
@@ -519,7 +508,7 @@ class PrivacyEngine:
         self._accounting = accounting
         self._noise_multiplier = sigma
         self.planned_steps = planned
-        self._settings = accounting.record(sigma)
+        self._ledger = Ledger(accounting, sigma, planned, self.ledger_path, self._stream)
 
     def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
                 criterion: nn.Module | None, basis: torch.Tensor | None) -> tuple[DPOptimizer, DPCriterion]:
@@ -533,28 +522,13 @@ class PrivacyEngine:
                            expected_batch_size=self.expected_batch_size, estimator=self.estimator,
                            projection_dim=self.projection_dim, clipping_pass=self.clipping_pass, basis=basis,
                            seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks,
-                           admit=self._admit_step, record=self._record_step, controls=self._controls)
+                           admit=self._ledger.admit, record=self._ledger.record, controls=self._controls)
         self._controls.set_checks(self._check_every_step, self._check_rate, self._track_examples)
         self._private_step = step
         _STEPS[module] = weakref.ref(step)
         self._optimizer = DPOptimizer(optimizer, step, noise_multiplier=self._noise_multiplier,
                                       max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size)
         return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), step)
-
-    def _admit_step(self) -> None:
-        """``RuntimeError`` for a step beyond those the noise was calibrated for (steps, or an epoch sampler's
-        epochs): the target epsilon holds for the calibrated count, never more."""
-        if self.planned_steps is None:
-            return
-        if self.spent_steps >= self.planned_steps:
-            raise RuntimeError(f"the noise was calibrated for {self.planned_steps} steps (target_epsilon at "
-                               f"target_delta) and they have all been taken; another step would spend more than "
-                               f"the target. Calibrate for the steps you will run (make_private(steps=...)).")
-        sampling = self._accounting.sampling
-        if sampling.scheme.per_epoch and self._events(self.spent_steps) > sampling.events(self.planned_steps):
-            raise RuntimeError(f"the noise was calibrated for {sampling.events(self.planned_steps)} epochs of "
-                               f"{sampling.scheme!r} and this step's batch begins another (batches were drawn "
-                               f"without a step); another step would spend more than the target")
 
     def _on_batch(self, *args, **kwargs) -> None:
         """The private loader's call as it yields a batch (before make_private has built the step: refused)."""
@@ -708,60 +682,23 @@ class PrivacyEngine:
         if self._private_step is None:
             raise RuntimeError("call make_private(...) on this PrivacyEngine first")
 
-    def _read_ledger(self) -> None:
-        if self.ledger_path is None or not os.path.exists(self.ledger_path):
-            return
-        with open(self.ledger_path) as fh:
-            lines = [json.loads(line) for line in fh if line.strip()]
-        for rec in lines:
-            if read_record(rec["settings"], f"ledger {self.ledger_path}") != self._settings:
-                raise ValueError(f"ledger {self.ledger_path} was written with different privacy settings "
-                                 f"({rec['settings']}); use a new ledger file")
-        self._recorded = len(lines)
-
-    def _record_step(self) -> None:
-        self._steps += 1
-        if self.ledger_path is not None and rank_world()[0] == 0:
-            with open(self.ledger_path, "a") as fh:
-                fh.write(json.dumps({"step": self._steps, "settings": self._settings}) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-
     @property
     def steps(self) -> int:
         """Noisy steps of this run (from a resumed checkpoint on)."""
-        return self._steps
+        return 0 if self._ledger is None else self._ledger.steps
 
     @property
     def spent_steps(self) -> int:
-        """Noisy steps whose privacy is spent: this run's, or the ledger file's count if that is larger."""
-        return max(self._steps, self._recorded + self._steps - self._resumed)
-
-    def _mechanism(self):
-        """The dpmath mechanism of one accounted event (a step; an epoch for an epoch sampler)."""
-        return self._accounting.mechanism(self.noise_multiplier)
-
-    def _events(self, steps: int) -> int:
-        """How many of :meth:`_mechanism`'s events ``steps`` steps charge (an epoch sampler: the epochs its stream
-        has begun, counted from the batches drawn when ``steps`` are the steps taken)."""
-        # a count at or above the steps taken includes the epochs the stream has begun (batches drawn without a step)
-        return self._accounting.events(steps, self._stream if steps >= self.spent_steps else None)
+        """Noisy steps whose privacy is spent: this run's, or more where the ledger file (or an earlier state of this
+        run) counted more."""
+        return 0 if self._ledger is None else self._ledger.spent_steps
 
     def accountant(self) -> PLDAccountant | RDPAccountant:
         """A fresh accountant holding every step taken so far: a :class:`dpmath.PLDAccountant`, or with twice
         sampling a :class:`dpmath.RDPAccountant` (its mechanism has an RDP bound only).
         """
         self._require_private()
-        return self._composed(self.spent_steps)
-
-    def _composed(self, steps: int) -> PLDAccountant | RDPAccountant:
-        """A fresh accountant holding ``steps`` steps of this run's mechanism."""
-        acc = self._accounting.accountant()
-        if steps:
-            if self.noise_multiplier == 0:
-                raise ValueError("noise_multiplier is 0: no privacy guarantee")
-            acc.compose(self._mechanism(), self._events(steps))
-        return acc
+        return self._ledger.composed(self.spent_steps)
 
     def get_epsilon(self, delta: float, *, overcount: float = 0.0) -> float:
         """Upper bound on the epsilon spent so far at ``delta`` (0 before the first step).
@@ -820,46 +757,7 @@ class PrivacyEngine:
         True
         """
         self._require_private()
-        steps = self.spent_steps
-        if not steps:
-            return 0.0
-        rate = check_positive(overcount, "overcount", allow_zero=True)
-        if rate:
-            # the first grid count at or above the steps taken (the tolerance keeps a product such as 1.1 x 10
-            # from rounding up past the grid's own count)
-            charged = 1
-            while charged < steps:
-                charged = max(charged + 1, math.ceil((1 + rate) * charged - 1e-9))
-            if self.planned_steps is not None:
-                charged = max(steps, min(charged, self.planned_steps))
-            steps = charged
-        key = (steps, self._events(steps), float(delta))   # an epoch sampler's epochs move with its batches drawn
-        if key not in self._epsilons:
-            self._epsilons[key] = self._epsilon_at(steps, delta)
-        return self._epsilons[key]
-
-    def _epsilon_at(self, steps: int, delta: float) -> float:
-        """The epsilon of ``steps`` steps: the run's :class:`dpmath.EpsilonSchedule`, or a fresh accountant at the
-        calibrated count and where the accountant is not a plain :class:`dpmath.PLDAccountant`."""
-        accountant = self._accounting.accountant()
-        # a float bracket_rtol refines without a budget (the accountant's); the default "auto" and None: the schedule
-        if (not isinstance(accountant, PLDAccountant) or isinstance(accountant.bracket_rtol, float)
-                or not self._accounting.poisson_batches
-                or steps == self.planned_steps or self.noise_multiplier == 0):
-            # only the number is kept: the composed accountant holds hundreds of MB of loss grids
-            return self._composed(steps).epsilon(delta)
-        mechanism = self._mechanism()
-        schedule = self._schedule
-        if schedule is None or schedule.mechanism != mechanism or schedule.max_count < steps:
-            # the calibrated count where there is one (no step passes it); else a power of two, so that a run of
-            # unknown length builds the step about log2(steps / 64) times
-            planned = self.planned_steps if self.planned_steps is not None and self.planned_steps >= steps else \
-                max(64, 1 << (steps - 1).bit_length())
-            schedule = self._schedule = EpsilonSchedule.for_accountant(accountant, mechanism, planned)
-        try:
-            return schedule.epsilon(steps, delta)
-        except GridTooLargeError:   # the step's grid, chosen for more steps, is too large: this count's alone
-            return self._composed(steps).epsilon(delta)
+        return self._ledger.epsilon(delta, overcount)
 
     def detach(self) -> None:
         """Remove the hooks from the model: it trains and evaluates as it did before ``make_private``."""
@@ -874,9 +772,7 @@ class PrivacyEngine:
         noise of any step, so a checkpoint file can be read by anyone without disclosing the clipped sums of the
         steps after it."""
         self._require_private()
-        epochs = {} if not self._accounting.sampling.scheme.per_epoch else {
-            "epochs": self._events(self.spent_steps)}   # an epoch sampler's epochs charged: the resumed stream's start
-        return {"settings": dict(self._settings), "steps": self._steps, **epochs}
+        return self._ledger.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the settings must equal this engine's (else ValueError); the ledger continues, and every
@@ -888,27 +784,5 @@ class PrivacyEngine:
         epsilon counts the same steps.  A state of an earlier version, which also held the generators' states,
         loads with a ``UserWarning``: those states are ignored."""
         self._require_private()
-        saved = read_record(state["settings"], "this checkpoint")
-        if saved != self._settings:
-            # keys of either side: a setting only one of them records (privacy_unit) is a difference too
-            diff = {k: (saved.get(k), self._settings.get(k)) for k in sorted(saved.keys() | self._settings.keys())
-                    if saved.get(k) != self._settings.get(k)}
-            raise ValueError(f"checkpoint was made with different privacy settings (saved, now): {diff}")
-        # the steps known spent stay spent: a checkpoint older than steps this engine took (or its ledger holds)
-        # moves the count of this run, never the spent count down
-        spent, epochs = self.spent_steps, self._events(self.spent_steps)
-        self._recorded = spent
-        self._steps = self._resumed = int(state["steps"])
-        if self._accounting.sampling.scheme.per_epoch:
-            # the next batch begins a new epoch after those charged, so none of them can see an example twice; the
-            # new epoch's allocation or permutation is drawn afresh (below), not the interrupted run's: each epoch
-            # charged is one epoch of its own sampler, whatever its draw, so the accounting is the same (the
-            # partial epoch cut off by the checkpoint stays charged whole, as before)
-            self._stream.resume(max(int(state["epochs"]), epochs))
-        old = sorted(k for k in _GENERATOR_STATE_KEYS if k in state)
-        if old:
-            warnings.warn(f"this state_dict, of an earlier version of dpsgd, holds generator states "
-                          f"({', '.join(old)}); they are ignored: a resumed run reseeds every generator from "
-                          f"os.urandom. That file predicts the noise of the steps after it: delete it, or keep it as "
-                          f"private as the data", UserWarning, stacklevel=2)
+        self._ledger.load_state_dict(state)
         self._reseed()
