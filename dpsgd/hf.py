@@ -136,6 +136,7 @@ class PrivacyArguments:
     user_ids: object = None
     max_examples_per_user: int | None = None
     batch_sampling: BatchSampling | str = "poisson"
+    grad_sample_mode: str | None = None
     secure_mode: bool = False
     ledger_path: str | os.PathLike | None = None
     check_every_step: bool = False

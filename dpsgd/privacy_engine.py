@@ -120,6 +120,25 @@ def _refuse_hooked(module: nn.Module) -> None:
                            "or build the model again")
 
 
+#: Opacus' ``grad_sample_mode`` values, and this library's estimators, by the estimator they mean here
+GRAD_SAMPLE_MODES = {"hooks": "exact", "functorch": "exact", "ew": "exact", "ghost": "ghost", "auto": "auto",
+                     "hutch": "hutch", "hutchpp": "hutchpp", "exact": "exact"}
+
+
+def _estimator_of(estimator: str, grad_sample_mode: str | None) -> str:
+    """``make_private``'s estimator from ``estimator`` or Opacus' ``grad_sample_mode`` (``ValueError`` naming both
+    if they disagree, or an unknown mode)."""
+    if grad_sample_mode is None:
+        return estimator
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"grad_sample_mode must be one of {sorted(GRAD_SAMPLE_MODES)}, got {grad_sample_mode!r}")
+    mapped = GRAD_SAMPLE_MODES[grad_sample_mode]
+    if estimator not in ("auto", mapped):
+        raise ValueError(f"give estimator or grad_sample_mode, not both: estimator={estimator!r} and "
+                         f"grad_sample_mode={grad_sample_mode!r} (which means estimator={mapped!r})")
+    return mapped
+
+
 def _did_you_mean(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -216,7 +235,7 @@ class PrivacyEngine:
                      gradient_projection: torch.Tensor | None = None, noise: StepNoise | str = "gaussian",
                      clipping: L2Clipping | TwiceSampling | HybridClipping | None = None,
                      privacy_unit: str = "example", user_ids=None, max_examples_per_user: int | None = None,
-                     batch_sampling: BatchSampling | str = "poisson",
+                     batch_sampling: BatchSampling | str = "poisson", grad_sample_mode: str | None = None,
                      ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
         r"""Make training private; give ``noise_multiplier`` or ``target_epsilon``, ``target_delta`` and one of
         ``epochs`` or ``steps``.
@@ -321,6 +340,11 @@ class PrivacyEngine:
         max_examples_per_user : int, optional
             With ``privacy_unit="user"``: a drawn user brings a uniformly random subset of at most this many of
             its examples (``None``: all of them); bounds a physical batch's rows per user.
+        grad_sample_mode : str, optional
+            Opacus' name for how per-example gradients are found, mapped onto ``estimator``:
+            :data:`GRAD_SAMPLE_MODES` (``"hooks"``, ``"functorch"``, ``"ew"``: ``"exact"``; ``"ghost"``: ``"ghost"``;
+            and this library's own ``"auto"``, ``"hutch"``, ``"hutchpp"``, ``"exact"``).  Give it or ``estimator``,
+            not both.
 
         Returns
         -------
@@ -342,6 +366,7 @@ class PrivacyEngine:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
                              f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
+        estimator = _estimator_of(estimator, grad_sample_mode)
         noise, clipping, c, sigma = self._checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
             projection_dim, clipping_pass, noise, clipping)
@@ -407,6 +432,32 @@ class PrivacyEngine:
                           f"holds the seed (its epsilon holds only for those who do not). Leave seed=None (the "
                           f"default) to seed them from os.urandom", UserWarning, stacklevel=2)
         return compiled, optimizer, crit, loader
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float, target_delta: float,
+                                  epochs: float | None = None, max_grad_norm: float, steps: int | None = None,
+                                  **options) -> tuple:
+        """Opacus' name for :meth:`make_private` with a target: the noise multiplier is calibrated so that after
+        ``epochs`` (or ``steps``) the epsilon at ``target_delta`` is at most ``target_epsilon``; ``options`` are
+        ``make_private``'s.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from dpsgd import PrivacyEngine
+        >>> engine, model = PrivacyEngine(), nn.Linear(4, 2)
+        >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
+        >>> model, opt, crit, loader = engine.make_private_with_epsilon(module=model,
+        ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=10),
+        ...     target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0, grad_sample_mode="ghost")
+        >>> engine.planned_steps, engine.estimator
+        (20, 'ghost')
+        """
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
+                                 max_grad_norm=max_grad_norm, **options)
 
     @staticmethod
     def _checked_arguments(optimizer: torch.optim.Optimizer, max_grad_norm: float, noise_multiplier: float | None,

@@ -503,6 +503,7 @@ class PrivateStep:
         in the ledger as soon as the noisy gradients exist, before anything steps with them: whoever obtains them
         has a charged step (a wrapped optimizer that then fails over-counts one, on the safe side)."""
         self._admit()
+        self._refuse_untrained_step()   # first: a plain backward's message names the fix
         if self._drawn and not self._backpropagated and not self._discarded:
             raise RuntimeError("optimizer.step() without loss.backward() on a private loss of this batch")
         if self._backpropagated > self._drawn:
@@ -517,7 +518,6 @@ class PrivateStep:
                                f"into one row gives each row up to k examples' influence while the accountant charges "
                                f"per example; pack within an example, or use one row per example. (Call "
                                f"optimizer.zero_grad() first to drop this batch with a noise-only step.)")
-        self._refuse_untrained_step()
         written = [self.plan.names[id(p)] for p in self.plan.params if p.grad is not None]
         if written:
             raise RuntimeError(f"{written[0]}.grad was written outside the private backward (a plain "
