@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="2 methods, 1 run, 400 canaries: the smoke setting")
-    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results/utility"))
+    ap.add_argument("--out", type=pathlib.Path, default=None,
+                    help="default benchmarks/results/utility; with --small its untracked small/ folder")
     args = ap.parse_args(argv)
     if args.small:
         args.methods, args.runs, args.canaries, args.input_canaries, args.ordinary = ["exact", "hutch"], 1, 400, 40, 100
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "canaries": args.canaries, "input_canaries": args.input_canaries,
                            "ordinary": args.ordinary},
               "rows": rows}
+    if args.out is None:   # a smoke run never overwrites the tracked results
+        args.out = pathlib.Path("benchmarks/results/utility") / ("small" if args.small else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / ("canary_audit_small.json" if args.small else "canary_audit.json")).write_text(
         json.dumps(result, indent=1))

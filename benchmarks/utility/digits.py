@@ -64,7 +64,8 @@ Commands (one CPU thread; the JSON and PNG go to ``--out`` and ``--out`` with th
 
 The default writes ``benchmarks/results/utility/digits.json`` and ``digits.png`` (left: test accuracy against
 epsilon per method, non-private as a band; right: each method's sigma over exact's); ``--small`` writes
-``digits_small.json`` and ``digits_small.png``.  ``--lr``, ``--max-grad-norm`` and ``--lr-non-private``
+``benchmarks/results/utility/small/digits_small.json`` and ``.png`` (untracked: a smoke run never overwrites the
+results).  ``--lr``, ``--max-grad-norm`` and ``--lr-non-private``
 given skip the tuning.  Default run: 1,136 s (19 min) on one thread, measured while the machine's two cores
 were shared with other work; ``--small``: about 10 s with the imports.
 """
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None:
-        args.out = RESULTS / ("digits_small.json" if args.small else "digits.json")
+        args.out = RESULTS / "small" / "digits_small.json" if args.small else RESULTS / "digits.json"
     torch.set_num_threads(1)   # the timings are one thread's; the machine is shared
     start = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -432,7 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--full", dest="modes", action="store_const", const=["full"], help="full fine-tuning only")
     which.add_argument("--lora", dest="modes", action="store_const", const=["lora"], help="LoRA only")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the JSON, the PNG and the cache")
+    ap.add_argument("--out", type=Path, default=None, help="directory for the JSON, the PNG and the cache (default "
+                    "benchmarks/results/utility; with --small its untracked small/ folder)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     setting = SMALL if args.small else DEFAULT
@@ -440,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = range(args.seeds or (2 if args.small else 3))
     modes = args.modes or list(MODES)
     stem = "text_small" if args.small else "text"
+    if args.out is None:   # a smoke run never overwrites the tracked results
+        args.out = DEFAULT_OUT / "small" if args.small else DEFAULT_OUT
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
