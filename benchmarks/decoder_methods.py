@@ -112,15 +112,15 @@ def run(method: str, seed: int, eps: float, train: torch.Tensor, test: torch.Ten
     elif method == "lap2":
         kw["noise"] = LaplaceNoise()
     elif method == "twice":
-        kw["sampling"] = TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)
+        kw["clipping"] = TwiceSampling(coordinate_rate=0.5, max_grad_coordinate=0.05)
     elif method == "hybrid":
-        kw["sampling"] = HybridClipping({"transformer.wte": (0.6, 0.05), "transformer.wpe": (0.6, 0.05),
+        kw["clipping"] = HybridClipping({"transformer.wte": (0.6, 0.05), "transformer.wpe": (0.6, 0.05),
                                          "": (0.8, 0.05)}, coordinate_rate=0.5)
-        kw["max_grad_norm"] = kw["sampling"].overall_norm()
+        kw["max_grad_norm"] = kw["clipping"].overall_norm()
     elif method == "subspace":
         kw["gradient_projection"] = public_basis(seed, public, 64)
     engine = PrivacyEngine()
-    model, optimizer, _, loader = engine.make_private(
+    model, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, target_epsilon=eps, target_delta=DELTA,
         epochs=EPOCHS, seed=seed, **{"max_grad_norm": 1.0, **kw})
     for _ in range(EPOCHS):

@@ -57,7 +57,7 @@ def trains(build, autocast: bool) -> str:
     engine = PrivacyEngine()
     engine.check_every_step = True
     try:
-        model, opt, _, loader = engine.make_private(
+        model, opt, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
             data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
             estimator="hutch", projection_dim=8, seed=0, batch_sampling="fixed_size")

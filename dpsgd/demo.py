@@ -124,9 +124,10 @@ def train_epoch(model: nn.Module, optimizer: DPOptimizer, criterion: DPCriterion
     >>> from dpsgd import PrivacyEngine
     >>> from dpsgd.demo import train_epoch
     >>> model = nn.Linear(4, 2)
-    >>> model, opt, crit, loader = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(
-    ...     model.parameters(), lr=0.1), data_loader=DataLoader(TensorDataset(torch.randn(40, 4),
-    ...     torch.randint(0, 2, (40,))), batch_size=10), max_grad_norm=1.0, noise_multiplier=1.0)
+    >>> model, opt, crit, loader = PrivacyEngine().make_private(criterion=nn.CrossEntropyLoss(), module=model,
+    ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    ...     data_loader=DataLoader(TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,))), batch_size=10),
+    ...     max_grad_norm=1.0, noise_multiplier=1.0)
     >>> 0 < train_epoch(model, opt, crit, loader, "epoch 1/1") < 5
     True
     """

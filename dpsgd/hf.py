@@ -244,7 +244,7 @@ class DPTrainer(Trainer):
         else:   # target_delta is also the delta epsilon is logged at: a given noise multiplier is not calibrated
             options.update(target_epsilon=None, target_delta=None)
         self.create_optimizer()
-        self.model, self.optimizer, _, loader = self.privacy_engine.make_private(
+        self.model, self.optimizer, loader = self.privacy_engine.make_private(
             module=self.model, optimizer=self.optimizer, data_loader=logical, **options)
         self._dp_loader = loader.in_chunks(accumulation)
         self._batch_norms: list | None = None

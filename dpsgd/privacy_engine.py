@@ -68,7 +68,6 @@ from dpmath import (
 from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting
 from .capture import DEFAULT_CHECK_RATE
 from .clipping import check_clipping_pass
-from .data import DPDataLoader
 from .distributed import (
     broadcast_int,
     check_same_on_ranks,
@@ -236,7 +235,7 @@ class PrivacyEngine:
                      clipping: L2Clipping | TwiceSampling | HybridClipping | None = None,
                      privacy_unit: str = "example", user_ids=None, max_examples_per_user: int | None = None,
                      batch_sampling: BatchSampling | str = "poisson", grad_sample_mode: str | None = None,
-                     ) -> tuple[nn.Module, DPOptimizer, DPCriterion, DPDataLoader]:
+                     ) -> tuple:
         r"""Make training private; give ``noise_multiplier`` or ``target_epsilon``, ``target_delta`` and one of
         ``epochs`` or ``steps``.
 
@@ -246,8 +245,9 @@ class PrivacyEngine:
             Model, any torch optimizer over its trainable parameters, and a loader with a fixed
             ``batch_size`` (the expected batch size) over a sized dataset.
         criterion : torch.nn.Module or callable, optional
-            A loss module with a ``reduction`` attribute (default ``nn.CrossEntropyLoss()``), or a loss function
-            that takes ``reduction=`` (``F.cross_entropy``; called with ``reduction="none"``).
+            A loss module with a ``reduction`` attribute, or a loss function that takes ``reduction=``
+            (``F.cross_entropy``; called with ``reduction="none"``), returned made private; without one, the
+            return is Opacus' 3-tuple and losses go through :meth:`private_loss`.
         max_grad_norm : float
             Clipping threshold ``C > 0``.
         noise_multiplier : float, optional
@@ -349,8 +349,10 @@ class PrivacyEngine:
         Returns
         -------
         tuple
-            ``(module, optimizer, criterion, data_loader)``: the same module with hooks, a
-            :class:`DPOptimizer`, a :class:`DPCriterion` and a :class:`~dpsgd.data.DPDataLoader`.
+            ``(module, optimizer, criterion, data_loader)`` with a ``criterion``: the same module with hooks, a
+            :class:`~dpsgd.optimizer.DPOptimizer`, a :class:`~dpsgd.loss.DPCriterion` and a
+            :class:`~dpsgd.data.DPDataLoader`; without one, Opacus' ``(module, optimizer, data_loader)``, the
+            per-example losses then made private by :meth:`private_loss`.
 
         Notes
         -----
@@ -431,6 +433,8 @@ class PrivacyEngine:
                           f"and noise are all derived from the seed, so the run offers no privacy against whoever "
                           f"holds the seed (its epsilon holds only for those who do not). Leave seed=None (the "
                           f"default) to seed them from os.urandom", UserWarning, stacklevel=2)
+        if criterion is None:   # Opacus' shape: losses go through private_loss (or pass a criterion)
+            return compiled, optimizer, loader
         return compiled, optimizer, crit, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -449,7 +453,7 @@ class PrivacyEngine:
         >>> from dpsgd import PrivacyEngine
         >>> engine, model = PrivacyEngine(), nn.Linear(4, 2)
         >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
-        >>> model, opt, crit, loader = engine.make_private_with_epsilon(module=model,
+        >>> model, opt, crit, loader = engine.make_private_with_epsilon(criterion=nn.CrossEntropyLoss(), module=model,
         ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=10),
         ...     target_epsilon=3.0, target_delta=1e-5, epochs=2, max_grad_norm=1.0, grad_sample_mode="ghost")
         >>> engine.planned_steps, engine.estimator
@@ -791,9 +795,9 @@ class PrivacyEngine:
         >>> from dpsgd import PrivacyEngine
         >>> engine, model = PrivacyEngine(), nn.Linear(4, 2)
         >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 2, (100,)))
-        >>> model, opt, crit, loader = engine.make_private(module=model, data_loader=DataLoader(data, batch_size=10),
-        ...     optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
-        ...     estimator="exact")
+        >>> model, opt, crit, loader = engine.make_private(criterion=nn.CrossEntropyLoss(), module=model,
+        ...     data_loader=DataLoader(data, batch_size=10), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ...     max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact")
         >>> for x, y in loader:
         ...     opt.zero_grad()
         ...     crit(model(x), y).backward()

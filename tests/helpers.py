@@ -85,7 +85,7 @@ def private_update(model: nn.Module, batch: torch.Tensor, losses, *, max_grad_no
     engine = PrivacyEngine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the reproducibility seed's warning
-        model, opt, _, loader = engine.make_private(
+        model, opt, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(batch), batch_size=n),
             max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, **{"estimator": "exact", "seed": 0, **kw})
     before = flat_params(model)

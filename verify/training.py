@@ -369,7 +369,7 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     track = [model.probe.weight.detach()[1:, 0].clone()]
     base_opt.register_step_post_hook(lambda *_: track.append(model.probe.weight.detach()[1:, 0].clone()))
     engine = PrivacyEngine()
-    model, opt, crit, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=base_opt, data_loader=DataLoader(data, batch_size=batch),
         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, projection_dim=k,
         seed=int(rng.integers(2**62)), batch_sampling=scheme, **by_user)

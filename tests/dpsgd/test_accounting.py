@@ -85,7 +85,7 @@ def _run(tmp_path=None, batch_sampling="poisson", seed=0):
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(data, batch_size=6), max_grad_norm=1.0, noise_multiplier=1.2, estimator="exact",
-            batch_sampling=batch_sampling, seed=seed)
+            batch_sampling=batch_sampling, seed=seed, criterion=nn.CrossEntropyLoss())
     return engine, model, opt, crit, loader
 
 

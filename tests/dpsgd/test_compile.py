@@ -50,7 +50,7 @@ def test_a_compiled_model_trains_privately_with_the_eager_per_example_norms(when
     engine.check_every_step = True
     if when == "before":
         model = torch.compile(model, backend="aot_eager")
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(TensorDataset(ids), batch_size=8), max_grad_norm=1.0, noise_multiplier=1.0,
         estimator="exact", seed=0)

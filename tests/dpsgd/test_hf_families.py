@@ -27,7 +27,7 @@ def test_a_stock_family_trains_with_the_row_check_on_every_step(name, autocast):
     ids = torch.randint(1, VOCAB, (12, 10), generator=torch.Generator().manual_seed(1))
     engine = PrivacyEngine()
     engine.check_every_step = True
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
         data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
         estimator="hutch", projection_dim=8, seed=0)

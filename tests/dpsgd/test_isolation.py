@@ -166,7 +166,7 @@ def _train_lm(model, batch, autocast=False):
     engine = PrivacyEngine()
     engine.check_every_step = True
     ids = torch.randint(1, VOCAB, (24, 8), generator=torch.Generator().manual_seed(0))
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(ids), batch_size=batch), max_grad_norm=1.0, noise_multiplier=1.0,
         estimator="hutch", seed=0)

@@ -22,7 +22,7 @@ def _private(engine=None, loader_kw=None, **kw):
     model = nn.Linear(4, 2)
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 data_loader=DataLoader(_data(), batch_size=6, **(loader_kw or {})), max_grad_norm=1.0,
-                noise_multiplier=1.0, seed=0)
+                noise_multiplier=1.0, seed=0, criterion=nn.CrossEntropyLoss())
     args.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the seed's warning
@@ -36,11 +36,13 @@ def _one_step(engine, model, opt, crit, loader):
     opt.step()
 
 
-def test_make_private_returns_four_with_the_private_criterion():
-    out = _private()
-    assert len(out) == 5   # the engine, then the 4-tuple
-    engine, model, opt, crit, loader = out
-    _one_step(engine, model, opt, crit, loader)
+def test_make_private_returns_opacus_three_tuple_without_a_criterion_and_four_with_one():
+    assert len(_private()) == 5   # the engine, then (model, optimizer, criterion, loader)
+    engine, model, opt, loader = _private(criterion=None)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    engine.private_loss(nn.functional.cross_entropy(model(x), y, reduction="none")).backward()
+    opt.step()
     assert engine.steps == 1
 
 

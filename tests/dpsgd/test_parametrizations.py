@@ -36,7 +36,7 @@ def test_spectral_norm_trains_privately_its_power_iteration_is_not_a_state_chang
     model = Parametrized("spectral_norm")
     ids = torch.randint(1, VOCAB, (32, T))
     engine = PrivacyEngine()
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", projection_dim=4, seed=0)

@@ -109,7 +109,7 @@ def _train(batch_sampling, estimator="exact", steps=None, sigma=1.5, loops=1, st
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=B),
         max_grad_norm=1.0, noise_multiplier=None if kw else sigma, estimator=estimator, seed=0,
-        batch_sampling=batch_sampling, **kw)
+        batch_sampling=batch_sampling, criterion=nn.CrossEntropyLoss(), **kw)
     for _ in range(loops):
         # stopping early: before drawing the next batch (a drawn batch must be stepped on)
         for x, y in (loader if stop is None else itertools.islice(loader, stop)):
@@ -264,7 +264,8 @@ def test_a_padded_run_accounts_truncated_poisson_and_refuses_splitting_it():
     model = nn.Linear(4, 2)
     model, opt, crit, loader = PrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=B),
-        max_grad_norm=1.0, noise_multiplier=1.0, estimator="ghost", batch_sampling=TruncatedPoisson(30, pad=True))
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="ghost", batch_sampling=TruncatedPoisson(30, pad=True),
+        criterion=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="cannot be split"):
         BatchMemoryManager(data_loader=loader, max_physical_batch_size=10, optimizer=opt)
     x, y = next(iter(loader))
@@ -320,7 +321,7 @@ def _padded_run(collate, steps=6, brute_force=False):
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(data, batch_size=B, collate_fn=collate), max_grad_norm=0.5, noise_multiplier=0.0,
-        estimator="ghost", seed=0, batch_sampling=TruncatedPoisson(24, pad=True))
+        estimator="ghost", seed=0, batch_sampling=TruncatedPoisson(24, pad=True), criterion=nn.CrossEntropyLoss())
     clipped, filler = 0.0, 0
     for batch in itertools.islice(loader, steps):
         before = [p.detach().clone() for p in model.parameters()]
@@ -415,7 +416,7 @@ def text_run(collate, data, batch_size, steps=5, **kw):
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         data_loader=DataLoader(data, batch_size=batch_size, collate_fn=collate), max_grad_norm=0.05,
-        noise_multiplier=0.0, estimator="ghost", seed=0, **kw)
+        noise_multiplier=0.0, estimator="ghost", seed=0, criterion=nn.CrossEntropyLoss(), **kw)
     for batch in itertools.islice(loader, steps):
         opt.zero_grad()
         crit(model(batch["input_ids"], batch["attention_mask"]), batch["labels"]).backward()
@@ -444,7 +445,7 @@ def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
         model, opt, crit, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(data, batch_size=B), max_grad_norm=1.0, noise_multiplier=1.5, estimator="exact",
-            seed=0, batch_sampling="balls_in_bins")
+            seed=0, batch_sampling="balls_in_bins", criterion=nn.CrossEntropyLoss())
         if state is not None:
             engine.load_state_dict(state)
         stream = itertools.chain.from_iterable(itertools.repeat(loader, 3))

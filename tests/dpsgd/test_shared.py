@@ -38,7 +38,7 @@ def test_parameters_of_the_model_itself_get_their_own_handler_and_train_without_
     engine = PrivacyEngine()
     model = OwnParameters()
     ids = torch.randint(1, VOCAB, (32, T))
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8),
         max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", projection_dim=4, seed=0)

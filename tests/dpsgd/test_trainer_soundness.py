@@ -33,7 +33,8 @@ def _engine(model=None, n=48, batch=12, noise=0.0, estimator="exact", c=1.0, see
     engine = PrivacyEngine()
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(ids), batch_size=batch),
-        max_grad_norm=c, noise_multiplier=noise, estimator=estimator, seed=seed, **kw)
+        max_grad_norm=c, noise_multiplier=noise, estimator=estimator, seed=seed,
+        **{"criterion": nn.CrossEntropyLoss(), **kw})
     return engine, model, opt, crit, loader
 
 
@@ -158,7 +159,7 @@ def test_batchnorm2d_cnn_is_refused_before_any_torch_func_error_and_fixed_cnn_tr
     cnn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     data_ = TensorDataset(torch.randn(20, 1, 6, 6), torch.randint(0, 2, (20,)))
     kw = dict(optimizer=torch.optim.SGD(cnn.parameters(), lr=0.1), data_loader=DataLoader(data_, batch_size=5),
-              max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+              max_grad_norm=1.0, noise_multiplier=1.0, seed=0, criterion=nn.CrossEntropyLoss())
     with pytest.raises(UnsupportedModuleError, match="BatchNorm2d"):
         PrivacyEngine().make_private(module=cnn, **kw)
     cnn = ModuleValidator.fix(cnn)
@@ -561,7 +562,7 @@ def test_rows_that_are_not_the_examples_are_refused_by_the_engine_before_anythin
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(4, 4, 3, dtype=torch.float64))
     engine = PrivacyEngine()
-    model, opt, _, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=4),
+    model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=4),
                                            max_grad_norm=1.0, noise_multiplier=1.0, estimator="hutch", seed=0)
     x = data.tensors[0]
     with pytest.raises(IncompleteGradientError):

@@ -154,7 +154,8 @@ def _user_run(users, collate=None, batch_size=4, **kw):
     engine = PrivacyEngine()
     args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                 data_loader=DataLoader(ds, batch_size=batch_size, collate_fn=collate), max_grad_norm=C,
-                noise_multiplier=0.0, estimator="ghost", privacy_unit="user", user_ids=users, seed=1)
+                noise_multiplier=0.0, estimator="ghost", privacy_unit="user", user_ids=users, seed=1,
+                criterion=nn.CrossEntropyLoss())
     args.update(kw)
     return engine, *engine.make_private(**args)
 

@@ -23,7 +23,8 @@ def _private(model, x, batch=4, **kw):
     out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                               data_loader=DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)),
                                                      batch_size=batch),
-                              max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0, **kw)
+                              max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0,
+                              **{"criterion": nn.CrossEntropyLoss(), **kw})
     return engine, *out
 
 
@@ -91,7 +92,7 @@ def test_a_run_through_the_exact_fallback_emits_no_warning_of_ours():
     model = RecurrentLM().train()
     engine = PrivacyEngine()
     ids = torch.randint(1, VOCAB, (16, 8))
-    model, opt, _, loader = engine.make_private(
+    model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(ids), batch_size=4), max_grad_norm=1.0, noise_multiplier=1.0,
         estimator="exact", seed=0)
@@ -229,7 +230,7 @@ def test_a_recurrent_layer_on_a_packed_sequence_is_refused_naming_it_and_padding
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, lengths, torch.zeros(16, dtype=torch.long)), batch_size=4),
-        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0)
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0, criterion=nn.CrossEntropyLoss())
     xb, lb, yb = next(iter(loader))
     with pytest.raises(UnsupportedModuleError, match=rf"^rnn: {cell.__name__} .*PackedSequence.*pad"):
         model(xb, lb)
@@ -248,7 +249,7 @@ def test_a_recurrent_layer_on_a_packed_sequence_is_refused_naming_it_and_padding
     model, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, lengths, torch.zeros(16, dtype=torch.long)), batch_size=4),
-        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0)
+        max_grad_norm=1.0, noise_multiplier=1.0, estimator="exact", seed=0, criterion=nn.CrossEntropyLoss())
     for xb, lb, yb in loader:
         crit(model(xb, lb), yb).backward()
         opt.step()
