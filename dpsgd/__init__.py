@@ -1,15 +1,24 @@
 """dpsgd: the randomized-clipping DP-SGD trainer in PyTorch.
 
 :class:`PrivacyEngine` (``make_private``, Opacus-style) trains any model with DP-SGD whose per-example
-gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or
-computed exactly (fast-gradient and ghost clipping), with per-layer-type handlers (:mod:`dpsgd.layers`),
-a norm plan (:mod:`dpsgd.plan`) and the one-backward book-keeping step (:mod:`dpsgd.capture`, :mod:`dpsgd.rowcheck`,
-:mod:`dpsgd.clipping`), example isolation by structure
-(:mod:`dpsgd.isolation`), a module validator
-(:mod:`dpsgd.validator`), Poisson sampling and micro-batching (:mod:`dpsgd.data`), an optional Hugging Face
-``Trainer`` (:mod:`dpsgd.hf`), the memory and FLOP models of paper 000's App. E (:mod:`dpsgd.cost`),
-paper 004's gradient-spectrum tools (:mod:`dpsgd.spectrum`), the step's noise (:mod:`dpsgd.noise`: Gaussian,
-or paper 003's Laplace) and paper 002's twice sampling and hybrid clipping (:mod:`dpsgd.strategies`).
+gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or computed
+exactly (fast-gradient and ghost clipping).  The modules, by concern:
+
+* making training private: :mod:`dpsgd.privacy_engine` (the wiring), :mod:`dpsgd.optimizer` (the optimizer, which
+  owns the step), :mod:`dpsgd.loss` (the private loss), :mod:`dpsgd.hf` (Hugging Face's ``Trainer``);
+* what a run is accounted as: :mod:`dpsgd.accounting` (one object, and the table of what is refused),
+  :mod:`dpsgd.ledger` (the steps charged and their epsilon), :mod:`dpsgd.loaders` (one loader builder for
+  :mod:`dpsgd.samplers`' batch samplings and :mod:`dpsgd.users`' user-level privacy), :mod:`dpsgd.noise`,
+  :mod:`dpsgd.strategies` (l2 clipping, paper 002's twice sampling and hybrid clipping);
+* the step: :mod:`dpsgd.plan` (which norm each parameter gets), :mod:`dpsgd.capture` (the recorded forward),
+  :mod:`dpsgd.rowcheck`, :mod:`dpsgd.clipping` (norms and clipped sums), :mod:`dpsgd.step` (the batch in
+  progress and its noisy gradients);
+* per-layer handlers: :mod:`dpsgd.handler` (the contract and registry), :mod:`dpsgd.layers`,
+  :mod:`dpsgd.materialized`;
+* example isolation by structure: :mod:`dpsgd.isolation`, :mod:`dpsgd.rows`, :mod:`dpsgd.validator`;
+* :mod:`dpsgd.data` (Poisson batches, micro-batching), :mod:`dpsgd.distributed`, :mod:`dpsgd.cost` (paper 000's
+  memory and FLOP models), :mod:`dpsgd.spectrum` (paper 004's gradient-spectrum tools).
+
 Importing this package does not need torch until one of these names is used.
 """
 
