@@ -23,10 +23,6 @@ PROG = "python -m dpmath"
 DESCRIPTION = """\
 Numbers of differential privacy for DP-SGD and DP-SGD-RC (randomized clipping).
 
-  envelope          tabulate the Hutch and Hutch++ envelopes of randomized clipping
-  epsilon           the [lower, upper] bracket of epsilon (publish the upper end)
-  noise-multiplier  the smallest noise multiplier whose epsilon meets a target
-
 Run "python -m dpmath SUBCOMMAND --help" for a subcommand's options and an example."""
 
 SAMPLING = """\
@@ -91,15 +87,9 @@ def _dest(option: str) -> str:
     return option.lstrip("-").replace("-", "_")
 
 
-def _add(parser: argparse.ArgumentParser, option: str, kind, metavar: str, help: str) -> None:
-    """Add ``option`` with default ``None`` (whether it was given matters: :func:`_require`)."""
-    parser.add_argument(option, type=kind, metavar=metavar, help=help)
-
-
-def _require(parser: argparse.ArgumentParser, args: argparse.Namespace, *options: str) -> None:
-    missing = [o for o in options if getattr(args, _dest(o)) is None]
-    if missing:
-        parser.error(f"the following arguments are required: {', '.join(missing)}")
+def _add(parser: argparse.ArgumentParser, option: str, kind, metavar: str, help: str, required: bool = False) -> None:
+    """Add ``option`` with default ``None`` (whether it was given matters); ``required`` ones are listed so."""
+    parser.add_argument(option, type=kind, metavar=metavar, help=help, required=required)
 
 
 def _envelope_dims(parser: argparse.ArgumentParser, args: argparse.Namespace, estimated: bool) -> None:
@@ -222,9 +212,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     """The parser and each subcommand's own (for errors about its options)."""
     plain = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=plain)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{envelope,epsilon,noise-multiplier}")
+    sub = parser.add_subparsers(dest="command", required=True, title="subcommands", metavar="SUBCOMMAND")
     env = sub.add_parser(
-        "envelope", help="tabulate the Hutch and Hutch++ envelopes", formatter_class=plain,
+        "envelope", help="tabulate the Hutch and Hutch++ envelopes of randomized clipping", formatter_class=plain,
         description="Tabulate the Hutch and Hutch++ envelopes of randomized clipping for k projections and "
                     "d chi-square terms,\nand the pessimistic discretization the accountant uses.",
         epilog="example:\n  python -m dpmath envelope --projection-dim 32 --dim 2048")
@@ -232,7 +222,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _add(env, "--dim", _count, "D", DIM_HELP)
     env.add_argument("--grid", type=_count, default=10000, help="grid points for the discretization (default 10000)")
     eps = sub.add_parser(
-        "epsilon", help="epsilon bracket of DP-SGD or DP-SGD-RC", formatter_class=plain,
+        "epsilon", help="the [lower, upper] bracket of epsilon of DP-SGD or DP-SGD-RC (publish the upper end)",
+        formatter_class=plain,
         description="The [lower, upper] bracket of epsilon at --delta of DP-SGD, or of DP-SGD-RC with "
                     "--estimator hutch\nor hutchpp; publish the upper end.\n\n" + SAMPLING,
         epilog="examples:\n"
@@ -240,19 +231,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                "--delta 1e-5\n"
                "  python -m dpmath epsilon --noise-multiplier 4.073 --dataset-size 1139 --batch-size 64 --epochs 10 "
                "--delta 1e-5 --estimator hutch --projection-dim 32 --dim 2048")
-    _add(eps, "--noise-multiplier", _number, "SIGMA",
-         "required: sigma, the noise standard deviation over the clipping norm, > 0")
-    _add(eps, "--delta", _number, "DELTA", "required: delta, in (0, 1)")
+    _add(eps, "--noise-multiplier", _number, "SIGMA", "sigma, the noise standard deviation over the clipping norm, > 0",
+         required=True)
+    _add(eps, "--delta", _number, "DELTA", "delta, in (0, 1)", required=True)
     _add_common(eps)
     cal = sub.add_parser(
         "noise-multiplier", formatter_class=plain,
-        help="calibrate the noise multiplier to a target epsilon",
+        help="the smallest noise multiplier whose epsilon meets a target",
         description="The smallest noise multiplier whose upper-bound epsilon at --target-delta meets "
                     "--target-epsilon,\nand its epsilon bracket.\n\n" + SAMPLING,
         epilog="example:\n  python -m dpmath noise-multiplier --target-epsilon 0.7 --target-delta 1e-5 "
                "--dataset-size 1139 --batch-size 64 --epochs 10")
-    _add(cal, "--target-epsilon", _number, "EPSILON", "required: the privacy budget epsilon, > 0")
-    _add(cal, "--target-delta", _number, "DELTA", "required: delta, in (0, 1)")
+    _add(cal, "--target-epsilon", _number, "EPSILON", "the privacy budget epsilon, > 0", required=True)
+    _add(cal, "--target-delta", _number, "DELTA", "delta, in (0, 1)", required=True)
     _add_common(cal)
     return parser, {"envelope": env, "epsilon": eps, "noise-multiplier": cal}
 
@@ -262,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sub = subparsers[args.command]
     _envelope_dims(sub, args, args.command == "envelope" or args.estimator != "exact")
-    _require(sub, args, *{"envelope": (), "epsilon": ("--noise-multiplier", "--delta"),
-                          "noise-multiplier": ("--target-epsilon", "--target-delta")}[args.command])
     try:
         return {"envelope": _envelope, "epsilon": _epsilon, "noise-multiplier": _noise_multiplier}[args.command](args)
     except ValueError as exc:

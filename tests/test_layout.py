@@ -16,3 +16,11 @@ def test_command_line_demo_runs_and_rejects_bad_input():
     bad = subprocess.run([sys.executable, "-m", "dpmath", "envelope", "--projection-dim", "0"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "projection_dim must be a positive integer" in bad.stderr
+
+
+def test_the_command_line_help_lists_each_subcommand_once_and_required_options_without_brackets():
+    top = subprocess.run([sys.executable, "-m", "dpmath", "--help"], capture_output=True, text=True).stdout
+    for name in ("envelope", "epsilon", "noise-multiplier"):
+        assert sum(line.split()[:1] == [name] for line in top.splitlines()) == 1, name
+    usage = subprocess.run([sys.executable, "-m", "dpmath", "epsilon", "--help"], capture_output=True, text=True).stdout
+    assert "--noise-multiplier SIGMA --delta DELTA" in usage and "[--noise-multiplier" not in usage
