@@ -91,7 +91,8 @@ class Combination:
     ledger: bool = False
 
     @property
-    def exact(self) -> bool:
+    def exact_norms(self) -> bool:
+        """Whether every per-example norm is exact (``"exact"`` or ``"ghost"``)."""
         return self.estimator in ("exact", "ghost")
 
     @property
@@ -123,7 +124,7 @@ def _other_scheme(c: Combination) -> bool:
 REFUSED: tuple[Refusal, ...] = (
     # coordinate masks and l-infinity clipping (paper 002): their RDP bound is for exact norms, Gaussian noise,
     # one process, the recorded per-example gradients, no projection
-    Refusal(lambda c: _per_coordinate(c) and not c.exact,
+    Refusal(lambda c: _per_coordinate(c) and not c.exact_norms,
             lambda c: f"{c.coordinates} needs exact norms (estimator 'ghost' or 'exact'), got estimator="
                       f"{c.estimator!r}: the randomized-clipping envelope does not cover coordinate sampling or "
                       f"l-infinity clipping"),

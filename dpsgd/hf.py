@@ -42,7 +42,6 @@ refuses.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -189,9 +188,11 @@ class DPTrainer(Trainer):
     Notes
     -----
     With ``target_epsilon`` the noise is calibrated, in the constructor, for the optimizer steps that
-    ``train()`` will take as ``args`` stand then (:meth:`optimizer_steps`, kept as the engine's
-    ``planned_steps``); raising ``args.max_steps`` or ``args.num_train_epochs`` afterwards makes the engine
-    refuse the first step beyond that count rather than exceed the target.
+    ``train()`` will take as ``args`` stand then (kept as the engine's ``planned_steps``): ``args.max_steps`` if
+    positive, else ``ceil(num_train_epochs * logical batches an epoch)``, as the Trainer counts them from the private
+    loader (whose ``len`` is the logical batches times ``gradient_accumulation_steps`` pieces), fractional epochs and
+    a ``max_steps`` that is not whole epochs run as given.  Raising ``args.max_steps`` or ``args.num_train_epochs``
+    afterwards makes the engine refuse the first step beyond that count rather than exceed the target.
 
     Examples
     --------
@@ -238,7 +239,7 @@ class DPTrainer(Trainer):
         if self.privacy.noise_multiplier is None:
             if self.privacy.target_epsilon is None:
                 raise ValueError("PrivacyArguments needs noise_multiplier or target_epsilon")
-            # the steps train() takes (optimizer_steps), counted by make_private from its own loader's batches
+            # the steps train() takes (class Notes), counted by make_private from its own loader's batches
             options.update({"steps": int(self.args.max_steps)} if self.args.max_steps > 0
                            else {"epochs": float(self.args.num_train_epochs)})
         else:   # target_delta is also the delta epsilon is logged at: a given noise multiplier is not calibrated
@@ -248,30 +249,6 @@ class DPTrainer(Trainer):
             module=self.model, optimizer=self.optimizer, data_loader=logical, **options)
         self._dp_loader = loader.in_chunks(accumulation)
         self._batch_norms: list | None = None
-
-    def optimizer_steps(self, logical_batches: int) -> int:
-        """The optimizer steps ``train()`` takes with ``logical_batches`` Poisson batches an epoch.
-
-        ``args.max_steps`` if positive, else ``ceil(num_train_epochs * update_steps_per_epoch)``, as the
-        Trainer computes it from its loader: ``len(loader) // gradient_accumulation_steps`` (at least 1), where
-        the private loader's ``len`` is ``logical_batches * gradient_accumulation_steps`` pieces.  The Poisson
-        sampler draws ``round(N / B)`` batches an epoch, not ``ceil(N / B)``, and a fractional
-        ``num_train_epochs`` or a ``max_steps`` that is not whole epochs is run as given, not rounded to
-        epochs: the noise is calibrated for exactly these steps.
-
-        Parameters
-        ----------
-        logical_batches : int
-            Poisson batches in one epoch of the private loader.
-
-        Returns
-        -------
-        int
-        """
-        if self.args.max_steps > 0:
-            return int(self.args.max_steps)
-        # the Trainer's len(loader) // gradient_accumulation_steps of the in_chunks loader: the logical batches
-        return math.ceil(self.args.num_train_epochs * max(logical_batches, 1))
 
     def get_train_dataloader(self) -> DataLoader:
         """The private loader: Poisson logical batches, each as ``gradient_accumulation_steps`` pieces."""

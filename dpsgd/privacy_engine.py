@@ -210,7 +210,6 @@ class PrivacyEngine:
         self.privacy_unit = "example"   # make_private's; "user": dpsgd.users
         self.max_examples_per_user: int | None = None
         self._user_rows: UserRows | None = None   # which user each drawn row belongs to (privacy_unit="user")
-        self._seeds: dict[str, int] = {}   # the generators' seeds, from os.urandom (or a reproducibility seed)
         self._stream = None   # a non-Poisson scheme's sampler (an epoch sampler's position decides the epochs charged)
         # make_private's, fixed from then on (FIXED_SETTINGS); declared here, where every public attribute is
         self.estimator: str | None = None
@@ -427,13 +426,13 @@ class PrivacyEngine:
         logger.info("norm plan: %s; %s", plan.summary(), price)
         check_same_on_ranks(sigma, "noise_multiplier")
         self._fix_settings(accounting, sigma, planned)
-        optimizer, crit = self._attach(plan, module, optimizer, criterion, basis)
+        optimizer, crit = self._attach(plan, module, optimizer, criterion, basis, seeds)
         if seed is not None:
             warnings.warn(f"make_private(seed={seed!r}) makes the run reproducible: its batches, projections, masks "
                           f"and noise are all derived from the seed, so the run offers no privacy against whoever "
                           f"holds the seed (its epsilon holds only for those who do not). Leave seed=None (the "
                           f"default) to seed them from os.urandom", UserWarning, stacklevel=2)
-        if criterion is None:   # Opacus' shape: losses go through private_loss (or pass a criterion)
+        if crit is None:   # Opacus' shape: losses go through private_loss (or pass a criterion)
             return compiled, optimizer, loader
         return compiled, optimizer, crit, loader
 
@@ -506,8 +505,9 @@ class PrivacyEngine:
         return plan
 
     def _seed_generators(self, seed: int | None, rank: int, world: int) -> dict[str, int]:
-        """Make the sampling, projection and noise generators, seeded from ``os.urandom`` (:meth:`_fresh_seeds`)
-        or, in reproducibility mode, all derived from ``seed`` (rank 0's); the seeds by use: ``"sampling"`` (this
+        """The seeds of every generator, from ``os.urandom`` (:meth:`_fresh_seeds`) or, in reproducibility mode, all
+        derived from ``seed`` (rank 0's); the sampling generator is made here, the step makes the others from them
+        and nothing keeps them.  By use: ``"sampling"`` (this
         rank's Poisson draws), ``"stream"`` (a batch-sampling scheme's global stream, the same on every rank),
         ``"projection"``, ``"noise"`` (the same on every rank) and ``"mask"``."""
         if seed is None:
@@ -518,7 +518,6 @@ class PrivacyEngine:
             seeds = {"sampling": drawn[3 + rank], "stream": drawn[3], "projection": drawn[1] + rank,
                      "noise": drawn[2], "mask": drawn[2] + 1}
         self._sampling_rng = torch.Generator().manual_seed(seeds["sampling"])   # each rank samples its own shard
-        self._seeds = seeds   # the step's projection, mask and noise generators are seeded from these
         return seeds
 
     @staticmethod
@@ -566,7 +565,8 @@ class PrivacyEngine:
         self._ledger = Ledger(accounting, sigma, planned, self.ledger_path, self._stream)
 
     def _attach(self, plan: NormPlan, module: nn.Module, optimizer: torch.optim.Optimizer,
-                criterion: nn.Module | None, basis: torch.Tensor | None) -> tuple[DPOptimizer, DPCriterion]:
+                criterion: nn.Module | None, basis: torch.Tensor | None,
+                seeds: dict[str, int]) -> tuple[DPOptimizer, DPCriterion | None]:
         """Hook the model (recording from here on; the model then belongs to this engine) and wrap the optimizer
         and the loss around the run's :class:`~dpsgd.step.PrivateStep`."""
         _per_token_experts(module)
@@ -576,14 +576,14 @@ class PrivacyEngine:
         step = PrivateStep(plan, self._accounting, noise_multiplier=self._noise_multiplier,
                            expected_batch_size=self.expected_batch_size, estimator=self.estimator,
                            projection_dim=self.projection_dim, clipping_pass=self.clipping_pass, basis=basis,
-                           seeds=self._seeds, tracker=tracker, user_rows=self._user_rows, ranks=self._ranks,
+                           seeds=seeds, tracker=tracker, user_rows=self._user_rows,
                            admit=self._ledger.admit, record=self._ledger.record, controls=self._controls)
         self._controls.set_checks(self._check_every_step, self._check_rate, self._track_examples)
         self._private_step = step
         _STEPS[module] = weakref.ref(step)
         self._optimizer = DPOptimizer(optimizer, step, noise_multiplier=self._noise_multiplier,
                                       max_grad_norm=self.max_grad_norm, expected_batch_size=self.expected_batch_size)
-        return self._optimizer, DPCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), step)
+        return self._optimizer, None if criterion is None else DPCriterion(criterion, step)
 
     def _on_batch(self, *args, **kwargs) -> None:
         """The private loader's call as it yields a batch (before make_private has built the step: refused)."""

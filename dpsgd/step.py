@@ -147,8 +147,6 @@ class PrivateStep:
         Proves example isolation by structure while :attr:`track_examples`.
     user_rows : UserRows, optional
         With ``privacy_unit="user"``: which user each drawn row belongs to.
-    ranks : list of int
-        Coordinates per clipping group.
     admit, record : callable
         The engine's: ``admit()`` raises to refuse a step its calibration does not cover; ``record()`` charges a
         step in the ledger.  :meth:`noisy_gradients` calls both, so noisy gradients never exist uncharged.
@@ -159,7 +157,7 @@ class PrivateStep:
     def __init__(self, plan: NormPlan, accounting: RunAccounting, *, noise_multiplier: float,
                  expected_batch_size: float, estimator: str, projection_dim: int, clipping_pass: str,
                  basis: torch.Tensor | None, seeds: dict[str, int], tracker: ExampleTracker,
-                 user_rows: UserRows | None, ranks: list[int], admit: Callable[[], None],
+                 user_rows: UserRows | None, admit: Callable[[], None],
                  record: Callable[[], None], controls: StepControls) -> None:
         self.plan = plan
         self._accounting = accounting
@@ -167,7 +165,6 @@ class PrivateStep:
         self._expected_batch_size = expected_batch_size
         self._estimator, self._projection_dim, self._clipping_pass = estimator, projection_dim, clipping_pass
         self._basis = basis
-        self._ranks = ranks
         self._admit, self._record = admit, record
         self._user_rows = user_rows
         self._projection_rngs = DeviceGenerators(seeds["projection"])
@@ -316,13 +313,14 @@ class PrivateStep:
                                f"gradient_projection's basis spans the parameters of the first plan; use a new "
                                f"PrivacyEngine with a basis for the new ones")
         ranks = self.sampling_ranks(self._accounting.clipping, plan, self._accounting.max_grad_norm)
-        if self._accounting.clipping.per_coordinate and ranks != self._ranks:
+        if self._accounting.clipping.per_coordinate and tuple(ranks) != self._accounting.ranks:
+            # (one group's noise does not depend on its size, so l2 clipping follows any plan)
             raise RuntimeError(f"{which}: the trainable parameters changed after make_private, which changes the "
-                               f"coordinates per group ({self._ranks} to {ranks}) that "
+                               f"coordinates per group ({list(self._accounting.ranks)} to {ranks}) that "
                                f"{type(self._accounting.clipping).__name__}'s noise and accounting depend on; use a "
                                f"new PrivacyEngine")
         self._capture.replan(plan)
-        self.plan, self._ranks = plan, ranks
+        self.plan = plan
         self._trainable = [(p, p.requires_grad) for p in model.parameters()]
 
     def backward(self, losses: torch.Tensor) -> None:
@@ -539,7 +537,7 @@ class PrivateStep:
         divisor = self._expected_batch_size * self._accounting.clipping.coordinate_rate
         # one noise level per group (hybrid clipping's shape; else all equal)
         per_group = self._accounting.clipping.noise_stds(self._noise_multiplier, self._accounting.max_grad_norm,
-                                                          self._ranks)
+                                                          self._accounting.ranks)
         std = [per_group[self._accounting.clipping.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
             noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,

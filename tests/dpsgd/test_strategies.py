@@ -238,3 +238,15 @@ def test_poisson_sampling_is_the_default_part_and_hands_the_mechanism_to_the_noi
         check_combination(Combination("exact", LaplaceNoise(), TwiceSampling(0.5, 0.1), Poisson()))
     with pytest.raises(ValueError, match="needs exact norms"):
         check_combination(Combination("hutch", GaussianNoise(), TwiceSampling(0.5, 0.1), Poisson()))
+
+
+def test_freezing_a_parameter_under_twice_sampling_is_refused_it_would_change_the_accounted_groups():
+    """Twice sampling's noise and accounting depend on the coordinates per group, fixed at make_private: a plan
+    with fewer trainable coordinates is refused where the engine follows the change (here zero_grad), naming both
+    counts, and nothing is re-planned."""
+    engine, model, opt, crit, loader = private_classifier(clipping=TwiceSampling(0.5, 0.2), noise_multiplier=1.0)
+    one_step_change(model, opt, crit, loader)
+    model[0].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"coordinates per group \(\[53\] to \[48\]\)"):
+        opt.zero_grad()
+    assert len(engine.plan.params) == 4
