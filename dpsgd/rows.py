@@ -552,10 +552,15 @@ def _index(func, args, kwargs, out, rows):
     parts = []
     for d, ids in rx.axes:
         if d in where:
+            # the index along the example axis must vary along one of its dimensions at most (an arange shaped
+            # (B, 1, 1, 1), as attention-mask builders index a padding mask): the output's rows along that
+            # dimension are then the indexed examples' rows, as with a 1-D index
             i = idx[d]
-            if i.dim() != 1 or m != 1:
+            spread = [j for j in range(i.dim()) if i.shape[j] > 1]
+            if i.dim() == 0 or len(spread) > 1:
                 return [mixed_rows(f"{op_name(func)} gathers example rows with a multi-dimensional index")]
-            parts.append((front, ids[i.to("cpu", torch.long)]))
+            j = spread[0] if spread else 0
+            parts.append((front + m - i.dim() + j, ids[i.reshape(-1).to("cpu", torch.long)]))
         else:
             parts.append((out_dim(d), ids))
     for t in tensors:
@@ -914,7 +919,7 @@ for _n in ("native_dropout", "dropout", "bernoulli", "bernoulli_", "where", "mas
            "softplus", "glu", "isnan", "isinf", "isfinite", "logical_not", "sign", "triu", "tril",
            "masked_scatter_", "_masked_scale", "native_dropout_backward", "mish", "hardswish", "hardsigmoid",
            "nan_to_num", "round", "bitwise_not", "floor_divide", "remainder", "fmod",
-           "logit", "rrelu_with_noise", "celu", "selu", "prelu"):
+           "logit", "rrelu_with_noise", "celu", "selu", "prelu", "log_sigmoid_forward", "log_sigmoid"):
     RULES.setdefault(_n, pointwise_rule)
 
 

@@ -332,6 +332,27 @@ def test_the_tracker_follows_reshapes_and_refuses_reductions_over_the_batch():
         tracker.check_rows(pairs.sum(1), ids, "pairs")
 
 
+def test_an_attention_mask_built_by_indexing_rows_with_a_broadcast_arange_stays_per_example():
+    """Attention-mask builders index a padding mask as ``mask[arange(B)[:, None, None, None], kv]``: an index
+    along the example axis that varies along one dimension keeps each row its example's (the padded batches of
+    DPO pairs take this path), an index that reorders the rows moves their examples with them, and an index that
+    varies along two dimensions is refused."""
+    tracker = ExampleTracker()
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    b, kv = torch.arange(3)[:, None, None, None], torch.arange(6)[None, None, None, :]
+    with tracker:
+        ids = tracker.register(mask)
+        built = mask[b, kv]                                          # (B, 1, 1, K)
+        crossed = mask[torch.arange(3)[:, None] * torch.ones(3, dtype=torch.long), torch.arange(3)[None, :]]
+        flipped = mask[torch.arange(3).flip(0)[:, None], kv[0, 0]]
+        soft = torch.nn.functional.logsigmoid(built.float()).sum((1, 2, 3))
+    assert tracker.rows(built).axis(0).tolist() == ids.tolist()
+    tracker.check_rows(soft, ids, "masked")
+    assert tracker.rows(crossed).mixed
+    assert tracker.rows(flipped).axis(0).tolist() == ids.flip(0).tolist()
+
+
 def test_pieces_of_a_batch_of_one_example_stay_that_examples_and_pieces_of_two_are_refused():
     """A recurrent kernel on a batch of one example merges its rows with time steps and unbinds them: every piece is
     wholly that example's (marked on an axis of size 1), while a piece taken along the example axis of two examples
