@@ -167,3 +167,36 @@ def test_the_dpo_example_runs_and_prefers_the_chosen_completions(tmp_path, monke
     result = DPO.main(["--train", "256", "--epochs", "2", "--out", str(tmp_path / "out")])
     assert result["steps"] == 4 and result["epsilon"] <= 8.0
     assert result["loss_after"] < result["loss_before"] and result["accuracy_after"] > 0.5
+
+
+@pytest.mark.parametrize("reference", ["peft", "ref_model"])
+def test_dpo_per_pair_gradient_norms_over_two_forwards_and_a_reference_pass_equal_brute_force(tmp_path, reference):
+    """Each pair's loss runs the model twice (chosen, rejected) and, for a PEFT model without ``ref_model``, a third
+    time with the adapters disabled under ``no_grad``: the engine's exact per-pair norms equal one backward per
+    pair with plain autograd."""
+    from types import SimpleNamespace
+
+    from peft import get_peft_model
+
+    from dpsgd import per_sample_sq_norms
+    from verify.workloads import brute_force_sq_norms
+
+    trainer = _dpo(tmp_path, peft=reference == "peft")
+    torch.manual_seed(1)
+    model = get_peft_model(DPO.tiny_gpt2().double(), LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0,
+                                                                 fan_in_fan_out=True, init_lora_weights=False))
+    model.train()
+    ref = None if reference == "peft" else DPO.tiny_gpt2().double().eval()
+    own = SimpleNamespace(model=model, ref_model=ref, loss_types=["sigmoid", "ipo"], loss_weights=[1.0, 0.5],
+                          beta=0.5, label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0,
+                          args=trainer.args, ld_alpha=0.5)
+    own._reference = lambda: DPDPOTrainer._reference(own)
+    own._completion_logps = lambda m, inputs, side: DPDPOTrainer._completion_logps(own, m, inputs, side)
+    batch = PairCollator(0)([trainer.train_dataset[i] for i in range(5)])
+
+    def losses(m):
+        return DPDPOTrainer.per_example_losses(own, m, batch)
+    got = per_sample_sq_norms(model, losses, "exact")
+    expected = brute_force_sq_norms(model, lambda m, i: losses(m)[i], 5)
+    assert bool((expected > 0).all())
+    assert torch.allclose(got, expected, rtol=1e-4, atol=0), (got, expected)
