@@ -1,0 +1,303 @@
+r"""Correlated noise: banded Toeplitz matrix factorization (DP-FTRL / MF-DP-SGD) and its accounting.
+
+A run of ``n`` steps releases the noisy gradients :math:`\hat x = x + C^{-1} z`, where :math:`x` stacks the steps'
+clipped sums, :math:`z_t \sim N(0, \sigma^2 I)` and :math:`C` is the **strategy**: lower-triangular, Toeplitz and
+``b``-banded, :math:`C_{t,s} = c_{t-s}` for :math:`0 \le t - s < b`.  Equivalently the mechanism releases
+:math:`C x + z`, a Gaussian mechanism, and training post-processes it; the noise added at step ``t`` is
+:math:`w_t = (C^{-1} z)_t`, made by the recurrence :math:`w_t = (z_t - \sum_{j=1}^{b-1} c_j w_{t-j}) / c_0`
+(:meth:`BandedStrategy.correlate`), which keeps the last ``b - 1`` noise vectors: ``O(b d)`` memory.
+
+**Sensitivity.**  One example that takes part at steps :math:`\pi` with clipped gradients :math:`\|g_t\| \le 1`
+moves :math:`Cx` by :math:`\sum_{t \in \pi} C_{:,t} g_t`, whose squared norm is at most
+:math:`\sum_{s,t \in \pi} |G_{st}|` with :math:`G = C^\top C`.  Participations at least ``b`` steps apart have
+disjoint column supports, so the bound is :math:`k \|c\|^2` for ``k`` participations, exactly
+(:meth:`BandedStrategy.sensitivity`); closer participations are bounded from above.
+
+**Accounting** (:class:`BandedMatrixFactorization`).  Without amplification the run is one Gaussian mechanism of
+noise multiplier :math:`\sigma / \mathrm{sens}`.  With **cyclic Poisson sampling** (the data split into ``b``
+groups; at step ``t`` each example of group ``t mod b`` joins the batch with probability ``q``, the others never),
+an example's participations are ``b`` apart, and the rows of :math:`Cx + z` that participation ``i`` can move,
+``t_i .. t_i + b - 1``, are disjoint from the other participations' rows.  Given everything else released, the
+window of participation ``i`` is the mixture :math:`q N(C_{:,t_i} g, \sigma^2 I) + (1-q) N(0, \sigma^2 I)` against
+:math:`N(0, \sigma^2 I)` on those rows, which the subsampled Gaussian of noise multiplier
+:math:`\sigma / \|c\|` dominates (rotate :math:`C_{:,t_i} g` onto one axis; its norm is at most :math:`\|c\|`).  By
+adaptive composition over the disjoint windows the run is dominated by ``ceil(n / b)`` subsampled-Gaussian steps
+(Choquette-Choo et al., "Amplified banded matrix factorization", NeurIPS 2023).  With randomized clipping the
+gradient's norm is the estimator's random scale :math:`a`, fresh at each participation: the window's shift has norm
+:math:`a \|c\|`, and the same argument gives ``ceil(n / b)`` steps of
+:class:`~dpmath.mechanisms.RandomizedClipGaussian` at noise multiplier :math:`\sigma / \|c\|`.
+
+Examples
+--------
+>>> from dpmath import PLDAccountant
+>>> from dpmath.correlated import BandedMatrixFactorization, BandedStrategy
+>>> strategy = BandedStrategy.sqrt_prefix_sum(4)
+>>> run = BandedMatrixFactorization(1.0, strategy, steps=400, sample_rate=0.04)
+>>> run.participations, round(run.step().noise_multiplier, 4)
+(100, 0.8197)
+>>> round(run.epsilon(1e-5), 3)
+4.435
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from .envelope import Envelope
+from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .validation import positive_int, positive_real
+from .validation import sample_rate as checked_sample_rate
+
+__all__ = ["BandedStrategy", "BandedMatrixFactorization", "prefix_sum_errors"]
+
+
+@dataclass(frozen=True)
+class BandedStrategy:
+    r"""A lower-triangular banded Toeplitz strategy :math:`C`: ``coefficients`` :math:`c_0, \dots, c_{b-1}`
+    (``c_0 > 0``; ``b`` is the number of bands).
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BandedStrategy
+    >>> s = BandedStrategy((1.0, 0.5))
+    >>> s.matrix(3)
+    array([[1. , 0. , 0. ],
+           [0.5, 1. , 0. ],
+           [0. , 0.5, 1. ]])
+    >>> s.sensitivity(participations=2, min_separation=2)   # columns 2 apart: disjoint supports
+    1.5811388300841898
+    """
+
+    coefficients: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            c = tuple(float(v) for v in self.coefficients)
+        except (TypeError, ValueError):
+            raise ValueError(f"coefficients must be a sequence of numbers, got {self.coefficients!r}") from None
+        if not c or not all(math.isfinite(v) for v in c):
+            raise ValueError(f"coefficients must be a non-empty sequence of finite numbers, got {self.coefficients!r}")
+        if c[0] <= 0:
+            raise ValueError(f"coefficients[0] (the diagonal) must be > 0, got {c[0]!r}")
+        object.__setattr__(self, "coefficients", c)
+
+    @property
+    def bands(self) -> int:
+        """``b``: the number of coefficients."""
+        return len(self.coefficients)
+
+    @property
+    def column_norm(self) -> float:
+        r""":math:`\|c\|_2`, the norm of every column at least ``b - 1`` steps from the end (the largest)."""
+        return float(np.linalg.norm(self.coefficients))
+
+    @classmethod
+    def sqrt_prefix_sum(cls, bands: int) -> BandedStrategy:
+        r"""The square root of the prefix-sum matrix, truncated to ``bands`` bands: :math:`c_j = \binom{2j}{j}
+        4^{-j}` (the Toeplitz :math:`A^{1/2}` of Henzinger et al. and Fichtenberger et al.).
+
+        Examples
+        --------
+        >>> from dpmath.correlated import BandedStrategy
+        >>> BandedStrategy.sqrt_prefix_sum(3).coefficients
+        (1.0, 0.5, 0.375)
+        """
+        b = positive_int(bands, "bands")
+        c = [1.0]
+        for j in range(1, b):
+            c.append(c[-1] * (2 * j - 1) / (2 * j))
+        return cls(tuple(c))
+
+    @classmethod
+    def optimized(cls, bands: int, steps: int, error: str = "mean") -> BandedStrategy:
+        r"""The ``bands``-banded Toeplitz strategy that minimizes the prefix-sum workload's squared error at equal
+        sensitivity over ``steps`` steps: :math:`\|c\|^2` times the ``"mean"`` (or ``"max"``) over steps of
+        :math:`\|(A C^{-1})_{t,:}\|^2` (:func:`prefix_sum_errors`), by L-BFGS from :meth:`sqrt_prefix_sum`;
+        ``O(steps x bands)`` per evaluation.  The result is normalized to ``c_0 = 1``.
+
+        Examples
+        --------
+        >>> from dpmath.correlated import BandedStrategy, prefix_sum_errors
+        >>> best = BandedStrategy.optimized(4, 256)
+        >>> sqrt = BandedStrategy.sqrt_prefix_sum(4)
+        >>> bool(prefix_sum_errors(best, 256)[0] <= prefix_sum_errors(sqrt, 256)[0])
+        True
+        """
+        b, n = positive_int(bands, "bands"), positive_int(steps, "steps")
+        if error not in ("mean", "max"):
+            raise ValueError(f"error must be 'mean' or 'max', got {error!r}")
+        start = np.array(cls.sqrt_prefix_sum(b).coefficients[1:])
+        if b == 1:
+            return cls((1.0,))
+        which = 0 if error == "mean" else 1
+
+        def loss(tail: np.ndarray) -> float:
+            value = prefix_sum_errors(cls((1.0, *tail)), n)[which]
+            return math.log(value) if math.isfinite(value) else 1e300
+
+        result = optimize.minimize(loss, start, method="L-BFGS-B")
+        best = result.x if result.fun <= loss(start) else start
+        return cls((1.0, *(float(v) for v in best)))
+
+    def matrix(self, steps: int) -> np.ndarray:
+        """``C`` as a dense ``(steps, steps)`` array (for checks; training never builds it)."""
+        n = positive_int(steps, "steps")
+        out = np.zeros((n, n))
+        for j, c in enumerate(self.coefficients[:n]):
+            out += np.diag(np.full(n - j, c), -j)
+        return out
+
+    def inverse_coefficients(self, steps: int) -> np.ndarray:
+        r"""The first ``steps`` coefficients :math:`r` of :math:`C^{-1}` (lower-triangular Toeplitz, not banded):
+        :math:`r_0 = 1/c_0`, :math:`r_k = -\sum_{j=1}^{\min(k, b-1)} c_j r_{k-j} / c_0`.  ``O(steps x bands)``."""
+        n = positive_int(steps, "steps")
+        c = np.asarray(self.coefficients)
+        r = np.zeros(n)
+        r[0] = 1.0 / c[0]
+        for k in range(1, n):
+            m = min(k, c.size - 1)
+            r[k] = -np.dot(c[1:m + 1], r[k - 1::-1][:m]) / c[0]
+        return r
+
+    def correlate(self, z: np.ndarray, history: list | None = None) -> np.ndarray:
+        r"""The correlated noise :math:`w = C^{-1} z` of independent noise ``z`` (steps along axis 0), by the
+        streaming recurrence :math:`w_t = (z_t - \sum_{j=1}^{b-1} c_j w_{t-j}) / c_0`.  ``history`` (a list, most
+        recent last, at most ``b - 1`` kept) carries the earlier steps' ``w`` across calls, so a run can be made one
+        step at a time; it is updated in place.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from dpmath.correlated import BandedStrategy
+        >>> s, z = BandedStrategy((1.0, 0.5, 0.25)), np.arange(1.0, 6.0)
+        >>> bool(np.allclose(s.correlate(z), np.linalg.solve(s.matrix(5), z)))
+        True
+        >>> past = []
+        >>> bool(np.allclose(np.stack([s.correlate(z[t:t + 1], past)[0] for t in range(5)]), s.correlate(z)))
+        True
+        """
+        z = np.asarray(z, dtype=np.float64)
+        c = self.coefficients
+        past = [] if history is None else history
+        out = np.empty_like(z)
+        for t in range(z.shape[0]):
+            w = z[t].copy()
+            for j in range(1, min(len(c), len(past) + 1)):
+                w -= c[j] * past[-j]
+            w /= c[0]
+            out[t] = w
+            past.append(w)
+            if len(past) > len(c) - 1:
+                del past[0]
+        if len(c) == 1:
+            past.clear()
+        return out
+
+    def sensitivity(self, participations: int = 1, min_separation: int | None = None) -> float:
+        r"""An upper bound on :math:`\max \|\sum_{t \in \pi} C_{:,t} g_t\|` over ``participations`` steps at least
+        ``min_separation`` apart (default: ``b``) and :math:`\|g_t\| \le 1`; exact,
+        :math:`\sqrt{k}\,\|c\|`, when ``min_separation >= b``.  Closer participations add, for each one, the
+        largest :math:`|G_{st}|` of the others that can sit within its band (at most ``(b-1) // min_separation``
+        on each side), so the bound is never below the truth."""
+        k = positive_int(participations, "participations")
+        b = self.bands
+        s = b if min_separation is None else positive_int(min_separation, "min_separation")
+        c = np.asarray(self.coefficients)
+        per = float(np.dot(c, c))
+        if s < b and k > 1:
+            # |G_{t,t+d}|: near the end a column loses its last rows, so G is a prefix of the full sum
+            # sum_j c_j c_{j+d}, which can be larger in magnitude than the whole (mixed signs): the largest prefix
+            near = np.array([np.max(np.abs(np.cumsum(c[:b - d] * c[d:]))) for d in range(s, b)])
+            near = np.sort(near)[::-1]
+            per += 2.0 * near[:min(near.size, (b - 1) // s, k - 1)].sum()
+        return float(math.sqrt(k * per))
+
+
+def prefix_sum_errors(strategy: BandedStrategy, steps: int) -> tuple[float, float]:
+    r"""``(mean, max)`` over the ``steps`` prefix sums of their noise variance per coordinate, for unit sensitivity of
+    one participation: :math:`\|c\|^2 \|(A C^{-1})_{t,:}\|^2`, with :math:`A` the lower-triangular matrix of ones.
+
+    :math:`A C^{-1}` is lower-triangular Toeplitz with the prefix sums :math:`s_k` of :math:`C^{-1}`'s coefficients,
+    so row ``t`` has squared norm :math:`\sum_{k \le t} s_k^2`: ``O(steps x bands)`` in all.  Independent noise
+    (``C = I``) gives ``((steps + 1) / 2, steps)``.
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BandedStrategy, prefix_sum_errors
+    >>> prefix_sum_errors(BandedStrategy((1.0,)), 4)
+    (2.5, 4.0)
+    """
+    n = positive_int(steps, "steps")
+    s = np.cumsum(strategy.inverse_coefficients(n))
+    rows = np.cumsum(s * s)
+    scale = strategy.column_norm ** 2
+    return float(rows.mean() * scale), float(rows[-1] * scale)
+
+
+@dataclass(frozen=True)
+class BandedMatrixFactorization:
+    r"""A training run with banded matrix-factorization noise: ``steps`` steps of noise :math:`C^{-1} z`,
+    :math:`z \sim N(0, \sigma^2)` per coordinate (``noise_multiplier`` :math:`\sigma` times the clipping norm), under
+    cyclic Poisson sampling at rate ``sample_rate`` (``1``: every example of the step's group, every ``b`` steps;
+    module docstring), with exact norms or randomized clipping's ``envelope``.
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        :math:`\sigma > 0`, of the independent noise ``z``.
+    strategy : BandedStrategy
+        :math:`C`.
+    steps : int
+        ``n >= 1``.
+    sample_rate : float
+        ``q`` in ``(0, 1]``, the Poisson rate within the step's group.
+    envelope : Envelope, optional
+        Randomized clipping's envelope.
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BandedMatrixFactorization, BandedStrategy
+    >>> run = BandedMatrixFactorization(2.0, BandedStrategy.sqrt_prefix_sum(8), steps=64, sample_rate=1.0)
+    >>> run.participations, run.step()
+    (8, Gaussian(noise_multiplier=1.5257047018113674))
+    """
+
+    noise_multiplier: float
+    strategy: BandedStrategy
+    steps: int
+    sample_rate: float = 1.0
+    envelope: Envelope | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
+        if not isinstance(self.strategy, BandedStrategy):
+            raise ValueError(f"strategy must be a BandedStrategy, got {type(self.strategy).__name__}")
+        object.__setattr__(self, "steps", positive_int(self.steps, "steps"))
+        object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
+        if self.envelope is not None and not isinstance(self.envelope, Envelope):
+            raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(self.envelope).__name__}")
+
+    @property
+    def participations(self) -> int:
+        """``ceil(steps / b)``: the most steps one example can take part in (its group's steps)."""
+        return -(-self.steps // self.strategy.bands)
+
+    def step(self) -> Gaussian | SubsampledGaussian | RandomizedClipGaussian:
+        r"""The mechanism that dominates one participation's window (module docstring), at noise multiplier
+        :math:`\sigma / \|c\|`; the run is :attr:`participations` of them composed."""
+        sigma = self.noise_multiplier / self.strategy.column_norm
+        if self.envelope is not None:
+            return RandomizedClipGaussian(sigma, self.sample_rate, self.envelope)
+        if self.sample_rate == 1.0:
+            return Gaussian(sigma)
+        return SubsampledGaussian(sigma, self.sample_rate)
+
+    def epsilon(self, delta: float) -> float:
+        """The PLD accountant's epsilon at ``delta`` (the upper end of its bracket)."""
+        from .pld import PLDAccountant
+
+        return PLDAccountant().compose(self.step(), self.participations).epsilon(delta)

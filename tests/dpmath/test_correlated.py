@@ -1,0 +1,111 @@
+"""dpmath.correlated: banded Toeplitz strategies, their streaming inverse, sensitivity and error, and the accounting
+of banded matrix factorization under cyclic Poisson sampling."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpmath import PLDAccountant, SubsampledGaussian
+from dpmath.correlated import BandedMatrixFactorization, BandedStrategy, prefix_sum_errors
+from dpmath.envelope import HutchEnvelope
+from dpmath.mechanisms import RandomizedClipGaussian
+
+coefficients = st.lists(st.floats(-0.9, 0.9), min_size=0, max_size=5).map(lambda t: (1.0, *t))
+
+
+@settings(max_examples=60, deadline=None)
+@given(coefficients, st.integers(1, 12))
+def test_the_streaming_recurrence_is_the_inverse_of_the_strategy_step_by_step_or_at_once(c, n):
+    strategy = BandedStrategy(c)
+    z = np.random.default_rng(n).standard_normal((n, 3))
+    dense = np.linalg.solve(strategy.matrix(n), z)
+    assert np.allclose(strategy.correlate(z), dense, rtol=1e-9, atol=1e-9)
+    past = []
+    stepwise = np.concatenate([strategy.correlate(z[t:t + 1], past) for t in range(n)])
+    assert np.allclose(stepwise, dense, rtol=1e-9, atol=1e-9)
+    assert len(past) <= strategy.bands - 1   # O(b d) state
+    r = strategy.inverse_coefficients(n)
+    assert np.allclose(np.linalg.inv(strategy.matrix(n))[:, 0], r, rtol=1e-9, atol=1e-9)
+
+
+def test_correlated_noise_has_the_strategys_covariance():
+    """200,000 draws of C^{-1} z for n = 5: every entry of the empirical covariance within 5 standard errors of
+    sigma^2 C^{-1} C^{-T} (a false failure has probability below 1e-5 for the 15 entries, fixed seed)."""
+    strategy, n, draws, sigma = BandedStrategy.sqrt_prefix_sum(3), 5, 200_000, 1.5
+    z = sigma * np.random.default_rng(0).standard_normal((n, draws))
+    w = strategy.correlate(z)
+    inv = np.linalg.inv(strategy.matrix(n))
+    cov = sigma ** 2 * inv @ inv.T
+    emp = w @ w.T / draws
+    se = np.sqrt((np.outer(np.diag(cov), np.diag(cov)) + cov ** 2) / draws)
+    assert np.all(np.abs(emp - cov) <= 5 * se)
+
+
+def _brute_force_sensitivity(strategy, n, k, s):
+    """The largest ||sum_{t in pi} C[:, t] g_t|| over patterns of k steps at least s apart and signs g_t = +-1."""
+    cols = strategy.matrix(n)
+    best = 0.0
+    for pi in itertools.combinations(range(n), k):
+        if any(b - a < s for a, b in zip(pi, pi[1:], strict=False)):
+            continue
+        for signs in itertools.product((1.0, -1.0), repeat=k):
+            best = max(best, float(np.linalg.norm(cols[:, pi] @ np.array(signs))))
+    return best
+
+
+@pytest.mark.parametrize("c", [(1.0, 0.5, 0.375), (1.0, -0.6, 0.3), (1.0, 0.2, 0.7, -0.4), (1.0, 0.5, -0.5)])
+@pytest.mark.parametrize("k,s", [(1, 1), (2, 1), (2, 2), (3, 2), (2, 3), (3, 4)])
+def test_sensitivity_bounds_every_pattern_and_is_exact_when_participations_are_a_band_apart(c, k, s):
+    strategy = BandedStrategy(c)
+    n = 12
+    truth = _brute_force_sensitivity(strategy, n, k, s)
+    bound = strategy.sensitivity(k, s)
+    assert bound >= truth - 1e-12
+    if s >= strategy.bands:
+        assert bound == pytest.approx(truth, rel=1e-12) == pytest.approx(math.sqrt(k) * strategy.column_norm)
+
+
+def test_prefix_sum_errors_equal_the_dense_computation_and_the_optimizer_improves_on_the_square_root():
+    strategy, n = BandedStrategy((1.0, 0.4, -0.1)), 9
+    a = np.tril(np.ones((n, n)))
+    rows = (np.linalg.solve(strategy.matrix(n).T, a.T).T ** 2).sum(1) * strategy.column_norm ** 2
+    assert prefix_sum_errors(strategy, n) == pytest.approx((rows.mean(), rows[-1]), rel=1e-10)
+    assert prefix_sum_errors(BandedStrategy((1.0,)), n) == ((n + 1) / 2, n)
+    for error, which in (("mean", 0), ("max", 1)):
+        best = BandedStrategy.optimized(6, 200, error=error)
+        assert best.coefficients[0] == 1.0 and best.bands == 6
+        assert prefix_sum_errors(best, 200)[which] <= prefix_sum_errors(BandedStrategy.sqrt_prefix_sum(6), 200)[which]
+    # a banded strategy beats independent noise by far on the prefix sums of a long run
+    assert prefix_sum_errors(BandedStrategy.optimized(16, 1000), 1000)[0] < 0.1 * prefix_sum_errors(
+        BandedStrategy((1.0,)), 1000)[0]
+
+
+def test_one_band_is_dp_sgd_and_more_bands_compose_fewer_steps_at_less_noise():
+    plain = BandedMatrixFactorization(1.1, BandedStrategy((1.0,)), steps=300, sample_rate=0.02)
+    assert plain.participations == 300 and plain.step() == SubsampledGaussian(1.1, 0.02)
+    assert plain.epsilon(1e-5) == PLDAccountant().compose(SubsampledGaussian(1.1, 0.02), 300).epsilon(1e-5)
+    banded = BandedMatrixFactorization(1.1, BandedStrategy.sqrt_prefix_sum(4), steps=300, sample_rate=0.02)
+    assert banded.participations == 75
+    assert banded.step().noise_multiplier == pytest.approx(1.1 / banded.strategy.column_norm)
+    rc = BandedMatrixFactorization(1.1, BandedStrategy.sqrt_prefix_sum(4), 300, 0.02, HutchEnvelope(16, 64))
+    assert isinstance(rc.step(), RandomizedClipGaussian)
+    assert rc.epsilon(1e-5) > banded.epsilon(1e-5)   # the estimator's random scale costs privacy
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: BandedStrategy(()), "coefficients"),
+    (lambda: BandedStrategy((0.0, 1.0)), r"coefficients\[0\]"),
+    (lambda: BandedStrategy((1.0, math.nan)), "finite"),
+    (lambda: BandedStrategy((1.0,)).sensitivity(0), "participations"),
+    (lambda: BandedStrategy.optimized(4, 100, error="median"), "error"),
+    (lambda: BandedMatrixFactorization(1.0, (1.0, 0.5), 10), "strategy"),
+    (lambda: BandedMatrixFactorization(1.0, BandedStrategy((1.0,)), 10, sample_rate=1.5), "sample_rate"),
+    (lambda: BandedMatrixFactorization(0.0, BandedStrategy((1.0,)), 10), "noise_multiplier"),
+])
+def test_bad_arguments_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
