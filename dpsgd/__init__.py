@@ -15,7 +15,8 @@ exactly (fast-gradient and ghost clipping).  The modules, by concern:
   progress and its noisy gradients);
 * per-layer handlers: :mod:`dpsgd.handler` (the contract and registry), :mod:`dpsgd.layers`,
   :mod:`dpsgd.materialized`;
-* example isolation by structure: :mod:`dpsgd.isolation`, :mod:`dpsgd.rows`, :mod:`dpsgd.validator`;
+* example isolation by structure: :mod:`dpsgd.isolation`, :mod:`dpsgd.rows` and the rules of :mod:`dpsgd.rules`
+  (:mod:`dpsgd.layout_rules`, :mod:`dpsgd.mixing_rules`), :mod:`dpsgd.validator`;
 * :mod:`dpsgd.data` (Poisson batches, micro-batching), :mod:`dpsgd.distributed`, :mod:`dpsgd.cost` (paper 000's
   memory and FLOP models), :mod:`dpsgd.spectrum` (paper 004's gradient-spectrum tools).
 
