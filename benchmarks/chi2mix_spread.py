@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from dpmath import chi2_mixture_cdf
-from dpmath.chi2mix import contour_inversion
+from dpmath.contour import contour_inversion
 
 
 def main() -> None:

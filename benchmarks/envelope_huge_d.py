@@ -4,7 +4,7 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/envelope_huge_d.py``.  For each (k, d
 times ``x_plus`` plus 200 middle-region points (median of 3), and scans the heavy-light family at seven
 middle-region points: a 20,001-point lam grid (linear and geometric from 1/d) evaluated with
 ``two_block_cdf`` locates the best member, and 201 points around it are evaluated again by contour inversion
-(``dpmath.chi2mix.contour_inversion``, independent of the two-block quadrature, which itself wobbles by
+(``dpmath.contour.contour_inversion``, independent of the two-block quadrature, which itself wobbles by
 ~3e-12 between neighbouring lam at d = 1e9).  ``excess`` is the largest member CDF so found minus the
 envelope; before the geometric lam grid it was 3.8e-10 (k = 1, d = 1e6), 5.1e-7 (k = 1, d = 3e7) and 3.4e-9
 (k = 32, d = 1e7), measured with two_block_cdf.
@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from dpmath import HutchEnvelope, two_block_cdf
-from dpmath.chi2mix import contour_inversion
+from dpmath.contour import contour_inversion
 
 
 def excess(env: HutchEnvelope) -> float:

@@ -1,11 +1,11 @@
 """dpmath: high-precision mathematics of differential privacy with randomized clipping.
 
 No torch here: chi-square mixture distribution functions (:mod:`dpmath.chi2mix`), the envelope
-distributions that make randomized clipping private (:mod:`dpmath.envelope`) and their pessimistic
-discretization, mechanisms (:mod:`dpmath.mechanisms`), privacy accountants (:mod:`dpmath.pld`,
-:mod:`dpmath.rdp`, on the common base of :mod:`dpmath.accountant`) and noise calibration
-(:mod:`dpmath.calibration`); majorization and Schur checks (:mod:`dpmath.majorization`, :mod:`dpmath.schur`),
-LAP2 (:mod:`dpmath.lap2`) and twice sampling (:mod:`dpmath.twice_sampling`).
+distributions that make randomized clipping private (:mod:`dpmath.envelope`, :mod:`dpmath.hutch`) and their
+pessimistic discretization (:mod:`dpmath.discretization`), mechanisms (:mod:`dpmath.mechanisms`), privacy
+accountants (:mod:`dpmath.pld`, :mod:`dpmath.rdp`, on the common base of :mod:`dpmath.accountant`) and noise
+calibration (:mod:`dpmath.calibration`); majorization and Schur checks (:mod:`dpmath.majorization`,
+:mod:`dpmath.schur`), LAP2 (:mod:`dpmath.lap2`) and twice sampling (:mod:`dpmath.twice_sampling`).
 """
 
 from .accountant import Accountant, Neighboring, UnsupportedMechanismError
@@ -18,17 +18,9 @@ from .calibration import (
     estimator_envelope,
 )
 from .chi2mix import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
-from .envelope import (
-    DiscreteEnvelope,
-    Envelope,
-    HutchEnvelope,
-    HutchPPEnvelope,
-    Maximizer,
-    PointMassEnvelope,
-    ReplacementEnvelope,
-    ScaleDistribution,
-    pessimistic_discretization,
-)
+from .discretization import ScaleDistribution, pessimistic_discretization
+from .envelope import DiscreteEnvelope, Envelope, PointMassEnvelope, ReplacementEnvelope
+from .hutch import HutchEnvelope, HutchPPEnvelope, Maximizer
 from .mechanisms import (
     FixedSizeSubsampledGaussian,
     Gaussian,

@@ -16,7 +16,8 @@ from fractions import Fraction
 import numpy as np
 
 from .calibration import calibrate_noise_multiplier, dpsgd_epsilon_bracket, estimator_envelope
-from .envelope import HutchEnvelope, HutchPPEnvelope, pessimistic_discretization
+from .discretization import pessimistic_discretization
+from .hutch import HutchEnvelope, HutchPPEnvelope
 
 PROG = "python -m dpmath"
 

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .envelope import Envelope, HutchEnvelope, HutchPPEnvelope
+from .envelope import Envelope
+from .hutch import HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
 from .pld.accountant import AUTO

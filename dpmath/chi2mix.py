@@ -20,17 +20,17 @@ so the number of *distinct* weights, the number of blocks, decides the method:
   non-negative coefficients, truncated with an explicit bound on the discarded mass, while it is
   short (at most 1000 terms: its recursion costs the square of its length).  Otherwise, and in the
   right tail of sf and pdf where the series' truncation is only an absolute bound,
-  :func:`contour_inversion`: the moment generating function inverted on a hyperbola through the
-  saddle point, with an error bound, for weights over any number of decades (~0.1 ms per point
+  :func:`~dpmath.contour.contour_inversion` (:mod:`dpmath.contour`): the moment generating function inverted on
+  a hyperbola through the saddle point, with an error bound, for weights over any number of decades (~0.1 ms per point
   for a few blocks, 3-10 ms for 2000 distinct weights).  Blocks too light to move the sum by
   ``1e-14 x`` are dropped first (:func:`_drop_negligible` states the bound).
 
 Error: the panel quadrature agrees with the mpmath reference to about ``1e-14`` absolute in the bulk and
 ``1e-10`` relative in the left tail (see ``tests/dpmath/test_chi2mix.py``); Ruben's series is truncated when the
 discarded coefficient mass is below ``1e-17``; the contour inversion targets ``1e-14`` relative and
-returns its bound.  The arbitrary-precision path (``precision=`` digits) evaluates Ruben's series term by
-term in mpmath, or, when that series is too long, mpmath's tanh-sinh quadrature of the convolution
-integral (two blocks) or of the contour integral on a different hyperbola (three or more); it is the
+returns its bound.  The arbitrary-precision path (``precision=`` digits, :mod:`dpmath.chi2mix_mpmath`) evaluates
+Ruben's series term by term in mpmath, or, when that series is too long, mpmath's tanh-sinh quadrature of the
+convolution integral (two blocks) or of the contour integral on a different hyperbola (three or more); it is the
 reference the tests compare against.
 """
 
@@ -39,11 +39,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import mpmath
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
+from .chi2mix_mpmath import mpmath_evaluate
+from .contour import contour_inversion
 from .validation import real_array
 
 __all__ = [
@@ -51,7 +52,6 @@ __all__ = [
     "chi2_mixture_sf",
     "chi2_mixture_pdf",
     "two_block_cdf",
-    "contour_inversion",
 ]
 
 _LEVEL_DROP = 48.0  # panels cover the set where the integrand exceeds exp(-48) of its maximum
@@ -366,204 +366,7 @@ def _drop_negligible(x_min: float, w: np.ndarray, nu: np.ndarray) -> tuple[np.nd
 
 
 # ----------------------------------------------------------------------------------------------
-# contour inversion of the moment generating function, for any spread of the weights
-
-_ALPHA = 0.4        # the hyperbola's asymptotes make angle pi/2 - alpha with the real axis
-_STRIP = 0.3        # half-width d of the strip |Im u| < d in which the integrand is analytic
-_EDGE_RIGHT = np.sin(_ALPHA + _STRIP) - np.sin(_ALPHA)   # s(0) moves right by mu * this on Im u = -d
-_EDGE_LEFT = np.sin(_ALPHA) - np.sin(_ALPHA - _STRIP)    # ... and left by mu * this on Im u = +d
-_INV_TOL = 1e-14    # target relative error of the inversion
-_INV_CHUNK = 16     # nodes added at a time until the integrand has died out
-_BULK = 1.0         # s_0 stays at least _BULK / sd away from the pole at 0
-_POLE_SHARE = 0.5   # the strip's edges come at most this share of the way to the pole or a branch point
-_INV_MAX_NODES = 6000
-
-
-_SERIES_RADIUS = 0.05  # blocks with |2 w s| <= this enter K(s) through a power series ...
-_SERIES_TERMS = 20     # ... of this many terms (remainder below 0.05^20 of their part of K)
-
-
-class _Cumulant:
-    """``K(s) = log E exp(s Q) = -sum_j (nu_j / 2) log(1 - 2 w_j s)`` (principal branch) for many s.
-
-    The light blocks, those with ``|2 w_j s| <= 0.05`` at every s of a call, are summed as
-    ``sum_k P_k s^k / (2k)`` with ``P_k = sum_j nu_j (2 w_j)^k`` over them (``k <= 20``; the remainder
-    is below ``0.05^20`` of their contribution); only the heavy ones take a complex logarithm each.
-    With weights over many decades most blocks are light, and a call costs ~20 operations per
-    node for them instead of one logarithm per block and node.
-    """
-
-    def __init__(self, w: np.ndarray, nu: np.ndarray) -> None:
-        self.w, self.nu = w, nu  # ascending w
-        powers = (2.0 * w)[None, :] ** np.arange(1, _SERIES_TERMS + 1)[:, None] * nu
-        self.prefix = np.cumsum(powers, axis=1)  # prefix[k-1, j] = P_k over blocks 0..j
-
-    def __call__(self, s: np.ndarray) -> np.ndarray:
-        light = int(np.searchsorted(self.w, _SERIES_RADIUS / (2.0 * float(np.abs(s).max())), side="right"))
-        out = -0.5 * (np.log1p(-2.0 * s[..., None] * self.w[light:]) @ self.nu[light:])
-        if light:
-            p = self.prefix[:, light - 1]
-            acc = np.zeros_like(s)
-            for k in range(_SERIES_TERMS, 0, -1):  # Horner in s
-                acc = (acc + p[k - 1] / (2.0 * k)) * s
-            out = out + acc
-        return out
-
-
-def _saddle(x: np.ndarray, w: np.ndarray, nu: np.ndarray) -> np.ndarray:
-    """The root of ``K'(s) = sum_j nu_j w_j / (1 - 2 w_j s) = x`` on ``s < 1 / (2 w_max)``, elementwise.
-
-    ``K'`` increases from 0 (at -inf) to +inf (at ``1/(2 w_max)``); ``K'(-N/(2x)) < x`` with
-    ``N = sum nu``, and ``K'(s) > x`` once ``1/(2 w_max) - s < nu_max / (2x)``.  Bisection on
-    ``log(1/(2 w_max) - s)`` takes 64 steps whatever the spread; the root only has to be close,
-    since any point of the half-line gives a valid contour.
-    """
-    s_max = 0.5 / w[-1]
-    far = np.log(s_max + nu.sum() / (2.0 * x))
-    near = np.minimum(np.log(nu[-1] / (4.0 * x)), far)
-    for _ in range(64):
-        mid = 0.5 * (far + near)
-        above = (nu * w / (1.0 - 2.0 * w * (s_max - np.exp(mid))[:, None])).sum(-1) > x
-        near = np.where(above, mid, near)
-        far = np.where(above, far, mid)
-    return s_max - np.exp(0.5 * (far + near))
-
-
-def contour_inversion(x: ArrayLike, weights: ArrayLike, dof: ArrayLike,
-                      kind: str = "cdf") -> tuple[np.ndarray, np.ndarray]:
-    r"""cdf, sf or pdf of a chi-square mixture by inverting its moment generating function on a
-    hyperbolic contour through the saddle point; returns ``(value, error)`` with an error bound.
-
-    With ``K(s) = -\sum_j (\nu_j/2)\log(1 - 2 w_j s)`` and ``s_0`` on the real axis left of
-    ``1/(2 w_{max})``,
-
-    .. math::
-
-        F(x) = \frac{1}{2\pi i}\int_{\Gamma} \frac{e^{K(s) - s x}}{-s}\,ds \ (s_0 < 0),\quad
-        S(x) = \frac{1}{2\pi i}\int_{\Gamma} \frac{e^{K(s) - s x}}{s}\,ds \ (s_0 > 0),\quad
-        f(x) = \frac{1}{2\pi i}\int_{\Gamma} e^{K(s) - s x}\,ds,
-
-    on ``s(u) = s_0 + \mu(\sin\alpha(\cosh u - 1) + i\cos\alpha\sinh u)``, a hyperbola that
-    leaves the real axis vertically at ``s_0`` and bends to the right, between the branch cuts
-    ``[1/(2 w_j), \infty)``, so that ``e^{-sx}`` decays double-exponentially in ``u`` whatever the
-    spread of the weights (on a vertical line it would only decay like a power of ``v``, and
-    weights over 12 decades would need ~1e12 nodes).  ``s_0`` is the saddle point of
-    ``K(s) - sx``, moved at least ``1/sd`` away from the pole at 0 (in the bulk), which keeps
-    *relative* accuracy in both tails; the side of the pole decides whether F or S is computed (the
-    other one is ``1 -`` it, then at least ~0.4).  ``\mu`` keeps the strip ``|Im u| < d`` clear of
-    the pole and the branch points, and within ``2/\sqrt{K''(s_0)}`` of the saddle.
-
-    The trapezoid rule with step ``h`` over ``u`` has error at most ``2 M / (e^{2\pi d/h} - 1)``,
-    ``M = \int |g(u \pm i d)| du`` (Trefethen & Weideman 2014, Thm 5.1; the integral means are
-    log-convex in ``Im u``, so the edges are the sup).  ``h`` starts at ``2\pi d / 40`` and is
-    shrunk until that bound is below ``1e-14`` of the value; the nodes run until the terms are below
-    ``1e-18`` of the value and falling (what is left is bounded by the last term times a geometric
-    factor); ``M`` is a trapezoid sum on the edges at step ``4h``, doubled.  The returned error adds these
-    three and a rounding term ``4 eps h \sum |g|``.  ``M`` and the tail are computed on grids, so the
-    bound is a numerical estimate of a rigorous one, not interval arithmetic.
-
-    Parameters
-    ----------
-    x : array_like
-        Positive finite points.
-    weights, dof : array_like
-        Positive weights and degrees of freedom, as in :func:`chi2_mixture_cdf` (no merging here).
-    kind : {"cdf", "sf", "pdf"}
-
-    Returns
-    -------
-    (value, error) : tuple of ndarray
-        Shaped like ``x``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> w = np.logspace(0, -12, 200)                    # twelve decades
-    >>> F, err = contour_inversion([0.5, 2.0], w, 1)
-    >>> bool(np.all(err < 1e-13 * F))
-    True
-    """
-    xs = real_array(x, "x").astype(np.float64)
-    if np.any(~np.isfinite(xs) | (xs <= 0)):
-        raise ValueError("x must be positive and finite")
-    w = real_array(weights, "weights", allow_inf=False).ravel()
-    nu = np.broadcast_to(real_array(dof, "dof", allow_inf=False), w.shape).astype(np.float64)
-    if np.any(w <= 0) or np.any(nu <= 0):
-        raise ValueError("weights and dof must be positive (> 0)")
-    if kind not in ("cdf", "sf", "pdf"):
-        raise ValueError(f"kind must be 'cdf', 'sf' or 'pdf', got {kind!r}")
-    order = np.argsort(w)
-    w, nu = w[order], nu[order]
-    flat = xs.ravel()
-    value, error = np.empty_like(flat), np.empty_like(flat)
-    # batches of points share the nodes; a (points x nodes x heavy blocks) block is the memory
-    step = max(1, 4096 // w.size)
-    for lo in range(0, flat.size, step):
-        value[lo:lo + step], error[lo:lo + step] = _invert(flat[lo:lo + step], w, nu, kind)
-    return value.reshape(xs.shape), error.reshape(xs.shape)
-
-
-def _invert(x: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str,
-            h: float = 2.0 * np.pi * _STRIP / 40.0) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`contour_inversion` at the points ``x`` (1-D) with trapezoid step ``h``; points whose
-    discretization bound misses the target are done again with the step that bound asks for."""
-    s_max = 0.5 / w[-1]
-    sd = float(np.sqrt(2.0 * np.sum(nu * w * w)))
-    s_hat = _saddle(x, w, nu)
-    if kind == "pdf":
-        s0, pole = s_hat, np.zeros_like(x)
-    else:
-        left = s_hat < 0.0
-        # F with the pole at 0 to the right of s0, or S with it to the left
-        s0 = np.where(left, np.minimum(s_hat, -_BULK / sd),
-                      np.minimum(np.maximum(s_hat, _BULK / sd), 0.5 * (s_hat + s_max)))
-        pole = np.where(left, -1.0, 1.0)
-    curvature = (2.0 * nu * w * w / (1.0 - 2.0 * w * s0[:, None]) ** 2).sum(-1)
-    mu = np.minimum(_POLE_SHARE * (s_max - s0) / _EDGE_RIGHT, 2.0 / np.sqrt(curvature))
-    mu = np.where(pole < 0, np.minimum(mu, _POLE_SHARE * -s0 / _EDGE_RIGHT), mu)
-    mu = np.where(pole > 0, np.minimum(mu, _POLE_SHARE * s0 / _EDGE_LEFT), mu)
-    sa, ca = np.sin(_ALPHA), np.cos(_ALPHA)
-    cumulant = _Cumulant(w, nu)
-
-    def g(u: np.ndarray) -> np.ndarray:
-        # the integrand (1/2 pi i) e^{K(s) - s x} s'(u) [/ (-s) | / s], points x nodes
-        s = s0[:, None] + mu[:, None] * (sa * (np.cosh(u) - 1.0) + 1j * ca * np.sinh(u))
-        ds = mu[:, None] * (sa * np.sinh(u) + 1j * ca * np.cosh(u))
-        with np.errstate(over="ignore", under="ignore"):
-            out = np.exp(cumulant(s) - s * x[:, None]) * ds / (2j * np.pi)
-        return out if kind == "pdf" else out / (pole[:, None] * s)
-
-    vals = g(h * np.arange(_INV_CHUNK) + 0j)
-    while True:
-        total = h * (vals[:, 0].real + 2.0 * vals[:, 1:].real.sum(1))
-        last = np.abs(vals[:, -3:])
-        done = (last[:, -1] <= 1e-18 * np.abs(total)) & (last[:, -1] <= last[:, -2]) & (last[:, -2] <= last[:, -3])
-        if done.all() or vals.shape[1] >= _INV_MAX_NODES:
-            break
-        vals = np.concatenate([vals, g(h * np.arange(vals.shape[1], vals.shape[1] + _INV_CHUNK) + 0j)], axis=1)
-    u = h * np.arange(vals.shape[1])
-    # M: |g(-u + i delta)| = |g(u + i delta)|, so each edge's integral is twice its half-line
-    # part; trapezoid at step 4h (|g| is smooth and positive there), doubled for safety
-    u4 = u[::4]
-    m_edge = np.zeros_like(x)
-    for delta in (_STRIP, -_STRIP):
-        edge = np.abs(g(u4 + 1j * delta))
-        m_edge = np.maximum(m_edge, 2.0 * 2.0 * 4.0 * h * (edge.sum(1) - 0.5 * edge[:, 0]))
-    alias = 2.0 * m_edge / np.expm1(2.0 * np.pi * _STRIP / h)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(last[:, -2] > 0, last[:, -1] / last[:, -2], 0.0)
-        tail = np.where(ratio < 1.0, 2.0 * h * last[:, -1] * ratio / (1.0 - ratio), np.inf)
-    rounding = 4.0 * np.finfo(float).eps * h * 2.0 * np.abs(vals).sum(1)
-    error = alias + tail + rounding
-    redo = (alias > _INV_TOL * np.abs(total)) & (total != 0.0)
-    need = np.log1p(2.0 * m_edge[redo] / (_INV_TOL * np.maximum(np.abs(total[redo]), 1e-300)))
-    flip = ((kind == "cdf") & (pole > 0)) | ((kind == "sf") & (pole < 0))
-    total = np.where(flip, 1.0 - total, total)
-    if redo.any() and h > 1e-3:
-        # the bound falls like exp(-2 pi d / h): aim straight for the target
-        total[redo], error[redo] = _invert(x[redo], w, nu, kind,
-                                           min(h / 2.0, 2.0 * np.pi * _STRIP / float(need.max())))
-    return total, error
+# two blocks: the panel quadrature of the convolution of two gamma laws
 
 
 def _two_block(x: np.ndarray, a: ArrayLike, n1: ArrayLike, b: ArrayLike, n2: ArrayLike,
@@ -613,7 +416,7 @@ def _evaluate(x: ArrayLike, weights: ArrayLike, dof: ArrayLike, kind: str,
     w, nu = _blocks(weights, dof)
     xs = real_array(x, "x")
     if precision is not None:
-        return _mp_evaluate(xs, w, nu, kind, precision)
+        return mpmath_evaluate(xs, w, nu, kind, precision)
     out = np.empty(xs.shape, dtype=np.float64)
     pos = (xs > 0) & np.isfinite(xs)
     if kind == "cdf":
@@ -660,7 +463,7 @@ def chi2_mixture_cdf(x: ArrayLike, weights: ArrayLike, dof: ArrayLike = 1,
     Equal weights are merged first. One block is a scaled chi-square; two blocks use the panel
     quadrature of the convolution integral (accurate to ~1e-14 absolute, and relatively in the left
     tail); three or more use Ruben's positive series when it is short and otherwise
-    :func:`contour_inversion` (relative error ~1e-14 with a bound, for weights over any spread).
+    :func:`~dpmath.contour.contour_inversion` (relative error ~1e-14 with a bound, for weights over any spread).
 
     Examples
     --------
@@ -742,212 +545,3 @@ def two_block_cdf(x: ArrayLike, lam: ArrayLike, i: ArrayLike, j: ArrayLike, k: i
         out[both] = _two_block(safe_x[both], lam[both] / n1, n1, (1.0 - lam[both]) / n2, n2, "cdf")
     out = np.where(x > 0, out, 0.0)
     return np.clip(out, 0.0, 1.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# mpmath reference path
-
-
-def _mp_evaluate(xs: np.ndarray, w: np.ndarray, nu: np.ndarray, kind: str, precision: int) -> np.ndarray:
-    if isinstance(precision, bool) or not isinstance(precision, int) or precision < 15:
-        raise ValueError(f"precision must be an integer number of digits >= 15, got {precision!r}")
-    out = np.empty(xs.shape, dtype=object)
-    with mpmath.workdps(precision + 10):  # guard digits for the quadrature path and the conversions
-        ws = [mpmath.mpf(float(v)) for v in w]
-        nus = [mpmath.mpf(float(v)) for v in nu]
-        for idx, xv in np.ndenumerate(xs):
-            out[idx] = _mp_point(mpmath.mpf(float(xv)), ws, nus, kind, precision)
-    return out
-
-
-def _mp_point(x, ws, nus, kind: str, precision: int):
-    if x <= 0:
-        return mpmath.mpf(0) if kind != "sf" else mpmath.mpf(1)
-    if mpmath.isinf(x):
-        return mpmath.mpf(1) if kind == "cdf" else mpmath.mpf(0)
-    if len(ws) == 1:
-        a, z = nus[0] / 2, x / (2 * ws[0])
-        if kind == "cdf":
-            return mpmath.gammainc(a, 0, z, regularized=True)
-        if kind == "sf":
-            return mpmath.gammainc(a, z, mpmath.inf, regularized=True)
-        return _mp_gamma_pdf(x, a, 2 * ws[0])
-    # Ruben's coefficients are a convolution of negative binomial laws (mean r (ratio - 1), variance
-    # r (ratio - 1) ratio each); when that is long, quadrature is faster
-    ratios = [w / ws[0] for w in ws]
-    mean = mpmath.fsum(nu / 2 * (q - 1) for nu, q in zip(nus, ratios, strict=True))
-    var = mpmath.fsum(nu / 2 * (q - 1) * q for nu, q in zip(nus, ratios, strict=True))
-    if mean + 20 * mpmath.sqrt(var) + 50 > (5000 if len(ws) == 2 else 1500):
-        return _mp_quad_two_block(x, ws, nus, kind) if len(ws) == 2 else _mp_contour(x, ws, nus, kind, precision)
-    digits = precision
-    while True:
-        with mpmath.workdps(digits + 10):
-            series = _mp_ruben(x, ws, nus, kind, digits)
-        if series is None:
-            if len(ws) == 2:
-                return _mp_quad_two_block(x, ws, nus, kind)
-            return _mp_contour(x, ws, nus, kind, precision)
-        # the series drops a coefficient mass below 10^-digits: fine for the cdf (its terms shrink
-        # along the series) but only an absolute bound for sf and pdf, so a tiny one needs more digits
-        size = series if kind == "sf" else series * x
-        if kind == "cdf" or size > mpmath.mpf(10) ** (-digits + 12):
-            return series
-        if len(ws) == 2:
-            return _mp_quad_two_block(x, ws, nus, kind)
-        digits *= 2
-        if digits > 2000:
-            raise ValueError("precision=: sf below 1e-2000 is out of reach of the mpmath path")
-
-
-def _mp_gamma_pdf(x, a, s):
-    return mpmath.exp((a - 1) * mpmath.log(x) - x / s - mpmath.loggamma(a) - a * mpmath.log(s))
-
-
-def _mp_ruben(x, ws, nus, kind: str, precision: int):
-    """Ruben's series sum_m c_m F_{N+2m}(x/beta), all terms non-negative, in mpmath."""
-    beta = ws[0]
-    qs = [1 - beta / w for w in ws]
-    n_total = mpmath.fsum(nus)
-    tail = mpmath.mpf(10) ** (-precision)
-    c = [mpmath.exp(mpmath.fsum(nu / 2 * mpmath.log(beta / w) for w, nu in zip(ws, nus, strict=True)))]
-    two = len(ws) == 2
-    cap = 200000 if two else 4000
-    g = []
-    total = c[0]
-    m = 0
-    while 1 - total > tail:
-        m += 1
-        if m > cap:
-            return None
-        if two:  # a single negative binomial: c_m = c_{m-1} (r + m - 1) / m * q
-            r = nus[1] / 2
-            c.append(c[-1] * (r + m - 1) / m * qs[1])
-        else:
-            g.append(mpmath.fsum(nu / 2 * q**m for nu, q in zip(nus, qs, strict=True)))
-            c.append(mpmath.fsum(g[m - 1 - r] * c[r] for r in range(m)) / m)
-        total += c[-1]
-    y = x / beta
-    # t_n = e^{-y/2} (y/2)^{n/2} / Gamma(n/2 + 1); F_n(y) = sum_{l>=0} t_{n+2l}; f_n(y) = t_n n / (2y)
-    t = mpmath.exp(-y / 2 + n_total / 2 * mpmath.log(y / 2) - mpmath.loggamma(n_total / 2 + 1))
-    if kind == "pdf":
-        acc = mpmath.mpf(0)
-        for mm, cm in enumerate(c):
-            n = n_total + 2 * mm
-            acc += cm * t * n / (2 * y)
-            t = t * (y / 2) / (n / 2 + 1)
-        return acc / beta
-    if kind == "cdf":
-        # sum_m c_m F_{N+2m} = sum_n C_n t_{N+2n} with C_n = c_0 + ... + c_n; beyond the last
-        # coefficient C is constant and the remaining sum is C_M * F_{N+2M+2}(y)
-        acc = mpmath.mpf(0)
-        cum = mpmath.mpf(0)
-        for mm, cm in enumerate(c):
-            n = n_total + 2 * mm
-            cum += cm
-            acc += cum * t
-            t = t * (y / 2) / (n / 2 + 1)
-        n_next = n_total + 2 * len(c)
-        return acc + cum * mpmath.gammainc(n_next / 2, 0, y / 2, regularized=True)
-    # sf: S_{n+2} = S_n + t_n  =>  sum_m c_m S_{N+2m} = C S_N + sum_l t_{N+2l} (C - C_l)
-    big_c = total
-    acc = big_c * mpmath.gammainc(n_total / 2, y / 2, mpmath.inf, regularized=True)
-    cum = mpmath.mpf(0)
-    for mm, cm in enumerate(c):
-        n = n_total + 2 * mm
-        cum += cm
-        acc += t * (big_c - cum)
-        t = t * (y / 2) / (n / 2 + 1)
-    return acc
-
-
-def _mp_quad_two_block(x, ws, nus, kind: str):
-    """Tanh-sinh quadrature of the convolution integral, split where the float64 panels put the mass."""
-    b, a = ws  # ascending
-    n2, n1 = nus
-    sv, av = 2 * b, n2 / 2
-    sw, aw = 2 * a, n1 / 2
-
-    def g(u):
-        if u <= 0:
-            return mpmath.mpf(0) if kind != "sf" else mpmath.mpf(1)
-        z = u / sw
-        if kind == "cdf":
-            return mpmath.gammainc(aw, 0, z, regularized=True)
-        if kind == "sf":
-            return mpmath.gammainc(aw, z, mpmath.inf, regularized=True)
-        return _mp_gamma_pdf(u, aw, sw)
-
-    xf = float(x)
-    points = {0.0, xf}
-    mean_v = float(av * sv)
-    sd_v = float(mpmath.sqrt(av) * sv)
-    for s in (-30, -10, -4, -1, 0, 1, 4, 10, 30):
-        p = mean_v + s * sd_v
-        if 0 < p < xf:
-            points.add(p)
-    mean_w, sd_w = float(aw * sw), float(mpmath.sqrt(aw) * sw)
-    for s in (-30, -10, -4, -1, 0, 1, 4, 10, 30):
-        p = xf - (mean_w + s * sd_w)
-        if 0 < p < xf:
-            points.add(p)
-    pts = [mpmath.mpf(p) for p in sorted(points)]
-    val = mpmath.quad(lambda v: _mp_gamma_pdf(v, av, sv) * g(x - v), pts)
-    if 0 < val < mpmath.mpf(10) ** -8:
-        # mpmath.quad stops on an absolute error estimate: integrate again relative to the first value
-        val = val * mpmath.quad(lambda v: _mp_gamma_pdf(v, av, sv) * g(x - v) / val, pts)
-    if kind == "sf":
-        val += mpmath.gammainc(av, x / sv, mpmath.inf, regularized=True)
-    return val
-
-
-def _mp_contour(x, ws, nus, kind: str, precision: int):
-    """The contour integral of :func:`contour_inversion` by mpmath's tanh-sinh quadrature at
-    ``precision`` digits, on a different hyperbola (alpha = 0.5, the exact saddle point, mu = 1/sqrt(K''))
-    than the float64 path: a reference for mixtures whose Ruben series is too long."""
-    s_max = 1 / (2 * max(ws))
-
-    def k1(s):
-        return mpmath.fsum(nu * w / (1 - 2 * w * s) for w, nu in zip(ws, nus, strict=True))
-
-    # bisection on log(s_max - s), as in _saddle: K'(s_max - e^far) < x < K'(s_max - e^near)
-    far = mpmath.log(s_max + mpmath.fsum(nus) / (2 * x))
-    near = min(mpmath.log(nus[ws.index(max(ws))] / (4 * x)), far)
-    for _ in range(3 * precision + 60):
-        mid = (far + near) / 2
-        if k1(s_max - mpmath.exp(mid)) > x:
-            near = mid
-        else:
-            far = mid
-    s_hat = s_max - mpmath.exp((far + near) / 2)
-    sd = mpmath.sqrt(2 * mpmath.fsum(nu * w * w for w, nu in zip(ws, nus, strict=True)))
-    if kind == "pdf":
-        s0, pole = s_hat, 0
-    elif s_hat < 0:
-        s0, pole = min(s_hat, -1 / sd), -1
-    else:
-        s0, pole = min(max(s_hat, 1 / sd), (s_hat + s_max) / 2), 1
-    curv = mpmath.fsum(2 * nu * w * w / (1 - 2 * w * s0) ** 2 for w, nu in zip(ws, nus, strict=True))
-    mu = min(1 / mpmath.sqrt(curv), (s_max - s0) / 2)
-    if pole:
-        mu = min(mu, abs(s0) / 2)
-    alpha = mpmath.mpf(1) / 2
-    sa, ca = mpmath.sin(alpha), mpmath.cos(alpha)
-
-    def exponent(s):
-        return -mpmath.fsum(nu / 2 * mpmath.log(1 - 2 * w * s) for w, nu in zip(ws, nus, strict=True)) - s * x
-
-    # mpmath.quad stops on an *absolute* error estimate: integrate the integrand relative to its
-    # size at the saddle, or a value of 1e-90 is returned after one round
-    shift = exponent(s0)
-
-    def g(u):
-        s = s0 + mu * (sa * (mpmath.cosh(u) - 1) + 1j * ca * mpmath.sinh(u))
-        ds = mu * (sa * mpmath.sinh(u) + 1j * ca * mpmath.cosh(u))
-        val = mpmath.exp(exponent(s) - shift) * ds / (2j * mpmath.pi)
-        return (val if pole == 0 else val / (pole * s)).real
-
-    ends = [mpmath.mpf(0)] + [mpmath.mpf(t) for t in (0.5, 1, 2, 3, 4, 6, 8, 12)]
-    total = 2 * mpmath.quad(g, ends) * mpmath.exp(shift)
-    if (kind == "cdf" and pole > 0) or (kind == "sf" and pole < 0):
-        total = 1 - total
-    return total

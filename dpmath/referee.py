@@ -60,7 +60,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, special
 
-from .envelope import Envelope, pessimistic_discretization
+from .discretization import pessimistic_discretization
+from .envelope import Envelope
 from .validation import non_negative, open_probability, positive_int, positive_real, sample_rate
 
 __all__ = ["RefereeDelta", "referee_delta", "referee_epsilon", "referee_rc_delta", "referee_rc_epsilon"]
@@ -548,7 +549,7 @@ def _subsampled_hockey(mu: np.ndarray, q: float, eps: float, relation: str) -> n
 
 class _ScaleBins:
     """The envelope's scale ``a = 1/sqrt(Y)`` on a geometric grid of relative step ``resolution`` (the
-    accountant's construction, :func:`~dpmath.envelope.pessimistic_discretization`): each bin's mass at its
+    accountant's construction, :func:`~dpmath.discretization.pessimistic_discretization`): each bin's mass at its
     largest scale for the upper bound (the mass below ``ppf(tail)``, unbounded scales, charged), at its
     smallest for the lower bound (the mass above the grid, scales near 0, left out)."""
 

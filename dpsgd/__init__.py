@@ -4,8 +4,9 @@
 gradient norms are estimated by random projections (:mod:`dpsgd.estimators`: Hutchinson, Hutch++) or computed
 exactly (fast-gradient and ghost clipping).  The modules, by concern:
 
-* making training private: :mod:`dpsgd.privacy_engine` (the wiring), :mod:`dpsgd.optimizer` (the optimizer, which
-  owns the step), :mod:`dpsgd.loss` (the private loss), :mod:`dpsgd.hf` (Hugging Face's ``Trainer``);
+* making training private: :mod:`dpsgd.privacy_engine` (the wiring), :mod:`dpsgd.arguments` (``make_private``'s
+  arguments, checked), :mod:`dpsgd.optimizer` (the optimizer, which owns the step), :mod:`dpsgd.loss` (the private
+  loss), :mod:`dpsgd.hf` (Hugging Face's ``Trainer``);
 * what a run is accounted as: :mod:`dpsgd.accounting` (one object, and the table of what is refused),
   :mod:`dpsgd.ledger` (the steps charged and their epsilon), :mod:`dpsgd.loaders` (one loader builder for
   :mod:`dpsgd.samplers`' batch samplings and :mod:`dpsgd.users`' user-level privacy), :mod:`dpsgd.noise`,
@@ -15,7 +16,8 @@ exactly (fast-gradient and ghost clipping).  The modules, by concern:
   progress and its noisy gradients);
 * per-layer handlers: :mod:`dpsgd.handler` (the contract and registry), :mod:`dpsgd.layers`,
   :mod:`dpsgd.materialized`;
-* example isolation by structure: :mod:`dpsgd.isolation`, :mod:`dpsgd.rows`, :mod:`dpsgd.validator`;
+* example isolation by structure: :mod:`dpsgd.isolation`, :mod:`dpsgd.rows` and the rules of :mod:`dpsgd.rules`
+  (:mod:`dpsgd.layout_rules`, :mod:`dpsgd.mixing_rules`), :mod:`dpsgd.validator`;
 * :mod:`dpsgd.data` (Poisson batches, micro-batching), :mod:`dpsgd.distributed`, :mod:`dpsgd.cost` (paper 000's
   memory and FLOP models), :mod:`dpsgd.spectrum` (paper 004's gradient-spectrum tools).
 

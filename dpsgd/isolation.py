@@ -6,7 +6,7 @@ for the step being taken, on every step, from the operations that actually ran: 
 :class:`ExampleTracker` (a ``TorchDispatchMode``) is active from the moment the private loader yields a batch
 until its private backward.  Every tensor of the batch (in a dict, a list, kwargs, wherever it goes) is
 registered with the examples its rows belong to, and every ATen operation that reads a registered tensor
-registers its outputs by a rule that follows the operation's semantics (:mod:`dpsgd.rows`):
+registers its outputs by a rule that follows the operation's semantics (:mod:`dpsgd.rules`):
 
 * an element-wise operation keeps the example axis where broadcasting puts it;
 * a view, reshape, permutation, slice, concatenation or index maps the axis (and its example ids) to
@@ -43,7 +43,6 @@ from torch.utils._pytree import tree_map_only
 
 from .rows import (
     INPLACE_TAG,
-    RULES,
     Rows,
     inplace_rule,
     local_scalar_rule,
@@ -53,6 +52,7 @@ from .rows import (
     pointwise_rule,
     same_examples,
 )
+from .rules import RULES
 
 __all__ = ["ExampleMixingError", "ExampleTracker", "IncompleteGradientError", "StateChangedError",
            "audit_isolation", "call_examples", "check_backward_functions"]

@@ -50,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import math
 import os
 import time
 import warnings
@@ -66,26 +65,21 @@ from dpmath import (
 )
 
 from .accounting import Combination, RunAccounting, auto_estimator, check_combination, fixed_setting
+from .arguments import checked_arguments, estimator_of, planned_steps, projection_basis
 from .capture import DEFAULT_CHECK_RATE
-from .clipping import check_clipping_pass
-from .distributed import (
-    broadcast_int,
-    check_same_on_ranks,
-    is_sharded,
-    rank_world,
-)
+from .distributed import check_same_on_ranks, is_sharded, rank_world
 from .isolation import ExampleTracker
 from .ledger import Ledger
 from .loaders import private_loader
 from .loss import DPCriterion, DPLoss
-from .noise import GaussianNoise, StepNoise, as_noise
+from .noise import GaussianNoise, StepNoise
 from .optimizer import DPOptimizer
-from .plan import NormPlan, check_estimator
+from .plan import NormPlan
 from .samplers import BatchSampling, Poisson, as_batch_sampling, filled_loader
-from .step import PrivateStep, StepControls, entropy_seed, refuse_uncovered
+from .step import PrivateStep, StepControls, fresh_seeds, refuse_uncovered, run_seeds
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserRows, user_level
-from .validator import check_positive, uncompiled
+from .validator import per_token_experts, uncompiled
 
 __all__ = ["PrivacyEngine"]
 
@@ -94,19 +88,6 @@ logger = logging.getLogger("dpsgd")
 
 # the private step whose hooks each model carries (one engine's at a time)
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _per_token_experts(module: nn.Module) -> None:
-    """Hugging Face mixture-of-experts models run their experts per token (``batched_mm``): the grouped and
-    eager implementations sort or count the tokens of the whole batch by expert, which the isolation tracker
-    (rightly) cannot tell from mixing.  The same function per token, so the same training."""
-    for m in module.modules():
-        config = getattr(m, "config", None)
-        current = getattr(config, "_experts_implementation", None)
-        if hasattr(m, "set_experts_implementation") and current not in (None, "batched_mm"):
-            m.set_experts_implementation("batched_mm")
-            logger.info("mixture of experts: experts_implementation %r -> 'batched_mm' (per token, so each "
-                        "example's loss is computed from its own tokens alone)", current)
 
 
 def _refuse_hooked(module: nn.Module) -> None:
@@ -119,39 +100,9 @@ def _refuse_hooked(module: nn.Module) -> None:
                            "or build the model again")
 
 
-#: Opacus' ``grad_sample_mode`` values, and this library's estimators, by the estimator they mean here
-GRAD_SAMPLE_MODES = {"hooks": "exact", "functorch": "exact", "ew": "exact", "ghost": "ghost", "auto": "auto",
-                     "hutch": "hutch", "hutchpp": "hutchpp", "exact": "exact"}
-
-
-def _estimator_of(estimator: str, grad_sample_mode: str | None) -> str:
-    """``make_private``'s estimator from ``estimator`` or Opacus' ``grad_sample_mode`` (``ValueError`` naming both
-    if they disagree, or an unknown mode)."""
-    if grad_sample_mode is None:
-        return estimator
-    if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise ValueError(f"grad_sample_mode must be one of {sorted(GRAD_SAMPLE_MODES)}, got {grad_sample_mode!r}")
-    mapped = GRAD_SAMPLE_MODES[grad_sample_mode]
-    if estimator not in ("auto", mapped):
-        raise ValueError(f"give estimator or grad_sample_mode, not both: estimator={estimator!r} and "
-                         f"grad_sample_mode={grad_sample_mode!r} (which means estimator={mapped!r})")
-    return mapped
-
-
 def _did_you_mean(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _planned_steps(epochs: float | None, steps: int | None, batches: int) -> int:
-    """The steps a target epsilon is calibrated for: ``steps``, or ``ceil(epochs x batches)`` (``ValueError``
-    unless positive)."""
-    if steps is None:
-        return math.ceil(check_positive(epochs, "epochs") * batches)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    return steps
-
 
 
 class PrivacyEngine:
@@ -341,9 +292,9 @@ class PrivacyEngine:
             its examples (``None``: all of them); bounds a physical batch's rows per user.
         grad_sample_mode : str, optional
             Opacus' name for how per-example gradients are found, mapped onto ``estimator``:
-            :data:`GRAD_SAMPLE_MODES` (``"hooks"``, ``"functorch"``, ``"ew"``: ``"exact"``; ``"ghost"``: ``"ghost"``;
-            and this library's own ``"auto"``, ``"hutch"``, ``"hutchpp"``, ``"exact"``).  Give it or ``estimator``,
-            not both.
+            :data:`~dpsgd.arguments.GRAD_SAMPLE_MODES` (``"hooks"``, ``"functorch"``, ``"ew"``: ``"exact"``;
+            ``"ghost"``: ``"ghost"``; and this library's own ``"auto"``, ``"hutch"``, ``"hutchpp"``, ``"exact"``).
+            Give it or ``estimator``, not both.
 
         Returns
         -------
@@ -367,8 +318,8 @@ class PrivacyEngine:
             raise ValueError(f"seed={seed!r} with secure_mode=True is refused: a seed makes the batches, projections, "
                              f"masks and noise reproducible by whoever holds it, and secure mode draws every one of "
                              f"them from os.urandom. Leave seed=None, or use secure_mode=False for a reproducible run")
-        estimator = _estimator_of(estimator, grad_sample_mode)
-        noise, clipping, c, sigma = self._checked_arguments(
+        estimator = estimator_of(estimator, grad_sample_mode)
+        noise, clipping, c, sigma = checked_arguments(
             optimizer, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs, steps, estimator,
             projection_dim, clipping_pass, noise, clipping)
         users = user_level(privacy_unit, user_ids, max_examples_per_user)
@@ -385,7 +336,7 @@ class PrivacyEngine:
         _refuse_hooked(module)
         plan = self._cover(module, optimizer, estimator, projection_dim, clipping, c)
         rank, world = rank_world()
-        basis = None if gradient_projection is None else self._projection_basis(gradient_projection, world)
+        basis = None if gradient_projection is None else projection_basis(gradient_projection, plan.params, world)
         seeds = self._seed_generators(seed, rank, world)
         built = private_loader(data_loader, scheme, users, self._sampling_rng, stream_seed=seeds["stream"],
                                on_batch=self._on_batch, on_empty=self._empty_step)
@@ -407,7 +358,7 @@ class PrivacyEngine:
             projection_dim=projection_dim)
         planned = None
         if sigma is None:
-            planned = _planned_steps(epochs, steps, len(loader))
+            planned = planned_steps(epochs, steps, len(loader))
             sigma = self._calibrate(accounting, target_epsilon, target_delta, planned)
             # the estimate's price: the noise exact norms would need for the same target, for Poisson batches (a
             # DP-SGD calibration, a fraction of the estimate's; an epoch sampler's exact PLDs would cost a minute)
@@ -462,38 +413,6 @@ class PrivacyEngine:
                                  target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
                                  max_grad_norm=max_grad_norm, **options)
 
-    @staticmethod
-    def _checked_arguments(optimizer: torch.optim.Optimizer, max_grad_norm: float, noise_multiplier: float | None,
-                           target_epsilon: float | None, target_delta: float | None, epochs: float | None,
-                           steps: int | None, estimator: str, k: int, clipping_pass: str, noise: StepNoise | str,
-                           clipping: L2Clipping | TwiceSampling | HybridClipping | None,
-                           ) -> tuple[StepNoise, L2Clipping | TwiceSampling | HybridClipping, float,
-                                      float | None]:
-        """``make_private``'s arguments checked one by one before anything is built (``ValueError`` naming the
-        first one wrong): ``(noise, clipping, max_grad_norm, noise_multiplier)``, the noise and clipping as
-        objects and the noise multiplier ``None`` when it is to be calibrated from the targets.  Their
-        combinations are :data:`dpsgd.accounting.REFUSED`'s."""
-        check_estimator(estimator, k)
-        check_clipping_pass(clipping_pass)
-        noise = as_noise(noise)
-        if clipping is None:
-            clipping = L2Clipping()
-        if not isinstance(clipping, (L2Clipping, TwiceSampling, HybridClipping)):
-            raise ValueError(f"clipping must be a dpsgd.strategies.L2Clipping, TwiceSampling, HybridClipping or "
-                             f"None, got {type(clipping).__name__}")
-        c = check_positive(max_grad_norm, "max_grad_norm")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        sigma = None
-        if noise_multiplier is not None:
-            sigma = check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-            if target_epsilon is not None:
-                raise ValueError("give either noise_multiplier or target_epsilon, not both")
-        elif target_epsilon is None or target_delta is None or (epochs is None) == (steps is None):
-            raise ValueError("without noise_multiplier, target_epsilon, target_delta and one of epochs or steps are "
-                             "required")
-        return noise, clipping, c, sigma
-
     def _cover(self, module: nn.Module, optimizer: torch.optim.Optimizer, estimator: str, k: int,
                clipping: L2Clipping | TwiceSampling | HybridClipping, max_grad_norm: float) -> NormPlan:
         """The model's norm plan (:attr:`plan`), its parameters' clipping groups, and the guarantee that every
@@ -505,33 +424,16 @@ class PrivacyEngine:
         return plan
 
     def _seed_generators(self, seed: int | None, rank: int, world: int) -> dict[str, int]:
-        """The seeds of every generator, from ``os.urandom`` (:meth:`_fresh_seeds`) or, in reproducibility mode, all
-        derived from ``seed`` (rank 0's); the sampling generator is made here, the step makes the others from them
-        and nothing keeps them.  By use: ``"sampling"`` (this
-        rank's Poisson draws), ``"stream"`` (a batch-sampling scheme's global stream, the same on every rank),
-        ``"projection"``, ``"noise"`` (the same on every rank) and ``"mask"``."""
-        if seed is None:
-            seeds = self._fresh_seeds()
-        else:
-            base = torch.Generator().manual_seed(broadcast_int(seed))
-            drawn = torch.randint(2**62, (3 + world,), generator=base).tolist()
-            seeds = {"sampling": drawn[3 + rank], "stream": drawn[3], "projection": drawn[1] + rank,
-                     "noise": drawn[2], "mask": drawn[2] + 1}
+        """The seeds of every generator (:func:`~dpsgd.step.run_seeds`); the sampling generator is made here, the
+        step makes the others from them and nothing keeps them."""
+        seeds = run_seeds(seed, rank, world)
         self._sampling_rng = torch.Generator().manual_seed(seeds["sampling"])   # each rank samples its own shard
         return seeds
-
-    @staticmethod
-    def _fresh_seeds() -> dict[str, int]:
-        """A seed for each generator from ``os.urandom``, each drawn apart: those every rank must share (the
-        noise, a scheme's global stream, the masks) are rank 0's draws, broadcast; the others are the rank's own.
-        Every rank must call it (the broadcasts are collectives)."""
-        shared = {name: broadcast_int(entropy_seed()) for name in ("stream", "noise", "mask")}
-        return {"sampling": entropy_seed(), "projection": entropy_seed(), **shared}
 
     def _reseed(self) -> None:
         """Reseed every generator from ``os.urandom`` in place (the loader keeps drawing from the same generator
         object): a resumed run's draws are predicted by nothing saved, and not by the run's seed either."""
-        seeds = self._fresh_seeds()
+        seeds = fresh_seeds()
         # a scheme's sampler draws one global stream on every rank; the Poisson and user samplers the rank's own
         self._sampling_rng.manual_seed(seeds["stream"] if self._stream is not None else seeds["sampling"])
         self._controls.reseed(seeds)
@@ -569,7 +471,7 @@ class PrivacyEngine:
                 seeds: dict[str, int]) -> tuple[DPOptimizer, DPCriterion | None]:
         """Hook the model (recording from here on; the model then belongs to this engine) and wrap the optimizer
         and the loss around the run's :class:`~dpsgd.step.PrivateStep`."""
-        _per_token_experts(module)
+        per_token_experts(module)
         # example isolation by structure: active from each batch the private loader yields to its backward
         tracker = ExampleTracker(state=lambda: {**{f"parameter {n}": p for n, p in module.named_parameters()},
                                                 **{f"buffer {n}": b for n, b in module.named_buffers()}})
@@ -705,25 +607,6 @@ class PrivacyEngine:
         """What the run is accounted as (:class:`~dpsgd.accounting.RunAccounting`: the mechanism, the accountant,
         the ledger's record), fixed by ``make_private`` (``None`` before it)."""
         return self._accounting
-
-
-    def _projection_basis(self, basis: torch.Tensor, world: int) -> torch.Tensor:
-        """``gradient_projection`` checked and orthonormalized (float64, on the first parameter's device)."""
-        if world > 1 or any(is_sharded(p) for p in self.plan.params):
-            raise ValueError("gradient_projection is supported in a single process only (every rank would "
-                             "need the same basis over the full, unsharded parameter vector)")
-        total = sum(p.numel() for p in self.plan.params)
-        if not isinstance(basis, torch.Tensor) or basis.ndim != 2 or basis.shape[0] != total or basis.shape[1] < 1:
-            raise ValueError(f"gradient_projection must be a ({total}, k) tensor with k >= 1 (one row per trainable "
-                             f"parameter entry, in the model's parameter order), got "
-                             f"{tuple(getattr(basis, 'shape', ())) or type(basis).__name__}")
-        if not torch.isfinite(basis).all():
-            raise ValueError("gradient_projection must be finite")
-        q, r = torch.linalg.qr(basis.detach().to(self.plan.params[0].device, torch.float64))
-        diag = r.diagonal().abs()
-        if diag.min() <= 1e-10 * diag.max():
-            raise ValueError("gradient_projection's columns are linearly dependent (rank below k)")
-        return q
 
 
     def private_loss(self, losses: torch.Tensor) -> DPLoss:

@@ -33,14 +33,15 @@ from dpmath import Envelope, HutchEnvelope, HutchPPEnvelope
 from .accounting import RunAccounting
 from .capture import Capture
 from .clipping import clipped_backward
-from .distributed import any_rank, as_grad, check_same_on_ranks, is_sharded, rank_world, reduce_sums
+from .distributed import any_rank, as_grad, broadcast_int, check_same_on_ranks, is_sharded, rank_world, reduce_sums
 from .isolation import ExampleMixingError, ExampleTracker, StateChangedError, check_backward_functions
 from .noise import noisy_gradients
 from .plan import NormPlan
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserRows
 
-__all__ = ["PrivateStep", "StepControls", "DeviceGenerators", "entropy_seed", "envelope_covers", "refuse_uncovered"]
+__all__ = ["PrivateStep", "StepControls", "DeviceGenerators", "entropy_seed", "fresh_seeds", "run_seeds",
+           "envelope_covers", "refuse_uncovered"]
 
 
 class DeviceGenerators:
@@ -76,6 +77,27 @@ def entropy_seed() -> int:
     """A seed of 63 bits from ``os.urandom`` (the OS's CSPRNG); non-negative, so that
     :func:`~dpsgd.distributed.broadcast_int`'s int64 carries it."""
     return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def fresh_seeds() -> dict[str, int]:
+    """A seed for each generator from ``os.urandom``, each drawn apart: those every rank must share (the
+    noise, a scheme's global stream, the masks) are rank 0's draws, broadcast; the others are the rank's own.
+    Every rank must call it (the broadcasts are collectives)."""
+    shared = {name: broadcast_int(entropy_seed()) for name in ("stream", "noise", "mask")}
+    return {"sampling": entropy_seed(), "projection": entropy_seed(), **shared}
+
+
+def run_seeds(seed: int | None, rank: int, world: int) -> dict[str, int]:
+    """The seeds of every generator of a run, by use: ``"sampling"`` (this rank's Poisson draws), ``"stream"`` (a
+    batch-sampling scheme's global stream, the same on every rank), ``"projection"``, ``"noise"`` (the same on every
+    rank) and ``"mask"``; from ``os.urandom`` (:func:`fresh_seeds`) or, in reproducibility mode, all derived from
+    ``seed`` (rank 0's).  Every rank must call it (the broadcasts are collectives)."""
+    if seed is None:
+        return fresh_seeds()
+    base = torch.Generator().manual_seed(broadcast_int(seed))
+    drawn = torch.randint(2**62, (3 + world,), generator=base).tolist()
+    return {"sampling": drawn[3 + rank], "stream": drawn[3], "projection": drawn[1] + rank,
+            "noise": drawn[2], "mask": drawn[2] + 1}
 
 
 def envelope_covers(charged: Envelope | None, planned: Envelope | None) -> bool:

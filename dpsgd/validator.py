@@ -19,20 +19,26 @@ the fix (in the spirit of Opacus' ``ModuleValidator``):
 * parametrized tensors (``torch.nn.utils.parametrizations``) of modules other than linear, convolution and embedding
   layers (the message says what to do instead).
 
-A ``torch.compile``'d model is checked as the model it compiles (:func:`uncompiled`).
+A ``torch.compile``'d model is checked as the model it compiles (:func:`uncompiled`).  Hugging Face
+mixture-of-experts models are switched to their per-token experts (:func:`per_token_experts`): their grouped
+implementations sort the batch's tokens by expert, which the isolation tracker cannot tell from mixing.
 
 :func:`validate` is called by :meth:`dpsgd.PrivacyEngine.make_private` and by the engine's norm plan.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["ModuleValidator", "UnsupportedModuleError", "BATCH_NORMS", "frozen_batch_norm", "uncompiled"]
+__all__ = ["ModuleValidator", "UnsupportedModuleError", "BATCH_NORMS", "frozen_batch_norm", "uncompiled",
+           "per_token_experts"]
+
+logger = logging.getLogger("dpsgd")
 
 #: the batch norm classes (they mix a batch's rows in training mode)
 BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -118,6 +124,19 @@ def uncompiled(model: nn.Module) -> nn.Module:
     if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
         return model._orig_mod
     return model
+
+
+def per_token_experts(module: nn.Module) -> None:
+    """Hugging Face mixture-of-experts models run their experts per token (``batched_mm``): the grouped and
+    eager implementations sort or count the tokens of the whole batch by expert, which the isolation tracker
+    (rightly) cannot tell from mixing.  The same function per token, so the same training."""
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        current = getattr(config, "_experts_implementation", None)
+        if hasattr(m, "set_experts_implementation") and current not in (None, "batched_mm"):
+            m.set_experts_implementation("batched_mm")
+            logger.info("mixture of experts: experts_implementation %r -> 'batched_mm' (per token, so each "
+                        "example's loss is computed from its own tokens alone)", current)
 
 
 class ModuleValidator:

@@ -66,7 +66,7 @@ def _cdf(x: float, lam: np.ndarray, k: int) -> float:
     """``P(X(lam) <= x)`` (zero entries of ``lam`` allowed) by contour inversion of the moment generating
     function: exact (relative error ~1e-15, with a bound) for any spread of ``lam``, ~0.1 ms per call, and
     independent of the two-block quadrature that the envelope itself maximizes over."""
-    from dpmath.chi2mix import contour_inversion
+    from dpmath.contour import contour_inversion
 
     if x <= 0:
         return 0.0

@@ -23,7 +23,8 @@ import numpy as np
 from scipy import special
 
 from ..accountant import Neighboring
-from ..envelope import Envelope, pessimistic_discretization
+from ..discretization import pessimistic_discretization
+from ..envelope import Envelope
 from ..mechanisms import Gaussian, Mechanism, RandomAllocationGaussian, RandomizedClipGaussian, SubsampledGaussian
 from .allocation import epoch_plds
 from .discretize import assemble, split

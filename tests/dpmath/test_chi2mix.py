@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from scipy import special, stats
 
 from dpmath import chi2_mixture_cdf, chi2_mixture_pdf, chi2_mixture_sf, two_block_cdf
-from dpmath.chi2mix import contour_inversion
+from dpmath.contour import contour_inversion
 from verify.mixtures import MIXTURES, SLOW_MIXTURES, bulk_points
 
 # (weights, dof): one block, two blocks of every kind the envelope meets (chi2(1) singularities, the

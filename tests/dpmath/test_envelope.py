@@ -269,7 +269,7 @@ def test_middle_region_value_by_monte_carlo():
 
 def _member_cdf_by_inversion(x: float, lam: float, k: int, d: int) -> float:
     """P(X(S(1, d-1, lam)) <= x) by contour inversion of the MGF: independent of two_block_cdf's quadrature."""
-    from dpmath.chi2mix import contour_inversion
+    from dpmath.contour import contour_inversion
 
     if lam >= 1.0:  # the vertex
         return float(special.gammainc(k / 2.0, x * k / 2.0))
