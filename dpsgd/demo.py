@@ -29,7 +29,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .cli import show_progress
-from .privacy_engine import DPCriterion, DPOptimizer, PrivacyEngine
+from .loss import DPCriterion
+from .optimizer import DPOptimizer
+from .privacy_engine import PrivacyEngine
 
 MARKERS = 4
 PROGRESS_SECONDS = 10.0   # an epoch longer than this logs its progress this often

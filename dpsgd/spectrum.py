@@ -271,7 +271,7 @@ class GradientRecorder:
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Record inside ``optimizer.step()`` (a step pre-hook on the optimizer that applies the update: a
-        :class:`~dpsgd.privacy_engine.DPOptimizer`'s wrapped one).  Returns the hook's handle
+        :class:`~dpsgd.optimizer.DPOptimizer`'s wrapped one).  Returns the hook's handle
         (``.remove()`` detaches it)."""
         target = getattr(optimizer, "original_optimizer", optimizer)
         if not isinstance(target, torch.optim.Optimizer):
