@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 from dpmath import Envelope, PLDAccountant, RDPAccountant, calibrate_noise
 
-from .noise import GaussianNoise, StepNoise
-from .samplers import BatchSampling, BoundSampling, Poisson
+from .noise import BandedNoise, GaussianNoise, StepNoise
+from .samplers import BatchSampling, BoundSampling, CyclicPoisson, Poisson
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserLevel
 
@@ -146,6 +146,13 @@ REFUSED: tuple[Refusal, ...] = (
             lambda c: "privacy_unit='user' cannot be combined with twice sampling or hybrid clipping "
                       "(clipping=TwiceSampling/HybridClipping): their accounting masks and clips each example's "
                       "gradient, not each user's"),
+    # banded matrix-factorization noise is amplified by cyclic Poisson sampling only (dpmath.correlated)
+    Refusal(lambda c: isinstance(c.noise, BandedNoise) and not (isinstance(c.batch_sampling, CyclicPoisson)
+                                                                and c.batch_sampling.covers(c.noise)),
+            lambda c: f"noise={c.noise!r} ({c.noise.strategy.bands} bands) is accounted under cyclic Poisson sampling "
+                      f"with at least as many groups as bands only, got {c.scheme}: pass batch_sampling="
+                      f"CyclicPoisson(groups={c.noise.strategy.bands}) (an example's participations must be a band "
+                      f"apart, which no other sampling guarantees)"),
     # the other batch-sampling schemes (dpsgd.samplers)
     Refusal(lambda c: _other_scheme(c) and _per_coordinate(c),
             lambda c: f"{c.scheme} with clipping={type(c.clipping).__name__}(...) is refused: twice sampling is "
@@ -158,7 +165,7 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal(lambda c: _other_scheme(c) and c.batch_sampling.per_epoch and c.ledger,
             lambda c: f"{c.scheme} with ledger_path is refused: its epochs are charged from the sampler's stream "
                       f"of batches, which a resumed run would restart"),
-    Refusal(lambda c: _other_scheme(c) and type(c.noise) is not GaussianNoise,
+    Refusal(lambda c: _other_scheme(c) and not c.batch_sampling.covers(c.noise),
             lambda c: f"{c.scheme} is accounted for Gaussian noise only, got noise={c.noise!r}"),
 )
 
@@ -275,7 +282,7 @@ class RunAccounting:
         out = {"estimator": self.estimator, "k": self.projection_dim, "max_grad_norm": self.max_grad_norm,
                "noise_multiplier": noise_multiplier, "sample_rate": self.sample_rate}
         if self.noise.name != "gaussian":
-            out["noise"] = self.noise.name
+            out["noise"] = self.noise.settings()
         if self.clipping.per_coordinate:
             out["sampling"] = self.clipping.settings()
         if self.users is not None:

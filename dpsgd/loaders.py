@@ -111,4 +111,4 @@ def private_loader(data_loader: DataLoader, scheme: BatchSampling, users: UserLe
     check_same_on_ranks(batch, "the batch size over ranks")
     check_same_on_ranks(bound.sample_rate, "the sampling rate")
     check_same_on_ranks(len(loader), "the number of batches per epoch")
-    return PrivateLoader(loader, bound, bound.sample_rate * total, sampler)
+    return PrivateLoader(loader, bound, bound.expected_batch_size, sampler)

@@ -12,7 +12,13 @@ so both come from one object, chosen in :meth:`dpsgd.PrivacyEngine.make_private`
   domination (never the paper's Thm III.7 bound, which :doc:`/majorization` refutes).  Exact norms only:
   no accountant here covers Laplace noise on a randomly scaled (estimated-norm) clipped gradient.
 
-The strings ``"gaussian"`` and ``"laplace"`` name these two (:func:`as_noise`).  A noise object refuses,
+* :class:`BandedNoise`: correlated noise, banded matrix factorization (:mod:`dpmath.correlated`): step ``t``
+  adds :math:`(C^{-1} z)_t`, made from fresh Gaussian draws and the last ``b - 1`` steps' noise, which the step
+  keeps in memory only (:class:`CorrelatedStream`: never in a checkpoint, so a run with it cannot be resumed).
+  Accounted under cyclic Poisson sampling (:class:`dpsgd.samplers.CyclicPoisson` with at least ``b`` groups) as
+  one subsampled-Gaussian step per cycle at ``sigma / ||c||``.
+
+The strings ``"gaussian"`` and ``"laplace"`` name the first two (:func:`as_noise`).  A noise object refuses,
 the reason its accounting does not cover an estimator (:meth:`StepNoise.refusal`), and
 calibrates its own scale to a target epsilon (:meth:`StepNoise.calibrate`).
 
@@ -29,6 +35,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -39,11 +46,12 @@ from dpmath import (
     SubsampledL2Laplace,
     calibrate_noise_multiplier,
 )
+from dpmath.correlated import BandedStrategy
 
 from .distributed import is_sharded, local_part
 from .handler import all_finite
 
-__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "as_noise"]
+__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "BandedNoise", "CorrelatedStream", "as_noise"]
 
 
 class StepNoise(ABC):
@@ -54,6 +62,8 @@ class StepNoise(ABC):
     """
 
     name: str
+    #: whether each step's noise depends on earlier steps' (:meth:`stream`): such a run cannot be resumed
+    correlated: ClassVar[bool] = False
 
     @abstractmethod
     def sample(self, shape: torch.Size, generator: torch.Generator | None, device: torch.device,
@@ -79,6 +89,15 @@ class StepNoise(ABC):
     def calibrate(self, target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
                   envelope: Envelope | None = None) -> float:
         """The smallest ``noise_multiplier`` whose accounted epsilon after ``steps`` is at most the target."""
+
+    def settings(self) -> str | dict:
+        """What the ledger records of the noise (a resumed run must match): its name."""
+        return self.name
+
+    def stream(self) -> CorrelatedStream | None:
+        """The per-run state of noise correlated across steps (``None``: each step's draws are independent).  The
+        step keeps it in memory only."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -154,6 +173,97 @@ class LaplaceNoise(StepNoise):
         return SubsampledL2Laplace.for_noise_multiplier(sigma, sample_rate).scale
 
 
+@dataclass(frozen=True, repr=False)
+class BandedNoise(StepNoise):
+    r"""Banded matrix-factorization noise (DP-FTRL): step ``t`` adds :math:`\sigma C\,w_t`, :math:`w = C^{-1} z`
+    for the banded Toeplitz ``strategy`` :math:`C` and independent :math:`z_t \sim N(0, I)`, so much of the noise
+    cancels in the sums of updates that training applies (:mod:`dpmath.correlated`).
+
+    :math:`w_t = (z_t - \sum_{j=1}^{b-1} c_j w_{t-j}) / c_0` is made as the step draws ``z_t``, from the last
+    ``b - 1`` noise tensors of each parameter (``b - 1`` parameter-sized copies, held by the run's
+    :class:`CorrelatedStream`, never saved: a run with banded noise cannot be resumed from a checkpoint).  The
+    accountant composes one subsampled-Gaussian step at ``sigma / ||c||`` per cycle of
+    :class:`~dpsgd.samplers.CyclicPoisson` sampling with at least ``b`` groups (one randomized-clipping step with
+    estimated norms); any other batch sampling is refused.
+
+    Parameters
+    ----------
+    strategy : dpmath.correlated.BandedStrategy
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BandedStrategy
+    >>> noise = BandedNoise(BandedStrategy((1.0, 0.5)))
+    >>> noise.mechanism(1.0, 0.04)
+    SubsampledGaussian(noise_multiplier=0.8944271909999159, sample_rate=0.04)
+    """
+
+    strategy: BandedStrategy
+
+    name = "banded"
+    correlated = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, BandedStrategy):
+            raise ValueError(f"strategy must be a dpmath.correlated.BandedStrategy, got "
+                             f"{type(self.strategy).__name__}")
+
+    def sample(self, shape, generator, device, dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def sample_into(self, out, generator):
+        return out.normal_(generator=generator)
+
+    def mechanism(self, noise_multiplier, sample_rate, envelope=None):
+        return GaussianNoise().mechanism(noise_multiplier / self.strategy.column_norm, sample_rate, envelope)
+
+    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
+        return self.strategy.column_norm * GaussianNoise().calibrate(target_epsilon, target_delta, sample_rate,
+                                                                     steps, envelope)
+
+    def settings(self):
+        return {"name": self.name, "coefficients": list(self.strategy.coefficients)}
+
+    def stream(self):
+        return CorrelatedStream(self.strategy)
+
+    def __repr__(self) -> str:
+        return f"BandedNoise({self.strategy.coefficients})"
+
+
+class CorrelatedStream:
+    r"""A run's banded-noise state: for each tensor (and chunk) the noise of its last ``b - 1`` steps.  It lives in
+    the private step only (no ``state_dict``): the noise of the steps to come is a function of it, so it is as
+    secret as the noise generator.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpmath.correlated import BandedStrategy
+    >>> stream = CorrelatedStream(BandedStrategy((1.0, 0.5)))
+    >>> [stream.correlate(0, torch.ones(1)).item() for _ in range(3)]
+    [1.0, 0.5, 0.75]
+    """
+
+    def __init__(self, strategy: BandedStrategy) -> None:
+        self.strategy = strategy
+        self._past: dict = {}
+
+    def correlate(self, key: object, z: torch.Tensor) -> torch.Tensor:
+        """:math:`w_t` of the tensor (or chunk) ``key`` from this step's unit draws ``z``, in place (``z`` is
+        returned); the history keeps a copy."""
+        c = self.strategy.coefficients
+        past = self._past.setdefault(key, [])
+        for j in range(1, min(len(c), len(past) + 1)):
+            z.sub_(past[-j].to(z.device), alpha=c[j])
+        z.div_(c[0])
+        if len(c) > 1:
+            past.append(z.clone())
+            if len(past) > len(c) - 1:
+                del past[0]
+        return z
+
+
 _NAMED = {"gaussian": GaussianNoise(), "laplace": LaplaceNoise()}
 
 
@@ -183,7 +293,8 @@ NOISE_CHUNK = 1 << 22
 def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], expected_batch_size: float,
                     noise_generator: torch.Generator | Callable[[torch.device], torch.Generator] | None,
                     params: list | None = None,
-                    noise: StepNoise | None = None, in_place: bool = False) -> list[torch.Tensor]:
+                    noise: StepNoise | None = None, in_place: bool = False,
+                    stream: CorrelatedStream | None = None) -> list[torch.Tensor]:
     """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
     draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
     be a list, one per tensor (hybrid clipping's per-group noise).  ``noise_generator`` is one generator (the
@@ -218,12 +329,16 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
             if whole:
                 xi = noise.sample_into(scratch[key][:n].view(shape), gen)
                 xi = local_part(p, xi) if sharded else xi
+                if stream is not None:
+                    xi = stream.correlate((i, 0), xi)
                 g.add_(xi.to(g.device), alpha=std)
                 del xi
             else:
                 flat = g.view(-1)
                 for start in range(0, n, NOISE_CHUNK):
                     xi = noise.sample_into(scratch[key][:min(NOISE_CHUNK, n - start)], gen)
+                    if stream is not None:
+                        xi = stream.correlate((i, start), xi)
                     flat[start:start + xi.numel()].add_(xi.to(g.device), alpha=std)
                     del xi
         out.append(g.div_(expected_batch_size))

@@ -720,7 +720,15 @@ class PrivacyEngine:
         The resumed run draws batches, projections, masks and noise that nothing saved predicts (and not the
         run's ``seed`` either), so it does not repeat the steps the interrupted run took after the checkpoint; its
         epsilon counts the same steps.  A state of an earlier version, which also held the generators' states,
-        loads with a ``UserWarning``: those states are ignored."""
+        loads with a ``UserWarning``: those states are ignored.  A run with correlated noise
+        (:class:`~dpsgd.noise.BandedNoise`) is refused: its noise depends on the earlier steps' noise, which is never
+        saved."""
         self._require_private()
+        noise = self._accounting.noise
+        if noise.correlated and int(state.get("steps", 0)):
+            raise ValueError(f"a run with noise={noise!r} cannot be resumed: each step's noise is correlated with the "
+                             f"earlier steps' noise, which stays in the process that drew it (a checkpoint holding it "
+                             f"would disclose the noise of the steps to come), and fresh noise after the checkpoint "
+                             f"would not be the accounted strategy's. Start a new run (the runs' epsilons add up)")
         self._ledger.load_state_dict(state)
         self._reseed()

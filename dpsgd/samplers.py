@@ -15,6 +15,8 @@ batches and the mechanism the accountant composes come from one object and canno
   Gaussian step per epoch with randomized clipping.
 * :class:`Shuffling`: each epoch, a permutation cut into batches of ``B``; ``ShuffledGaussian``, one Gaussian
   step per epoch for **replacing** one example (``sigma / 2``).
+* :class:`CyclicPoisson`: the examples split into ``b`` groups; step ``t`` Poisson-samples group ``t mod b``;
+  one subsampled-Gaussian step per cycle of ``b`` steps (the sampling of banded matrix-factorization noise).
 
 ``B`` is the loader's ``batch_size`` and ``N`` its dataset's size.  Fixed-size batches and shuffling keep ``N``
 fixed, so their epsilon is for **replacing** one example (``neighboring="replace_one"``), which costs more than
@@ -64,9 +66,10 @@ from dpmath import (
 
 from .data import DPDataLoader, KeepsRowOrder, PoissonBatchSampler
 from .distributed import MIN_ROWS
-from .noise import GaussianNoise, StepNoise
+from .noise import BandedNoise, GaussianNoise, StepNoise
 
-__all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "BoundSampling",
+__all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "CyclicPoisson",
+           "BoundSampling", "CyclicBatchSampler",
            "WrappedBatchSampler",
            "TruncatedPoissonBatchSampler", "PaddedBatch", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf",
            "as_batch_sampling", "FilledParts", "filled_loader"]
@@ -281,6 +284,11 @@ class BoundSampling:
             raise ValueError(f"the shard [{offset}, {offset + size}) exceeds the {self.num_samples} indices sampled")
         return ShardOf(sampler, offset, size)
 
+    @property
+    def expected_batch_size(self) -> float:
+        """The expected number of examples in a step's batch: the step's divisor."""
+        return self.scheme.expected_batch_size(self)
+
     def mechanism(self, noise_multiplier: float, noise: StepNoise, envelope: Envelope | None):
         """The dpmath mechanism of one accounted event (a step, or an epoch for epoch samplers)."""
         return self.scheme.make_mechanism(self, noise_multiplier, noise, envelope)
@@ -312,13 +320,16 @@ class BatchSampling:
         q = batch_size / num_samples
         return BoundSampling(self, num_samples, batch_size, q, max(1, round(1 / q)))
 
-    def check(self, noise: StepNoise) -> None:
-        """``ValueError`` with the reason where this scheme's accounting does not cover the run."""
-        if type(self) is not Poisson and type(noise) is not GaussianNoise:
-            raise ValueError(f"batch_sampling={self!r} is accounted for Gaussian noise only, got noise={noise!r}")
-
     def make_sampler(self, bound: BoundSampling, generator: torch.Generator | None) -> Sampler[list[int]]:
         raise NotImplementedError
+
+    def expected_batch_size(self, bound: BoundSampling) -> float:
+        """``q N``: each example is drawn at the rate ``q`` at every step."""
+        return bound.sample_rate * bound.num_samples
+
+    def covers(self, noise: StepNoise) -> bool:
+        """Whether the scheme's accounting covers ``noise`` (Gaussian noise; :class:`Poisson` any noise)."""
+        return type(noise) is GaussianNoise
 
     def make_mechanism(self, bound: BoundSampling, noise_multiplier: float, noise: StepNoise,
                        envelope: Envelope | None):
@@ -497,6 +508,113 @@ class Shuffling(BatchSampling):
         return ShuffledGaussian(noise_multiplier, bound.steps_per_epoch, envelope)
 
 
+class CyclicBatchSampler(Sampler[list[int]]):
+    """Cyclic Poisson batches: the examples split once into ``groups`` groups by a uniformly random partition (drawn
+    from ``generator`` at the first batch); the ``t``-th batch drawn is a Poisson sample at ``sample_rate`` of group
+    ``t mod groups``.  An example is eligible once in each cycle of ``groups`` batches, ``groups`` batches apart.
+
+    The position is kept across loops (:attr:`drawn`: batches drawn so far), as an epoch sampler's, and a loop
+    yields ``groups x cycles`` batches.
+
+    Examples
+    --------
+    >>> import torch
+    >>> s = CyclicBatchSampler(12, 3, 1.0, cycles=1, generator=torch.Generator().manual_seed(0))
+    >>> batches = list(s)
+    >>> sorted(i for b in batches for i in b) == list(range(12)), [len(b) for b in batches], s.drawn
+    (True, [4, 4, 4], 3)
+    """
+
+    def __init__(self, num_samples: int, groups: int, sample_rate: float, *, cycles: int = 1,
+                 generator: torch.Generator | None = None) -> None:
+        self.num_samples, self.groups, self.sample_rate, self.cycles = num_samples, groups, sample_rate, cycles
+        self.generator = generator
+        self.drawn = 0
+        self._groups: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self.groups * self.cycles
+
+    def resume(self, epochs: int) -> None:
+        """Continue a run that has charged ``epochs`` cycles: the next batch begins cycle ``epochs + 1`` (group 0;
+        the partition is drawn afresh, so an example may be drawn one step after the charged cycles end: each cycle
+        is one event whatever its partition)."""
+        self._groups = None
+        self.drawn = epochs * self.groups
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._groups is None:
+            order = torch.randperm(self.num_samples, generator=self.generator)
+            self._groups = [order[j::self.groups] for j in range(self.groups)]
+        for _ in range(len(self)):
+            group = self._groups[self.drawn % self.groups]
+            self.drawn += 1
+            keep = torch.rand(group.numel(), generator=self.generator) < self.sample_rate
+            yield sorted(group[keep].tolist())
+
+
+@dataclass(frozen=True, repr=True)
+class CyclicPoisson(BatchSampling):
+    r"""Cyclic Poisson sampling: the examples split once into ``groups`` groups at random; step ``t`` draws each
+    example of group ``t mod groups`` independently at ``q = B groups / N`` (so ``B`` examples are expected a step),
+    and no other example.  Each example is eligible once per cycle of ``groups`` steps, ``groups`` steps apart.
+
+    Accounted per cycle: one subsampled-Gaussian step at ``q`` for every cycle begun (a randomized-clipping step
+    with estimated norms), whatever the noise's correlations within the cycle.  It is the sampling that banded
+    matrix-factorization noise (:class:`dpsgd.noise.BandedNoise` with at most ``groups`` bands) is amplified
+    under (:mod:`dpmath.correlated`); with independent Gaussian noise it costs as many subsampled-Gaussian steps
+    as cycles.  A loop over the loader is ``round(1 / q)`` cycles, about ``N / B`` steps, as a Poisson epoch.
+
+    Parameters
+    ----------
+    groups : int
+        ``b >= 1``, at most ``N / B`` (``q <= 1``).
+
+    Examples
+    --------
+    >>> from dpsgd.noise import GaussianNoise
+    >>> bound = CyclicPoisson(4).bind(1000, 10)
+    >>> bound.sample_rate, bound.steps_per_epoch, bound.expected_batch_size
+    (0.04, 4, 10.0)
+    >>> bound.mechanism(1.0, GaussianNoise(), None)
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.04)
+    """
+
+    groups: int
+
+    name = "cyclic_poisson"
+    per_epoch = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"groups must be an integer >= 1, got {self.groups!r}")
+
+    def bind(self, num_samples, batch_size):
+        q = batch_size * self.groups / num_samples
+        if q > 1:
+            raise ValueError(f"CyclicPoisson(groups={self.groups}) with batch_size {batch_size} of {num_samples} "
+                             f"examples needs a rate q = batch_size x groups / examples = {q:.4g} <= 1: use at most "
+                             f"{num_samples // batch_size} groups or a smaller batch_size")
+        return BoundSampling(self, num_samples, batch_size, q, self.groups)
+
+    def make_sampler(self, bound, generator):
+        return CyclicBatchSampler(bound.num_samples, self.groups, bound.sample_rate,
+                                  cycles=max(1, round(1 / bound.sample_rate)), generator=generator)
+
+    def make_mechanism(self, bound, noise_multiplier, noise, envelope):
+        return noise.mechanism(noise_multiplier, bound.sample_rate, envelope)
+
+    def expected_batch_size(self, bound):
+        return bound.sample_rate * bound.num_samples / self.groups
+
+    def covers(self, noise):
+        return type(noise) is GaussianNoise or (isinstance(noise, BandedNoise)
+                                                and noise.strategy.bands <= self.groups)
+
+    def settings(self):
+        return {"name": self.name, "groups": self.groups}
+
+
 _BY_NAME = {"poisson": Poisson, "fixed_size": FixedSize, "balls_in_bins": BallsInBins, "shuffling": Shuffling}
 
 
@@ -515,6 +633,8 @@ def as_batch_sampling(value: object) -> BatchSampling:
     """
     if isinstance(value, BatchSampling):
         return value
+    if value == "cyclic_poisson":
+        raise ValueError("batch_sampling='cyclic_poisson' needs its number of groups: pass CyclicPoisson(groups)")
     if value == "truncated_poisson":
         raise ValueError("batch_sampling='truncated_poisson' needs its max_batch_size: pass "
                          "TruncatedPoisson(max_batch_size=...)")

@@ -196,6 +196,8 @@ class PrivateStep:
         self._noise_rngs = DeviceGenerators(seeds["noise"])
         self._mask_rngs = DeviceGenerators(seeds["mask"])   # twice sampling's masks, seeded like the noise
         self._noise_checked = False
+        # correlated noise's memory of earlier steps (BandedNoise): held here only, as secret as the generator
+        self._noise_stream = accounting.noise.stream()
         self._capture = Capture(plan)
         self._tracker = tracker
         self._track_examples = True
@@ -563,7 +565,7 @@ class PrivateStep:
         std = [per_group[self._accounting.clipping.group_of(self.plan.names[id(p)])] for p in self.plan.params]
         try:   # in place: the clipped sums become the noisy gradients (no second parameter-sized buffer)
             noisy = noisy_gradients(sums, std, divisor, self._noise_rngs, params=self.plan.params,
-                                    noise=self._accounting.noise, in_place=True)
+                                    noise=self._accounting.noise, in_place=True, stream=self._noise_stream)
         except FloatingPointError:
             self._reset()   # the sums were overwritten: the batch is dropped, nothing was written
             raise

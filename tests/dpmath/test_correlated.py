@@ -9,10 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpmath import PLDAccountant, SubsampledGaussian
+from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
 from dpmath.correlated import BandedMatrixFactorization, BandedStrategy, prefix_sum_errors
-from dpmath.envelope import HutchEnvelope
-from dpmath.mechanisms import RandomizedClipGaussian
 
 coefficients = st.lists(st.floats(-0.9, 0.9), min_size=0, max_size=5).map(lambda t: (1.0, *t))
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import PLDAccountant, SubsampledGaussian
+from dpmath.correlated import BandedStrategy
 from dpsgd import PrivacyEngine
 from dpsgd.accounting import (
     LEDGER_FORMAT,
@@ -22,13 +23,22 @@ from dpsgd.accounting import (
     read_record,
 )
 from dpsgd.data import PoissonBatchSampler
-from dpsgd.noise import GaussianNoise, LaplaceNoise
-from dpsgd.samplers import BatchSampling, BoundSampling, FixedSize, Poisson, Shuffling, TruncatedPoisson
+from dpsgd.noise import BandedNoise, GaussianNoise, LaplaceNoise
+from dpsgd.samplers import (
+    BatchSampling,
+    BoundSampling,
+    CyclicPoisson,
+    FixedSize,
+    Poisson,
+    Shuffling,
+    TruncatedPoisson,
+)
 from dpsgd.strategies import HybridClipping, L2Clipping, TwiceSampling
 
 TWICE = TwiceSampling(0.5, 0.1)
 
 # one combination per entry of REFUSED, in its order, each refused by that entry and by no earlier one
+BANDED = BandedNoise(BandedStrategy.sqrt_prefix_sum(4))
 REFUSED_CASES = [
     (Combination("hutch", GaussianNoise(), TWICE, Poisson()), "needs exact norms"),
     (Combination("exact", LaplaceNoise(), TWICE, Poisson()), "Gaussian noise only"),
@@ -38,6 +48,7 @@ REFUSED_CASES = [
      "single process"),
     (Combination("hutch", LaplaceNoise(), L2Clipping(), Poisson()), "LaplaceNoise needs exact norms"),
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
+    (Combination("hutch", BANDED, L2Clipping(), CyclicPoisson(2)), "at least as many groups as bands"),
     (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
     (Combination("hutch", GaussianNoise(), L2Clipping(), FixedSize(), users=True), "users are Poisson-sampled"),
     (Combination("hutch", GaussianNoise(), L2Clipping(), TruncatedPoisson(8, pad=True), processes=2),
@@ -54,6 +65,15 @@ def test_every_entry_of_the_refusal_table_is_reached_in_its_order():
         assert applies and applies[0] == i, (i, applies)
         with pytest.raises(ValueError, match=match):
             check_combination(combination)
+
+
+def test_banded_noise_passes_under_cyclic_poisson_of_enough_groups_only():
+    for scheme in (CyclicPoisson(4), CyclicPoisson(6)):
+        check_combination(Combination("hutch", BANDED, L2Clipping(), scheme))
+        check_combination(Combination("hutch", GaussianNoise(), L2Clipping(), scheme))
+    for scheme in (Poisson(), FixedSize(), CyclicPoisson(3)):
+        with pytest.raises(ValueError, match="CyclicPoisson"):
+            check_combination(Combination("hutch", BANDED, L2Clipping(), scheme))
 
 
 @pytest.mark.parametrize("clipping", [L2Clipping(), TWICE])

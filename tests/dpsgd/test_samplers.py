@@ -17,12 +17,15 @@ from dpmath import (
     PLDAccountant,
     RandomAllocationGaussian,
     ShuffledGaussian,
+    SubsampledGaussian,
     TruncatedSubsampledGaussian,
 )
 from dpsgd import PrivacyEngine
 from dpsgd.data import KeepsRowOrder, RowOrderError
 from dpsgd.samplers import (
     BallsInBins,
+    CyclicBatchSampler,
+    CyclicPoisson,
     EpochBatchSampler,
     FixedSize,
     FixedSizeBatchSampler,
@@ -469,3 +472,54 @@ def test_a_resumed_epoch_run_charges_the_epochs_before_and_begins_a_new_one():
     # the new epoch is a fresh allocation (from os.urandom), not one the checkpoint or the seed predicts
     assert [len(x) for x in drawn[0]] != [len(x) for x in drawn[1]] or \
         any(not torch.equal(a, b) for a, b in zip(drawn[0], drawn[1], strict=True))
+
+
+def test_cyclic_poisson_draws_each_example_only_at_its_groups_steps_at_the_rate():
+    """Eight cycles of 4 groups over 400 examples at q = 0.3: a fixed partition into 4 groups of 100, each example
+    drawn only at steps of its group, the count of draws of each step binomial(100, 0.3) (a two-sided 1e-4 test on
+    the total of 32 steps)."""
+    bound = CyclicPoisson(4).bind(400, 30)
+    assert (bound.sample_rate, bound.steps_per_epoch, bound.expected_batch_size) == (0.3, 4, 30.0)
+    sampler = bound.sampler(torch.Generator().manual_seed(1))
+    assert isinstance(sampler, CyclicBatchSampler) and len(sampler) == 4 * round(1 / 0.3)
+    batches = [b for _ in range(3) for b in sampler][:32]
+    seen: dict[int, set] = {}
+    for t, batch in enumerate(batches):
+        for i in batch:
+            seen.setdefault(i, set()).add(t % 4)
+    assert all(len(groups) == 1 for groups in seen.values())
+    sizes = {g: sum(1 for s in seen.values() if g in s) for g in range(4)}
+    assert all(s <= 100 for s in sizes.values())
+    total = sum(len(b) for b in batches)
+    assert stats.binomtest(total, 3200, 0.3).pvalue > 1e-4
+    assert bound.events(32, sampler) == math.ceil(sampler.drawn / 4)
+    sampler.resume(2)
+    assert sampler.drawn == 8
+
+
+def test_cyclic_poisson_refuses_a_rate_above_one_and_bad_groups():
+    with pytest.raises(ValueError, match="groups"):
+        CyclicPoisson(0)
+    with pytest.raises(ValueError, match="at most 10 groups"):
+        CyclicPoisson(11).bind(100, 10)
+    with pytest.raises(ValueError, match=r"CyclicPoisson\(groups\)"):
+        as_batch_sampling("cyclic_poisson")
+
+
+def test_cyclic_poisson_with_gaussian_noise_charges_one_subsampled_step_per_cycle():
+    x = torch.randn(120, 3)
+    model = nn.Linear(3, 2)
+    engine = PrivacyEngine()
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=6),
+        criterion=nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0, batch_sampling=CyclicPoisson(3))
+    for i, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        crit(model(xb), yb).backward()
+        opt.step()
+        if i == 6:
+            break
+    assert engine.steps == 7
+    expected = PLDAccountant().compose(SubsampledGaussian(1.0, 0.15), 3).epsilon(1e-5)   # cycles 1, 2 and 3 begun
+    assert engine.get_epsilon(1e-5) == expected
