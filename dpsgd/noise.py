@@ -330,15 +330,15 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
                 xi = noise.sample_into(scratch[key][:n].view(shape), gen)
                 xi = local_part(p, xi) if sharded else xi
                 if stream is not None:
-                    xi = stream.correlate((i, 0), xi)
+                    xi = stream.correlate((i if p is None else id(p), 0), xi)
                 g.add_(xi.to(g.device), alpha=std)
                 del xi
             else:
                 flat = g.view(-1)
                 for start in range(0, n, NOISE_CHUNK):
                     xi = noise.sample_into(scratch[key][:min(NOISE_CHUNK, n - start)], gen)
-                    if stream is not None:
-                        xi = stream.correlate((i, start), xi)
+                    if stream is not None:   # a parameter's own history, whatever its place in the list
+                        xi = stream.correlate((i if p is None else id(p), start), xi)
                     flat[start:start + xi.numel()].add_(xi.to(g.device), alpha=std)
                     del xi
         out.append(g.div_(expected_batch_size))

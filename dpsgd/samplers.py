@@ -509,7 +509,7 @@ class Shuffling(BatchSampling):
 
 
 class CyclicBatchSampler(Sampler[list[int]]):
-    """Cyclic Poisson batches: the examples split once into ``groups`` groups by a uniformly random partition (drawn
+    """Cyclic Poisson batches: each example put once in one of ``groups`` groups, uniformly and independently (drawn
     from ``generator`` at the first batch); the ``t``-th batch drawn is a Poisson sample at ``sample_rate`` of group
     ``t mod groups``.  An example is eligible once in each cycle of ``groups`` batches, ``groups`` batches apart.
 
@@ -521,8 +521,8 @@ class CyclicBatchSampler(Sampler[list[int]]):
     >>> import torch
     >>> s = CyclicBatchSampler(12, 3, 1.0, cycles=1, generator=torch.Generator().manual_seed(0))
     >>> batches = list(s)
-    >>> sorted(i for b in batches for i in b) == list(range(12)), [len(b) for b in batches], s.drawn
-    (True, [4, 4, 4], 3)
+    >>> sorted(i for b in batches for i in b) == list(range(12)), s.drawn
+    (True, 3)
     """
 
     def __init__(self, num_samples: int, groups: int, sample_rate: float, *, cycles: int = 1,
@@ -544,8 +544,11 @@ class CyclicBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._groups is None:
-            order = torch.randperm(self.num_samples, generator=self.generator)
-            self._groups = [order[j::self.groups] for j in range(self.groups)]
+            # each example's group drawn independently (not a permutation cut into equal groups): adding or
+            # removing an example then leaves every other example's group as it was, which the add-or-remove
+            # analysis needs
+            group = torch.randint(self.groups, (self.num_samples,), generator=self.generator)
+            self._groups = [(group == j).nonzero().flatten() for j in range(self.groups)]
         for _ in range(len(self)):
             group = self._groups[self.drawn % self.groups]
             self.drawn += 1
@@ -555,9 +558,10 @@ class CyclicBatchSampler(Sampler[list[int]]):
 
 @dataclass(frozen=True, repr=True)
 class CyclicPoisson(BatchSampling):
-    r"""Cyclic Poisson sampling: the examples split once into ``groups`` groups at random; step ``t`` draws each
-    example of group ``t mod groups`` independently at ``q = B groups / N`` (so ``B`` examples are expected a step),
-    and no other example.  Each example is eligible once per cycle of ``groups`` steps, ``groups`` steps apart.
+    r"""Cyclic Poisson sampling: each example put once in one of ``groups`` groups, uniformly and independently (so
+    adding or removing an example moves no other example's group); step ``t`` draws each example of group
+    ``t mod groups`` independently at ``q = B groups / N`` (so ``B`` examples are expected a step), and no other
+    example.  Each example is eligible once per cycle of ``groups`` steps, ``groups`` steps apart.
 
     Accounted per cycle: one subsampled-Gaussian step at ``q`` for every cycle begun (a randomized-clipping step
     with estimated norms), whatever the noise's correlations within the cycle.  It is the sampling that banded

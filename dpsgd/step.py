@@ -300,7 +300,7 @@ class PrivateStep:
         ``hutch``, anything under exact norms as long as they stay exact); else ``RuntimeError``, naming the
         parameters, and nothing changes.  So are a ``gradient_projection`` (its basis spans the parameters of the
         first plan) and a change of the coordinates per group of twice sampling or hybrid clipping (their noise
-        and accounting depend on them)."""
+        and accounting depend on them), and correlated noise (each parameter's noise continues its own)."""
         changed = [p for p, flag in self._trainable if p.requires_grad != flag]
         if not changed:
             return
@@ -336,6 +336,13 @@ class PrivateStep:
             raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
                                f"gradient_projection's basis spans the parameters of the first plan; use a new "
                                f"PrivacyEngine with a basis for the new ones")
+        if self._noise_stream is not None:
+            # a parameter frozen for some steps and unfrozen would continue its noise from older steps, so two
+            # participations a band apart could fall within one band of its noise: the accounting's windows overlap
+            raise RuntimeError(f"{which}: the trainable parameters changed after make_private, but "
+                               f"noise={self._accounting.noise!r} correlates each parameter's noise with its noise of "
+                               f"the last steps, which the accounting assumes every step; use a new PrivacyEngine for "
+                               f"the new phase (the runs' epsilons add up)")
         ranks = self.sampling_ranks(self._accounting.clipping, plan, self._accounting.max_grad_norm)
         if self._accounting.clipping.per_coordinate and tuple(ranks) != self._accounting.ranks:
             # (one group's noise does not depend on its size, so l2 clipping follows any plan)

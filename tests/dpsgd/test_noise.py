@@ -257,3 +257,19 @@ def test_banded_noise_without_cyclic_poisson_of_enough_groups_is_refused(samplin
                                      data_loader=torch.utils.data.DataLoader(data, batch_size=5), max_grad_norm=1.0,
                                      noise_multiplier=1.0, noise=BandedNoise(BandedStrategy.sqrt_prefix_sum(4)),
                                      batch_sampling=scheme)
+
+
+def test_freezing_a_parameter_mid_run_is_refused_under_banded_noise():
+    """Each parameter's noise continues its own last steps': a parameter frozen and later unfrozen would resume it
+    after a gap, putting two participations a band apart within one band of its noise."""
+    x = torch.randn(200, 6)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    engine, model, opt, loader = _banded_engine(model, torch.utils.data.TensorDataset(x), BandedStrategy((1.0, 0.5)))
+    batches = iter(loader)
+    (xb,) = next(batches)
+    engine.private_loss(model(xb).sum(1)).backward()
+    opt.step()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="correlates each parameter's noise"):
+        opt.zero_grad()
+        model(next(batches)[0])
