@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .allocation import ALLOCATION_CONFIGS, allocation_audit
 from .claims import claims_audit
+from .correlated import CORRELATED_CONFIGS, correlated_audit
 from .divergences import divergence_audit
 from .envelope import envelope_audit, envelope_claims
 from .estimators import estimator_audit
@@ -37,6 +38,7 @@ AUDITS: dict[str, tuple[Callable[..., AuditResult], dict, dict]] = {
     "peers": (peer_audit, {"configs": [PEER_CONFIGS[i] for i in (0, 7, 15)]}, {"configs": PEER_CONFIGS}),
     "referee": (referee_audit, {}, {"configs": REFEREE_CONFIGS, "rc_configs": REFEREE_RC_CONFIGS}),
     "allocation": (allocation_audit, {"draws": 200_000}, {"configs": ALLOCATION_CONFIGS, "draws": 2_000_000}),
+    "correlated": (correlated_audit, {"draws": 100_000}, {"configs": CORRELATED_CONFIGS, "draws": 2_000_000}),
     "envelope_claims": (envelope_claims, {"ks": (32, 128), "ds": (2, 8, 64)}, {"ks": (1, 4, 32, 128, 512)}),
     "schur": (schur_audit, {"cases": ((4, 2, 1.0), (4, 3, 1.0))},
               {"cases": ((1, 2, 1.0), (4, 2, 1.0), (4, 3, 1.0), (32, 3, 1.0), (32, 4, 1.0), (4, 3, 2.0),

@@ -249,3 +249,17 @@ def test_an_audit_whose_progress_is_logged_prints_nothing_else(monkeypatch, caps
         list(result.progress(range(4), "demo"))
     assert not capsys.readouterr().err
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"  [demo] {i}/4" for i in (1, 2, 3, 4)]
+
+
+def test_the_correlated_audit_holds_and_fails_an_accounting_that_halves_the_strategys_column_norm(monkeypatch):
+    """The banded accounting's noise multiplier is sigma / ||c||; with ||c|| read as half its value the accountant
+    under-charges, and the Monte Carlo of the whole mechanism lands above its delta."""
+    from dpmath.correlated import BandedStrategy
+    from verify.correlated import correlated_audit
+
+    result = correlated_audit(draws=30_000)
+    assert result.holds and result.rows[-1]["holds"]   # the control is caught
+    true_norm = BandedStrategy.column_norm
+    monkeypatch.setattr(BandedStrategy, "column_norm", property(lambda s: 0.5 * true_norm.fget(s)))
+    broken = correlated_audit(draws=30_000)
+    assert not broken.holds
