@@ -256,11 +256,14 @@ class CorrelatedStream:
         past = self._past.setdefault(key, [])
         for j in range(1, min(len(c), len(past) + 1)):
             z.sub_(past[-j].to(z.device), alpha=c[j])
-        z.div_(c[0])
+        if c[0] != 1.0:
+            z.div_(c[0])
         if len(c) > 1:
-            past.append(z.clone())
-            if len(past) > len(c) - 1:
-                del past[0]
+            if len(past) == len(c) - 1:   # the oldest step's tensor is reused (no allocation a step)
+                oldest = past.pop(0)
+                past.append(oldest.copy_(z))
+            else:
+                past.append(z.clone())
         return z
 
 
