@@ -43,7 +43,7 @@ from typing import ClassVar
 
 from .accountant import Neighboring
 from .envelope import DiscreteEnvelope, Envelope, ReplacementEnvelope
-from .validation import positive_real, real_number
+from .validation import positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
 __all__ = ["Mechanism", "MECHANISMS", "Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace",
@@ -290,12 +290,6 @@ class SubsampledL2Laplace(Mechanism):
         return cls(scale, sample_rate)
 
 
-def _count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _optional_envelope(envelope: object) -> Envelope | None:
     if envelope is not None and not isinstance(envelope, Envelope):
         raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
@@ -353,8 +347,8 @@ class FixedSizeSubsampledGaussian(Mechanism):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
-        object.__setattr__(self, "batch_size", _count(self.batch_size, "batch_size"))
-        object.__setattr__(self, "dataset_size", _count(self.dataset_size, "dataset_size"))
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, "batch_size"))
+        object.__setattr__(self, "dataset_size", positive_int(self.dataset_size, "dataset_size"))
         if self.batch_size > self.dataset_size:
             raise ValueError(f"batch_size must be at most dataset_size ({self.dataset_size}), got {self.batch_size}")
         object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
@@ -440,8 +434,8 @@ class TruncatedSubsampledGaussian(Mechanism):
             raise ValueError("sample_rate must be below 1 for truncated Poisson sampling (at q = 1 every step takes "
                              "every example: use FixedSizeSubsampledGaussian or Gaussian)")
         object.__setattr__(self, "sample_rate", q)
-        object.__setattr__(self, "max_batch_size", _count(self.max_batch_size, "max_batch_size"))
-        object.__setattr__(self, "dataset_size", _count(self.dataset_size, "dataset_size"))
+        object.__setattr__(self, "max_batch_size", positive_int(self.max_batch_size, "max_batch_size"))
+        object.__setattr__(self, "dataset_size", positive_int(self.dataset_size, "dataset_size"))
         object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
 
     @property
@@ -487,8 +481,8 @@ class TruncatedSubsampledGaussian(Mechanism):
         from scipy import stats
 
         q = checked_sample_rate(sample_rate, "sample_rate")
-        n = _count(dataset_size, "dataset_size") + 1
-        t = _count(steps, "steps")
+        n = positive_int(dataset_size, "dataset_size") + 1
+        t = positive_int(steps, "steps")
         b = positive_real(budget, "budget")
         cap = int(stats.binom.isf(b / t, n, q))   # a first guess; the steps below settle it on the rounded tail
         while cap < n and t * _binomial_tail(cap, n, q) > b:
@@ -512,7 +506,7 @@ class _OneEpoch(Mechanism):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
-        object.__setattr__(self, "steps", _count(self.steps, "steps"))
+        object.__setattr__(self, "steps", positive_int(self.steps, "steps"))
         object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
 
     @property

@@ -16,7 +16,9 @@ __all__ = ["positive_int", "real_array", "real_number", "probability_array", "po
 
 def _unwrap_scalar(value: object, name: str, kind: str, cast: str = "float") -> object:
     """``value`` as a Python scalar where it is a NumPy scalar or 0-d array (the result of indexing or reducing an
-    array, a number to the caller); an array with any axis is refused, naming its shape."""
+    array, a number to the caller); an array with any axis is refused, naming its shape, and so is ``None``."""
+    if value is None:
+        raise ValueError(f"{name} must be {kind}, got None")
     if isinstance(value, np.ndarray) and value.ndim > 0:
         raise ValueError(f"{name} must be {kind}, got an array of shape {value.shape}; pass one value "
                          f"(e.g. {name}={cast}(x[0])), or call once per value")

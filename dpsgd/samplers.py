@@ -48,6 +48,7 @@ Examples
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -72,7 +73,7 @@ __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsIn
            "BoundSampling", "CyclicBatchSampler",
            "WrappedBatchSampler",
            "TruncatedPoissonBatchSampler", "PaddedBatch", "FixedSizeBatchSampler", "EpochBatchSampler", "ShardOf",
-           "as_batch_sampling", "FilledParts", "filled_loader"]
+           "as_batch_sampling", "check_sizes", "FilledParts", "filled_loader"]
 
 
 class PaddedBatch(list):
@@ -254,6 +255,16 @@ class ShardOf(WrappedBatchSampler):
             yield [i - lo for i in batch if lo <= i < hi]
 
 
+def check_sizes(num_samples: object, batch_size: object) -> None:
+    """``ValueError`` unless ``1 <= batch_size <= num_samples`` (both integers): what every :meth:`BatchSampling.bind`
+    needs."""
+    for value, name in ((num_samples, "num_samples"), (batch_size, "batch_size")):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if batch_size > num_samples:
+        raise ValueError(f"batch_size ({batch_size}) must be at most the number of examples ({num_samples})")
+
+
 @dataclass(frozen=True)
 class BoundSampling:
     """A :class:`BatchSampling` for a data set of ``num_samples`` examples and loader batch size ``batch_size``:
@@ -317,6 +328,7 @@ class BatchSampling:
 
     def bind(self, num_samples: int, batch_size: int) -> BoundSampling:
         """The scheme for ``num_samples`` examples, ``batch_size`` a step (``1 <= batch_size <= num_samples``)."""
+        check_sizes(num_samples, batch_size)
         q = batch_size / num_samples
         return BoundSampling(self, num_samples, batch_size, q, max(1, round(1 / q)))
 
@@ -410,6 +422,7 @@ class TruncatedPoisson(BatchSampling):
             raise ValueError(f"pad must be True or False, got {self.pad!r}")
 
     def bind(self, num_samples, batch_size):
+        check_sizes(num_samples, batch_size)
         if self.max_batch_size < batch_size:
             raise ValueError(f"TruncatedPoisson(max_batch_size={self.max_batch_size}) is below the loader's "
                              f"batch_size {batch_size} (the expected batch): most steps would overflow")
@@ -470,6 +483,7 @@ class BallsInBins(BatchSampling):
     per_epoch = True
 
     def bind(self, num_samples, batch_size):
+        check_sizes(num_samples, batch_size)
         steps = max(1, round(num_samples / batch_size))
         return BoundSampling(self, num_samples, batch_size, 1.0 / steps, steps)
 
@@ -498,6 +512,7 @@ class Shuffling(BatchSampling):
     per_epoch = True
 
     def bind(self, num_samples, batch_size):
+        check_sizes(num_samples, batch_size)
         return BoundSampling(self, num_samples, batch_size, batch_size / num_samples,
                              math.ceil(num_samples / batch_size))
 
@@ -594,6 +609,7 @@ class CyclicPoisson(BatchSampling):
             raise ValueError(f"groups must be an integer >= 1, got {self.groups!r}")
 
     def bind(self, num_samples, batch_size):
+        check_sizes(num_samples, batch_size)
         q = batch_size * self.groups / num_samples
         if q > 1:
             raise ValueError(f"CyclicPoisson(groups={self.groups}) with batch_size {batch_size} of {num_samples} "

@@ -44,15 +44,15 @@ def grid_advice(h: float, needed: float, spread: float, one_step: bool = False) 
     widens) is at most 1, the accountant's limit, and the RDP accountant, which needs no grid, first where
     ``spread`` (how far the losses reach, in nats) exceeds :data:`HUGE_LOSS`: epsilon is then huge, and a grid
     that holds such losses is slow to compose, if it fits at all."""
-    rdp = "dpmath.RDPAccountant, which needs no grid (a looser bound, in milliseconds)"
+    rdp = "dpmath.RDPAccountant where it supports the mechanism (it needs no grid: a looser bound, in milliseconds)"
     coarser = (f"a coarser discretization (now {h:g}), e.g. discretization={needed:.2g}"
                + (" for one step (a composition of many needs a coarser one still)" if one_step else ""))
     if needed > 1.0:
-        return (f"the losses reach {spread:.3g}, so epsilon is huge and no discretization up to 1 holds them: bound "
-                f"epsilon with {rdp}, or use more noise or fewer steps")
+        return (f"the losses reach {spread:.3g} nats, which no discretization up to 1 holds (tiny noise, or very many "
+                f"steps): bound epsilon with {rdp}, or use more noise or fewer steps")
     if spread > HUGE_LOSS:
-        return (f"the losses reach {spread:.3g}, so epsilon is huge: bound it with {rdp}, or use more noise; "
-                f"{coarser}, fits too but is slow")
+        return (f"the losses reach {spread:.3g} nats (a far tail, whatever little mass it carries, must fit on the "
+                f"grid; epsilon itself may be small): {coarser} fits but is slow; or bound epsilon with {rdp}")
     return f"use {coarser}, or bound epsilon with {rdp}"
 
 

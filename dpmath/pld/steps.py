@@ -28,7 +28,7 @@ from ..envelope import Envelope
 from ..mechanisms import Gaussian, Mechanism, RandomAllocationGaussian, RandomizedClipGaussian, SubsampledGaussian
 from .allocation import epoch_plds
 from .discretize import assemble, split
-from .distribution import Pld
+from .distribution import GridTooLargeError, Pld
 from .losses import MixtureSums, StepMasses, mix, mixture_masses, mixture_sums, pair_cdfs, sparse_points, step_grid
 
 __all__ = ["STEPS", "StepKind", "accounted_step", "is_gaussian_step", "one_pair", "random_scale", "reads_replacement",
@@ -215,7 +215,13 @@ def step_plds(step: Mechanism, relation: str, h: float, bounds: tuple[bool, ...]
 def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
                 scale_refinement: float) -> list[Pld]:
     """An amplified epoch of random allocation (:mod:`dpmath.pld.allocation`)."""
-    plds = epoch_plds(step.noise_multiplier, step.steps, relation, h, bounds)
+    try:
+        plds = epoch_plds(step.noise_multiplier, step.steps, relation, h, bounds)
+    except OverflowError:   # exp(mu^2 / 2 + ...) of the lognormal terms: mu = 1 / sigma is in the hundreds
+        raise GridTooLargeError(
+            f"noise_multiplier={step.noise_multiplier:g} is too small for the random-allocation PLD: its likelihood "
+            f"ratios (lognormal, exp(1 / (2 sigma^2))) overflow float64, so epsilon is astronomically large; use more "
+            f"noise, or bound the epoch by its dominating step ({step.dominating()!r})") from None
     if True in bounds:
         # the unamplified bound is an upper PLD of the epoch too (either is sound): where its epsilon at
         # _PROBE_DELTA is the smaller (sigma ~ 0.3, whose lognormal tails leave the grid coarse), it is used

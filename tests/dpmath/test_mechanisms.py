@@ -12,6 +12,7 @@ from dpmath import (
     DiscreteEnvelope,
     FixedSizeSubsampledGaussian,
     Gaussian,
+    GridTooLargeError,
     HutchEnvelope,
     PLDAccountant,
     RandomAllocationGaussian,
@@ -281,3 +282,28 @@ def test_the_dp_accounting_adapter_takes_fixed_size_events_only_for_replacing_on
     replace = BracketPLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE).compose(event, 1000)
     assert replace.get_epsilon(1e-6) == PLDAccountant(neighboring="replace_one").compose(
         FixedSizeSubsampledGaussian(1.0, 100, 10_000), 1000).epsilon(1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: FixedSizeSubsampledGaussian(1.0, np.int64(10), np.int64(100)),
+    lambda: TruncatedSubsampledGaussian(1.0, np.float64(0.1), np.int64(20), np.int64(100)),
+    lambda: RandomAllocationGaussian(np.float32(1.0), np.int64(10)),
+])
+def test_numpy_scalars_are_accepted_wherever_python_numbers_are(make):
+    m = make()
+    assert all(type(v) in (int, float) for v in vars(m).values() if isinstance(v, (int, float, np.generic)))
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: Gaussian(None), "noise_multiplier must be a real number, got None"),
+    (lambda: SubsampledGaussian(1.0, None), "sample_rate must be a real number, got None"),
+    (lambda: RandomAllocationGaussian(1.0, None), "steps must be a positive integer"),
+])
+def test_none_is_refused_by_name_not_as_nan(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_random_allocation_with_tiny_noise_is_a_typed_error_that_says_why():
+    with pytest.raises(GridTooLargeError, match="too small for the random-allocation PLD"):
+        PLDAccountant().compose(RandomAllocationGaussian(1e-3, 10)).epsilon(1e-5)

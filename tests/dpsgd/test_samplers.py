@@ -527,3 +527,14 @@ def test_cyclic_poisson_with_gaussian_noise_charges_one_subsampled_step_per_cycl
     assert engine.steps == 7
     expected = PLDAccountant().compose(SubsampledGaussian(1.0, 0.15), 3).epsilon(1e-5)   # cycles 1, 2 and 3 begun
     assert engine.get_epsilon(1e-5) == expected
+
+
+@pytest.mark.parametrize("scheme", [Poisson(), FixedSize(), BallsInBins(), Shuffling(), CyclicPoisson(2),
+                                    TruncatedPoisson(8)])
+@pytest.mark.parametrize("n,b,match", [(100, 0, "batch_size must be a positive integer"),
+                                       (0, 1, "num_samples must be a positive integer"),
+                                       (10, 20, r"batch_size \(20\) must be at most")])
+def test_every_scheme_refuses_impossible_sizes_by_name(scheme, n, b, match):
+    with pytest.raises(ValueError, match=match):
+        scheme.bind(n, b)
+    assert scheme.bind(np.int64(100), np.int64(4)).batch_size == 4   # numpy integers are integers
