@@ -11,9 +11,10 @@ channels, 8x8 -> 4x4 -> 2x2), then a linear head: 6,186 parameters.  GroupNorm b
 examples (the library refuses it); Tanh because bounded activations train better under clipping and noise
 (Papernot et al., "Tempered sigmoid activations", 2021).
 
-Methods (every private one: Poisson sampling, the same epochs, batch, optimizer, learning rate and clipping
-norm C, and the same seed, so the Poisson batches, the model's initialization and the noise generator's stream
-are common to all methods of one seed and their differences are paired):
+Methods (every private one: the same epochs, batch, optimizer, learning rate and clipping norm C, and the same
+seed; all but the three cyclic ones below use Poisson sampling, so the Poisson batches, the model's
+initialization and the noise generator's stream are common to those methods of one seed and their differences
+are paired):
 
 * ``non-private``: the same loop without clipping or noise (shuffled batches of the expected batch size);
 * ``exact``, ``ghost``: DP-SGD with exact per-example norms (two computations of the same norms: a consistency
@@ -29,6 +30,29 @@ are common to all methods of one seed and their differences are paired):
   the head to 0.8 C (overall C), l-infinity C/20 each, coordinate rate 1/2, Thm 4.6's noise shape, RDP.
   The constants of ``twice`` and ``hybrid`` are the ones of ``benchmarks/decoder_methods.py``, fixed before
   any run here and not tuned.
+* ``cyclic``: exact norms and independent Gaussian noise as ``exact``, but cyclic Poisson sampling
+  (``CyclicPoisson(4)``: each example in one of 4 groups at random, step t Poisson-samples group t mod 4 at
+  q = 128 x 4 / 1437 = 0.356), accounted as one subsampled-Gaussian step per cycle of 4 steps: it separates the
+  sampler's effect from the correlated noise's;
+* ``banded-b4``: banded matrix-factorization noise (DP-FTRL, ``BandedNoise``) with the 4-band Toeplitz strategy
+  ``BandedStrategy.optimized(4, steps)`` (optimized for the prefix-sum workload over the run's steps) under
+  ``CyclicPoisson(4)``, exact norms, accounted by ``BandedMatrixFactorization`` (one subsampled-Gaussian step at
+  sigma / ||c|| per cycle);
+* ``banded-b8``: the same with 8 bands, ``BandedStrategy.optimized(8, steps)``, under ``CyclicPoisson(8)``
+  (q = 0.713; groups must keep q = B groups / N <= 1, at most 11 here).
+
+  The run's ``steps`` are what ``make_private(epochs=...)`` counts: a loop over a cyclic loader is
+  ``groups x max(1, round(1 / q))`` steps (``planned_steps``), so 20 epochs are 240 steps for ``cyclic`` and
+  ``banded-b4`` (3 cycles of 4 a loop) and 160 for ``banded-b8`` (1 cycle of 8 a loop: an example is eligible
+  20 times, about 14 expected passes over the data instead of 20), against 220 for the Poisson methods.
+  Their batches are drawn by another sampler, so they differ from the Poisson methods' even at the same seed:
+  their pairing with ``exact`` is by seed, i.e. by the model's initialization only (and ``cyclic``,
+  ``banded-b4`` share their groups and batches, seed by seed).  Their optimizer is the study's, unchanged: SGD
+  with momentum 0.9, which filters the noise of consecutive steps before the model sees it, so it interacts
+  with the noise's correlations (matrix-factorization strategies are usually optimized for, and evaluated
+  with, plain SGD or with the momentum folded into the workload); neither is done here.  Their "sigma" is
+  the multiplier of the fresh draws z (``make_private``'s ``noise_multiplier``, ``||c||`` times the
+  accountant's ``sigma / ||c||``; the JSON records both).
 
 Twice sampling and hybrid clipping apply to this model (they need exact norms, Gaussian noise and one
 process; a 6k-parameter CNN's per-example gradients are small).  The combinations the library refuses
@@ -44,11 +68,12 @@ target_delta=1e-5, epochs=...)`` calibrates sigma on the first seed; the other s
 is not accounted (common practice; it reads the private training images).
 
 Hyperparameters: SGD with momentum 0.9, expected batch 128 (q = 128/1437), 20 epochs of 11 Poisson batches
-(220 steps); batch and epochs were chosen so that the default grid fits in about 20 minutes of one thread, after
-a look at a few settings for ``exact`` at epsilon 4 on the validation split (batch 64 and 40 epochs were worse).
-The clipping norm C and learning rate are tuned ONCE, for ``exact`` at epsilon 4 on the validation split (mean
-accuracy of 2 seeds), over the grid C in {0.3, 1, 3} x lr in {0.1, 0.3, 1}, and reused unchanged by every
-private method, so the comparison is fair to the exact baseline and, if anything, favours it.  The
+(220 steps; the cyclic methods' counts are above); batch and epochs were chosen so that the default grid of
+the first nine methods fits in about 20 minutes of one thread, after a look at a few settings for ``exact`` at
+epsilon 4 on the validation split (batch 64 and 40 epochs were worse).  The clipping norm C and learning rate
+are tuned ONCE, for ``exact`` at epsilon 4 on the validation split (mean accuracy of 2 seeds), over the grid
+C in {0.3, 1, 3} x lr in {0.1, 0.3, 1}, and reused unchanged by every private method (the cyclic ones
+included), so the comparison is fair to the exact baseline and, if anything, favours it.  The
 non-private run takes its own lr from the same lr grid (its unclipped gradients diverge at the private lr).
 The search is part of the default run and recorded in the JSON (``tuning``); in the committed run it chose
 C = 0.3, lr = 1 (a corner of the grid, 86.6 % on validation; C = 1, lr = 0.3, the same product lr C, scored
@@ -59,8 +84,9 @@ with (seeds - 1) degrees of freedom; differences against ``exact`` are paired by
 
 Commands (one CPU thread; the JSON and PNG go to ``--out`` and ``--out`` with the suffix .png):
 
-    OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --small        # seconds: 1 seed, 2 epsilons, 2 methods
+    OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --small        # seconds: 1 seed, 2 epsilons, 3 methods
     OMP_NUM_THREADS=1 python benchmarks/utility/digits.py                # tuning + the full grid, 5 seeds
+    OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --merge --methods exact cyclic banded-b4 banded-b8
 
 The default writes ``benchmarks/results/utility/digits.json`` and ``digits.png`` (left: test accuracy against
 epsilon per method, non-private as a band; right: each method's sigma over exact's); ``--small`` writes
@@ -68,11 +94,22 @@ epsilon per method, non-private as a band; right: each method's sigma over exact
 results).  ``--lr``, ``--max-grad-norm`` and ``--lr-non-private``
 given skip the tuning.  Default run: 1,136 s (19 min) on one thread, measured while the machine's two cores
 were shared with other work; ``--small``: about 10 s with the imports.
+
+``--merge`` adds methods to a committed result instead of overwriting it: it runs ``--methods`` only, at the
+file's epsilons, seeds, epochs, batch, C and learning rates (no tuning; a different value given is refused),
+and writes the file back with those methods' runs replaced or added and every other method's runs kept; the
+summary, tables and plot are recomputed from all the runs, and ``merges`` in the JSON records each merge's
+command, methods, machine and seconds, with, for each method it replaced, the largest change of a run's
+accuracy (0 when the rerun reproduces the file's runs; ``exact`` is rerun with the new methods so that their
+paired differences use runs made with the same code).  The cyclic rows were added so:
+``--merge --methods exact cyclic banded-b4 banded-b8`` (288 s on one thread, the two cores shared; every
+``exact`` run reproduced).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -88,7 +125,10 @@ from study_common import machine, mean_ci
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dpmath.correlated import BandedStrategy
 from dpsgd import PrivacyEngine
+from dpsgd.noise import BandedNoise
+from dpsgd.samplers import CyclicPoisson
 from dpsgd.strategies import HybridClipping, TwiceSampling
 
 matplotlib.use("Agg")
@@ -106,9 +146,11 @@ MOMENTUM = 0.9
 COORDINATE_RATE = 0.5          # twice and hybrid: q2
 COORDINATE_BOUND = 1 / 20      # twice and hybrid: c_inf in units of C (at most 400 coordinates reach it)
 HYBRID_SPLIT = {"features.": 0.6, "head.": 0.8}   # l2 bound per group, in units of C (0.6^2 + 0.8^2 = 1)
-METHODS = ("non-private", "exact", "ghost", "hutch-k8", "hutch-k32", "hutchpp-k32", "lap2", "twice", "hybrid")
+CYCLIC = {"cyclic": (4, None), "banded-b4": (4, 4), "banded-b8": (8, 8)}   # method: (groups, bands or None)
+METHODS = ("non-private", "exact", "ghost", "hutch-k8", "hutch-k32", "hutchpp-k32", "lap2", "twice", "hybrid",
+           *CYCLIC)
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
-SMALL = {"methods": ["exact", "hutch-k32"], "epsilons": [1.0, 8.0], "seeds": 1, "epochs": 1, "lr": 0.3,
+SMALL = {"methods": ["exact", "hutch-k32", "banded-b4"], "epsilons": [1.0, 8.0], "seeds": 1, "epochs": 1, "lr": 0.3,
          "max_grad_norm": 1.0, "lr_non_private": 0.1}
 FULL = {"methods": list(METHODS), "epsilons": list(EPSILONS), "seeds": 5, "epochs": 20, "lr": None,
         "max_grad_norm": None, "lr_non_private": None}
@@ -144,8 +186,32 @@ def digits_split(validation: bool) -> Split:
     return torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_te), torch.from_numpy(y_te)
 
 
-def private_kwargs(method: str, c: float) -> dict:
-    """``make_private`` arguments that define ``method`` at clipping norm ``c``."""
+def planned_steps(groups: int, num_samples: int, batch_size: int, epochs: int) -> int:
+    """The steps ``make_private(epochs=epochs)`` counts under ``CyclicPoisson(groups)``: ``epochs`` loops over the
+    loader, each ``groups x max(1, round(1 / q))`` steps at ``q = batch_size x groups / num_samples``."""
+    q = batch_size * groups / num_samples
+    return epochs * groups * max(1, round(1 / q))
+
+
+@functools.lru_cache
+def banded_strategy(bands: int, steps: int) -> BandedStrategy:
+    """``BandedStrategy.optimized(bands, steps)``, computed once per (bands, steps)."""
+    return BandedStrategy.optimized(bands, steps)
+
+
+def private_kwargs(method: str, c: float, *, num_samples: int | None = None, batch_size: int | None = None,
+                   epochs: int | None = None) -> dict:
+    """``make_private`` arguments that define ``method`` at clipping norm ``c``.  The cyclic methods need the
+    schedule (training examples, expected batch, epochs): their strategy is optimized for the run's steps."""
+    if method in CYCLIC:
+        groups, bands = CYCLIC[method]
+        kwargs = {"estimator": "exact", "max_grad_norm": c, "batch_sampling": CyclicPoisson(groups)}
+        if bands is not None:
+            if None in (num_samples, batch_size, epochs):
+                raise ValueError(f"{method} needs num_samples, batch_size and epochs (its strategy's steps)")
+            steps = planned_steps(groups, num_samples, batch_size, epochs)
+            kwargs["noise"] = BandedNoise(banded_strategy(bands, steps))
+        return kwargs
     if method in ("exact", "ghost"):
         return {"estimator": method, "max_grad_norm": c}
     if method.startswith("hutch"):
@@ -194,9 +260,16 @@ def train_once(method: str, epsilon: float | None, seed: int, split: Split, epoc
                  else {"noise_multiplier": sigma})
         model, optimizer, criterion, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=batch),
-            criterion=nn.CrossEntropyLoss(), seed=seed, **noise, **private_kwargs(method, c))
+            criterion=nn.CrossEntropyLoss(), seed=seed, **noise,
+            **private_kwargs(method, c, num_samples=len(x_tr), batch_size=batch, epochs=epochs))
         record.update(sigma=engine.noise_multiplier, calibrated=sigma is None,
                       accountant=type(engine.accountant()).__name__, calibration_s=time.perf_counter() - start)
+        if method in CYCLIC:
+            groups, bands = CYCLIC[method]
+            strategy = (banded_strategy(bands, planned_steps(groups, len(x_tr), batch, epochs)) if bands
+                        else BandedStrategy((1.0,)))
+            record.update(groups=groups, coefficients=list(strategy.coefficients),
+                          accounting_noise_multiplier=engine.noise_multiplier / strategy.column_norm)
     steps, loop_start = 0, time.perf_counter()
     for _ in range(epochs):
         for xb, yb in loader:
@@ -206,6 +279,9 @@ def train_once(method: str, epsilon: float | None, seed: int, split: Split, epoc
             steps += 1
     record["s_per_step"] = (time.perf_counter() - loop_start) / steps
     record["steps"] = steps
+    if method in CYCLIC and steps != planned_steps(CYCLIC[method][0], len(x_tr), batch, epochs):
+        raise RuntimeError(f"{method} ran {steps} steps, its strategy was optimized for "
+                           f"{planned_steps(CYCLIC[method][0], len(x_tr), batch, epochs)}")
     record["epsilon_reported"] = None if engine is None else engine.get_epsilon(DELTA)
     record["accuracy"] = accuracy(model, x_ev, y_ev)
     if engine is not None:
@@ -300,7 +376,8 @@ def print_tables(summary: list[dict], methods: list[str], epsilons: list[float])
             print(f"{m:>12} " + " ".join(
                 f"{fmt(cells[(m, e)]['diff_vs_exact_mean'], cells[(m, e)]['diff_vs_exact_ci95']):>13}"
                 if "diff_vs_exact_mean" in cells[(m, e)] else f"{'-':>13}" for e in epsilons))
-    print("\nnoise each method pays: sigma (noise std / C; lap2: Laplace scale b / C) and its accountant")
+    print("\nnoise each method pays: sigma (noise std / C; lap2: Laplace scale b / C; banded: the fresh draws', "
+          "||c|| x the accountant's sigma) and its accountant")
     print(head + f" {'accountant':>24}")
     for m in methods:
         if m != "non-private":
@@ -322,10 +399,11 @@ def plot(summary: list[dict], methods: list[str], epsilons: list[float], path: P
         xs = [e * shift for e in epsilons]
         ys = [100 * cells[(m, e)]["accuracy_mean"] for e in epsilons]
         err = [100 * (cells[(m, e)]["accuracy_ci95"] or 0.0) for e in epsilons]
-        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=m)
+        style = {"color": f"C{i % 10}", "ls": ("-", "--", ":")[i // 10 % 3]}   # 10 colours, then dashed
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=m, **style)
         if "exact" in methods:
             bx.plot(epsilons, [cells[(m, e)]["sigma"] / cells[("exact", e)]["sigma"] for e in epsilons],
-                    marker="o", ms=4, label=m)
+                    marker="o", ms=4, label=m, **style)
     if "non-private" in methods:
         s = cells[("non-private", None)]
         ci = s["accuracy_ci95"] or 0.0
@@ -334,7 +412,8 @@ def plot(summary: list[dict], methods: list[str], epsilons: list[float], path: P
     ax.axhline(10.0, color="black", ls=":", lw=1, label="chance (10 %)")
     ax.set(xscale="log", xlabel="target epsilon (delta = 1e-5)", ylabel="test accuracy %", title=title)
     bx.set(xscale="log", xlabel="target epsilon", ylabel="sigma / exact's sigma",
-           title="noise each method pays (lap2: b/C; twice, hybrid: RDP)")
+           title="noise each method pays (lap2: b/C; twice, hybrid: RDP;\nbanded: the fresh draws' sigma, "
+                 "||c|| x the accountant's)")
     for axis in (ax, bx):
         axis.minorticks_off()   # the log axis' minor labels would overprint the epsilon ticks
         axis.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
@@ -344,6 +423,9 @@ def plot(summary: list[dict], methods: list[str], epsilons: list[float], path: P
     plt.close(fig)
 
 
+MERGE_FIXED = ("epsilons", "seeds", "epochs", "batch_size", "lr", "max_grad_norm", "lr_non_private")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="the smoke-test setting: " + json.dumps(SMALL))
@@ -351,17 +433,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--epsilons", type=float, nargs="+")
     ap.add_argument("--seeds", type=int, help="seeds 0 .. SEEDS-1 (default 5)")
     ap.add_argument("--epochs", type=int, help="default 20")
-    ap.add_argument("--batch-size", type=int, default=128, help="expected (Poisson) batch size")
+    ap.add_argument("--batch-size", type=int, help="expected (Poisson) batch size (default 128)")
     ap.add_argument("--lr", type=float, help="the private methods' (default: tuned)")
     ap.add_argument("--max-grad-norm", type=float, help="C (default: tuned)")
     ap.add_argument("--lr-non-private", type=float, help="default: tuned")
     ap.add_argument("--out", type=Path, help="the JSON path; the plot goes beside it with the suffix .png")
+    ap.add_argument("--merge", action="store_true",
+                    help="run --methods only, at the settings of the existing --out, and merge their runs into it "
+                         "(replacing that file's runs of the same methods, keeping the others')")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / "small" / "digits_small.json" if args.small else RESULTS / "digits.json"
+    previous = None
+    if args.merge:
+        if not args.methods:
+            ap.error("--merge needs --methods: the methods to run and merge")
+        if not args.out.exists():
+            ap.error(f"--merge merges into an existing result; {args.out} does not exist")
+        previous = json.loads(args.out.read_text())
+        for key in MERGE_FIXED:   # the pairing and the tables need the file's settings
+            fixed, given = previous["settings"][key], getattr(args, key)
+            if given is not None and given != fixed:
+                ap.error(f"--merge: {args.out} has {key} = {fixed!r}, not {given!r}")
+            setattr(args, key, fixed)
     for key, value in (SMALL if args.small else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.out is None:
-        args.out = RESULTS / "small" / "digits_small.json" if args.small else RESULTS / "digits.json"
+    if args.batch_size is None:
+        args.batch_size = 128
     torch.set_num_threads(1)   # the timings are one thread's; the machine is shared
     start = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -393,34 +492,57 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{method:>12} eps {eps_txt:<20} seed {seed}  sigma {r['sigma']:.4f}  "
                       f"acc {100 * r['accuracy']:5.1f} %  {1000 * r['s_per_step']:6.1f} ms/step "
                       f"({r['steps']} steps, calibration {r['calibration_s']:.1f} s)", flush=True)
-    summary = summarize(runs, args.methods, args.epsilons)
-    print_tables(summary, args.methods, args.epsilons)
+    command = " ".join(["OMP_NUM_THREADS=1 python benchmarks/utility/digits.py",
+                        *(sys.argv[1:] if argv is None else argv)])
+    methods = list(args.methods)
+    replaced: dict[str, float] = {}
+    if previous is not None:
+        for m in args.methods:   # how far a rerun method moved from the file's runs (0: reproduced)
+            before = {(r["epsilon"], r["seed"]): r["accuracy"] for r in previous["runs"] if r["method"] == m}
+            if before:
+                replaced[m] = max(abs(r["accuracy"] - before[(r["epsilon"], r["seed"])])
+                                  for r in runs if r["method"] == m)
+                print(f"{m}: replaces the file's runs; largest change of a run's accuracy {100 * replaced[m]:.2f} "
+                      f"points", flush=True)
+        methods = [m for m in METHODS if m in {*previous["settings"]["methods"], *args.methods}]
+        runs = sorted([r for r in previous["runs"] if r["method"] not in args.methods] + runs,
+                      key=lambda r: methods.index(r["method"]))
+    summary = summarize(runs, methods, args.epsilons)
+    print_tables(summary, methods, args.epsilons)
     elapsed = time.perf_counter() - start
     print(f"\ntotal {elapsed:.0f} s")
-    result = {
-        "description": __doc__.splitlines()[0], "machine": machine(),
-        "command": " ".join(["OMP_NUM_THREADS=1 python benchmarks/utility/digits.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "settings": {"methods": args.methods, "epsilons": args.epsilons, "delta": DELTA, "seeds": args.seeds,
-                     "epochs": args.epochs, "batch_size": args.batch_size,
-                     "sample_rate": args.batch_size / len(split[0]),
-                     "optimizer": f"SGD(momentum={MOMENTUM})", "lr": args.lr, "max_grad_norm": args.max_grad_norm,
-                     "lr_non_private": args.lr_non_private,
-                     "train": len(split[0]), "test": len(split[2]), "model": "DigitsCNN",
-                     "parameters": sum(p.numel() for p in DigitsCNN().parameters()),
-                     "twice": {"coordinate_rate": COORDINATE_RATE, "max_grad_coordinate_over_C": COORDINATE_BOUND},
-                     "hybrid": {"l2_over_C": HYBRID_SPLIT, "max_grad_coordinate_over_C": COORDINATE_BOUND,
-                                "coordinate_rate": COORDINATE_RATE},
-                     "ci": "95 % confidence interval of the mean over seeds, t distribution, seeds - 1 dof"},
-        "tuning": tuning, "refused": refused_combinations(split, args.batch_size),
-        "runs": runs, "summary": summary,
-        "sigma": {m: {f"{s['epsilon']:g}": s["sigma"] for s in summary if s["method"] == m}
-                  for m in args.methods if m != "non-private"},
-        "total_s": elapsed,
-    }
+    settings = {"methods": methods, "epsilons": args.epsilons, "delta": DELTA, "seeds": args.seeds,
+                "epochs": args.epochs, "batch_size": args.batch_size,
+                "sample_rate": args.batch_size / len(split[0]),
+                "optimizer": f"SGD(momentum={MOMENTUM})", "lr": args.lr, "max_grad_norm": args.max_grad_norm,
+                "lr_non_private": args.lr_non_private,
+                "train": len(split[0]), "test": len(split[2]), "model": "DigitsCNN",
+                "parameters": sum(p.numel() for p in DigitsCNN().parameters()),
+                "twice": {"coordinate_rate": COORDINATE_RATE, "max_grad_coordinate_over_C": COORDINATE_BOUND},
+                "hybrid": {"l2_over_C": HYBRID_SPLIT, "max_grad_coordinate_over_C": COORDINATE_BOUND,
+                           "coordinate_rate": COORDINATE_RATE},
+                "cyclic": {m: {"groups": g, "bands": b, "noise": "gaussian" if b is None else
+                               f"BandedNoise(BandedStrategy.optimized({b}, steps))",
+                               "sample_rate": args.batch_size * g / len(split[0]),
+                               "steps": planned_steps(g, len(split[0]), args.batch_size, args.epochs)}
+                           for m, (g, b) in CYCLIC.items() if m in methods},
+                "ci": "95 % confidence interval of the mean over seeds, t distribution, seeds - 1 dof"}
+    sigmas = {m: {f"{s['epsilon']:g}": s["sigma"] for s in summary if s["method"] == m}
+              for m in methods if m != "non-private"}
+    if previous is None:
+        result = {
+            "description": __doc__.splitlines()[0], "machine": machine(), "command": command,
+            "settings": settings, "tuning": tuning, "refused": refused_combinations(split, args.batch_size),
+            "runs": runs, "summary": summary, "sigma": sigmas, "total_s": elapsed,
+        }
+    else:   # the first run's command, machine, tuning and time stay; each merge is recorded beside them
+        result = {**previous, "settings": settings, "runs": runs, "summary": summary, "sigma": sigmas}
+        result["merges"] = [*previous.get("merges", []),
+                            {"command": command, "methods": args.methods, "machine": machine(), "total_s": elapsed,
+                             "replaced_max_accuracy_change": replaced}]
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     png = args.out.with_suffix(".png")
-    plot(summary, args.methods, args.epsilons, png, f"digits CNN, {args.seeds} seed(s), {args.epochs} epochs")
+    plot(summary, methods, args.epsilons, png, f"digits CNN, {args.seeds} seed(s), {args.epochs} epochs")
     print(f"wrote {args.out} and {png}")
     return result
 

@@ -33,6 +33,35 @@ def test_small_setting_writes_sane_results(tmp_path):
         assert data["sigma"]["hutch-k32"][f"{eps:g}"] >= data["sigma"]["exact"][f"{eps:g}"]
     assert {s["method"] for s in data["summary"]} == set(small["methods"])
     assert all(v.startswith("ValueError") for v in data["refused"].values()), data["refused"]
+    # banded noise: its strategy optimized for the steps the cyclic loader runs, sigma = ||c|| x the accountant's
+    banded = [r for r in data["runs"] if r["method"] == "banded-b4"]
+    groups, bands = digits.CYCLIC["banded-b4"]
+    assert banded and all(r["steps"] == digits.planned_steps(groups, data["settings"]["train"], 128, small["epochs"])
+                          == data["settings"]["cyclic"]["banded-b4"]["steps"] for r in banded)
+    for r in banded:
+        norm = math.sqrt(sum(c * c for c in r["coefficients"]))
+        assert len(r["coefficients"]) == bands and r["groups"] == groups
+        assert r["accounting_noise_multiplier"] * norm == pytest.approx(r["sigma"])
+
+
+def test_merge_adds_methods_and_keeps_the_others(tmp_path):
+    out = tmp_path / "digits.json"
+    digits.main(["--small", "--methods", "exact", "hutch-k32", "--out", str(out)])
+    first = json.loads(out.read_text())
+    merged = digits.main(["--merge", "--methods", "exact", "cyclic", "--out", str(out)])
+    assert merged == json.loads(out.read_text())
+    assert merged["settings"]["methods"] == ["exact", "hutch-k32", "cyclic"]
+    for key in digits.MERGE_FIXED:   # the file's settings, not the defaults
+        assert merged["settings"][key] == first["settings"][key]
+    assert [r for r in merged["runs"] if r["method"] == "hutch-k32"] == [
+        r for r in first["runs"] if r["method"] == "hutch-k32"]
+    assert merged["command"] == first["command"] and merged["tuning"] == first["tuning"]
+    (record,) = merged["merges"]
+    assert record["methods"] == ["exact", "cyclic"] and record["replaced_max_accuracy_change"] == {"exact": 0.0}
+    cells = {(s["method"], s["epsilon"]): s for s in merged["summary"]}
+    assert all("diff_vs_exact_mean" in cells[("cyclic", e)] for e in first["settings"]["epsilons"])
+    with pytest.raises(SystemExit):   # another schedule would break the pairing
+        digits.main(["--merge", "--methods", "cyclic", "--epochs", "2", "--out", str(out)])
 
 
 def test_tuning_picks_the_best_validation_accuracy(monkeypatch):
