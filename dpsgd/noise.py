@@ -175,9 +175,10 @@ class LaplaceNoise(StepNoise):
 
 @dataclass(frozen=True, repr=False)
 class BandedNoise(StepNoise):
-    r"""Banded matrix-factorization noise (DP-FTRL): step ``t`` adds :math:`\sigma C\,w_t`, :math:`w = C^{-1} z`
-    for the banded Toeplitz ``strategy`` :math:`C` and independent :math:`z_t \sim N(0, I)`, so much of the noise
-    cancels in the sums of updates that training applies (:mod:`dpmath.correlated`).
+    r"""Banded matrix-factorization noise (DP-FTRL): step ``t`` adds ``noise_multiplier * max_grad_norm`` times
+    :math:`w_t`, :math:`w = C^{-1} z` for the banded Toeplitz ``strategy`` :math:`C` and independent
+    :math:`z_t \sim N(0, I)`, so much of the noise cancels in the sums of updates that training applies
+    (:mod:`dpmath.correlated`).
 
     :math:`w_t = (z_t - \sum_{j=1}^{b-1} c_j w_{t-j}) / c_0` is made as the step draws ``z_t``, from the last
     ``b - 1`` noise tensors of each parameter (``b - 1`` parameter-sized copies, held by the run's
