@@ -32,6 +32,17 @@ sampled at ``q``, and a canary is a whole user whose ``m`` examples all carry th
 the same, at the user rate; the reported epsilon is per user.  Its broken variants (:data:`USER_BREAKS`) are
 ``"example-rate"`` (the accountant charged at the example rate ``q / m``) and ``"per-example-clipping"`` (each
 example clipped alone, so a user moves the sum by up to ``m C``); :func:`user_audit` runs them.
+
+**Banded noise.**  A configuration with ``noise="banded"`` trains with correlated noise
+(:class:`dpsgd.noise.BandedNoise` of ``BandedStrategy.sqrt_prefix_sum(groups)``) under cyclic Poisson sampling
+(:class:`dpsgd.samplers.CyclicPoisson` with ``groups`` groups, each eligible example drawn at ``q``).  The probe's
+updates then carry ``x_t = 1[canary drawn at t] / sigma + w_t`` with ``w = C^{-1} z``, so the auditor whitens them,
+``v = C x = C 1[drawn] / sigma + z`` with ``z`` independent, and scores each participation's window of rows
+``t .. t + b - 1`` (disjoint: a canary's steps are ``groups >= b`` apart) by its subsampled log-likelihood ratio
+``log(1 - q + q exp(sum_j c_j v_{t+j} / sigma - sum_j c_j^2 / (2 sigma^2)))``, summed over the steps of the canary's
+group (read from the sampler: the accounting holds given every example's group, so an auditor who knows them is
+within its threat model; the coins of each step stay secret).  This is the Neyman-Pearson statistic of the
+accountant's own dominating pair, one subsampled Gaussian at ``sigma / ||c||`` per cycle.
 """
 
 from __future__ import annotations
@@ -58,14 +69,15 @@ USER_BREAKS = ("example-rate", "per-example-clipping")
 """The deliberately broken user-level steps that the audit of a configuration with users must catch."""
 
 SAMPLER_BREAKS = {"truncated_poisson": "quarter-rate", "fixed_size": "as-poisson", "balls_in_bins": "one-epoch",
-                  "shuffling": "as-poisson"}
+                  "shuffling": "as-poisson", "cyclic_poisson": "one-cycle"}
 """The deliberately wrong accounting the audit of each non-Poisson ``batch_sampling`` must catch: ``"as-poisson"``
 (the run charged as Poisson sampling at the loader's rate for adding or removing one example, Opacus' silent
 mismatch), ``"one-epoch"`` (the epochs begun forgotten: the whole run charged as one epoch), ``"quarter-rate"``
-(the truncated steps charged at a quarter of their rate)."""
+(the truncated steps charged at a quarter of their rate), ``"one-cycle"`` (cyclic Poisson with banded noise: the
+cycles begun forgotten, the whole run charged as one cycle)."""
 
 # breaks of the accounting: the reported epsilon is not the sound run's
-_ACCOUNTING_BREAKS = ("microbatch-rate", "example-rate", "as-poisson", "one-epoch", "quarter-rate")
+_ACCOUNTING_BREAKS = ("microbatch-rate", "example-rate", "as-poisson", "one-epoch", "quarter-rate", "one-cycle")
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,14 @@ class TrainerConfig:
         ``m`` rows, a canary a whole user.
     batch_sampling : str
         ``make_private``'s ``batch_sampling`` by name (:mod:`dpsgd.samplers`; a canary slot's example and its empty
-        twin keep the data-set size, so the run audits both neighbouring relations).
+        twin keep the data-set size, so the run audits both neighbouring relations); ``"cyclic_poisson"`` is
+        :class:`dpsgd.samplers.CyclicPoisson` with ``groups`` groups, each eligible example drawn at the audit's
+        ``sample_rate``.
+    noise : str
+        ``"gaussian"``, or ``"banded"``: :class:`dpsgd.noise.BandedNoise` of ``BandedStrategy.sqrt_prefix_sum(groups)``
+        (needs ``batch_sampling="cyclic_poisson"``).
+    groups : int
+        Cyclic Poisson's groups, and the banded strategy's bands.
     """
 
     name: str
@@ -96,6 +115,8 @@ class TrainerConfig:
     accumulation: int = 1
     examples_per_user: int = 1
     batch_sampling: str = "poisson"
+    noise: str = "gaussian"
+    groups: int = 2
 
 
 CONFIGS = (
@@ -118,8 +139,11 @@ SAMPLER_CONFIGS = (
     TrainerConfig("tiny decoder, hutch, fixed-size batches", "tiny", "hutch", batch_sampling="fixed_size"),
     TrainerConfig("tiny decoder, exact, balls in bins", "tiny", "exact", batch_sampling="balls_in_bins"),
     TrainerConfig("tiny decoder, exact, shuffling", "tiny", "exact", batch_sampling="shuffling"),
+    TrainerConfig("tiny decoder, exact, banded noise b=2, cyclic Poisson", "tiny", "exact",
+                  batch_sampling="cyclic_poisson", noise="banded", groups=2),
 )
-"""One configuration per non-Poisson batch sampling (:mod:`dpsgd.samplers`)."""
+"""One configuration per non-Poisson batch sampling (:mod:`dpsgd.samplers`), the last with banded correlated
+noise."""
 
 _VOCAB, _LEN, _CLASSES = 32, 8, 4
 _DIGIT_CLASSES = 10
@@ -202,9 +226,13 @@ def _losses(logits, probe, ids, label, is_canary, scale):
     return torch.where(is_canary, scale * probe, ce)
 
 
-def _scheme(name: str, batch: int, n: int, steps: int, delta: float):
+def _scheme(name: str, batch: int, n: int, steps: int, delta: float, groups: int = 2):
     """``make_private``'s ``batch_sampling`` for ``name``: truncated Poisson (padded) at the smallest ``max_batch_size``
-    whose overflow has probability at most ``delta / 1000``."""
+    whose overflow has probability at most ``delta / 1000``; cyclic Poisson with ``groups`` groups."""
+    if name == "cyclic_poisson":
+        from dpsgd.samplers import CyclicPoisson
+
+        return CyclicPoisson(groups)
     if name != "truncated_poisson":
         return name
     from dpmath import TruncatedSubsampledGaussian
@@ -212,6 +240,53 @@ def _scheme(name: str, batch: int, n: int, steps: int, delta: float):
 
     # padded to a fixed size: the filler rows repeat drawn examples (canaries too), and must add nothing
     return TruncatedPoisson(TruncatedSubsampledGaussian.max_batch_size_for(batch / n, n, steps, delta / 1000), pad=True)
+
+
+def _noise(config: TrainerConfig):
+    """``make_private``'s ``noise`` for ``config``: ``None`` (Gaussian, the default) or banded noise."""
+    if config.noise == "gaussian":
+        return None
+    if config.noise != "banded":
+        raise ValueError(f"noise must be 'gaussian' or 'banded', got {config.noise!r}")
+    from dpmath.correlated import BandedStrategy
+    from dpsgd.noise import BandedNoise
+
+    return BandedNoise(BandedStrategy.sqrt_prefix_sum(config.groups))
+
+
+def _cyclic_groups(loader, n: int) -> np.ndarray:
+    """Each example's group (``n``,) under cyclic Poisson sampling, read from the loader's sampler once it has
+    drawn: the accounting holds given the groups, so an auditor may know them (not the steps' coins)."""
+    sampler = loader
+    while sampler is not None and getattr(sampler, "_groups", None) is None:
+        inner = getattr(sampler, "logical_sampler", None)
+        sampler = getattr(sampler, "sampler", None) if inner is None else inner
+    if sampler is None:
+        raise RuntimeError("the loader's cyclic Poisson sampler (and its groups) was not found")
+    group = np.full(n, -1)
+    for j, members in enumerate(sampler._groups):
+        group[members.numpy()] = j
+    return group
+
+
+def _banded_llr(x: np.ndarray, c: tuple[float, ...], sigma: float, q: float, group: np.ndarray,
+                groups: int) -> np.ndarray:
+    """Per-step log-likelihood ratios (``steps``, ``m``) of canaries under banded noise ``c`` and cyclic Poisson
+    sampling: ``x = 1[drawn] / sigma + C^{-1} z`` whitened to ``v = C x``; at each step ``t`` of a canary's group,
+    the subsampled ratio of its window of rows ``t .. t + b - 1`` (those of the run), ``log(1 - q + q exp(sum_j c_j
+    v_{t+j} / sigma - sum_j c_j^2 / (2 sigma^2)))``; 0 at the other steps."""
+    steps, b = x.shape[0], len(c)
+    v = c[0] * x
+    for j in range(1, b):
+        v[j:] += c[j] * x[:-j]
+    llr = np.zeros_like(x)
+    for t in range(steps):
+        cw = np.asarray(c[:min(b, steps - t)])
+        window = (cw[:, None] * v[t:t + len(cw)]).sum(0) / sigma - (cw ** 2).sum() / (2 * sigma ** 2)
+        if q < 1:
+            window = np.logaddexp(np.log1p(-q), np.log(q) + window)
+        llr[t] = np.where(group == t % groups, window, 0.0)
+    return llr
 
 
 def _charged_at(fraction: float):
@@ -268,6 +343,13 @@ def _broken(kind: str | None, engine, examples_per_user: int = 1):
                 mock.patch.object(BoundSampling, "events", lambda self, steps, sampler=None: steps), \
                 mock.patch.object(BoundSampling, "accountant", lambda self: PLDAccountant()):
             yield
+    elif kind == "one-cycle":
+        from dpsgd.samplers import BoundSampling
+
+        if engine.batch_sampling.name != "cyclic_poisson":
+            raise ValueError("break 'one-cycle' needs a configuration with batch_sampling='cyclic_poisson'")
+        with mock.patch.object(BoundSampling, "events", lambda self, steps, sampler=None: 1):
+            yield
     elif kind == "example-rate":
         with _charged_at(1 / examples_per_user):
             yield
@@ -312,7 +394,8 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     ordinary : int
         Ordinary training examples.
     sample_rate, steps, noise_multiplier, max_grad_norm, k
-        The private training run (``q``, noisy steps, ``sigma``, ``C``, projection dimension).
+        The private training run (``q``, noisy steps, ``sigma``, ``C``, projection dimension); under cyclic Poisson
+        ``q`` is the rate of the step's group (a loader batch of ``q N / groups``).
     delta : float
         The delta at which the reported epsilon is read.
     seed : int
@@ -343,8 +426,11 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     ids, label = _examples(config.backbone, n, gen)
     if config.backbone == "digits-cnn":   # input canaries: real images with random labels (mislabeled examples)
         label[ordinary:ordinary + u] = torch.randint(0, _DIGIT_CLASSES, (u,), generator=gen)
-    batch = max(1, round(sample_rate * n))
-    scheme = _scheme(config.batch_sampling, batch, n, steps, delta)
+    cyclic = config.batch_sampling == "cyclic_poisson"
+    # cyclic Poisson: each eligible example (its group's, one step in groups) drawn at sample_rate
+    batch = max(1, round(sample_rate * n / (config.groups if cyclic else 1)))
+    scheme = _scheme(config.batch_sampling, batch, n, steps, delta, config.groups)
+    banded = _noise(config)
     # a scheme accounted for replacing one example: an empty slot holds the canary's opposite (its probe's gradient
     # -C where the canary's is +C), so the two neighbours differ by 2 C, as replacing one example can
     replace = as_batch_sampling(scheme).neighboring == "replace_one"
@@ -372,7 +458,8 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     model, opt, loader = engine.make_private(
         module=model, optimizer=base_opt, data_loader=DataLoader(data, batch_size=batch),
         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, estimator=config.estimator, projection_dim=k,
-        seed=int(rng.integers(2**62)), batch_sampling=scheme, **by_user)
+        seed=int(rng.integers(2**62)), batch_sampling=scheme, **by_user,
+        **({} if banded is None else {"noise": banded}))
     scale = 1e3 * max_grad_norm   # a canary's gradient norm: far above C, clipped to about C
     with _broken(broken, engine, per):
         micro = max(per, math.ceil(batch * per / config.accumulation))
@@ -399,9 +486,13 @@ def canary_scores(config: TrainerConfig, *, canaries: int = 4000, input_canaries
     w = torch.stack(track).double().numpy()[: steps + 1]       # (steps + 1, m)
     sigma, q = noise_multiplier, engine.sample_rate
     x = -np.diff(w, axis=0) * engine.expected_batch_size / (lr * sigma * max_grad_norm)   # (steps, m)
-    llr = x / sigma - 1 / (2 * sigma ** 2)
-    if q < 1:
-        llr = np.logaddexp(np.log1p(-q), np.log(q) + llr)
+    if banded is not None:   # whitened (v = C x), each participation's window scored, in the canary's group's steps
+        llr = _banded_llr(x, banded.strategy.coefficients, sigma, q, _cyclic_groups(loader, n)[ordinary + u:],
+                          config.groups)
+    else:
+        llr = x / sigma - 1 / (2 * sigma ** 2)
+        if q < 1:
+            llr = np.logaddexp(np.log1p(-q), np.log(q) + llr)
     if replace:   # the canary's step (+1) against its opposite's (-1): the replaced pair's log-likelihood ratio
         out = -x / sigma - 1 / (2 * sigma ** 2)
         llr = llr - (np.logaddexp(np.log1p(-q), np.log(q) + out) if q < 1 else out)
@@ -535,6 +626,8 @@ def sampler_audit(configs: tuple[TrainerConfig, ...] = SAMPLER_CONFIGS, *, steps
 
     Eight steps at the default ``q = 1/2`` are four epochs of balls in bins, so that charging one epoch is caught;
     a scheme accounted for replacing one example is audited with canaries whose empty twin is their opposite.
+    Cyclic Poisson runs ``steps`` cycles (16 steps at 2 groups: eight accounted events, as Poisson's eight steps),
+    each eligible example drawn at ``q``, so that charging one cycle is caught.
 
     Examples
     --------
@@ -544,7 +637,8 @@ def sampler_audit(configs: tuple[TrainerConfig, ...] = SAMPLER_CONFIGS, *, steps
     """
     if (missing := skipped_without("torch", "samplers")) is not None:
         return missing
-    parts = [trainer_audit((), breaks=(SAMPLER_BREAKS[c.batch_sampling],), break_config=c, steps=steps, **kw)
+    parts = [trainer_audit((), breaks=(SAMPLER_BREAKS[c.batch_sampling],), break_config=c,
+                           steps=steps * (c.groups if c.batch_sampling == "cyclic_poisson" else 1), **kw)
              for c in configs]
     rows = [row for p in parts for row in p.rows]
     shipped = [r for r in rows if r["step"] == "as shipped"]

@@ -263,3 +263,54 @@ def test_the_correlated_audit_holds_and_fails_an_accounting_that_halves_the_stra
     monkeypatch.setattr(BandedStrategy, "column_norm", property(lambda s: 0.5 * true_norm.fget(s)))
     broken = correlated_audit(draws=30_000)
     assert not broken.holds
+
+
+def test_the_banded_canary_statistic_is_the_exact_log_likelihood_ratio_of_the_released_updates():
+    """Under banded noise the probe's normalized updates are ``x = 1[drawn] / sigma + C^{-1} z``: the whitened
+    window statistic summed over the canary's group's steps equals the likelihood ratio of ``x`` in against out,
+    a mixture over the subsets of its eligible steps (drawn at ``q`` each) of correlated Gaussians."""
+    import itertools
+
+    from scipy import stats
+
+    from dpmath.correlated import BandedStrategy
+    from verify.training import _banded_llr
+
+    strategy, sigma, steps, groups = BandedStrategy.sqrt_prefix_sum(2), 0.8, 7, 2
+    c_matrix = strategy.matrix(steps)
+    inv = np.linalg.inv(c_matrix)
+    cov = inv @ inv.T
+    rng = np.random.default_rng(0)
+    group = np.array([0, 1, 0, 1])
+    drawn = np.zeros((steps, 4))
+    drawn[::2, 0] = drawn[1::2, 1] = 1.0   # canaries 0 and 1 in at each of their steps; 2 and 3 never
+    x = drawn / sigma + inv @ rng.normal(size=(steps, 4))
+    for q in (1.0, 0.5):
+        ours = _banded_llr(x, strategy.coefficients, sigma, q, group, groups).sum(0)
+        for j in range(4):
+            eligible = [t for t in range(steps) if t % groups == group[j]]
+            out = stats.multivariate_normal(np.zeros(steps), cov).logpdf(x[:, j])
+            terms = []
+            for subset in itertools.product((0, 1), repeat=len(eligible)):
+                if q == 1.0 and not all(subset):
+                    continue
+                mean = np.zeros(steps)
+                mean[[t for t, s in zip(eligible, subset, strict=True) if s]] = 1 / sigma
+                weight = q ** sum(subset) * (1 - q) ** (len(subset) - sum(subset))
+                terms.append(np.log(weight) + stats.multivariate_normal(mean, cov).logpdf(x[:, j]))
+            assert ours[j] == pytest.approx(np.logaddexp.reduce(terms) - out, abs=1e-9)
+
+
+def test_the_banded_noise_trainer_audit_holds_and_catches_the_run_charged_as_one_cycle():
+    """The samplers audit's banded configuration (BandedNoise b = 2 under CyclicPoisson(2), 16 steps at q = 1/2):
+    its lower bound stays below the reported epsilon and lands above the epsilon of one cycle."""
+    from verify.training import SAMPLER_BREAKS, SAMPLER_CONFIGS, sampler_audit
+
+    config = SAMPLER_CONFIGS[-1]
+    assert (config.noise, config.batch_sampling, config.groups) == ("banded", "cyclic_poisson", 2)
+    assert set(SAMPLER_BREAKS) == {c.batch_sampling for c in SAMPLER_CONFIGS}
+    result = sampler_audit((config,))
+    assert result.holds, result.rows
+    shipped, broken = result.rows
+    assert broken["step"] == "BROKEN: one-cycle"
+    assert broken["reported epsilon"] < shipped["lower bound (Clopper-Pearson)"] < shipped["reported epsilon"]
