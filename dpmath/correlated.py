@@ -52,7 +52,7 @@ from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
 from .validation import positive_int, positive_real
 from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["BandedStrategy", "BandedMatrixFactorization", "prefix_sum_errors"]
+__all__ = ["BandedStrategy", "BLTStrategy", "BandedMatrixFactorization", "prefix_sum_errors"]
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,137 @@ class BandedStrategy:
         return float(math.sqrt(k * per))
 
 
-def prefix_sum_errors(strategy: BandedStrategy, steps: int) -> tuple[float, float]:
+@dataclass(frozen=True)
+class BLTStrategy:
+    r"""A buffered linear Toeplitz (BLT) strategy: :math:`C` lower-triangular Toeplitz with :math:`c_0 = 1` and
+    :math:`c_k = \sum_{i=1}^{d} \omega_i \theta_i^{k-1}` for :math:`k \ge 1` (Dvijotham et al., 2024), with
+    ``weights`` :math:`\omega_i \ge 0` and ``decays`` :math:`\theta_i \in [0, 1)`.
+
+    Not banded: every column reaches the end of the run, with geometrically decaying entries.  Its noise
+    :math:`w = C^{-1} z` streams with ``d`` buffers per coordinate, :math:`w_t = z_t - \sum_i \omega_i b_{i,t}` and
+    :math:`b_{i,t+1} = \theta_i b_{i,t} + w_t` (:meth:`correlate`): ``O(d)`` memory and work per coordinate
+    whatever the run's length.  All its coefficients are non-negative, so :math:`G = C^\top C \ge 0` entrywise and
+    :meth:`sensitivity` has closed forms.  No amplification by sampling is proved for it here: its accounting
+    (:meth:`participation_noise`) charges every eligible step as taken.
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BLTStrategy
+    >>> s = BLTStrategy((0.5,), (0.5,))
+    >>> s.coefficients(4)
+    array([1.   , 0.5  , 0.25 , 0.125])
+    >>> round(s.sensitivity_per_participation(2), 6)   # g(0) + 2 sum_j g(2j) = 4/3 + 8/9
+    2.222222
+    """
+
+    weights: tuple[float, ...]
+    decays: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            w = tuple(float(v) for v in self.weights)
+            t = tuple(float(v) for v in self.decays)
+        except (TypeError, ValueError):
+            raise ValueError(f"weights and decays must be sequences of numbers, got {self.weights!r}, "
+                             f"{self.decays!r}") from None
+        if len(w) != len(t) or not w:
+            raise ValueError(f"weights and decays must be non-empty and of one length, got {len(w)} and {len(t)}")
+        if not all(math.isfinite(v) and v >= 0 for v in w):
+            raise ValueError(f"weights must be finite and >= 0, got {self.weights!r}")
+        if not all(0 <= v < 1 for v in t):
+            raise ValueError(f"decays must lie in [0, 1), got {self.decays!r}")
+        object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "decays", t)
+
+    @property
+    def buffers(self) -> int:
+        """``d``: the buffers per coordinate of its noise."""
+        return len(self.weights)
+
+    def coefficients(self, steps: int) -> np.ndarray:
+        r""":math:`c_0, \dots, c_{n-1}`."""
+        n = positive_int(steps, "steps")
+        k = np.arange(1, n)
+        c = np.ones(n)
+        c[1:] = sum(w * t ** (k - 1) for w, t in zip(self.weights, self.decays, strict=True))
+        return c
+
+    def matrix(self, steps: int) -> np.ndarray:
+        """``C`` as a dense ``(steps, steps)`` array (for checks)."""
+        c = self.coefficients(steps)
+        n = c.size
+        return np.array([[c[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
+
+    @property
+    def column_norm(self) -> float:
+        r""":math:`\sqrt{G_{tt}}` for a column far from the end: :math:`\sqrt{1 + \sum_{ij} \omega_i\omega_j /
+        (1 - \theta_i\theta_j)}`, the largest column norm."""
+        return math.sqrt(self._gram(0))
+
+    def _gram(self, d: int) -> float:
+        r""":math:`g(d) = \sum_{u \ge d} c_u c_{u-d}`, the entry of ``G`` at offset ``d`` far from the end (every
+        entry at that offset is at most it: the coefficients are non-negative)."""
+        w, t = np.array(self.weights), np.array(self.decays)
+        tail = float(np.sum(np.outer(w * t ** d, w) / (1.0 - np.outer(t, t))))
+        head = 1.0 if d == 0 else float(np.sum(w * t ** (d - 1)))
+        return head + tail
+
+    def sensitivity_per_participation(self, min_separation: int) -> float:
+        r"""An upper bound on :math:`\max \|\sum_{t \in \pi} C_{:,t} g_t\|^2 / k` over any number ``k`` of
+        participations at least ``min_separation`` steps apart and :math:`\|g_t\| \le 1`:
+        :math:`g(0) + 2 \sum_{j \ge 1} g(j s)`.  Each participation's row of ``G`` meets the others at offsets of at
+        least ``s``, ``2 s``, ... on each side, and ``g`` is non-increasing, so the bound holds for every pattern and
+        run length, and is the limit of the pattern ``0, s, 2 s, ...`` as ``k`` and the run grow."""
+        s = positive_int(min_separation, "min_separation")
+        w, t = np.array(self.weights), np.array(self.decays)
+        ts = t ** s
+        # sum_j c_{js} and sum_j theta_i^{js} in closed form
+        heads = float(np.sum(w * t ** (s - 1) / (1.0 - ts)))
+        tails = float(np.sum(np.outer(w * ts / (1.0 - ts), w) / (1.0 - np.outer(t, t))))
+        return self._gram(0) + 2.0 * (heads + tails)
+
+    def correlate(self, z: np.ndarray, state: list | None = None) -> np.ndarray:
+        r""":math:`w = C^{-1} z` along axis 0 by the buffers (class docstring); ``state`` (a list) carries the buffers
+        across calls.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from dpmath.correlated import BLTStrategy
+        >>> s, z = BLTStrategy((0.4, 0.2), (0.9, 0.3)), np.arange(1.0, 7.0)
+        >>> bool(np.allclose(s.correlate(z), np.linalg.solve(s.matrix(6), z)))
+        True
+        """
+        z = np.asarray(z, dtype=np.float64)
+        if state is None:
+            state = []
+        if not state:
+            state.extend(np.zeros(z.shape[1:]) for _ in self.weights)
+        out = np.empty_like(z)
+        for k in range(z.shape[0]):
+            w = z[k] - sum(om * b for om, b in zip(self.weights, state, strict=True))
+            out[k] = w
+            for i, th in enumerate(self.decays):
+                state[i] = th * state[i] + w
+        return out
+
+    def inverse_coefficients(self, steps: int) -> np.ndarray:
+        """The first ``steps`` coefficients of :math:`C^{-1}` (its first column), ``O(steps x buffers)``."""
+        n = positive_int(steps, "steps")
+        e = np.zeros(n)
+        e[0] = 1.0
+        return self.correlate(e)
+
+    def participation_noise(self, noise_multiplier: float, min_separation: int) -> float:
+        r"""The noise multiplier of the Gaussian step that bounds one participation, charging every eligible step as
+        taken (no amplification): :math:`\sigma / \sqrt{\text{sensitivity per participation}}`; ``k``
+        participations compose to one Gaussian mechanism of sensitivity :math:`\sqrt{k \cdot \text{per}}`, the
+        bound of :meth:`sensitivity_per_participation`."""
+        return positive_real(noise_multiplier, "noise_multiplier") / math.sqrt(
+            self.sensitivity_per_participation(min_separation))
+
+
+def prefix_sum_errors(strategy: BandedStrategy | BLTStrategy, steps: int) -> tuple[float, float]:
     r"""``(mean, max)`` over the ``steps`` prefix sums of their noise variance per coordinate, for unit sensitivity of
     one participation: :math:`\|c\|^2 \|(A C^{-1})_{t,:}\|^2`, with :math:`A` the lower-triangular matrix of ones.
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from dpmath import Envelope, PLDAccountant, RDPAccountant, calibrate_noise
 
-from .noise import BandedNoise, GaussianNoise, StepNoise
+from .noise import BandedNoise, BLTNoise, GaussianNoise, StepNoise
 from .samplers import BatchSampling, BoundSampling, CyclicPoisson, Poisson
 from .strategies import HybridClipping, L2Clipping, TwiceSampling
 from .users import UserLevel
@@ -153,6 +153,10 @@ REFUSED: tuple[Refusal, ...] = (
                       f"with at least as many groups as bands only, got {c.scheme}: pass batch_sampling="
                       f"CyclicPoisson(groups={c.noise.strategy.bands}) (an example's participations must be a band "
                       f"apart, which no other sampling guarantees)"),
+    Refusal(lambda c: isinstance(c.noise, BLTNoise) and not isinstance(c.batch_sampling, CyclicPoisson),
+            lambda c: f"noise={c.noise!r} is accounted under cyclic Poisson sampling only, got {c.scheme}: pass "
+                      f"batch_sampling=CyclicPoisson(groups) (its participations' separation is what the accountant "
+                      f"charges)"),
     # the other batch-sampling schemes (dpsgd.samplers)
     Refusal(lambda c: _other_scheme(c) and _per_coordinate(c),
             lambda c: f"{c.scheme} with clipping={type(c.clipping).__name__}(...) is refused: twice sampling is "

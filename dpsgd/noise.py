@@ -41,17 +41,19 @@ import torch
 
 from dpmath import (
     Envelope,
+    Gaussian,
     RandomizedClipGaussian,
     SubsampledGaussian,
     SubsampledL2Laplace,
     calibrate_noise_multiplier,
 )
-from dpmath.correlated import BandedStrategy
+from dpmath.correlated import BandedStrategy, BLTStrategy
 
 from .distributed import is_sharded, local_part
 from .handler import all_finite
 
-__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "BandedNoise", "CorrelatedStream", "as_noise"]
+__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "BandedNoise", "BLTNoise", "CorrelatedStream",
+           "BufferedStream", "as_noise"]
 
 
 class StepNoise(ABC):
@@ -94,7 +96,13 @@ class StepNoise(ABC):
         """What the ledger records of the noise (a resumed run must match): its name."""
         return self.name
 
-    def stream(self) -> CorrelatedStream | None:
+    def cycle_mechanism(self, noise_multiplier: float, sample_rate: float, envelope: Envelope | None,
+                        groups: int):
+        """The mechanism of one cycle of :class:`~dpsgd.samplers.CyclicPoisson` with ``groups`` groups (each example
+        eligible once): by default :meth:`mechanism`, one Poisson-sampled step."""
+        return self.mechanism(noise_multiplier, sample_rate, envelope)
+
+    def stream(self) -> CorrelatedStream | BufferedStream | None:
         """The per-run state of noise correlated across steps (``None``: each step's draws are independent).  The
         step keeps it in memory only."""
         return None
@@ -232,6 +240,98 @@ class BandedNoise(StepNoise):
         return f"BandedNoise({self.strategy.coefficients})"
 
 
+@dataclass(frozen=True, repr=False)
+class BLTNoise(StepNoise):
+    r"""Buffered linear Toeplitz (BLT) matrix-factorization noise: step ``t`` adds ``noise_multiplier *
+    max_grad_norm`` times :math:`w_t`, :math:`w = C^{-1} z` for the BLT ``strategy`` (:class:`dpmath.correlated.
+    BLTStrategy`), made with ``d`` buffers per coordinate (``d`` parameter-sized tensors held by the run's
+    :class:`BufferedStream`, never saved: a run with it cannot be resumed), whatever the run's length.
+
+    Accounted without amplification under :class:`~dpsgd.samplers.CyclicPoisson` with ``groups`` groups: each cycle
+    as one Gaussian step at ``sigma / sqrt(per)``, ``per`` the strategy's sensitivity per participation at
+    separation ``groups`` (every eligible step charged as taken; no sampling amplification is proved for a strategy
+    whose columns overlap).  Exact norms only; any other batch sampling is refused.
+
+    Examples
+    --------
+    >>> from dpmath.correlated import BLTStrategy
+    >>> noise = BLTNoise(BLTStrategy((0.5,), (0.5,)))
+    >>> noise.cycle_mechanism(1.0, 0.5, None, groups=2)
+    Gaussian(noise_multiplier=0.6708203932499369)
+    """
+
+    strategy: BLTStrategy
+
+    name = "blt"
+    correlated = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, BLTStrategy):
+            raise ValueError(f"strategy must be a dpmath.correlated.BLTStrategy, got {type(self.strategy).__name__}")
+
+    def sample(self, shape, generator, device, dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def sample_into(self, out, generator):
+        return out.normal_(generator=generator)
+
+    def mechanism(self, noise_multiplier, sample_rate, envelope=None):
+        raise ValueError("BLTNoise is accounted per cycle of CyclicPoisson sampling only (cycle_mechanism)")
+
+    def cycle_mechanism(self, noise_multiplier, sample_rate, envelope, groups):
+        if envelope is not None:
+            raise ValueError("BLTNoise has no accountant for estimated norms (an envelope was given)")
+        return Gaussian(self.strategy.participation_noise(noise_multiplier, groups))
+
+    def refusal(self, estimator):
+        if estimator not in ("ghost", "exact"):
+            return (f"BLTNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator={estimator!r}: its "
+                    f"participations overlap, and no accountant here covers random scales across them")
+        return None
+
+    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
+        raise ValueError("BLTNoise is calibrated through its CyclicPoisson accounting (make_private does it)")
+
+    def settings(self):
+        return {"name": self.name, "weights": list(self.strategy.weights), "decays": list(self.strategy.decays)}
+
+    def stream(self):
+        return BufferedStream(self.strategy)
+
+    def __repr__(self) -> str:
+        return f"BLTNoise(weights={self.strategy.weights}, decays={self.strategy.decays})"
+
+
+class BufferedStream:
+    r"""A run's BLT-noise state: for each tensor (and chunk) its ``d`` buffers :math:`b_i`, so that
+    :math:`w_t = z_t - \sum_i \omega_i b_{i,t}` and :math:`b_{i,t+1} = \theta_i b_{i,t} + w_t`.  In the private
+    step only (no ``state_dict``), as secret as the noise generator.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from dpmath.correlated import BLTStrategy
+    >>> stream = BufferedStream(BLTStrategy((0.5,), (0.5,)))
+    >>> [stream.correlate(0, torch.ones(1)).item() for _ in range(3)]
+    [1.0, 0.5, 0.5]
+    """
+
+    def __init__(self, strategy: BLTStrategy) -> None:
+        self.strategy = strategy
+        self._buffers: dict = {}
+
+    def correlate(self, key: object, z: torch.Tensor) -> torch.Tensor:
+        """:math:`w_t` of the tensor (or chunk) ``key`` from this step's unit draws ``z``, in place."""
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            buffers = self._buffers[key] = [torch.zeros_like(z) for _ in self.strategy.weights]
+        for omega, b in zip(self.strategy.weights, buffers, strict=True):
+            z.sub_(b.to(z.device), alpha=omega)
+        for theta, b in zip(self.strategy.decays, buffers, strict=True):
+            b.mul_(theta).add_(z.to(b.device))
+        return z
+
+
 class CorrelatedStream:
     r"""A run's banded-noise state: for each tensor (and chunk) the noise of its last ``b - 1`` steps.  It lives in
     the private step only (no ``state_dict``): the noise of the steps to come is a function of it, so it is as
@@ -298,7 +398,7 @@ def noisy_gradients(sums: list[torch.Tensor], noise_std: float | list[float], ex
                     noise_generator: torch.Generator | Callable[[torch.device], torch.Generator] | None,
                     params: list | None = None,
                     noise: StepNoise | None = None, in_place: bool = False,
-                    stream: CorrelatedStream | None = None) -> list[torch.Tensor]:
+                    stream: CorrelatedStream | BufferedStream | None = None) -> list[torch.Tensor]:
     """``(sum + noise_std * xi) / expected_batch_size`` per tensor, in the sums' (wide) dtype, with ``xi`` unit
     draws of ``noise`` (:mod:`dpsgd.noise`; Gaussian by default: ``N(0, noise_std^2 I)``).  ``noise_std`` may
     be a list, one per tensor (hybrid clipping's per-group noise).  ``noise_generator`` is one generator (the

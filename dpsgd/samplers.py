@@ -67,7 +67,7 @@ from dpmath import (
 
 from .data import DPDataLoader, KeepsRowOrder, PoissonBatchSampler
 from .distributed import MIN_ROWS
-from .noise import BandedNoise, GaussianNoise, StepNoise
+from .noise import BandedNoise, BLTNoise, GaussianNoise, StepNoise
 
 __all__ = ["BatchSampling", "Poisson", "TruncatedPoisson", "FixedSize", "BallsInBins", "Shuffling", "CyclicPoisson",
            "BoundSampling", "CyclicBatchSampler",
@@ -622,14 +622,14 @@ class CyclicPoisson(BatchSampling):
                                   cycles=max(1, round(1 / bound.sample_rate)), generator=generator)
 
     def make_mechanism(self, bound, noise_multiplier, noise, envelope):
-        return noise.mechanism(noise_multiplier, bound.sample_rate, envelope)
+        return noise.cycle_mechanism(noise_multiplier, bound.sample_rate, envelope, self.groups)
 
     def expected_batch_size(self, bound):
         return bound.sample_rate * bound.num_samples / self.groups
 
     def covers(self, noise):
-        return type(noise) is GaussianNoise or (isinstance(noise, BandedNoise)
-                                                and noise.strategy.bands <= self.groups)
+        return type(noise) in (GaussianNoise, BLTNoise) or (isinstance(noise, BandedNoise)
+                                                            and noise.strategy.bands <= self.groups)
 
     def settings(self):
         return {"name": self.name, "groups": self.groups}

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
-from dpmath.correlated import BandedMatrixFactorization, BandedStrategy, prefix_sum_errors
+from dpmath.correlated import BandedMatrixFactorization, BandedStrategy, BLTStrategy, prefix_sum_errors
 
 coefficients = st.lists(st.floats(-0.9, 0.9), min_size=0, max_size=5).map(lambda t: (1.0, *t))
 
@@ -107,3 +107,46 @@ def test_one_band_is_dp_sgd_and_more_bands_compose_fewer_steps_at_less_noise():
 def test_bad_arguments_are_refused_by_name(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+blt_params = st.lists(st.tuples(st.floats(0.0, 2.0), st.floats(0.0, 0.95)), min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blt_params, st.integers(1, 10))
+def test_blt_buffers_invert_the_strategy_step_by_step(params, n):
+    strategy = BLTStrategy(tuple(w for w, _ in params), tuple(t for _, t in params))
+    z = np.random.default_rng(n).standard_normal((n, 2))
+    dense = np.linalg.solve(strategy.matrix(n), z)
+    assert np.allclose(strategy.correlate(z), dense, rtol=1e-9, atol=1e-9)
+    state = []
+    stepwise = np.concatenate([strategy.correlate(z[t:t + 1], state) for t in range(n)])
+    assert np.allclose(stepwise, dense, rtol=1e-9, atol=1e-9) and len(state) == strategy.buffers
+    assert np.allclose(strategy.inverse_coefficients(n), np.linalg.inv(strategy.matrix(n))[:, 0], atol=1e-9)
+
+
+@pytest.mark.parametrize("params", [((0.5,), (0.5,)), ((0.3, 0.2), (0.9, 0.4)), ((1.2,), (0.7,))])
+@pytest.mark.parametrize("k,s", [(1, 1), (2, 1), (3, 2), (2, 4), (4, 3)])
+def test_blt_sensitivity_per_participation_bounds_every_pattern_and_is_the_limit_of_the_regular_one(params, k, s):
+    strategy = BLTStrategy(*params)
+    per = strategy.sensitivity_per_participation(s)
+    n = (k - 1) * s + 8
+    cols = strategy.matrix(n)
+    best = 0.0
+    for pi in itertools.combinations(range(n), k):
+        if any(b - a < s for a, b in zip(pi, pi[1:], strict=False)):
+            continue
+        best = max(best, float(np.linalg.norm(cols[:, pi].sum(1))) ** 2)   # G >= 0: equal signs are the worst
+    assert k * per >= best - 1e-9
+    assert strategy.column_norm ** 2 >= float(np.linalg.norm(cols[:, 0])) ** 2 - 1e-12
+    # the regular pattern 0, s, 2s, ... over a long run approaches k * per
+    m, long = 200, BLTStrategy(*params).matrix(200 * s + 400)
+    regular = float(np.linalg.norm(long[:, ::s][:, :m].sum(1))) ** 2 / m
+    assert regular <= per + 1e-9 and regular >= 0.9 * per   # the edges lose half their cross terms
+
+
+def test_blt_is_refused_with_bad_parameters_by_name():
+    for bad, match in [(((-0.1,), (0.5,)), "weights"), (((0.1,), (1.0,)), "decays"), (((0.1, 0.2), (0.5,)), "length")]:
+        with pytest.raises(ValueError, match=match):
+            BLTStrategy(*bad)
+    assert prefix_sum_errors(BLTStrategy((0.5,), (0.5,)), 100)[0] < prefix_sum_errors(BandedStrategy((1.0,)), 100)[0]

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpmath import PLDAccountant, SubsampledGaussian
-from dpmath.correlated import BandedStrategy
+from dpmath.correlated import BandedStrategy, BLTStrategy
 from dpsgd import PrivacyEngine
 from dpsgd.accounting import (
     LEDGER_FORMAT,
@@ -23,7 +23,7 @@ from dpsgd.accounting import (
     read_record,
 )
 from dpsgd.data import PoissonBatchSampler
-from dpsgd.noise import BandedNoise, GaussianNoise, LaplaceNoise
+from dpsgd.noise import BandedNoise, BLTNoise, GaussianNoise, LaplaceNoise
 from dpsgd.samplers import (
     BatchSampling,
     BoundSampling,
@@ -49,6 +49,8 @@ REFUSED_CASES = [
     (Combination("hutch", LaplaceNoise(), L2Clipping(), Poisson()), "LaplaceNoise needs exact norms"),
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
     (Combination("hutch", BANDED, L2Clipping(), CyclicPoisson(2)), "at least as many groups as bands"),
+    (Combination("exact", BLTNoise(BLTStrategy((0.5,), (0.5,))), L2Clipping(), Poisson()),
+     "cyclic Poisson sampling only"),
     (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
     (Combination("hutch", GaussianNoise(), L2Clipping(), FixedSize(), users=True), "users are Poisson-sampled"),
     (Combination("hutch", GaussianNoise(), L2Clipping(), TruncatedPoisson(8, pad=True), processes=2),

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from dpmath import (
+    Gaussian,
     PLDAccountant,
     SubsampledGaussian,
     SubsampledL2Laplace,
     calibrate_noise_multiplier,
     estimator_envelope,
 )
-from dpmath.correlated import BandedMatrixFactorization, BandedStrategy
+from dpmath.correlated import BandedMatrixFactorization, BandedStrategy, BLTStrategy
 from dpsgd import PrivacyEngine
 from dpsgd import noise as noise_module
-from dpsgd.noise import BandedNoise, GaussianNoise, LaplaceNoise, StepNoise, as_noise, noisy_gradients
+from dpsgd.noise import BandedNoise, BLTNoise, GaussianNoise, LaplaceNoise, StepNoise, as_noise, noisy_gradients
 from dpsgd.samplers import CyclicPoisson
 from dpsgd.strategies import TwiceSampling
 
@@ -158,13 +159,13 @@ def test_the_noise_multiplier_cannot_be_changed_mid_run():
 
 
 def _banded_engine(model, data, strategy, groups=4, batch_size=10, **kw):
-
+    noise = BandedNoise(strategy) if isinstance(strategy, BandedStrategy) else BLTNoise(strategy)
     engine = PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     options = dict(noise_multiplier=1.5) if "target_epsilon" not in kw else {}
     model, opt, loader = engine.make_private(
         module=model, optimizer=opt, data_loader=torch.utils.data.DataLoader(data, batch_size=batch_size),
-        max_grad_norm=1.0, noise=BandedNoise(strategy), batch_sampling=CyclicPoisson(groups), **options, **kw)
+        max_grad_norm=1.0, noise=noise, batch_sampling=CyclicPoisson(groups), **options, **kw)
     return engine, model, opt, loader
 
 
@@ -188,13 +189,14 @@ def test_noisy_gradients_with_a_stream_add_the_strategys_inverse_of_the_draws_ac
         assert torch.allclose(torch.from_numpy(w), torch.from_numpy(strategy.correlate(z)), rtol=1e-12, atol=1e-12)
 
 
-def test_the_trainers_banded_noise_has_the_strategys_covariance_across_steps():
+@pytest.mark.parametrize("strategy", [BandedStrategy.sqrt_prefix_sum(4), BLTStrategy((0.4, 0.2), (0.8, 0.3))],
+                         ids=["banded", "blt"])
+def test_the_trainers_correlated_noise_has_the_strategys_covariance_across_steps(strategy):
     """Zero data: every update is the step's noise alone.  Six steps of 5,000 parameters: the unit noise's
     covariance of steps s and t across parameters is (C^{-1} C^{-T})_{st}, each entry within 5 standard errors (a false
     failure has probability below 1e-5 for the 21 entries; fixed seeds)."""
 
     torch.manual_seed(0)
-    strategy = BandedStrategy.sqrt_prefix_sum(4)
     model = torch.nn.Linear(1000, 5, bias=False)
     data = torch.utils.data.TensorDataset(torch.zeros(200, 1000))
     engine, model, opt, loader = _banded_engine(model, data, strategy)
@@ -273,3 +275,32 @@ def test_freezing_a_parameter_mid_run_is_refused_under_banded_noise():
     with pytest.raises(RuntimeError, match="correlates each parameter's noise"):
         opt.zero_grad()
         model(next(batches)[0])
+
+
+def test_a_blt_run_is_charged_one_gaussian_step_per_cycle_at_its_sensitivity_and_refuses_estimates():
+    """No amplification: each cycle a Gaussian step at sigma / sqrt(per), per the strategy's sensitivity per
+    participation at separation ``groups``; composed, one Gaussian of sensitivity sqrt(k per)."""
+    strategy = BLTStrategy((0.4,), (0.7,))
+    x = torch.randn(200, 6)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    engine, model, opt, loader = _banded_engine(model, torch.utils.data.TensorDataset(x), strategy, groups=4,
+                                                estimator="exact")
+    batches = iter(loader)
+    for _ in range(10):
+        (xb,) = next(batches)
+        opt.zero_grad()
+        engine.private_loss(model(xb).sum(1)).backward()
+        opt.step()
+    per = strategy.sensitivity_per_participation(4)
+    expected = PLDAccountant().compose(Gaussian(1.5 / math.sqrt(per)), 3).epsilon(1e-5)   # cycles 1-3 begun
+    assert engine.get_epsilon(1e-5) == expected
+    assert engine.get_epsilon(1e-5) == pytest.approx(PLDAccountant().compose(
+        Gaussian(1.5 / math.sqrt(3 * per))).epsilon(1e-5), rel=1e-3)
+    with pytest.raises(ValueError, match="BLTNoise needs exact norms"):
+        _banded_engine(torch.nn.Linear(6, 2), torch.utils.data.TensorDataset(x), strategy, estimator="hutch")
+    with pytest.raises(ValueError, match="cyclic Poisson sampling only"):
+        PrivacyEngine().make_private(module=torch.nn.Linear(6, 2),
+                                     optimizer=torch.optim.SGD(torch.nn.Linear(6, 2).parameters(), lr=0.1),
+                                     data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x),
+                                                                             batch_size=5),
+                                     max_grad_norm=1.0, noise_multiplier=1.0, noise=BLTNoise(strategy))
