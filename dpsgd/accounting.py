@@ -78,6 +78,8 @@ class Combination:
         The torch.distributed world size (1 without it).
     ledger : bool
         A ``ledger_path`` is given.
+    workers : int
+        The data loader's ``num_workers``.
     """
 
     estimator: str
@@ -89,6 +91,7 @@ class Combination:
     projected: bool = False
     processes: int = 1
     ledger: bool = False
+    workers: int = 0
 
     @property
     def exact_norms(self) -> bool:
@@ -153,6 +156,10 @@ REFUSED: tuple[Refusal, ...] = (
                       f"with at least as many groups as bands only, got {c.scheme}: pass batch_sampling="
                       f"CyclicPoisson(groups={c.noise.strategy.bands}) (an example's participations must be a band "
                       f"apart, which no other sampling guarantees)"),
+    Refusal(lambda c: c.noise.correlated and c.workers > 0,
+            lambda c: f"noise={c.noise!r} with a data loader of num_workers={c.workers} is refused: worker processes "
+                      f"draw batches ahead of the steps that use them, and a drawn batch that is never stepped would "
+                      f"bring an example's participations closer than a band in the noise stream; use num_workers=0"),
     Refusal(lambda c: isinstance(c.noise, BLTNoise) and not isinstance(c.batch_sampling, CyclicPoisson),
             lambda c: f"noise={c.noise!r} is accounted under cyclic Poisson sampling only, got {c.scheme}: pass "
                       f"batch_sampling=CyclicPoisson(groups) (its participations' separation is what the accountant "

@@ -305,6 +305,9 @@ class PrivateTrainerMixin:
             # trainer_state.json's log_history); evaluation metrics are kept
             for key in _NONPRIVATE_LOGS.intersection(logs):
                 del logs[key]
+            train_metrics = getattr(self, "_metrics", {}).get("train")   # TRL's trainers: added to the next log line
+            if train_metrics and self.model.training:
+                train_metrics.clear()
             if self.args.include_num_input_tokens_seen not in ("no", False, None):   # set after the constructor
                 self.args.include_num_input_tokens_seen = "no"
         engine = self.privacy_engine

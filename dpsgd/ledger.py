@@ -52,6 +52,7 @@ class Ledger:
         self.steps = 0        # noisy steps of this run (from a resumed checkpoint on)
         self._recorded = 0    # steps in the ledger file from earlier runs
         self._resumed = 0     # steps already counted by the checkpoint this run resumed from
+        self._drawn_at_record = 0   # the stream's batches drawn when the last step was charged (correlated noise)
         self._epsilons: dict[tuple[int, int, float], float] = {}   # (steps, events charged, delta) -> epsilon
         self._schedule: EpsilonSchedule | None = None   # the steps and transforms of epsilon, built once
         self._read()
@@ -80,7 +81,17 @@ class Ledger:
 
     def admit(self) -> None:
         """``RuntimeError`` for a step beyond those the noise was calibrated for (steps, or an epoch sampler's
-        epochs): the target epsilon holds for the calibrated count, never more."""
+        epochs): the target epsilon holds for the calibrated count, never more.  With correlated noise, also for a
+        step after a batch that was drawn and never stepped: the noise stream would fall behind the draws, and two
+        participations a band apart in the draws would be closer in the noise (noise-only steps, which put the
+        stream ahead, are fine)."""
+        if self.accounting.noise.correlated and getattr(self.stream, "drawn", 0) - self._drawn_at_record > 1:
+            raise RuntimeError(f"{self.stream.drawn - self._drawn_at_record - 1} batch(es) drawn from the cyclic "
+                               f"sampler since the last step were never stepped (a refused draw or step, a draw "
+                               f"around the loader, or batches drawn ahead): with noise="
+                               f"{self.accounting.noise!r} every batch drawn must be stepped, in order, or an "
+                               f"example's participations could fall within one band of the noise. Start a new "
+                               f"PrivacyEngine")
         if self.planned_steps is None:
             return
         if self.spent_steps >= self.planned_steps:
@@ -96,6 +107,7 @@ class Ledger:
     def record(self) -> None:
         """Charge one step (and write its line, on rank 0, flushed to disk)."""
         self.steps += 1
+        self._drawn_at_record = getattr(self.stream, "drawn", 0)
         if self.path is not None and rank_world()[0] == 0:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps({"step": self.steps, "settings": self.settings}) + "\n")

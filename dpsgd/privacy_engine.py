@@ -327,7 +327,8 @@ class PrivacyEngine:
         combination = Combination(estimator, noise, clipping, scheme, users=users is not None,
                                   clipping_pass=clipping_pass,
                                   projected=gradient_projection is not None, processes=rank_world()[1],
-                                  ledger=self.ledger_path is not None)
+                                  ledger=self.ledger_path is not None,
+                                  workers=int(getattr(data_loader, "num_workers", 0) or 0))
         if estimator == "auto":   # an estimate no accountant covers here: exact norms throughout
             estimator = auto_estimator(combination)
             combination = dataclasses.replace(combination, estimator=estimator)
@@ -725,7 +726,8 @@ class PrivacyEngine:
         saved."""
         self._require_private()
         noise = self._accounting.noise
-        if noise.correlated and int(state.get("steps", 0)):
+        if noise.correlated and (int(state.get("steps", 0)) or self._ledger.steps
+                                 or getattr(self._stream, "drawn", 0)):
             raise ValueError(f"a run with noise={noise!r} cannot be resumed: each step's noise is correlated with the "
                              f"earlier steps' noise, which stays in the process that drew it (a checkpoint holding it "
                              f"would disclose the noise of the steps to come), and fresh noise after the checkpoint "

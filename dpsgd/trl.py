@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from trl import DPOTrainer, SFTTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
+from trl.trainer.utils import use_adapter
 
 from .hf import PrivateTrainerMixin, token_losses
 
@@ -226,7 +227,8 @@ class DPDPOTrainer(PrivateTrainerMixin, DPOTrainer):
     rejected sequences; the sequence log-probability of a completion is the sum of its tokens' log-probabilities
     (TRL's ``ld_alpha`` weights the tokens beyond the shorter completion's length).  The reference log-probabilities
     come, as in TRL, from the dataset (``precompute_ref_log_probs=True``), from ``ref_model``, or, for a PEFT model
-    without one, from the model with its adapters disabled, under ``torch.no_grad()``; they are each example's own.
+    without one, from its frozen ``"ref"`` adapter where TRL made one (a model whose adapter was trained before) or
+    with its adapters disabled, under ``torch.no_grad()``; they are each example's own.
     The loss is :func:`preference_losses` of ``args.loss_type`` (several types add with ``loss_weights``).
 
     Raises
@@ -283,11 +285,12 @@ class DPDPOTrainer(PrivateTrainerMixin, DPOTrainer):
 
     @contextlib.contextmanager
     def _reference(self):
-        """The reference model: ``ref_model``, or the PEFT model with its adapters disabled (TRL's choice)."""
+        """The reference model, as TRL chooses it: ``ref_model``; or the PEFT model with its frozen ``"ref"`` adapter
+        (TRL adds one when the model's adapter is already trained); or with its adapters disabled."""
         if self.ref_model is not None:
             yield self.ref_model
             return
-        with self.model.disable_adapter():
+        with use_adapter(self.model, adapter_name="ref" if "ref" in self.model.peft_config else None):
             yield self.model
 
     def _completion_logps(self, model: torch.nn.Module, inputs: dict, side: str):

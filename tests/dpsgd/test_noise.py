@@ -304,3 +304,44 @@ def test_a_blt_run_is_charged_one_gaussian_step_per_cycle_at_its_sensitivity_and
                                      data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x),
                                                                              batch_size=5),
                                      max_grad_norm=1.0, noise_multiplier=1.0, noise=BLTNoise(strategy))
+
+
+def test_correlated_noise_refuses_batches_drawn_and_never_stepped_workers_and_a_mid_run_load():
+    """Each noise step must follow its draw: a batch drawn and never stepped would put the noise stream a step behind
+    the draws (two participations a band apart in the draws, closer in the noise); worker processes draw ahead;
+    loading any state into a run that has drawn would restart its cycles mid-stream."""
+    x = torch.randn(200, 6)
+    data = torch.utils.data.TensorDataset(x)
+    strategy = BandedStrategy.sqrt_prefix_sum(4)
+    model = torch.nn.Linear(6, 2)
+    engine, model, opt, loader = _banded_engine(model, data, strategy)
+    state = engine.state_dict()
+    batches = iter(loader)
+    for _ in range(2):
+        (xb,) = next(batches)
+        opt.zero_grad()
+        engine.private_loss(model(xb).sum(1)).backward()
+        opt.step()
+    opt.zero_grad()   # a noise-only step: the stream runs ahead of the draws, which is safe
+    opt.step()
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        engine.load_state_dict(state)   # a state of 0 steps, into a run that has stepped
+    (xb,) = next(batches)
+    opt.zero_grad()   # this batch is dropped: drawing the next one first is refused (a noise-only step is owed) ...
+    with pytest.raises(RuntimeError, match="drawn from the private data loader before optimizer.step"):
+        next(batches)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="1 batch.* never stepped"):   # ... and the refused draw is never stepped
+        opt.step()
+    # a draw around the loader, never stepped
+    engine, model, opt, loader = _banded_engine(torch.nn.Linear(6, 2), data, strategy)
+    next(iter(loader.logical_sampler))
+    (xb,) = next(iter(loader))
+    engine.private_loss(model(xb).sum(1)).backward()
+    with pytest.raises(RuntimeError, match="never stepped"):
+        opt.step()
+    with pytest.raises(ValueError, match="num_workers=2 is refused"):
+        PrivacyEngine().make_private(
+            module=torch.nn.Linear(6, 2), optimizer=torch.optim.SGD(torch.nn.Linear(6, 2).parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=10, num_workers=2), max_grad_norm=1.0,
+            noise_multiplier=1.0, noise=BandedNoise(strategy), batch_sampling=CyclicPoisson(4))

@@ -200,3 +200,36 @@ def test_dpo_per_pair_gradient_norms_over_two_forwards_and_a_reference_pass_equa
     expected = brute_force_sq_norms(model, lambda m, i: losses(m)[i], 5)
     assert bool((expected > 0).all())
     assert torch.allclose(got, expected, rtol=1e-4, atol=0), (got, expected)
+
+
+def test_dpo_on_a_peft_model_with_a_trained_adapter_uses_trls_frozen_ref_adapter_as_the_reference(tmp_path):
+    """A PEFT model whose adapter is not zero: TRL keeps a frozen "ref" copy of it as the reference, so at the start
+    the reference log-probabilities are the policy's (disabling the adapters would score with the bare base model)."""
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(DPO.tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                       lora_dropout=0.0, init_lora_weights=False))
+    trainer = DPDPOTrainer(model=model, args=DPOConfig(**_common(tmp_path)), train_dataset=DPO.preferences(32, seed=1),
+                           processing_class=DPO.word_tokenizer(), privacy=PrivacyArguments(noise_multiplier=1.0))
+    assert "ref" in trainer.model.peft_config
+    batch = trainer.private_collator()([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        with trainer._reference() as ref:
+            reference = trainer._completion_logps(ref, batch, "chosen")[0]
+        policy = trainer._completion_logps(trainer.model, batch, "chosen")[0]
+    assert torch.allclose(reference, policy)
+
+
+def test_trls_training_metrics_never_reach_a_log_line_even_when_a_subclass_fills_them(tmp_path):
+    class Chatty(DPSFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self._metrics["train"]["mean_token_accuracy"].append(0.5)   # as TRL's compute_loss would
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = Chatty(model=SFT.tiny_gpt2(), args=SFTConfig(**_common(tmp_path)), train_dataset=SFT.reversals(32, 1),
+                     processing_class=SFT.word_tokenizer(), peft_config=LORA,
+                     privacy=PrivacyArguments(noise_multiplier=1.0))
+    logs = _Logs(trainer)
+    trainer.train()
+    assert logs.lines and not any("mean_token_accuracy" in line for line in logs.lines)
