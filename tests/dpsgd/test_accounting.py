@@ -49,6 +49,7 @@ REFUSED_CASES = [
     (Combination("hutch", LaplaceNoise(), L2Clipping(), Poisson()), "LaplaceNoise needs exact norms"),
     (Combination("exact", GaussianNoise(), TWICE, Poisson(), users=True), "privacy_unit='user' cannot"),
     (Combination("hutch", BANDED, L2Clipping(), CyclicPoisson(2)), "at least as many groups as bands"),
+    (Combination("hutch", BANDED, L2Clipping(), CyclicPoisson(4), workers=2), "num_workers=2 is refused"),
     (Combination("exact", BLTNoise(BLTStrategy((0.5,), (0.5,))), L2Clipping(), Poisson()),
      "cyclic Poisson sampling only"),
     (Combination("exact", GaussianNoise(), TWICE, FixedSize()), "twice sampling is accounted for Poisson"),
