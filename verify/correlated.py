@@ -91,12 +91,12 @@ def banded_delta_estimate(coefficients: tuple[float, ...], steps: int, sample_ra
     eps = np.asarray(epsilons, dtype=np.float64)
     rng = np.random.default_rng(seed)
     if envelope is not None:
-        # the envelope's quantiles at the levels i / 4096 (i >= 1; the lowest at 1e-9): a draw takes the quantile
-        # of the level below its uniform, so its scale is never smaller than the exact draw's (a pessimistic
-        # referee, whose delta is at least the mechanism's), and ppf is evaluated 4096 times, not per draw
-        u = np.arange(4096) / 4096.0
-        u[0] = 1e-9
-        levels = np.asarray(envelope.ppf(u), dtype=np.float64)
+        # the envelope's CDF on a fine grid of Y over its support: a draw's uniform u maps to the largest grid point
+        # whose CDF is below u, which lies below the exact quantile, so its scale is never smaller than the exact
+        # draw's (a pessimistic referee, whose delta is at least the mechanism's); one vectorized CDF call
+        lo, hi = envelope.support_interval()
+        grid = np.linspace(lo, hi, 40_001)
+        cdf = np.asarray(envelope.cdf(grid), dtype=np.float64)
     sums = np.zeros((2, eps.size))
     squares = np.zeros((2, eps.size))
     done = 0
@@ -106,8 +106,9 @@ def banded_delta_estimate(coefficients: tuple[float, ...], steps: int, sample_ra
         pick = rng.random((m, k)) < q
         if envelope is None:
             scale = np.ones((m, k))
-        else:   # Y rounded down to the envelope's quantile at the level below: scales at least the true ones
-            scale = 1.0 / np.sqrt(levels[np.floor(rng.random((m, k)) * levels.size).astype(np.int64)])
+        else:   # Y rounded down to the grid point below its quantile: scales at least the true ones
+            at = np.searchsorted(cdf, rng.random((m, k)), side="left") - 1
+            scale = 1.0 / np.sqrt(grid[np.maximum(at, 0)])
         shift = (pick * scale) @ cols.T
         # each subset's mean at this draw's scales: (m, 2^k, n)
         means_m = (subsets[None, :, :] * scale[:, None, :]) @ cols.T
