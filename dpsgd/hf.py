@@ -198,6 +198,12 @@ class PrivateTrainerMixin:
             raise TypeError(f"{type(self).__name__} overrides compute_loss, which DPTrainer never calls: a private "
                             f"step needs one loss per example, not their reduction. Override "
                             f"per_example_losses(model, inputs) -> (B,) instead")
+        train, evaluation = kwargs.get("train_dataset"), kwargs.get("eval_dataset")
+        evaluated = list(evaluation.values()) if isinstance(evaluation, dict) else [evaluation]
+        if train is not None and any(e is train for e in evaluated):
+            warnings.warn("eval_dataset is the private train_dataset: its evaluation metrics (loss, and TRL's rewards, "
+                          "log-probabilities and accuracies) are logged without noise, so epsilon does not cover them; "
+                          "evaluate on held-out data", UserWarning, stacklevel=2)
         super().__init__(*args, **kwargs)
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs a train_dataset")

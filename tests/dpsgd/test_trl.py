@@ -233,3 +233,11 @@ def test_trls_training_metrics_never_reach_a_log_line_even_when_a_subclass_fills
     logs = _Logs(trainer)
     trainer.train()
     assert logs.lines and not any("mean_token_accuracy" in line for line in logs.lines)
+
+
+def test_evaluating_on_the_private_training_data_warns_that_its_metrics_are_not_private(tmp_path):
+    data = SFT.reversals(32, seed=1)
+    with pytest.warns(UserWarning, match="eval_dataset is the private train_dataset"):
+        DPSFTTrainer(model=SFT.tiny_gpt2(), args=SFTConfig(**_common(tmp_path)), train_dataset=data,
+                     eval_dataset=data, processing_class=SFT.word_tokenizer(), peft_config=LORA,
+                     privacy=PrivacyArguments(noise_multiplier=1.0))
