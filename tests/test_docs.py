@@ -15,7 +15,9 @@ Other fences (``text``, directives such as ``{toctree}``) are not code.
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import io
 import os
 import re
 import shutil
@@ -41,6 +43,32 @@ class Block:
     code: str
     mode: str          # "run", "slow", "skip" or "file"
     reason: str        # why it is skipped; the file name of a "file" block
+    expected: tuple[str, ...] = ()   # what the prose after it says it prints (each must be in its output)
+
+
+_PRINTS = re.compile(r"\bprints `([^`]+)`")
+
+
+def _expected_output(lines: list[str], after: int) -> tuple[str, ...]:
+    """What the paragraph after a block (from line ``after``) says the block prints: the first backticked text after
+    "prints", or, where the paragraph says "prints" and ends with a colon, the lines of the ``text`` block after it."""
+    i = after
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    paragraph = []
+    while i < len(lines) and lines[i].strip() and not _FENCE.match(lines[i]):
+        paragraph.append(lines[i].strip())
+        i += 1
+    text = " ".join(paragraph)
+    if (m := _PRINTS.search(text)) is not None and m.start() < 40:
+        return (m.group(1),)
+    if "prints" in text and text.endswith(":"):
+        while i < len(lines) and not lines[i].strip():
+            i += 1
+        if i < len(lines) and lines[i].strip() == "```text":
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            return tuple(line.strip() for line in lines[i + 1:end] if line.strip())
+    return ()
 
 
 def code_blocks(page: Path) -> list[Block]:
@@ -63,7 +91,8 @@ def code_blocks(page: Path) -> list[Block]:
             mode, reason = pending if pending else ("run", "")
             if mode == "skip" and not reason:
                 raise ValueError(f"{page.name}:{i + 1}: a skipped block must say why")
-            blocks.append(Block(page, i + 1, language, "\n".join(lines[i + 1:end]) + "\n", mode, reason))
+            blocks.append(Block(page, i + 1, language, "\n".join(lines[i + 1:end]) + "\n", mode, reason,
+                                _expected_output(lines, end + 1)))
         pending = None
         i = end + 1
     return blocks
@@ -80,7 +109,20 @@ def _run_python(block: Block, namespace: dict) -> None:
         if runner.failures:
             pytest.fail(f"{where}: the printed values differ from the page\n" + "".join(out), pytrace=False)
     else:
-        exec(compile(block.code, where, "exec"), namespace)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(block.code, where, "exec"), namespace)
+        sys.stdout.write(printed.getvalue())
+        _check_printed(block, printed.getvalue())
+
+
+def _check_printed(block: Block, output: str) -> None:
+    """Each line the prose says the block prints is in its output (runs of spaces compared as one)."""
+    flat = " ".join(output.split())
+    missing = [e for e in block.expected if " ".join(e.split()) not in flat]
+    if missing:
+        pytest.fail(f"{block.page.name}:{block.line}: the page says it prints {missing}, but it printed:\n"
+                    f"{output[-2000:]}", pytrace=False)
 
 
 def _run_bash(block: Block, cwd: Path) -> None:
@@ -90,6 +132,7 @@ def _run_bash(block: Block, cwd: Path) -> None:
     if result.returncode:
         pytest.fail(f"{block.page.name}:{block.line}: exit {result.returncode}\n{result.stdout[-3000:]}"
                     f"\n{result.stderr[-3000:]}", pytrace=False)
+    _check_printed(block, result.stdout)
 
 
 def _run_page(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modes: set[str]) -> int:
@@ -159,4 +202,16 @@ def test_the_collector_reads_markers_fences_and_doctests(tmp_path, monkeypatch):
     assert [(b.language, b.mode) for b in blocks] == [("python", "run"), ("bash", "slow"), ("python", "run")]
     (tmp_path / "run").mkdir()
     with pytest.raises(pytest.fail.Exception, match="printed values differ"):   # x + 1 is 3, not 4
+        _run_page(page, tmp_path / "run", monkeypatch, {"run"})
+
+
+def test_what_the_prose_says_a_block_prints_is_checked(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint('sigma', 2)\n```\n\nIt prints `sigma 2`, as said.\n\n"
+                    "```python\nprint('a 1'); print('b  2')\n```\n\nprints the table:\n\n```text\na 1\nb 2\n```\n\n"
+                    "```python\nprint(3)\n```\n\nprints `4`.\n")
+    blocks = code_blocks(page)
+    assert [b.expected for b in blocks] == [("sigma 2",), ("a 1", "b 2"), ("4",)]
+    (tmp_path / "run").mkdir()
+    with pytest.raises(pytest.fail.Exception, match=r"says it prints \['4'\]"):
         _run_page(page, tmp_path / "run", monkeypatch, {"run"})
