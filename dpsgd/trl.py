@@ -35,6 +35,7 @@ from trl import DPOTrainer, SFTTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 from trl.trainer.utils import use_adapter
 
+from .data import KeepsRowOrder
 from .hf import PrivateTrainerMixin, token_losses
 
 __all__ = ["DPSFTTrainer", "DPDPOTrainer", "PairCollator", "preference_losses", "PREFERENCE_LOSSES"]
@@ -92,6 +93,11 @@ class DPSFTTrainer(PrivateTrainerMixin, SFTTrainer):
         if self.args.loss_type not in ("nll", "dft"):
             raise ValueError(f"SFTConfig(loss_type={self.args.loss_type!r}) is not supported by DPSFTTrainer; "
                              f"use 'nll' or 'dft'")
+
+    def private_collator(self) -> KeepsRowOrder:
+        """TRL's collator, declared to keep its rows in order (its language-modeling collator pads each example in
+        the order given), so that a batch of users is collated by one call (``privacy_unit="user"``)."""
+        return KeepsRowOrder(self.data_collator)
 
     def per_example_losses(self, model: torch.nn.Module, inputs: dict) -> torch.Tensor:
         """``(B,)``: each example's mean token loss (class docstring)."""
@@ -255,11 +261,13 @@ class DPDPOTrainer(PrivateTrainerMixin, DPOTrainer):
                              "DPDPOTrainer: the load-balancing loss is a statistic of the whole batch. Set "
                              "output_router_logits=False")
 
-    def private_collator(self) -> PairCollator:
-        """:class:`PairCollator` with the settings of TRL's collator."""
+    def private_collator(self) -> KeepsRowOrder:
+        """:class:`PairCollator` with the settings of TRL's collator, declared to keep its rows in order (it
+        does: row ``i`` of each tensor is the ``i``-th pair given), so that a batch of users is collated by one call
+        (``privacy_unit="user"``)."""
         c = self.data_collator
-        return PairCollator(c.pad_token_id, max_length=c.max_length, truncation_mode=c.truncation_mode,
-                            pad_to_multiple_of=c.pad_to_multiple_of)
+        return KeepsRowOrder(PairCollator(c.pad_token_id, max_length=c.max_length, truncation_mode=c.truncation_mode,
+                                          pad_to_multiple_of=c.pad_to_multiple_of))
 
     def per_example_losses(self, model: torch.nn.Module, inputs: dict) -> torch.Tensor:
         """``(B,)``: each pair's DPO loss (class docstring)."""

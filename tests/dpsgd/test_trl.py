@@ -34,9 +34,10 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0
 
 
 def _common(tmp_path, **kw):
-    return dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                max_steps=3, logging_steps=1, learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
-                disable_tqdm=True, max_length=16, **kw)
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    max_steps=3, logging_steps=1, learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
+                    disable_tqdm=True, max_length=16)
+    return {**settings, **kw}
 
 
 def _sft(tmp_path, privacy=None, n=32, **kw):
@@ -241,3 +242,12 @@ def test_evaluating_on_the_private_training_data_warns_that_its_metrics_are_not_
         DPSFTTrainer(model=SFT.tiny_gpt2(), args=SFTConfig(**_common(tmp_path)), train_dataset=data,
                      eval_dataset=data, processing_class=SFT.word_tokenizer(), peft_config=LORA,
                      privacy=PrivacyArguments(noise_multiplier=1.0))
+
+
+def test_dpo_with_user_level_privacy_collates_whole_users_and_charges_users(tmp_path):
+    """Three pairs per user: the pair collator keeps its rows in order, so a batch of users is one call."""
+    trainer = _dpo(tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, privacy_unit="user",
+                                                      user_ids=[i // 3 for i in range(48)]), n=48,
+                   gradient_accumulation_steps=1)
+    trainer.train()
+    assert trainer.privacy_engine.steps == 3 and trainer.privacy_engine.sample_rate == pytest.approx(4 / 16)
