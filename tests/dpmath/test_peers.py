@@ -71,3 +71,13 @@ def test_opacus_prv_value():
     # Opacus: PRV, sigma = 1.5, q = 0.04, 2249 steps, delta = 1e-5, eps_error = 0.01 -> 6.777395712150674
     hi = PLDAccountant().compose(SubsampledGaussian(1.5, 0.04), 2249).epsilon(1e-5)
     assert abs(hi - 6.777395712150674) <= 0.0125
+
+
+def test_dp_accountings_value_below_our_certified_lower_end_is_reported_as_below_the_truth():
+    """At sigma 0.3, q 1e-4, 10^4 steps, delta 1e-12 dp_accounting's pessimistic PLD gives 28.98 while our lower end,
+    a certified bound on the truth, is 29.25: the peers audit keeps our (correct) upper end and says so."""
+    from verify.peers import peer_audit
+
+    result = peer_audit(configs=[(0.3, 1e-4, 10_000, 1e-12)], use_prv=False)
+    assert result.holds and "below the truth" in result.summary
+    assert "below our lower end" in result.rows[0]["dp_accounting"]
