@@ -11,6 +11,7 @@ truncated mass charged to delta, the envelope discretized toward larger scales) 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -545,6 +546,12 @@ class PLDAccountant(Accountant):
         # a truncated step's overflow: delta_PLD(eps) + eta (1 + e^eps) <= delta; each delta's bracket is the
         # plain one (refined as any query: the compositions are cached, only the read-outs repeat)
         hi = _charged_epsilon(lambda budget: self._plain_epsilon_bracket(budget, False)[1], d, eta)
+        if hi == math.inf:
+            warnings.warn(f"epsilon is infinite at delta={d:g}: the truncated batches' overflow probability, charged "
+                          f"to delta ({eta:.3g} over the steps composed, times 1 + e^epsilon), leaves no epsilon at "
+                          f"which the total is at most delta; raise max_batch_size (TruncatedSubsampledGaussian) or "
+                          f"delta",
+                          RuntimeWarning, stacklevel=2)
         if not lower:
             return 0.0, hi
         # the truth is at most hi, where the charge is at most eta (1 + e^hi)

@@ -307,3 +307,11 @@ def test_none_is_refused_by_name_not_as_nan(make, match):
 def test_random_allocation_with_tiny_noise_is_a_typed_error_that_says_why():
     with pytest.raises(GridTooLargeError, match="too small for the random-allocation PLD"):
         PLDAccountant().compose(RandomAllocationGaussian(1e-3, 10)).epsilon(1e-5)
+
+
+def test_an_infinite_epsilon_from_truncation_overflow_says_why():
+    """A cap at the expected batch size overflows about half the time: no epsilon meets delta, and the accountant
+    says so instead of returning infinity silently."""
+    step = TruncatedSubsampledGaussian(1.0, 0.1, 10, 100, HutchEnvelope(4, 8))
+    with pytest.warns(RuntimeWarning, match="overflow probability.*raise max_batch_size"):
+        assert PLDAccountant().compose(step, 10).epsilon(1e-5) == math.inf
