@@ -16,10 +16,13 @@ from dpmath import (
     PLDAccountant,
     RandomAllocationGaussian,
     ShuffledGaussian,
+    SubsampledGaussian,
     TruncatedSubsampledGaussian,
 )
+from dpmath.correlated import BandedStrategy
 from dpsgd import PrivacyEngine
-from dpsgd.samplers import BallsInBins, FixedSize, Shuffling, TruncatedPoisson
+from dpsgd.noise import BandedNoise
+from dpsgd.samplers import BallsInBins, CyclicPoisson, FixedSize, Shuffling, TruncatedPoisson
 
 
 def _worker(rank: int, world: int, store: str) -> None:
@@ -108,7 +111,7 @@ def test_two_process_gloo_training_step(tmp_path):
 # part of a global batch is often empty (a noise-only step on rank 1 while rank 0 has rows)
 _SIZES, _BATCHES, _SEED = (52, 8), (8, 2), 11
 _SCHEMES = {"truncated_poisson": TruncatedPoisson(11), "fixed_size": FixedSize(), "balls_in_bins": BallsInBins(),
-            "shuffling": Shuffling()}
+            "shuffling": Shuffling(), "cyclic_poisson": CyclicPoisson(2)}
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +120,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(engine: PrivacyEngine, dataset: TensorDataset, batch_size: int, scheme, sigma: float, seed=_SEED,
-         state=None):
+         state=None, noise="gaussian"):
     """One epoch of a linear model under ``scheme`` (resumed from the engine ``state`` if given): the global
     indices of each step's batch (a step whose batch is empty on this rank is a noise-only step the loader takes
     itself: no entry) and the final parameters."""
@@ -125,7 +128,7 @@ def _run(engine: PrivacyEngine, dataset: TensorDataset, batch_size: int, scheme,
     m, opt, crit, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(dataset, batch_size=batch_size), criterion=nn.MSELoss(reduction="sum"),
-        max_grad_norm=1e9, noise_multiplier=sigma, estimator="ghost", batch_sampling=scheme, seed=seed)
+        max_grad_norm=1e9, noise_multiplier=sigma, estimator="ghost", batch_sampling=scheme, seed=seed, noise=noise)
     if state is not None:
         engine.load_state_dict(state)
     drawn = {}
@@ -159,6 +162,11 @@ def _scheme_worker(rank: int, world: int, store: str, out: str) -> None:
             engine = PrivacyEngine()
             _run(engine, shard, _BATCHES[rank], scheme, 1.0)
             results[name] = (drawn, params, engine.sample_rate, engine.get_epsilon(1e-5))
+        # banded correlated noise under cyclic Poisson: the same noise on every rank, so the same parameters
+        engine = PrivacyEngine()
+        _, params = _run(engine, shard, _BATCHES[rank], CyclicPoisson(2), 1.0,
+                         noise=BandedNoise(BandedStrategy((1.0, 0.5))))
+        results["banded"] = (params, engine.get_epsilon(1e-5))
         # a scheme that differs between ranks would draw other global batches: refused on every rank, before rank
         # 0 alone refuses a max_batch_size below B (which would leave rank 1 waiting in a collective)
         with pytest.raises(ValueError, match="batch sampling .* differs between ranks"):
@@ -194,7 +202,8 @@ def test_two_process_batch_samplings(tmp_path):
     everything = TensorDataset(x, y, torch.arange(len(x)))
     mechanisms = {"truncated_poisson": TruncatedSubsampledGaussian(1.0, 10 / 60, 11, 60, None),
                   "fixed_size": FixedSizeSubsampledGaussian(1.0, 10, 60),
-                  "balls_in_bins": RandomAllocationGaussian(1.0, 6, None), "shuffling": ShuffledGaussian(1.0, 6)}
+                  "balls_in_bins": RandomAllocationGaussian(1.0, 6, None), "shuffling": ShuffledGaussian(1.0, 6),
+                  "cyclic_poisson": SubsampledGaussian(1.0, 10 * 2 / 60)}
     lopsided = 0   # steps in which one rank had rows and the other none
     for name, scheme in _SCHEMES.items():
         # the single-process run with the same seed draws the global batches
@@ -207,6 +216,8 @@ def test_two_process_batch_samplings(tmp_path):
             assert sizes == [10] * 6
         elif name == "truncated_poisson":
             assert max(sizes) <= 11
+        elif name == "cyclic_poisson":   # each index in at most one step of each cycle of 2
+            assert all(not set(union[t]) & set(union[t + 1]) for t in range(0, 6, 2))
         else:   # one epoch: every global index exactly once
             assert sorted(sum(union, [])) == list(range(60))
         # sigma = 0: the same parameters on both ranks, those of non-private SGD on the union (sum / B)
@@ -222,12 +233,16 @@ def test_two_process_batch_samplings(tmp_path):
             assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(r[name][1], ref.parameters(), strict=True))
         # the epsilon is the scheme's mechanism composed at N = 60, B = 10 (one epoch: 6 steps, or 1 epoch event)
         mechanism = mechanisms[name]
-        events = 1 if scheme.per_epoch else 6
+        events = {"cyclic_poisson": 3}.get(name, 1 if scheme.per_epoch else 6)   # cycles of 2 steps
         expected = PLDAccountant(neighboring=scheme.neighboring).compose(mechanism, events).epsilon(1e-5)
         for r in ranks:
             assert r[name][2] == pytest.approx(scheme.bind(60, 10).sample_rate)
             assert r[name][3] == pytest.approx(expected, rel=1e-9), name
     assert lopsided > 0
+    # banded noise: both ranks drew the same correlated noise (equal parameters), accounted as 3 cycles at sigma/||c||
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["banded"][0], ranks[1]["banded"][0], strict=True))
+    expected = PLDAccountant().compose(SubsampledGaussian(1.0 / BandedStrategy((1.0, 0.5)).column_norm, 1 / 3), 3)
+    assert ranks[0]["banded"][1] == pytest.approx(expected.epsilon(1e-5), rel=1e-9)
 
 
 def _resume_worker(rank: int, world: int, store: str, out: str) -> None:
