@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize
+from scipy import linalg, optimize
 
 from .envelope import Envelope
 from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
@@ -53,6 +53,11 @@ from .validation import positive_int, positive_real
 from .validation import sample_rate as checked_sample_rate
 
 __all__ = ["BandedStrategy", "BLTStrategy", "BandedMatrixFactorization", "prefix_sum_errors"]
+
+
+def _lower_toeplitz(first_column: np.ndarray) -> np.ndarray:
+    """The lower-triangular Toeplitz matrix with this first column (a strategy's ``C``, for checks)."""
+    return linalg.toeplitz(first_column, np.zeros_like(first_column))
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,9 @@ class BandedStrategy:
     def matrix(self, steps: int) -> np.ndarray:
         """``C`` as a dense ``(steps, steps)`` array (for checks; training never builds it)."""
         n = positive_int(steps, "steps")
-        out = np.zeros((n, n))
-        for j, c in enumerate(self.coefficients[:n]):
-            out += np.diag(np.full(n - j, c), -j)
-        return out
+        first = np.zeros(n)
+        first[:min(n, self.bands)] = self.coefficients[:n]
+        return _lower_toeplitz(first)
 
     def inverse_coefficients(self, steps: int) -> np.ndarray:
         r"""The first ``steps`` coefficients :math:`r` of :math:`C^{-1}` (lower-triangular Toeplitz, not banded):
@@ -274,9 +278,7 @@ class BLTStrategy:
 
     def matrix(self, steps: int) -> np.ndarray:
         """``C`` as a dense ``(steps, steps)`` array (for checks)."""
-        c = self.coefficients(steps)
-        n = c.size
-        return np.array([[c[i - j] if i >= j else 0.0 for j in range(n)] for i in range(n)])
+        return _lower_toeplitz(self.coefficients(steps))
 
     @property
     def column_norm(self) -> float:

@@ -52,8 +52,8 @@ from dpmath.correlated import BandedStrategy, BLTStrategy
 from .distributed import is_sharded, local_part
 from .handler import all_finite
 
-__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "BandedNoise", "BLTNoise", "CorrelatedStream",
-           "BufferedStream", "as_noise"]
+__all__ = ["StepNoise", "GaussianNoise", "LaplaceNoise", "CorrelatedNoise", "BandedNoise", "BLTNoise",
+           "CorrelatedStream", "BufferedStream", "as_noise"]
 
 
 class StepNoise(ABC):
@@ -181,8 +181,26 @@ class LaplaceNoise(StepNoise):
         return SubsampledL2Laplace.for_noise_multiplier(sigma, sample_rate).scale
 
 
+class CorrelatedNoise(StepNoise):
+    """What the correlated noises share: Gaussian unit draws ``z``, correlated across steps by the run's
+    :meth:`~StepNoise.stream`, and an accounting per cycle of :class:`~dpsgd.samplers.CyclicPoisson` sampling only
+    (so no Poisson-batch calibration: ``make_private`` calibrates through the cycles' accounting)."""
+
+    correlated = True
+
+    def sample(self, shape, generator, device, dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    def sample_into(self, out, generator):
+        return out.normal_(generator=generator)
+
+    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
+        raise ValueError(f"{type(self).__name__} is calibrated through its CyclicPoisson accounting (make_private "
+                         f"does it), not as Poisson batches")
+
+
 @dataclass(frozen=True, repr=False)
-class BandedNoise(StepNoise):
+class BandedNoise(CorrelatedNoise):
     r"""Banded matrix-factorization noise (DP-FTRL): step ``t`` adds ``noise_multiplier * max_grad_norm`` times
     :math:`w_t`, :math:`w = C^{-1} z` for the banded Toeplitz ``strategy`` :math:`C` and independent
     :math:`z_t \sim N(0, I)`, so much of the noise cancels in the sums of updates that training applies
@@ -210,25 +228,14 @@ class BandedNoise(StepNoise):
     strategy: BandedStrategy
 
     name = "banded"
-    correlated = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, BandedStrategy):
             raise ValueError(f"strategy must be a dpmath.correlated.BandedStrategy, got "
                              f"{type(self.strategy).__name__}")
 
-    def sample(self, shape, generator, device, dtype):
-        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
-
-    def sample_into(self, out, generator):
-        return out.normal_(generator=generator)
-
     def mechanism(self, noise_multiplier, sample_rate, envelope=None):
         return GaussianNoise().mechanism(noise_multiplier / self.strategy.column_norm, sample_rate, envelope)
-
-    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
-        return self.strategy.column_norm * GaussianNoise().calibrate(target_epsilon, target_delta, sample_rate,
-                                                                     steps, envelope)
 
     def settings(self):
         return {"name": self.name, "coefficients": list(self.strategy.coefficients)}
@@ -241,7 +248,7 @@ class BandedNoise(StepNoise):
 
 
 @dataclass(frozen=True, repr=False)
-class BLTNoise(StepNoise):
+class BLTNoise(CorrelatedNoise):
     r"""Buffered linear Toeplitz (BLT) matrix-factorization noise: step ``t`` adds ``noise_multiplier *
     max_grad_norm`` times :math:`w_t`, :math:`w = C^{-1} z` for the BLT ``strategy`` (:class:`dpmath.correlated.
     BLTStrategy`), made with ``d`` buffers per coordinate (``d`` parameter-sized tensors held by the run's
@@ -263,17 +270,10 @@ class BLTNoise(StepNoise):
     strategy: BLTStrategy
 
     name = "blt"
-    correlated = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, BLTStrategy):
             raise ValueError(f"strategy must be a dpmath.correlated.BLTStrategy, got {type(self.strategy).__name__}")
-
-    def sample(self, shape, generator, device, dtype):
-        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
-
-    def sample_into(self, out, generator):
-        return out.normal_(generator=generator)
 
     def mechanism(self, noise_multiplier, sample_rate, envelope=None):
         raise ValueError("BLTNoise is accounted per cycle of CyclicPoisson sampling only (cycle_mechanism)")
@@ -288,9 +288,6 @@ class BLTNoise(StepNoise):
             return (f"BLTNoise needs exact norms (estimator 'ghost' or 'exact'), got estimator={estimator!r}: its "
                     f"participations overlap, and no accountant here covers random scales across them")
         return None
-
-    def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
-        raise ValueError("BLTNoise is calibrated through its CyclicPoisson accounting (make_private does it)")
 
     def settings(self):
         return {"name": self.name, "weights": list(self.strategy.weights), "decays": list(self.strategy.decays)}
