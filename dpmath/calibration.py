@@ -5,12 +5,15 @@ exceed the target: it brackets the root of the monotone ``epsilon(sigma)``, then
 bracket with safeguarded secant steps (Illinois) in ``log sigma`` until it is ``rtol`` wide, and
 returns the bracket's upper end, which was evaluated and meets the target.  It never overshoots:
 the returned sigma is one whose epsilon was computed, not an interpolated guess.  For DP-SGD-RC the
-search starts from the plain DP-SGD answer, takes two Newton steps on a coarse grid (100x the loss step, 4x
-the scale bins), narrows to ``rtol`` on a medium grid (10x the loss step: epsilon within a few 1e-5 of the
-requested grid's, at a fifth to a half of the cost), and one evaluation on the requested grid confirms the
-answer (or a last search there moves it); only the requested grid's epsilon decides the result.  The
-README's setting (Hutch, ``k = 16``, ``D = 24``, q = 0.05, 60 steps, epsilon 2) took 3.4 s cold with a search on
-the requested grid and takes 2.3 s (``benchmarks/calibration_bench.py --compare``).  A search that runs longer than
+search starts from the plain DP-SGD answer and takes three Newton steps on a coarse grid (100x the loss step, 4x
+the scale bins); one evaluation on a medium grid (10x the loss step: epsilon within about 1e-4 of the requested
+grid's) then takes a Newton step with the coarse slope, and one evaluation on the requested grid, aimed just above
+that root, confirms the answer where it meets the target within ``rtol`` (or a second aim, or a last search there,
+moves it); only the requested grid's epsilon decides the result.  Each epsilon query cuts the steps' farthest
+losses, up to ``1e-6`` of delta (:data:`dpmath.pld.compose.CUT`), which shrinks a heavy-tailed envelope's FFT
+window about four-fold.  The README's former setting (Hutch, ``k = 16``, ``D = 24``, q = 0.05, 60 steps, epsilon 2)
+took 3.4 s cold with a search on the requested grid, 2.3 s with a medium-grid search, and takes about 0.9 s
+(``benchmarks/calibration_bench.py --compare``).  A search that runs longer than
 :data:`PROGRESS_AFTER` seconds logs each evaluation as an INFO record of the ``"dpmath"`` logger.
 
 A large target is searched on a coarser grid: the loss step is at least ``1e-5`` times ``target_epsilon``
@@ -91,6 +94,8 @@ logger = logging.getLogger("dpmath")
 PROGRESS_AFTER = 2.0
 
 _SCALE_RESOLUTION = RandomizedClipGaussian.__dataclass_fields__["scale_resolution"].default
+_FAR = 1e-2         # a Newton step from the coarse root longer than this (in log sigma) is not aimed, but searched
+_OVERSHOOT = 1e-2   # the part of an aimed Newton step added back (the coarse slope's bias)
 _RELATIVE_STEP = 1e-5   # the search's grid step is at least this times target_epsilon ...
 _MAX_TARGET = 1e5       # ... up to 1, the accountant's coarsest, at this target: none is larger
 
@@ -203,34 +208,36 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     f = functools.lru_cache(maxsize=None)(objective(_SCALE_RESOLUTION, h))
     context = f"target_delta={d:g}, sample_rate={qq:g}, steps={n}"
 
-    def published(found: tuple[float, float], searched) -> float:
-        """The answer of a search on ``searched`` (a coarser grid, or the requested grid without ``bracket_rtol``),
-        on the published accountant (the requested grid with ``bracket_rtol``): the search's answer where that
-        accountant's epsilon there meets the target and is within the search's tolerance of the searched one,
-        else a last search from it."""
-        sigma, slope = found
-        # the default accountant's upper end ("auto") is the least over the grids it builds, the first of which is
-        # the requested grid unrefined: that grid's upper end bounds it, and confirms an envelope's answer at half
-        # the cost (no lower end, no finer grid)
-        confirm = None if bracket_rtol == AUTO and envelope is not None else bracket_rtol
-        if (confirm is None and searched is f) or accountant == "rdp" or h > discretization:
-            # the search ran on the published accountant, or a large target's search runs on a grid in proportion,
-            # not the published one (module docstring)
+    # the accountant whose epsilon decides the answer: the default's upper end ("auto") is the least over the grids
+    # it builds, the first of which is the requested grid unrefined, so that grid's upper end bounds it (at half the
+    # cost of the refined bracket: no lower end, no finer grid); a float or None bracket_rtol is its own
+    confirm = None if bracket_rtol == AUTO and envelope is not None else bracket_rtol
+    final = f if confirm is None else functools.lru_cache(maxsize=None)(
+        objective(_SCALE_RESOLUTION, h, refined=confirm))
+    # the search's grid decides where it is the published one; RDP has no grid; a large target's search runs on a
+    # grid in proportion, not the published one (module docstring)
+    decides = accountant == "rdp" or h > discretization
+
+    def confirmed(sigma: float, slope: float, searched) -> float:
+        """The answer of a search on ``searched`` (a coarser grid, or the requested grid without ``bracket_rtol``)
+        on the published accountant: the search's answer where that accountant's epsilon there meets the target and
+        is within the search's tolerance of the searched one, else a last search from it."""
+        if searched is final or decides:
             return sigma
-        g = f if confirm is None else functools.lru_cache(maxsize=None)(
-            objective(_SCALE_RESOLUTION, h, refined=confirm))
         # where the published log epsilon meets the target and is below the searched one by less than rtol times
         # the slope, a last search would move sigma by less than rtol: the searched answer stands
-        if g(sigma) <= 0 and searched(sigma) - g(sigma) <= rt * abs(slope):
+        if final(sigma) <= 0 and searched(sigma) - final(sigma) <= rt * abs(slope):
             return sigma
-        return _search(g, sigma, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+        return _search(final, sigma, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
 
     if envelope is None:
-        return published(_search(f, 1.0, [2.0], eps_t, context, rt), f)
-    # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer; take two Newton steps
-    # on a coarse grid (4x the scale bins, 100x the loss step); search to rtol on a medium grid (10x the loss step:
-    # its epsilon is within a few 1e-5 of the requested grid's on the README's and the studies' settings, at a
-    # third of the cost); then one evaluation on the published accountant confirms it, or a last search moves it
+        return confirmed(*_search(f, 1.0, [2.0], eps_t, context, rt), f)
+    # a randomized-clipping step costs ~100 plain ones: start from the plain DP-SGD answer; take three Newton steps
+    # on a coarse grid (4x the scale bins, 100x the loss step); one evaluation on a medium grid (10x the loss step:
+    # its epsilon is within 1e-4 of the requested grid's on the README's and the studies' settings, at half the
+    # cost) takes a Newton step with the coarse slope (within about 1 % of the requested grid's); one evaluation on
+    # the published accountant, aimed rtol / 2 above that root, confirms it where it meets the target within rtol,
+    # else a last search there moves it
     coarse_h = max(h, min(100 * h, 1e-2))
     plain, plain_slope = _search(objective(_SCALE_RESOLUTION, coarse_h, None), 1.0, [2.0],
                                  eps_t, context, 1e-2)
@@ -241,26 +248,44 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
         coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
     medium_h = max(h, min(10 * h, 1e-2))
     medium = f if medium_h == h else functools.lru_cache(maxsize=None)(objective(_SCALE_RESOLUTION, medium_h))
-    return published(_search(medium, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope), medium)
-
-
+    if decides:
+        return _search(medium, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
+    value = medium(coarse)
+    if not (math.isfinite(value) and slope < 0) or abs(value / slope) > _FAR:
+        # the coarse root is far from the medium grid's (small targets, where the coarse scale bins are loose): the
+        # coarse slope cannot aim to rtol from there, so the medium grid is searched to rtol and confirmed
+        return confirmed(*_search(medium, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope), medium)
+    aim = coarse
+    for _ in range(2):   # a second aim from the first's value: a step of a few rtol, where the slope's error is moot
+        # the coarse slope is the flatter (wider scale bins; a secant from above the root), so the Newton step
+        # overshoots by up to 2 % of itself: aimed 1 % of the step higher, and rtol / 2 above the predicted root
+        step = -value / slope
+        aim *= math.exp(step + 0.5 * math.log1p(rt) + _OVERSHOOT * abs(step))
+        value = final(aim)
+        # below the target by less than rtol times the slope: the root lies within rtol below the aim
+        if -rt * abs(slope) <= value <= 0:
+            return aim
+        if not math.isfinite(value):
+            break
+    return _search(final, aim, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
 
 
 def _newton_start(f, guess: float, slope: float) -> tuple[float | None, float]:
-    """Two Newton steps on ``f(log sigma)`` from ``guess`` with ``slope``, the second with the secant slope of
-    the two evaluations: a start (and slope) for the search on the requested grid, which brackets the root
-    itself, so no bracket is needed here (two evaluations where a bracketing search took four).  ``None``
-    where a value or a slope is not finite and negative."""
-    f0 = f(guess)
-    if not (math.isfinite(f0) and slope < 0):
+    """Three Newton steps on ``f(log sigma)`` from ``guess`` with ``slope``, each later one with the secant slope of
+    the last two evaluations: a start for the searches on finer grids, and the slope between the last two, which
+    are close to the root, so it is the local slope (within about 1 % of the requested grid's, where the first
+    secant can be 10 % off).  ``None`` where a value or a slope is not finite and negative."""
+    x, fx = math.log(guess), f(guess)
+    for _ in range(2):
+        if not (math.isfinite(fx) and slope < 0):
+            return None, slope
+        x_next = x - fx / slope
+        f_next = f(math.exp(x_next))
+        slope = (f_next - fx) / (x_next - x) if math.isfinite(f_next) and x_next != x else math.nan
+        x, fx = x_next, f_next
+    if not slope < 0:
         return None, slope
-    x0 = math.log(guess)
-    x1 = x0 - f0 / slope
-    f1 = f(math.exp(x1))
-    secant = (f1 - f0) / (x1 - x0) if math.isfinite(f1) and x1 != x0 else math.nan
-    if not secant < 0:
-        return None, slope
-    return math.exp(x1 - f1 / secant), secant
+    return math.exp(x - fx / slope), slope
 
 
 def calibrate_noise(epsilon: Callable[[float], float], target_epsilon: float, *, guess: float = 1.0,

@@ -35,44 +35,21 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..accountant import Neighboring
 from ..mechanisms import Mechanism
 from ..validation import open_probability, positive_int
 from .accountant import AUTO, AUTO_BUDGET, PLDAccountant
-from .compose import Composition, Spectra
+from .compose import CUT, Composition, Spectra, truncated
 from .distribution import GridTooLargeError, Pld
 from .steps import accounted_step, is_gaussian_step, one_pair, random_scale, reads_replacement, step_plds
 
 __all__ = ["EpsilonSchedule"]
 
 _LOOSE = 0.5    # a lower end below this fraction of the upper end is recomputed by a fresh accountant
-_CUT = 1e-6     # the step's largest losses, up to this fraction of delta over max_count steps, are cut (_truncated)
 _DELTAS = 4     # the deltas whose cut steps and transforms are kept
-_EPS = float(np.finfo(np.float64).eps)
 _FINER = 0.25   # a bracket wider than its target is intersected with a schedule on a grid this much finer (h^2: 1/16)
 _AUTO_RTOL, _AUTO_RC_RTOL = 1e-3, 5e-3   # the default's targets, as the accountant's ...
 _FINEST = 2.0 ** -16                      # ... and its finest loss step relative to the first grid
-
-
-def _truncated(pld: Pld, mass: float) -> Pld:
-    """``pld`` without its largest losses, at most ``mass`` of them: moved to ``+inf`` (upper bound: the losses
-    only grow) or to the last point kept (lower bound: they only shrink).  At least one point stays."""
-    tail = np.cumsum(pld.pmf[::-1])[::-1]   # tail[j]: the mass from point j up (summed from the top)
-    fits = np.nonzero(tail <= mass)[0]
-    j = max(int(fits[0]), 1) if fits.size else pld.pmf.size
-    if j == pld.pmf.size:
-        return pld
-    # the moved mass summed afresh, and rounded toward the bound's side (a sum of positive terms: n eps of it)
-    moved = float(pld.pmf[j:].sum(dtype=np.longdouble))
-    side = 1.0 if pld.upper else -1.0
-    moved *= 1.0 + side * (pld.pmf.size - j + 2) * _EPS   # and the addition below
-    pmf = pld.pmf[:j].copy()
-    if pld.upper:
-        return Pld(pld.h, pld.start, pmf, min(1.0, pld.inf + moved), True)
-    pmf[-1] += moved
-    return Pld(pld.h, pld.start, pmf, pld.inf, False, pld.slack)
 
 
 class EpsilonSchedule:
@@ -153,7 +130,7 @@ class EpsilonSchedule:
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
             self._relations = ("remove",) if one_pair(step) else ("remove", "add")
         self._plds: dict[str, list[Pld]] = {}           # relation -> [upper, lower] step PLDs for max_count
-        # (relation, upper, delta) -> the step cut for delta (_truncated) and its shared transforms
+        # (relation, upper, delta) -> the step cut for delta (truncated) and its shared transforms
         self._cut: dict[tuple[str, bool, float], tuple[Pld, Spectra | None]] = {}
         # (count, delta, upper) -> the bound and the FFT work its passes read (Composition.work, cached or not)
         self._values: dict[tuple[int, float, bool], tuple[float, int]] = {}
@@ -199,7 +176,7 @@ class EpsilonSchedule:
         if key not in self._cut:
             if len(self._cut) >= 2 * len(self._relations) * _DELTAS:
                 self._cut.pop(next(iter(self._cut)))
-            step = _truncated(self._plds[relation][0 if upper else 1], _CUT * delta / self.max_count)
+            step = truncated(self._plds[relation][0 if upper else 1], CUT * delta / self.max_count)
             spectra = None
             if self.max_count > 1:
                 try:   # the window of max_count copies: no smaller count's is wider

@@ -836,3 +836,30 @@ def test_an_accountants_settings_cannot_change_after_it_is_built(name, value):
     with pytest.raises(AttributeError):
         setattr(acc, name, value)
     assert acc.epsilon(1e-5) == before
+
+
+def test_an_epsilon_query_cuts_the_steps_farthest_losses_for_its_delta_and_stays_a_bracket(monkeypatch):
+    # a heavy-tailed randomized-clipping step keeps losses up to where its tail is 1e-15; under the tilt near epsilon
+    # those carry most of the mass, so an uncut window holds millions of points.  Cut at 1e-6 delta (upper: to +inf,
+    # lower: down to the last point kept), the window shrinks and the bracket still holds the uncut one's truth
+    from dpmath.pld import compose
+    from dpmath.pld.compose import CUT, Composition, truncated
+    from dpmath.pld.steps import step_plds
+
+    mechanism = RandomizedClipGaussian(1.5665, 0.05, HutchEnvelope(16, 24))
+    steps = step_plds(mechanism, "remove", 1e-3, (True, False), 60)
+    delta = 1e-5
+    for step in steps:
+        cut = truncated(step, CUT * delta / 60)
+        assert cut.pmf.size < step.pmf.size
+        if step.upper:   # the largest losses went to +inf, charged in full
+            assert 0 < cut.inf - step.inf <= CUT * delta / 60
+        else:            # ... or down to the last point kept, mass and all
+            assert cut.pmf.sum() == pytest.approx(step.pmf.sum(), rel=1e-12, abs=0)
+        assert Composition([(cut, 60)], 1e-18).hi < 0.5 * Composition([(step, 60)], 1e-18).hi
+    hi_cut, lo_cut = (Composition([(step, 60)], 1e-18).epsilon(delta) for step in steps)
+    monkeypatch.setattr(compose, "CUT", 0.0)   # nothing cut
+    hi_whole, lo_whole = (Composition([(step, 60)], 1e-18).epsilon(delta) for step in steps)
+    # each bracket holds the other's truth, and the cut moves the ends by far less than the bracket is wide
+    assert lo_cut <= hi_whole and lo_whole <= hi_cut
+    assert hi_cut == pytest.approx(hi_whole, rel=1e-6) and lo_cut == pytest.approx(lo_whole, rel=1e-6)
