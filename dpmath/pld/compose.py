@@ -463,9 +463,9 @@ class Composition:
         self.work = 0 if self.single is None else STEP_COST * first.pmf.size
         self._spent = 0                                          # FFT points actually run (same units)
         self._costs: dict[tuple[float, bool] | None, int] = {}   # each cached pass's (None: full()'s) cost
+        self.events, self._tail = events, tail   # the steps and their counts
         if self.single is not None:
             return
-        self._events, self._tail = events, tail
         self._cuts: dict[float, Composition] | None = {}   # compositions cut for epsilon queries (:meth:`_cut`)
         self.factors = [Factor(p, n) for p, n in events]
         self.inf = 1.0 - math.prod((1.0 - p.inf) ** n for p, n in events)
@@ -682,10 +682,10 @@ class Composition:
             return self
         mass = 10.0 ** math.floor(math.log10(level))
         if mass not in self._cuts:
-            total = sum(n for _, n in self._events)
-            events = [(truncated(p, mass / total), n) for p, n in self._events]
+            total = sum(n for _, n in self.events)
+            events = [(truncated(p, mass / total), n) for p, n in self.events]
             cut = self
-            if any(c is not p for (c, _), (p, _) in zip(events, self._events, strict=True)):
+            if any(c is not p for (c, _), (p, _) in zip(events, self.events, strict=True)):
                 cut = Composition(events, self._tail, spectra=self.spectra)
                 cut._cuts = None
             if len(self._cuts) >= 4:

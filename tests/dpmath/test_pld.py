@@ -863,3 +863,27 @@ def test_an_epsilon_query_cuts_the_steps_farthest_losses_for_its_delta_and_stays
     # each bracket holds the other's truth, and the cut moves the ends by far less than the bracket is wide
     assert lo_cut <= hi_whole and lo_whole <= hi_cut
     assert hi_cut == pytest.approx(hi_whole, rel=1e-6) and lo_cut == pytest.approx(lo_whole, rel=1e-6)
+
+
+def test_a_narrow_step_is_bracketed_on_the_first_grid_alone_by_the_accountant_and_the_schedule():
+    # the step's upper and lower means are within 1e-7 (relative) of each other, far inside the default's 1e-3: the
+    # default builds no finer grid, and epsilon is the first grid's upper end, which the bracket's upper end equals
+    from dpmath.pld import EpsilonSchedule
+    from dpmath.pld.distribution import mean_gap
+    from dpmath.pld.steps import step_plds
+
+    mechanism = SubsampledGaussian(1.0, 0.25)
+    up, lo = step_plds(mechanism, "remove", 1e-4, (True, False))
+    assert mean_gap([(up, 20)], [(lo, 20)]) < 1e-6
+    acc = PLDAccountant().compose(mechanism, 20)
+    eps = acc.epsilon(1e-5)
+    assert {k[0] for k in acc._plds} == {1e-4}
+    assert eps == PLDAccountant(bracket_rtol=None).compose(mechanism, 20).epsilon(1e-5)
+    lower, upper = acc.epsilon_bracket(1e-5)
+    assert upper == eps and (upper - lower) <= 1e-6 * upper
+    schedule = EpsilonSchedule(mechanism, 20)
+    assert schedule.epsilon(20, 1e-5) == schedule.epsilon_bracket(20, 1e-5)[1] and not schedule._finer
+    # a step whose bounds are far apart (q = 1e-3, sigma 0.8: a gap of 1.4e-3) keeps the refinement by width
+    wide = PLDAccountant().compose(SubsampledGaussian(0.8, 1e-3), 10_000)
+    wide.epsilon(1e-6)
+    assert acc._narrow() and not wide._narrow()
