@@ -41,7 +41,7 @@ from .envelope import Envelope
 from .hutch import HutchEnvelope, HutchPPEnvelope
 from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
-from .pld.accountant import AUTO
+from .pld.accountant import AUTO, published_epsilon
 from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
@@ -113,8 +113,8 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelop
     h = discretization
     for _ in range(3):
         try:
-            return PLDAccountant(h, bracket_rtol=bracket_rtol).compose(
-                _mechanism(sigma, q, envelope, scale_resolution), steps).epsilon(delta)
+            return published_epsilon(PLDAccountant(h, bracket_rtol=bracket_rtol).compose(
+                _mechanism(sigma, q, envelope, scale_resolution), steps), delta)
         except GridTooLargeError:
             # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
             # upper bound on epsilon, which is all the search needs there

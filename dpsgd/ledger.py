@@ -16,6 +16,7 @@ import os
 import warnings
 
 from dpmath import EpsilonSchedule, GridTooLargeError, PLDAccountant, RDPAccountant
+from dpmath.pld import published_epsilon
 
 from .accounting import RunAccounting, read_record
 from .distributed import rank_world
@@ -152,8 +153,12 @@ class Ledger:
         if (not isinstance(accountant, PLDAccountant) or isinstance(accountant.bracket_rtol, float)
                 or not self.accounting.poisson_batches
                 or steps == self.planned_steps or self.noise_multiplier == 0):
-            # only the number is kept: the composed accountant holds hundreds of MB of loss grids
-            return self.composed(steps).epsilon(delta)
+            # only the number is kept: the composed accountant holds hundreds of MB of loss grids.  A PLD accountant's
+            # number is shared process-wide (at the calibrated count: the calibration's own last evaluation)
+            accountant = self.composed(steps)
+            if isinstance(accountant, PLDAccountant):
+                return published_epsilon(accountant, delta)
+            return accountant.epsilon(delta)
         mechanism = self.accounting.mechanism(self.noise_multiplier)
         schedule = self._schedule
         if schedule is None or schedule.mechanism != mechanism or schedule.max_count < steps:

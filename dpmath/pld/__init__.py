@@ -16,14 +16,14 @@ layer using only those listed before it:
 * :mod:`dpmath.pld.gaussian`: Gaussian steps alone in closed form, at any noise level (no grid).
 * :mod:`dpmath.pld.steps`: one step of each mechanism as upper and lower PLDs, with the envelope's scale
   atoms for randomized clipping.
-* :mod:`dpmath.pld.accountant`: :class:`PLDAccountant`.
+* :mod:`dpmath.pld.accountant`: :class:`PLDAccountant`, and :func:`published_epsilon`, its epsilon kept process-wide.
 * :mod:`dpmath.pld.schedule`: :class:`EpsilonSchedule`, the epsilon of one mechanism at every count up to a
   planned one, the steps built once.
 """
 
-from .accountant import PLDAccountant
+from .accountant import PLDAccountant, published_epsilon
 from .distribution import GridTooLargeError
 from .schedule import EpsilonSchedule
 from .steps import scale_atoms as scale_atoms  # public in dpmath.pld before the split, though not in __all__
 
-__all__ = ["PLDAccountant", "EpsilonSchedule", "GridTooLargeError"]
+__all__ = ["PLDAccountant", "EpsilonSchedule", "GridTooLargeError", "published_epsilon"]

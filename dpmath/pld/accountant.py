@@ -33,7 +33,7 @@ from .steps import (
 )
 from .two_scale import TwoScaleLower
 
-__all__ = ["PLDAccountant"]
+__all__ = ["PLDAccountant", "published_epsilon"]
 
 _RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a finer grid (_refined)
 #: ``bracket_rtol``'s default: refine to 0.1 % (0.5 % with randomized clipping) within :data:`AUTO_BUDGET`.
@@ -703,6 +703,34 @@ class PLDAccountant(Accountant):
         out = np.where(flat >= 1, 0.0, np.where(flat <= 0, 1.0 - max(p.inf_mass for p in self._composed(True)), out))
         out = np.minimum(out, 1.0 - flat).reshape(a.shape)
         return out[()] if out.ndim == 0 else out
+
+
+_PUBLISHED: dict[tuple, float] = {}   # published_epsilon's values, by settings, events and delta
+_PUBLISHED_KEPT = 256
+
+
+def published_epsilon(accountant: PLDAccountant, delta: float) -> float:
+    """``accountant.epsilon(delta)``, kept in a process-wide cache by the accountant's settings, its events and
+    ``delta``: the value is a function of those alone, so the evaluations of one run share it (the trainer's ledger
+    reads the calibration's last evaluation at the calibrated count instead of composing it again).
+
+    Examples
+    --------
+    >>> from dpmath import PLDAccountant, SubsampledGaussian
+    >>> from dpmath.pld.accountant import published_epsilon
+    >>> acc = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 1000)
+    >>> published_epsilon(acc, 1e-5) == acc.epsilon(1e-5) == published_epsilon(acc, 1e-5)
+    True
+    """
+    d = open_probability(delta, "delta")
+    key = (accountant.discretization, accountant.neighboring, accountant.tail_mass, accountant.bracket_rtol,
+           accountant.events, d)
+    if key not in _PUBLISHED:
+        value = accountant.epsilon(d)
+        if len(_PUBLISHED) >= _PUBLISHED_KEPT:
+            _PUBLISHED.pop(next(iter(_PUBLISHED)))
+        _PUBLISHED[key] = value
+    return _PUBLISHED[key]
 
 
 def _charged_epsilon(epsilon_at, delta: float, eta: float) -> float:

@@ -262,3 +262,18 @@ def test_cli_states_the_bracket_width_of_the_case_it_computed(capsys):
                  "1e-5"]) == 0
     out = capsys.readouterr().out
     assert "bracket refined to 0.1 % within a budget" in out and "with an estimator" not in out
+
+
+def test_the_calibrations_last_evaluation_is_the_published_epsilon_a_ledger_reads_without_composing_again(monkeypatch):
+    from dpmath import PLDAccountant, SubsampledGaussian
+    from dpmath.pld import published_epsilon
+
+    sigma = calibrate_noise_multiplier(3.0, 1e-6, 0.125, 37)
+    composed = []
+    monkeypatch.setattr(PLDAccountant, "epsilon", lambda self, delta: composed.append(delta) or 0.0)
+    # the same settings, events and delta as the calibration's confirmation: no composition, the value it met
+    value = published_epsilon(PLDAccountant().compose(SubsampledGaussian(sigma, 0.125), 37), 1e-6)
+    assert composed == [] and 0 < value <= 3.0
+    # another count is composed afresh
+    published_epsilon(PLDAccountant().compose(SubsampledGaussian(sigma, 0.125), 38), 1e-6)
+    assert composed == [1e-6]
