@@ -105,10 +105,10 @@ def _fresh_epsilons(counts: set[int]) -> dict[int, float]:
     """A fresh accountant's epsilon at each count, for the example's mechanism (its calibrated sigma, read from a
     run that stops at the first log)."""
     out = subprocess.run([sys.executable, __file__, "--mechanism"], capture_output=True, text=True, check=True)
-    from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian
+    from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
 
     sigma, q, k, d = json.loads(out.stdout.strip().splitlines()[-1])
-    mechanism = RandomizedClipGaussian(sigma, q, HutchEnvelope(k, d))
+    mechanism = SubsampledGaussian(sigma, q, HutchEnvelope(k, d))
     return {n: PLDAccountant().compose(mechanism, n).epsilon(1e-5) for n in sorted(counts)}
 
 

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, calibrate_noise_multiplier
+from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian, calibrate_noise_multiplier
 
 CONFIGS = [(0.8, 1e-3, 50000, 1e-6), (0.6, 0.01, 100000, 1e-8), (2.0, 1e-3, 10**6, 1e-9)]
 
@@ -35,7 +35,7 @@ def brackets(label: str) -> None:
     env = HutchEnvelope(32, 2048)
     out = []
     for sigma, q, steps, delta in CONFIGS:
-        m = RandomizedClipGaussian(sigma, q, env)
+        m = SubsampledGaussian(sigma, q, env)
         PLDAccountant().compose(m, steps).epsilon_bracket(delta)
         t = time.perf_counter()
         lo, hi = PLDAccountant(bracket_rtol=5e-3).compose(m, steps).epsilon_bracket(delta)

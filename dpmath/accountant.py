@@ -64,13 +64,13 @@ class UnsupportedMechanismError(ValueError):
 
     Examples
     --------
-    >>> from dpmath import HutchEnvelope, RandomizedClipGaussian, RDPAccountant, UnsupportedMechanismError
-    >>> rc = RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(4, 8))
+    >>> from dpmath import HutchEnvelope, RDPAccountant, SubsampledGaussian, UnsupportedMechanismError
+    >>> rc = SubsampledGaussian(1.0, 0.01, HutchEnvelope(4, 8))
     >>> try:
     ...     RDPAccountant().compose(rc)
     ... except UnsupportedMechanismError as error:
-    ...     print(type(error.mechanism).__name__, isinstance(error, ValueError))
-    RandomizedClipGaussian True
+    ...     print(error.mechanism is rc, isinstance(error, ValueError))
+    True True
     """
 
     def __init__(self, mechanism: object, reason: str) -> None:
@@ -114,8 +114,8 @@ class Accountant(abc.ABC):
 
         Examples
         --------
-        >>> from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, RDPAccountant
-        >>> rc = RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(4, 8))
+        >>> from dpmath import HutchEnvelope, PLDAccountant, RDPAccountant, SubsampledGaussian
+        >>> rc = SubsampledGaussian(1.0, 0.01, HutchEnvelope(4, 8))
         >>> PLDAccountant().supports(rc), RDPAccountant().supports(rc)
         (True, False)
         """

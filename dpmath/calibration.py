@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from .envelope import Envelope
 from .hutch import HutchEnvelope, HutchPPEnvelope
-from .mechanisms import RandomizedClipGaussian, SubsampledGaussian
+from .mechanisms import SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
 from .pld.accountant import AUTO, published_epsilon
 from .rdp import RDPAccountant
@@ -93,28 +93,23 @@ logger = logging.getLogger("dpmath")
 #: a search running longer than this logs each evaluation as an INFO record of the ``"dpmath"`` logger
 PROGRESS_AFTER = 2.0
 
-_SCALE_RESOLUTION = RandomizedClipGaussian.__dataclass_fields__["scale_resolution"].default
+_SCALE_RESOLUTION = SubsampledGaussian.__dataclass_fields__["scale_resolution"].default
 _FAR = 1e-2         # a Newton step from the coarse root longer than this (in log sigma) is not aimed, but searched
 _OVERSHOOT = 1e-2   # the part of an aimed Newton step added back (the coarse slope's bias)
 _RELATIVE_STEP = 1e-5   # the search's grid step is at least this times target_epsilon ...
 _MAX_TARGET = 1e5       # ... up to 1, the accountant's coarsest, at this target: none is larger
 
 
-def _mechanism(sigma: float, q: float, envelope: Envelope | None, scale_resolution: float = _SCALE_RESOLUTION):
-    return (SubsampledGaussian(sigma, q) if envelope is None
-            else RandomizedClipGaussian(sigma, q, envelope, scale_resolution))
-
-
 def _epsilon(sigma: float, q: float, steps: int, delta: float, envelope: Envelope | None, accountant: str,
              discretization: float, scale_resolution: float = _SCALE_RESOLUTION,
              bracket_rtol: float | str | None = None) -> float:
     if accountant == "rdp":
-        return RDPAccountant().compose(_mechanism(sigma, q, envelope), steps).epsilon(delta)
+        return RDPAccountant().compose(SubsampledGaussian(sigma, q, envelope), steps).epsilon(delta)
     h = discretization
     for _ in range(3):
         try:
             return published_epsilon(PLDAccountant(h, bracket_rtol=bracket_rtol).compose(
-                _mechanism(sigma, q, envelope, scale_resolution), steps), delta)
+                SubsampledGaussian(sigma, q, envelope, scale_resolution), steps), delta)
         except GridTooLargeError:
             # far from the answer (tiny sigma) the loss can outgrow the grid; a coarser grid still gives an
             # upper bound on epsilon, which is all the search needs there
@@ -446,8 +441,8 @@ def dpsgd_epsilon_bracket(noise_multiplier: float, sample_rate: float, steps: in
     """
     env = estimator_envelope(estimator, projection_dim, dim)
     n = positive_int(steps, "steps")   # checked here, so that an error names it (the accountant calls it count)
-    acc = PLDAccountant(discretization, bracket_rtol=bracket_rtol).compose(_mechanism(noise_multiplier, sample_rate,
-                                                                                      env), n)
+    acc = PLDAccountant(discretization, bracket_rtol=bracket_rtol).compose(
+        SubsampledGaussian(noise_multiplier, sample_rate, env), n)
     return Bracket(*acc.epsilon_bracket(delta))
 
 

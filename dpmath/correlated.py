@@ -25,7 +25,7 @@ adaptive composition over the disjoint windows the run is dominated by ``ceil(n 
 (Choquette-Choo et al., "Amplified banded matrix factorization", NeurIPS 2023).  With randomized clipping the
 gradient's norm is the estimator's random scale :math:`a`, fresh at each participation: the window's shift has norm
 :math:`a \|c\|`, and the same argument gives ``ceil(n / b)`` steps of
-:class:`~dpmath.mechanisms.RandomizedClipGaussian` at noise multiplier :math:`\sigma / \|c\|`.
+:class:`~dpmath.mechanisms.SubsampledGaussian` with the envelope at noise multiplier :math:`\sigma / \|c\|`.
 
 Examples
 --------
@@ -48,7 +48,7 @@ import numpy as np
 from scipy import linalg, optimize
 
 from .envelope import Envelope
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian
+from .mechanisms import Gaussian, SubsampledGaussian
 from .validation import positive_int, positive_real
 from .validation import sample_rate as checked_sample_rate
 
@@ -418,12 +418,12 @@ class BandedMatrixFactorization:
         """``ceil(steps / b)``: the most steps one example can take part in (its group's steps)."""
         return -(-self.steps // self.strategy.bands)
 
-    def step(self) -> Gaussian | SubsampledGaussian | RandomizedClipGaussian:
+    def step(self) -> Gaussian | SubsampledGaussian:
         r"""The mechanism that dominates one participation's window (module docstring), at noise multiplier
         :math:`\sigma / \|c\|`; the run is :attr:`participations` of them composed."""
         sigma = self.noise_multiplier / self.strategy.column_norm
         if self.envelope is not None:
-            return RandomizedClipGaussian(sigma, self.sample_rate, self.envelope)
+            return SubsampledGaussian(sigma, self.sample_rate, self.envelope)
         if self.sample_rate == 1.0:
             return Gaussian(sigma)
         return SubsampledGaussian(sigma, self.sample_rate)

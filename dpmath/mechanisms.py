@@ -8,11 +8,11 @@ at most ``a / sigma`` noise standard deviations, where ``a`` is the example's *s
 * :class:`Gaussian`: ``a = 1``, every step (no sampling).
 * :class:`SubsampledGaussian`: ``a = 1``, the example is in the batch with probability ``q``
   (Poisson sampling).
-* :class:`RandomizedClipGaussian`: DP-SGD-RC. The norm is *estimated*, so the clipped contribution
-  has the random norm ``a = 1 / sqrt(Y)`` with ``Y`` drawn from an envelope (paper 000, Sec. 5.2 and
-  Lemma B.2-B.3): the dominating pair is ``(a, q N(a/sigma, 1) + (1-q) N(0, 1))`` against
-  ``(a, N(0, 1))``.  ``a`` is part of the output, so the pair's hockey-stick curve is the
-  ``Y``-average of subsampled-Gaussian curves.
+* Randomized clipping (DP-SGD-RC), the ``envelope`` of any sampling scheme: the norm is *estimated*, so the
+  clipped contribution has the random norm ``a = 1 / sqrt(Y)`` with ``Y`` drawn from an envelope (paper 000,
+  Sec. 5.2 and Lemma B.2-B.3).  Under Poisson sampling (:class:`SubsampledGaussian` with an ``envelope``) the
+  dominating pair is ``(a, q N(a/sigma, 1) + (1-q) N(0, 1))`` against ``(a, N(0, 1))``.  ``a`` is part of the
+  output, so the pair's hockey-stick curve is the ``Y``-average of subsampled-Gaussian curves.
 * :class:`SubsampledL2Laplace`: LAP2, Laplace noise instead of Gaussian; accounted through the
   subsampled Gaussian that dominates it (:mod:`dpmath.lap2`).
 
@@ -30,15 +30,15 @@ A mechanism validates its arguments once, at construction; accountants never see
 Every mechanism is a :class:`Mechanism` and is listed in :data:`MECHANISMS`, the registry the accountants read.
 What an accountant needs to know of a mechanism besides its parameters (the step that dominates it, the neighbouring
 relation its analysis covers, whether it is amplified or charged to delta apart) is a member of its class here; only
-how an accountant computes a step is its own, in one table keyed on these classes (:data:`dpmath.pld.steps.STEPS`,
-the RDP accountant's Gaussian steps).  Adding a mechanism is a class here, its entry in :data:`MECHANISMS`, and each
-accountant's handling of it.
+how an accountant computes a step is its own, in one table keyed on these classes and on whether a step has an
+``envelope``, randomized clipping (:data:`dpmath.pld.steps.STEPS`, the RDP accountant's Gaussian steps).  Adding a
+mechanism is a class here, its entry in :data:`MECHANISMS`, and each accountant's handling of it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .accountant import Neighboring
@@ -46,7 +46,7 @@ from .envelope import DiscreteEnvelope, Envelope, ReplacementEnvelope
 from .validation import positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
 
-__all__ = ["Mechanism", "MECHANISMS", "Gaussian", "SubsampledGaussian", "RandomizedClipGaussian", "SubsampledL2Laplace",
+__all__ = ["Mechanism", "MECHANISMS", "Gaussian", "SubsampledGaussian", "SubsampledL2Laplace",
            "FixedSizeSubsampledGaussian", "TruncatedSubsampledGaussian", "RandomAllocationGaussian", "ShuffledGaussian"]
 
 
@@ -75,7 +75,7 @@ class Mechanism:
 
     def dominating(self) -> Mechanism:
         """The step whose pairs dominate this mechanism's, composed in its place: the mechanism itself for a Gaussian
-        step (:class:`Gaussian`, :class:`SubsampledGaussian`, :class:`RandomizedClipGaussian`)."""
+        step (:class:`Gaussian`, :class:`SubsampledGaussian` with or without an envelope)."""
         return self
 
     @property
@@ -132,9 +132,15 @@ class Gaussian(Mechanism):
         return 1.0
 
 
-@dataclass(frozen=True)
+def _optional_envelope(envelope: object) -> Envelope | None:
+    if envelope is not None and not isinstance(envelope, Envelope):
+        raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
+    return envelope
+
+
+@dataclass(frozen=True, repr=False)
 class SubsampledGaussian(Mechanism):
-    r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD.
+    r"""The Poisson-subsampled Gaussian mechanism: one step of DP-SGD, or of DP-SGD-RC with an ``envelope``.
 
     Each example is in the batch independently with probability ``q``; the clipped sum gets
     ``N(0, sigma^2)`` noise per coordinate.  With unit-variance coordinates and ``mu = 1/sigma`` the
@@ -142,39 +148,10 @@ class SubsampledGaussian(Mechanism):
     when one is added, and ``(q N(-mu, 1) + (1-q) N(0, 1), q N(mu, 1) + (1-q) N(0, 1))`` when one is
     replaced.
 
-    Parameters
-    ----------
-    noise_multiplier : float
-        ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
-    sample_rate : float
-        ``q``, the sampling probability (batch size / data-set size), in ``(0, 1]``.
-
-    Examples
-    --------
-    >>> from dpmath import SubsampledGaussian
-    >>> SubsampledGaussian(1.1, 256 / 60000)
-    SubsampledGaussian(noise_multiplier=1.1, sample_rate=0.004266666666666667)
-    >>> SubsampledGaussian(1.0, 1.5)
-    Traceback (most recent call last):
-    ...
-    ValueError: sample_rate must lie in (0, 1], got 1.5
-    """
-
-    noise_multiplier: float
-    sample_rate: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
-        object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
-
-
-@dataclass(frozen=True)
-class RandomizedClipGaussian(Mechanism):
-    r"""One step of DP-SGD-RC: a subsampled Gaussian whose sensitivity is the random scale ``1/sqrt(Y)``.
-
-    ``Y`` follows an envelope (:class:`~dpmath.HutchEnvelope`, :class:`~dpmath.HutchPPEnvelope`, or
-    any :class:`~dpmath.Envelope`).  The dominating pair (paper 000, Sec. 5.2) is, with
-    ``a = 1/sqrt(Y)``,
+    **Randomized clipping** (an ``envelope``: DP-SGD-RC).  The sensitivity is the random scale
+    ``a = 1/sqrt(Y)``, where ``Y`` follows the envelope (:class:`~dpmath.HutchEnvelope`,
+    :class:`~dpmath.HutchPPEnvelope`, or any :class:`~dpmath.Envelope`).  The dominating pair (paper 000,
+    Sec. 5.2) is
 
     .. math::
 
@@ -185,8 +162,10 @@ class RandomizedClipGaussian(Mechanism):
     ``sigma * sqrt(Y)``.  The accountant discretizes ``Y`` on a grid whose scales ``a`` are spaced by
     the relative step ``scale_resolution``: pessimistically (each bin's mass at its largest scale, the
     mass below the grid charged to delta) for the upper bound, optimistically for the lower bound.
-    With a constant ``Y = 1`` (:class:`~dpmath.PointMassEnvelope`) the mechanism *is*
-    :class:`SubsampledGaussian` and every accountant returns the same numbers.
+    With a constant ``Y = 1`` (:class:`~dpmath.PointMassEnvelope`) its pairs are those of the step without an
+    envelope; the accountants still treat it as randomized clipping (the PLD accountant's scale grid of one scale,
+    the RDP accountant's refusal).  The PLD accountant covers randomized clipping for adding or removing an example
+    only.
 
     Its Renyi divergence is infinite for every order (paper 000, App. B.2): ``a`` has a polynomial
     tail, ``P(a > s) ~ s^{-k}``, so ``E[exp(alpha (alpha-1) a^2 / (2 sigma^2))]`` diverges.  Only
@@ -197,34 +176,47 @@ class RandomizedClipGaussian(Mechanism):
     noise_multiplier : float
         ``sigma``, the noise standard deviation over the clipping norm, ``> 0``.
     sample_rate : float
-        ``q``, the sampling probability, in ``(0, 1]``.
-    envelope : Envelope
-        Distribution of the squared-norm ratio ``Y`` (estimate / true norm, squared, worst case).
+        ``q``, the sampling probability (batch size / data-set size), in ``(0, 1]``.
+    envelope : Envelope, optional
+        Randomized clipping's envelope: the distribution of the squared-norm ratio ``Y`` (estimate / true
+        norm, squared, worst case).  ``None`` (default): exact norms, ``a = 1``.
     scale_resolution : float
-        Relative spacing of the scale grid, in ``(0, 0.1]`` (default ``2e-3``).
+        Relative spacing of the envelope's scale grid, in ``(0, 0.1]`` (default ``2e-3``; not shown in the
+        ``repr``).
 
     Examples
     --------
-    >>> from dpmath import HutchEnvelope, RandomizedClipGaussian
-    >>> RandomizedClipGaussian(4.0, 0.01, HutchEnvelope(projection_dim=32, dim=2048))
-    RandomizedClipGaussian(noise_multiplier=4.0, sample_rate=0.01,
-                           envelope=HutchEnvelope(projection_dim=32, dim=2048, family='heavy-light'))
+    >>> from dpmath import HutchEnvelope, SubsampledGaussian
+    >>> SubsampledGaussian(1.1, 256 / 60000)
+    SubsampledGaussian(noise_multiplier=1.1, sample_rate=0.004266666666666667)
+    >>> SubsampledGaussian(4.0, 0.01, HutchEnvelope(projection_dim=32, dim=2048))
+    SubsampledGaussian(noise_multiplier=4.0, sample_rate=0.01,
+                       envelope=HutchEnvelope(projection_dim=32, dim=2048, family='heavy-light'))
+    >>> SubsampledGaussian(1.0, 1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: sample_rate must lie in (0, 1], got 1.5
     """
 
     noise_multiplier: float
     sample_rate: float
-    envelope: Envelope
-    scale_resolution: float = field(default=2e-3, repr=False)
+    envelope: Envelope | None = None
+    scale_resolution: float = 2e-3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_multiplier", positive_real(self.noise_multiplier, "noise_multiplier"))
         object.__setattr__(self, "sample_rate", checked_sample_rate(self.sample_rate, "sample_rate"))
-        if not isinstance(self.envelope, Envelope):
-            raise ValueError(f"envelope must be a dpmath Envelope, got {type(self.envelope).__name__}")
+        object.__setattr__(self, "envelope", _optional_envelope(self.envelope))
         r = real_number(self.scale_resolution, "scale_resolution", allow_inf=False)
         if not 0 < r <= 0.1 or math.isnan(r):
             raise ValueError(f"scale_resolution must lie in (0, 0.1], got {self.scale_resolution!r}")
         object.__setattr__(self, "scale_resolution", r)
+
+    def __repr__(self) -> str:
+        # the envelope only where there is one: a step with exact norms reads as the plain DP-SGD step it is
+        tail = "" if self.envelope is None else f", envelope={self.envelope!r}"
+        return (f"{type(self).__name__}(noise_multiplier={self.noise_multiplier!r}, "
+                f"sample_rate={self.sample_rate!r}{tail})")
 
 
 LAPLACE_GDP_FACTOR = math.sqrt(math.pi / 2.0)
@@ -290,12 +282,6 @@ class SubsampledL2Laplace(Mechanism):
         return cls(scale, sample_rate)
 
 
-def _optional_envelope(envelope: object) -> Envelope | None:
-    if envelope is not None and not isinstance(envelope, Envelope):
-        raise ValueError(f"envelope must be a dpmath Envelope or None, got {type(envelope).__name__}")
-    return envelope
-
-
 @dataclass(frozen=True)
 class FixedSizeSubsampledGaussian(Mechanism):
     r"""One step on a batch of exactly ``B`` examples drawn uniformly without replacement from ``N``.
@@ -313,7 +299,7 @@ class FixedSizeSubsampledGaussian(Mechanism):
     are reached (every other example's gradient equal to ``x'``'s, ``x``'s opposite), so the bound is tight.
 
     With randomized clipping (an ``envelope``) the move is ``v_x - v_y`` of norm at most ``a_x + a_y``, two
-    examples' random scales computed with the same projections: the step is :class:`RandomizedClipGaussian` at
+    examples' random scales computed with the same projections: the step is :class:`SubsampledGaussian` at
     rate ``q`` with :class:`~dpmath.ReplacementEnvelope` (a union bound over the unknown coupling, so it costs
     more than twice an example's scale: at ``sigma = 2``, ``q = 0.01``, 1000 steps, ``delta = 1e-5``, 5.97 against
     1.83 with exact norms).
@@ -358,10 +344,10 @@ class FixedSizeSubsampledGaussian(Mechanism):
         """``q = B / N``, the probability that a given example is in a batch."""
         return self.batch_size / self.dataset_size
 
-    def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
+    def dominating(self) -> SubsampledGaussian:
         """The Poisson pair whose adding and removing directions are this step's replacing pairs."""
         if self.envelope is not None:
-            return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, ReplacementEnvelope(self.envelope))
+            return SubsampledGaussian(self.noise_multiplier, self.sample_rate, ReplacementEnvelope(self.envelope))
         return SubsampledGaussian(self.noise_multiplier / 2.0, self.sample_rate)
 
 
@@ -376,7 +362,7 @@ class TruncatedSubsampledGaussian(Mechanism):
     ``q B / (S + 1) <= q``, in place of an example ``y`` the smaller neighbour keeps, so the sum moves by
     ``g(x) - g(y)``, of norm at most ``2 C``.  Revealing ``S`` (and ``y``) only helps an adversary, so the step is
     dominated by the mixture, over whether ``S >= B`` (probability ``p = P(S >= B)``), of the subsampled Gaussian
-    at scale 1 and at scale 2, both at rate ``q``: :class:`RandomizedClipGaussian` with the two-point
+    at scale 1 and at scale 2, both at rate ``q``: :class:`SubsampledGaussian` with the two-point
     :class:`~dpmath.DiscreteEnvelope` ``Y = 1/4`` (scale 2) with probability ``p``, ``Y = 1`` otherwise
     (:meth:`dominating`; ``p`` rounded up).  This is dp_accounting's decomposition, with the cut's rate bounded by
     ``q``.
@@ -448,18 +434,18 @@ class TruncatedSubsampledGaussian(Mechanism):
         :func:`_binomial_tail`)."""
         return _binomial_tail(self.max_batch_size - 1, self.dataset_size, self.sample_rate)
 
-    def dominating(self) -> SubsampledGaussian | RandomizedClipGaussian:
+    def dominating(self) -> SubsampledGaussian:
         """The step the accountant composes: the scale-1 / scale-2 mixture (exact norms), or the untruncated Poisson
         step whose overflow is charged to delta (randomized clipping)."""
         if self.envelope is not None:
-            return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
+            return SubsampledGaussian(self.noise_multiplier, self.sample_rate, self.envelope)
         p = self.truncation_probability()
         if p == 0.0:
             return SubsampledGaussian(self.noise_multiplier, self.sample_rate)
         if p == 1.0:   # every step cut: the scale-2 step (noise sigma / 2)
             return SubsampledGaussian(self.noise_multiplier / 2.0, self.sample_rate)
         cut = DiscreteEnvelope([0.25, 1.0], [p, 1.0 - p])   # Y = 1/4: scale 2
-        return RandomizedClipGaussian(self.noise_multiplier, self.sample_rate, cut)
+        return SubsampledGaussian(self.noise_multiplier, self.sample_rate, cut)
 
     def overflow_probability(self) -> float:
         """``eta``: an upper bound on the probability that a step's Poisson draw exceeds ``max_batch_size`` (``N + 1``
@@ -534,7 +520,7 @@ class RandomAllocationGaussian(_OneEpoch):
     With randomized clipping (an ``envelope``), or replacing one example, the epoch is accounted by a certified
     bound without amplification: adding (or replacing) one example changes one step of the epoch, whichever it is,
     and the other examples' steps do not depend on it, so the epoch is dominated by one Gaussian step
-    (:meth:`dominating`: :class:`Gaussian`, or :class:`RandomizedClipGaussian` at rate 1 with an envelope).
+    (:meth:`dominating`: :class:`Gaussian`, or :class:`SubsampledGaussian` at rate 1 with the envelope).
 
     Parameters
     ----------
@@ -566,12 +552,12 @@ class RandomAllocationGaussian(_OneEpoch):
         rather than by :meth:`dominating`."""
         return self.envelope is None and self.steps > 1
 
-    def dominating(self) -> Gaussian | RandomizedClipGaussian:
+    def dominating(self) -> Gaussian | SubsampledGaussian:
         """The one step that dominates the epoch: the bound used with randomized clipping, for replacing one example,
         and for a one-step epoch (where it is exact)."""
         if self.envelope is None:
             return Gaussian(self.noise_multiplier)
-        return RandomizedClipGaussian(self.noise_multiplier, 1.0, self.envelope)
+        return SubsampledGaussian(self.noise_multiplier, 1.0, self.envelope)
 
 
 @dataclass(frozen=True)
@@ -587,7 +573,7 @@ class ShuffledGaussian(_OneEpoch):
     the same noise it costs far more epsilon than Poisson sampling (see the sampling page of the docs).
 
     With randomized clipping (an ``envelope``) the replaced example and the one it displaces carry two random
-    scales: :class:`RandomizedClipGaussian` at rate 1 with :class:`~dpmath.ReplacementEnvelope`.
+    scales: :class:`SubsampledGaussian` at rate 1 with :class:`~dpmath.ReplacementEnvelope`.
 
     Parameters
     ----------
@@ -613,14 +599,14 @@ class ShuffledGaussian(_OneEpoch):
     uncovered = ("adding an example would shift every later batch's boundaries, so a data set with one example more "
                  "or less is not a neighbour it covers")
 
-    def dominating(self) -> Gaussian | RandomizedClipGaussian:
+    def dominating(self) -> Gaussian | SubsampledGaussian:
         """The Gaussian whose adding/removing pair is the epoch's replacing pair."""
         if self.envelope is not None:
-            return RandomizedClipGaussian(self.noise_multiplier, 1.0, ReplacementEnvelope(self.envelope))
+            return SubsampledGaussian(self.noise_multiplier, 1.0, ReplacementEnvelope(self.envelope))
         return Gaussian(self.noise_multiplier / 2.0)
 
 
 #: Every mechanism, in the order the docs list them: the registry the accountants' tables are keyed on.
-MECHANISMS: tuple[type[Mechanism], ...] = (Gaussian, SubsampledGaussian, RandomizedClipGaussian, SubsampledL2Laplace,
+MECHANISMS: tuple[type[Mechanism], ...] = (Gaussian, SubsampledGaussian, SubsampledL2Laplace,
                                            FixedSizeSubsampledGaussian, TruncatedSubsampledGaussian,
                                            RandomAllocationGaussian, ShuffledGaussian)

@@ -20,8 +20,8 @@ and, for fractional ``alpha``, the two convergent series of their Sec. 3.3 with
 
 RDP adds up over compositions; :mod:`dpmath.conversions` turns it into ``(epsilon, delta)``.
 
-:class:`~dpmath.RandomizedClipGaussian` has no finite Renyi divergence of any order (paper 000,
-App. B.2, Prop. B.1): the scale ``a = 1/sqrt(Y)`` has a polynomial tail, ``P(a > s) ~ c s^{-k}``,
+Randomized clipping (:class:`~dpmath.SubsampledGaussian` with an ``envelope``) has no finite Renyi divergence of any
+order (paper 000, App. B.2, Prop. B.1): the scale ``a = 1/sqrt(Y)`` has a polynomial tail, ``P(a > s) ~ c s^{-k}``,
 while the conditional moment ``E[e^{(alpha-1) L} | a] = exp(alpha (alpha - 1) a^2 / (2 sigma^2))``
 (for ``q = 1``; with ``q < 1`` it still grows like ``q^alpha`` times it) grows like
 ``e^{c' s^2}``, so the mixture's moment diverges.  :meth:`RDPAccountant.compose` refuses it.
@@ -38,14 +38,20 @@ from scipy import special
 
 from . import conversions
 from .accountant import Accountant, Neighboring
-from .mechanisms import Gaussian, RandomizedClipGaussian, SubsampledGaussian, SubsampledL2Laplace
+from .mechanisms import Gaussian, SubsampledGaussian, SubsampledL2Laplace
 from .validation import non_negative, open_probability, positive_int, probability_array, real_array
 
 __all__ = ["RDPAccountant", "DEFAULT_ORDERS", "subsampled_gaussian_rdp"]
 
 # accounted through the subsampled Gaussian their dominating() names (a Gaussian step is its own): the RDP
-# accountant's table of the mechanisms of dpmath.mechanisms.MECHANISMS
+# accountant's table of the mechanisms of dpmath.mechanisms.MECHANISMS (a SubsampledGaussian without an envelope:
+# _randomized)
 _GAUSSIAN_STEPS = (Gaussian, SubsampledGaussian, SubsampledL2Laplace)
+
+
+def _randomized(mechanism: object) -> bool:
+    """Whether ``mechanism`` is a step with randomized clipping (an envelope, a point mass too): refused."""
+    return isinstance(mechanism, SubsampledGaussian) and mechanism.envelope is not None
 
 #: Orders used when none are given: Opacus' 1.1, 1.2, ..., 10.9, 12, ..., 63 plus four large ones for
 #: small delta and large sigma.
@@ -196,7 +202,7 @@ class RDPAccountant(Accountant):
     Composes :class:`~dpmath.Gaussian` and :class:`~dpmath.SubsampledGaussian` (add-or-remove
     neighbours), :class:`~dpmath.SubsampledL2Laplace` (through its dominating subsampled Gaussian), and
     any mechanism with an ``rdp(orders)`` method, such as those of :mod:`dpmath.twice_sampling`;
-    composing :class:`~dpmath.RandomizedClipGaussian` raises :class:`~dpmath.UnsupportedMechanismError` (a
+    composing randomized clipping (an ``envelope``) raises :class:`~dpmath.UnsupportedMechanismError` (a
     ``ValueError``), because its Renyi divergence is infinite at every order, and so does composing a sampling scheme
     (:meth:`supports` says which beforehand).  RDP is an upper bound only; for a tight number use
     :class:`~dpmath.PLDAccountant`.
@@ -274,14 +280,14 @@ class RDPAccountant(Accountant):
 
         Examples
         --------
-        >>> from dpmath import Gaussian, HutchEnvelope, RandomizedClipGaussian
+        >>> from dpmath import Gaussian, HutchEnvelope, SubsampledGaussian
         >>> from dpmath.rdp import RDPAccountant
         >>> float(RDPAccountant(orders=[2.0, 3.0]).compose(Gaussian(1.0), 2).rdp[1])
         3.0
-        >>> RDPAccountant().compose(RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(4, 8)))
+        >>> RDPAccountant().compose(SubsampledGaussian(1.0, 0.01, HutchEnvelope(4, 8)))
         Traceback (most recent call last):
         ...
-        dpmath.accountant.UnsupportedMechanismError: RandomizedClipGaussian has no Renyi-DP guarantee: ...
+        dpmath.accountant.UnsupportedMechanismError: SubsampledGaussian with randomized clipping (an envelope) has ...
         """
         self._refuse_unsupported(mechanism)
         if isinstance(mechanism, _GAUSSIAN_STEPS):
@@ -305,10 +311,10 @@ class RDPAccountant(Accountant):
         >>> RDPAccountant().refusal(RandomAllocationGaussian(1.0, steps=10))
         'mechanism must be Gaussian, SubsampledGaussian, SubsampledL2Laplace or have an rdp(orders) method, got ...'
         """
-        if isinstance(mechanism, RandomizedClipGaussian):
-            return ("RandomizedClipGaussian has no Renyi-DP guarantee: its Renyi divergence is infinite for "
-                    "every order alpha > 1 (paper 000, App. B.2, Prop. B.1), because the estimated-norm scale "
-                    "a = 1/sqrt(Y) has a polynomial tail while the conditional moment grows like "
+        if _randomized(mechanism):
+            return ("SubsampledGaussian with randomized clipping (an envelope) has no Renyi-DP guarantee: its Renyi "
+                    "divergence is infinite for every order alpha > 1 (paper 000, App. B.2, Prop. B.1), because the "
+                    "estimated-norm scale a = 1/sqrt(Y) has a polynomial tail while the conditional moment grows like "
                     "exp(alpha (alpha-1) a^2 / (2 sigma^2)); use PLDAccountant")
         if isinstance(mechanism, _GAUSSIAN_STEPS) or callable(getattr(mechanism, "rdp", None)):
             return None

@@ -628,7 +628,7 @@ class _RcCurve:
 def referee_rc_delta(noise_multiplier: float, sample_rate: float, envelope: Envelope, steps: int, epsilon: float,
                      *, resolution: float = 2e-4, tail: float = 1e-16) -> tuple[float, float]:
     r"""``(low, high)`` enclosing ``delta(epsilon)`` of ``steps`` DP-SGD-RC steps
-    (:class:`~dpmath.RandomizedClipGaussian`), without a grid of privacy losses.
+    (:class:`~dpmath.SubsampledGaussian` with an envelope), without a grid of privacy losses.
 
     The scale ``a = 1/sqrt(Y)`` is binned with relative step ``resolution``: the mechanism with each bin's mass
     at its largest scale dominates the true one (a subsampled Gaussian's curve grows with its ``mu``), the one

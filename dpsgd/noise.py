@@ -5,8 +5,7 @@ distribution that is decides both what the step draws and which dpmath mechanism
 so both come from one object, chosen in :meth:`dpsgd.PrivacyEngine.make_private` (``noise=``):
 
 * :class:`GaussianNoise` (default): ``N(0, (sigma C)^2)`` per coordinate; accounted as
-  :class:`dpmath.SubsampledGaussian` with exact norms, or :class:`dpmath.RandomizedClipGaussian` with
-  estimated ones (the estimator's envelope).
+  :class:`dpmath.SubsampledGaussian`, with the estimator's envelope where norms are estimated.
 * :class:`LaplaceNoise`: LAP2 (paper 003), ``Laplace(b)`` per coordinate with ``b = noise_multiplier * C``
   on the l2-clipped sum; accounted as :class:`dpmath.SubsampledL2Laplace` through its sound Gaussian
   domination (never the paper's Thm III.7 bound, which :doc:`/majorization` refutes).  Exact norms only:
@@ -42,7 +41,6 @@ import torch
 from dpmath import (
     Envelope,
     Gaussian,
-    RandomizedClipGaussian,
     SubsampledGaussian,
     SubsampledL2Laplace,
     calibrate_noise_multiplier,
@@ -120,8 +118,9 @@ class GaussianNoise(StepNoise):
     >>> from dpmath import estimator_envelope
     >>> GaussianNoise().mechanism(1.0, 0.01)
     SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)
-    >>> type(GaussianNoise().mechanism(1.0, 0.01, estimator_envelope("hutch", 8, 100))).__name__
-    'RandomizedClipGaussian'
+    >>> GaussianNoise().mechanism(1.0, 0.01, estimator_envelope("hutch", 8, 100))
+    SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01,
+                       envelope=HutchEnvelope(projection_dim=8, dim=100, family='heavy-light'))
     """
 
     name = "gaussian"
@@ -133,9 +132,7 @@ class GaussianNoise(StepNoise):
         return out.normal_(generator=generator)   # the same draws as torch.randn from the same generator state
 
     def mechanism(self, noise_multiplier, sample_rate, envelope=None):
-        if envelope is None:
-            return SubsampledGaussian(noise_multiplier, sample_rate)
-        return RandomizedClipGaussian(noise_multiplier, sample_rate, envelope)
+        return SubsampledGaussian(noise_multiplier, sample_rate, envelope)
 
     def calibrate(self, target_epsilon, target_delta, sample_rate, steps, envelope=None):
         return calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, envelope=envelope)

@@ -15,7 +15,7 @@ so ``opacus.accountants.utils.get_noise_multiplier`` drives it unchanged; ``get_
 upper end of the bracket (the number to publish), :meth:`BracketAccountant.get_epsilon_bracket` both.
 
 An ``envelope`` accounts for randomized clipping (each step a
-:class:`~dpmath.RandomizedClipGaussian`); that is the mechanism of :mod:`dpsgd`'s estimated-norm
+:class:`~dpmath.SubsampledGaussian` with it); that is the mechanism of :mod:`dpsgd`'s estimated-norm
 trainer, not of Opacus' own exact clipping, for which it only over-charges.
 
 Requires the ``opacus`` extra.  Nothing in dpsgd imports this module.
@@ -29,7 +29,7 @@ from typing import Any
 from opacus.accountants import IAccountant
 from opacus.accountants.registry import register_accountant
 
-from dpmath import Bracket, Envelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+from dpmath import Bracket, Envelope, PLDAccountant, SubsampledGaussian
 
 __all__ = ["BracketAccountant", "register"]
 
@@ -62,8 +62,8 @@ class BracketAccountant(IAccountant):
     Parameters
     ----------
     envelope : dpmath.Envelope, optional
-        If given, every step is a :class:`~dpmath.RandomizedClipGaussian` with this envelope; otherwise a
-        :class:`~dpmath.SubsampledGaussian`.
+        If given, every step is a :class:`~dpmath.SubsampledGaussian` with this envelope (randomized clipping);
+        otherwise one without.
     discretization, bracket_rtol : float
         As in :class:`dpmath.PLDAccountant` (``bracket_rtol``: ``"auto"``, the default bracket, ``None`` or a float).
 
@@ -126,9 +126,7 @@ class BracketAccountant(IAccountant):
                                  f"got {n!r}")
         acc = PLDAccountant(self.discretization, bracket_rtol=self.bracket_rtol)
         for sigma, q, n in key:
-            step = (SubsampledGaussian(sigma, q) if self.envelope is None
-                    else RandomizedClipGaussian(sigma, q, self.envelope))
-            acc.compose(step, int(n))
+            acc.compose(SubsampledGaussian(sigma, q, self.envelope), int(n))
         self._cached = (key, acc)
         return acc
 

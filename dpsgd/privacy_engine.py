@@ -30,7 +30,7 @@ Soundness checks, each a clear error rather than a silent under-count:
 * modules that mix examples are refused by :class:`~dpsgd.validator.ModuleValidator`.
 
 The accountant (:class:`dpmath.PLDAccountant`) sees one mechanism per step: ``SubsampledGaussian(sigma,
-q)`` for ``exact``/``ghost``, ``RandomizedClipGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
+q)`` for ``exact``/``ghost``, ``SubsampledGaussian(sigma, q, envelope)`` for ``hutch``/``hutchpp``.
 The envelope (:meth:`dpsgd.plan.NormPlan.envelope`) has dimension ``D``, the norm plan's chi-square
 terms summed over every parameter (:meth:`dpsgd.plan.NormPlan.envelope_dimension`; ``python -m dpsgd plan``
 prints it).  Exactly-computed parts are point masses in that

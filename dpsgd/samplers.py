@@ -4,7 +4,7 @@ r"""How examples are chosen for each step, and the dpmath mechanism that account
 batches and the mechanism the accountant composes come from one object and cannot disagree:
 
 * :class:`Poisson` (default): each example independently at ``q = B / N``; accounted as
-  ``SubsampledGaussian`` (``RandomizedClipGaussian`` with estimated norms).
+  ``SubsampledGaussian`` (with the estimator's envelope where norms are estimated).
 * :class:`TruncatedPoisson`: Poisson with at most ``max_batch_size`` examples a step (static memory; an
   overflowing draw keeps a random ``max_batch_size`` of it); ``TruncatedSubsampledGaussian``, the overflow's
   probability charged to delta.

@@ -20,8 +20,8 @@ When one person writes many examples, the unit of privacy is the person.  With
   :func:`dpsgd.clipping.unit_sq_norms`).
 
 One user then changes a step's clipped sum by at most ``C`` and joins a batch with probability ``q_u``: the
-accountant charges ``SubsampledGaussian(sigma, q_u)`` (``RandomizedClipGaussian`` with the plan's envelope
-under ``hutch`` / ``hutchpp``), and ``get_epsilon`` is an epsilon per user.
+accountant charges ``SubsampledGaussian(sigma, q_u)`` (with the plan's envelope under ``hutch`` / ``hutchpp``),
+and ``get_epsilon`` is an epsilon per user.
 """
 
 from __future__ import annotations

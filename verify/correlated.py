@@ -21,8 +21,8 @@ independent subsampled Gaussians, so the estimate also lies within the bracket.
 
 With randomized clipping each participation's contribution has the norm :math:`a = 1/\sqrt{Y}`, ``Y`` drawn from
 the estimator's envelope afresh at each participation (the scales revealed with the output, as the dominating pair
-of :class:`~dpmath.mechanisms.RandomizedClipGaussian` reveals them): the referee draws them and sums the loss over the
-subsets at the drawn scales; the accountant composes ``ceil(n / b)`` randomized-clipping steps at
+of :class:`~dpmath.mechanisms.SubsampledGaussian` with an envelope reveals them): the referee draws them and sums the
+loss over the subsets at the drawn scales; the accountant composes ``ceil(n / b)`` randomized-clipping steps at
 :math:`\sigma / \|c\|`.
 
 A negative control runs the same referee with the example eligible every ``b / 2`` steps (two participations in
@@ -165,7 +165,7 @@ def correlated_audit(configs: list | None = None, *, epsilons: tuple[float, ...]
                      "participations": run.participations,
                      "MC above the upper delta (s.e.)": round(float(above), 2),
                      "MC outside the bracket (s.e.)": round(float(outside), 2), "holds": bool(above <= z)})
-    # randomized clipping: the envelope's random scale at each participation, against RandomizedClipGaussian steps
+    # randomized clipping: the envelope's random scale at each participation, against SubsampledGaussian steps with it
     from dpmath import HutchEnvelope
 
     env = HutchEnvelope(16, 64)

@@ -95,7 +95,7 @@ def _subsampled_gaussian_rows() -> list[dict]:
 
 def _rc_vertex_rows(x: np.ndarray, quad_tol: float) -> list[dict]:
     """DP-SGD-RC at the vertex: mixture over ``Y ~ chi2(k)/k`` by its quantiles, on the grid ``x``."""
-    from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian
+    from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
 
     dx, phi, rows = float(x[1] - x[0]), stats.norm.pdf(x), []
     for sigma, q, k, d in ((1.0, 1.0, 32, 8), (2.0, 0.1, 8, 64)):
@@ -104,7 +104,7 @@ def _rc_vertex_rows(x: np.ndarray, quad_tol: float) -> list[dict]:
         for s in 1.0 / (sigma * np.sqrt(stats.chi2.ppf(u, k) / k)):
             mix += np.exp(-0.5 * (x - s) ** 2)
         p = (1 - q) * phi + q * mix / (u.size * math.sqrt(2 * math.pi))
-        acc = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, HutchEnvelope(k, d)))
+        acc = PLDAccountant().compose(SubsampledGaussian(sigma, q, HutchEnvelope(k, d)))
         for eps in _EPS:
             # quantile midpoints miss the most extreme scales, which only lowers the computed divergence
             rows.append(_row(f"delta(eps = {eps})", f"DP-SGD-RC vertex sigma = {sigma}, q = {q}, k = {k} "

@@ -208,7 +208,7 @@ def referee_audit(configs: list[tuple[float, float, int, float]] | None = None,
     >>> referee_audit([(4.073, 64 / 1150, 180, 1e-5)]).holds
     True
     """
-    from dpmath import HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+    from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
     from dpmath.referee import referee_epsilon, referee_rc_epsilon
 
     def row(name: str, lo: float, hi: float, r_lo: float, r_hi: float) -> dict:
@@ -223,7 +223,7 @@ def referee_audit(configs: list[tuple[float, float, int, float]] | None = None,
         rows.append(row(f"DP-SGD; {sigma:g}, {q:.4g}, {steps}, {delta:g}", lo, hi, r_lo, r_hi))
     for k, d, sigma, q, delta in progress(rc_configs or REFEREE_RC_CONFIGS[:1], "referee, randomized clipping"):
         env = HutchEnvelope(k, d)
-        lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, env)).epsilon_bracket(delta)
+        lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q, env)).epsilon_bracket(delta)
         r_lo, r_hi = referee_rc_epsilon(sigma, q, env, 1, delta)
         rows.append(row(f"RC Hutch k={k}, d={d}; {sigma:g}, {q:g}, 1, {delta:g}", lo, hi, r_lo, r_hi))
     holds = all(r["holds"] for r in rows)

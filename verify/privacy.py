@@ -24,7 +24,7 @@ of Lemma B.2).  The spectrum is chosen adversarially among candidates (vertex, t
 heavy-light maximizer, centre; for Hutch++ also flat spectra of rank ``k + 1`` and ``2k``) by the
 numerical hockey-stick divergence (summed at eps = 0.5, 1, 2) of a pilot sample.  ``Y`` is drawn from
 ``y_pool`` real estimator calls (resampled when more are needed).  Several steps use the summed
-log-likelihood ratio with the pilot's law.  Accountant: :class:`dpmath.RandomizedClipGaussian` with
+log-likelihood ratio with the pilot's law.  Accountant: :class:`dpmath.SubsampledGaussian` with
 :class:`dpmath.HutchEnvelope` or :class:`dpmath.HutchPPEnvelope`.
 
 ``"lap2"`` (paper 003): Laplace noise of scale ``b = scale * C`` on each coordinate; the differing gradient
@@ -208,7 +208,7 @@ def _hockey_stick(scales: np.ndarray, sigma: float, q: float, eps: float) -> flo
 
 
 def _rc(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
-    from dpmath import HutchEnvelope, HutchPPEnvelope, RandomizedClipGaussian, SubsampledGaussian
+    from dpmath import HutchEnvelope, HutchPPEnvelope, SubsampledGaussian
 
     estimator = spec.get("estimator", "hutch")
     if estimator not in ("hutch", "hutchpp"):
@@ -216,7 +216,7 @@ def _rc(spec: dict, rng: np.random.Generator, pilot: int) -> _Simulation:
     k, d = positive_int(spec["k"], "k"), positive_int(spec["d"], "d")
     sigma, q = positive_real(spec["sigma"], "sigma"), sample_rate(spec["q"], "q")
     env = (HutchEnvelope if estimator == "hutch" else HutchPPEnvelope)(k, d)
-    honest = RandomizedClipGaussian(sigma, q, env)
+    honest = SubsampledGaussian(sigma, q, env)
     seed = int(rng.integers(2**31))
     candidates = _candidates(estimator, k, d)
     pilots = {name: _estimator_ratios(estimator, lam, k, pilot, seed + i)

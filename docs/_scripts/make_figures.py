@@ -17,7 +17,6 @@ from dpmath import (  # noqa: E402
     HutchEnvelope,
     HutchPPEnvelope,
     PLDAccountant,
-    RandomizedClipGaussian,
     SubsampledGaussian,
 )
 
@@ -90,9 +89,9 @@ def tradeoff_curves(path: str) -> None:
     alpha = np.concatenate([[0.0], np.geomspace(1e-8, 1.0, 300)])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     mechs = [("DP-SGD", SubsampledGaussian(sigma, q)),
-             ("DP-SGD-RC, Hutch k=16", RandomizedClipGaussian(sigma, q, HutchEnvelope(16, 2048))),
-             ("DP-SGD-RC, Hutch k=32", RandomizedClipGaussian(sigma, q, HutchEnvelope(32, 2048))),
-             ("DP-SGD-RC, Hutch++ k=32", RandomizedClipGaussian(sigma, q, HutchPPEnvelope(32, 2048)))]
+             ("DP-SGD-RC, Hutch k=16", SubsampledGaussian(sigma, q, HutchEnvelope(16, 2048))),
+             ("DP-SGD-RC, Hutch k=32", SubsampledGaussian(sigma, q, HutchEnvelope(32, 2048))),
+             ("DP-SGD-RC, Hutch++ k=32", SubsampledGaussian(sigma, q, HutchPPEnvelope(32, 2048)))]
     base = None
     for color, (name, m) in enumerate(mechs):
         beta = PLDAccountant().compose(m, steps).tradeoff(alpha)

@@ -9,7 +9,8 @@ they cannot account for (``supports``).  This module adds
 * :func:`to_mechanisms` / :func:`to_dp_event`: exact conversions between dp_accounting events and
   :mod:`dpmath.mechanisms` (``GaussianDpEvent`` is :class:`~dpmath.Gaussian`,
   ``PoissonSampledDpEvent(q, GaussianDpEvent(s))`` is :class:`~dpmath.SubsampledGaussian`,
-  ``PoissonSampledDpEvent(q, RandomizedClipDpEvent(...))`` is :class:`~dpmath.RandomizedClipGaussian`,
+  ``PoissonSampledDpEvent(q, RandomizedClipDpEvent(...))`` is :class:`~dpmath.SubsampledGaussian` with the event's
+  envelope (a bare ``RandomizedClipDpEvent`` is that at ``q = 1``),
   ``TruncatedSubsampledGaussianDpEvent`` is :class:`~dpmath.TruncatedSubsampledGaussian`, and
   ``SampledWithoutReplacementDpEvent(N, B, GaussianDpEvent(s))`` is
   :class:`~dpmath.FixedSizeSubsampledGaussian` at noise multiplier ``2 s``: dp_accounting's noise multiplier is
@@ -42,7 +43,6 @@ from ..mechanisms import (
     FixedSizeSubsampledGaussian,
     Gaussian,
     Mechanism,
-    RandomizedClipGaussian,
     SubsampledGaussian,
     TruncatedSubsampledGaussian,
 )
@@ -73,7 +73,7 @@ class RandomizedClipDpEvent(dp_event.DpEvent):
     envelope : dpmath.Envelope
         E.g. ``HutchEnvelope(projection_dim, dim)`` or ``HutchPPEnvelope(projection_dim, dim)``.
     scale_resolution : float
-        Relative spacing of the accountant's scale grid (as in :class:`~dpmath.RandomizedClipGaussian`).
+        Relative spacing of the accountant's scale grid (as in :class:`~dpmath.SubsampledGaussian`).
 
     Examples
     --------
@@ -112,13 +112,13 @@ def _leaf(event: dp_event.DpEvent) -> Mechanism:
     if isinstance(event, dp_event.GaussianDpEvent):
         return Gaussian(event.noise_multiplier)
     if isinstance(event, RandomizedClipDpEvent):
-        return RandomizedClipGaussian(event.noise_multiplier, 1.0, event.envelope, event.scale_resolution)
+        return SubsampledGaussian(event.noise_multiplier, 1.0, event.envelope, event.scale_resolution)
     if isinstance(event, dp_event.PoissonSampledDpEvent):
         q, inner = event.sampling_probability, event.event
         if isinstance(inner, dp_event.GaussianDpEvent):
             return SubsampledGaussian(inner.noise_multiplier, q)
         if isinstance(inner, RandomizedClipDpEvent):
-            return RandomizedClipGaussian(inner.noise_multiplier, q, inner.envelope, inner.scale_resolution)
+            return SubsampledGaussian(inner.noise_multiplier, q, inner.envelope, inner.scale_resolution)
         raise UnsupportedEventError(f"PoissonSampledDpEvent of {type(inner).__name__} is not supported (only of "
                                     "GaussianDpEvent or RandomizedClipDpEvent)")
     if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
@@ -158,18 +158,21 @@ def to_mechanisms(event: dp_event.DpEvent) -> list[tuple[Mechanism, int]]:
     return [(m, n) for m, n in _leaves(event, 1) if n > 0]
 
 
-def _randomized_clip_event(mechanism: RandomizedClipGaussian) -> dp_event.DpEvent:
+def _poisson_event(mechanism: SubsampledGaussian) -> dp_event.DpEvent:
+    """A Poisson step's event: of a ``GaussianDpEvent``, or with randomized clipping a ``RandomizedClipDpEvent``
+    (bare at ``q = 1``)."""
+    if mechanism.envelope is None:
+        return dp_event.PoissonSampledDpEvent(mechanism.sample_rate,
+                                              dp_event.GaussianDpEvent(mechanism.noise_multiplier))
     inner = RandomizedClipDpEvent(mechanism.noise_multiplier, mechanism.envelope, mechanism.scale_resolution)
     return inner if mechanism.sample_rate == 1.0 else dp_event.PoissonSampledDpEvent(mechanism.sample_rate, inner)
 
 
 # the mechanisms with an exact dp_accounting event, and the event (None: not with randomized clipping, which
-# dp_accounting's events of a sampling scheme do not describe)
+# dp_accounting's events of a sampling scheme other than Poisson do not describe)
 _EVENTS: dict[type[Mechanism], Callable[..., dp_event.DpEvent | None]] = {
     Gaussian: lambda m: dp_event.GaussianDpEvent(m.noise_multiplier),
-    SubsampledGaussian: lambda m: dp_event.PoissonSampledDpEvent(m.sample_rate,
-                                                                 dp_event.GaussianDpEvent(m.noise_multiplier)),
-    RandomizedClipGaussian: _randomized_clip_event,
+    SubsampledGaussian: _poisson_event,
     TruncatedSubsampledGaussian: lambda m: None if m.envelope is not None else (
         dp_event.TruncatedSubsampledGaussianDpEvent(m.dataset_size, m.sample_rate, m.max_batch_size,
                                                     m.noise_multiplier)),
@@ -194,8 +197,8 @@ def to_dp_event(mechanism: Mechanism, count: int = 1) -> dp_event.DpEvent:
     convert = _EVENTS.get(type(mechanism))
     event = None if convert is None else convert(mechanism)
     if event is None:
-        raise ValueError(f"mechanism must be {', '.join(m.__name__ for m in _EVENTS)} (a sampling scheme without "
-                         f"envelope), got {type(mechanism).__name__}")
+        raise ValueError(f"mechanism must be {', '.join(m.__name__ for m in _EVENTS)} (fixed-size and truncated "
+                         f"batches without an envelope), got {type(mechanism).__name__}")
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive int, got {count!r}")
     return event if count == 1 else dp_event.SelfComposedDpEvent(event, count)

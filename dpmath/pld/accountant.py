@@ -90,7 +90,7 @@ class PLDAccountant(Accountant):
         ``1e-18``); the upper bound charges it to delta.
     bracket_rtol : float, "auto" or None
         How tight each query's bracket is.  ``"auto"`` (default): refine the grid until ``upper - lower <=
-        1e-3 * upper`` (``5e-3`` where a :class:`RandomizedClipGaussian` is composed; 10 times these for a delta
+        1e-3 * upper`` (``5e-3`` where randomized clipping is composed; 10 times these for a delta
         bracket, whose relative width is epsilon's times ``|d log delta / d log eps|``) while the finer grids fit a
         budget of :data:`AUTO_BUDGET` grid points, about a second here (a cost model in grid points, never
         wall-clock time: the same inputs give the same bracket on every machine); where the budget runs out,
@@ -102,8 +102,8 @@ class PLDAccountant(Accountant):
         scale grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for;
         a float target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
         quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
-        :class:`SubsampledGaussian`, a lower end short of a float target is recomputed on two scales (see
-        :meth:`epsilon_bracket`).  ``None``: the coarse single grid.
+        :class:`SubsampledGaussian` without an envelope, a lower end short of a float target is recomputed on two
+        scales (see :meth:`epsilon_bracket`).  ``None``: the coarse single grid.
         Every grid's bracket holds the truth, so the refined upper end is never above the coarse grid's.
 
     Examples
@@ -539,9 +539,10 @@ class PLDAccountant(Accountant):
         with randomized clipping) on finer grids while they fit :data:`AUTO_BUDGET`, and :meth:`epsilon` is its
         upper end to the last bit; an infinite upper end (losses beyond the grid's cap) is retried on coarser
         grids (:meth:`_refined`).  On the coarse grid (``None``) a lower end of 0 under a positive upper end tries
-        one grid 8 times finer; for a single :class:`SubsampledGaussian`, a lower end still below half the upper
-        end (or short of a float ``bracket_rtol``) is recomputed on two scales, which resolves steps whose losses
-        sit far below the grid (``q = 1e-6``; :mod:`dpmath.pld.two_scale`; the default does so only below half).
+        one grid 8 times finer; for a single :class:`SubsampledGaussian` without an envelope, a lower end still below
+        half the upper end (or short of a float ``bracket_rtol``) is recomputed on two scales, which resolves steps
+        whose losses sit far below the grid (``q = 1e-6``; :mod:`dpmath.pld.two_scale`; the default does so only
+        below half).
         Gaussian steps alone are read out in closed form (:mod:`dpmath.pld.gaussian`), where an epsilon beyond the
         largest float raises :class:`ValueError`.
 
@@ -608,10 +609,10 @@ class PLDAccountant(Accountant):
     def _two_scale_lower(self, lower: bool, lo: float, hi: float) -> TwoScaleLower | None:
         """The two-scale lower curve (:mod:`dpmath.pld.two_scale`) where a bracket's lower end is far from its upper
         end (below half of it, or short of ``bracket_rtol``) and the accountant holds a single
-        :class:`SubsampledGaussian` event with ``q < 1``, adding or removing an example: one step's losses then
-        sit far below the grid's step.  Its curve is the removal's, below the larger direction's.  The default
-        (``"auto"``) asks for it below half the upper end, like the coarse grid, and where its lower end is short of
-        the default's target only if the bulk's composition has at most ``AUTO_BUDGET / 4`` points (its two
+        :class:`SubsampledGaussian` event with ``q < 1`` and no envelope, adding or removing an example: one step's
+        losses then sit far below the grid's step.  Its curve is the removal's, below the larger direction's.  The
+        default (``"auto"``) asks for it below half the upper end, like the coarse grid, and where its lower end is
+        short of the default's target only if the bulk's composition has at most ``AUTO_BUDGET / 4`` points (its two
         compositions read a few passes of that window: about a second; at ``q = 8e-6`` and ``n = 4e5`` steps the
         curve takes 40 s and 4 GB).  A curve refused by that limit is not kept, so a later query below half still
         builds it: the answer never depends on the order of the queries."""
@@ -620,7 +621,8 @@ class PLDAccountant(Accountant):
         half = lo < 0.5 * hi
         loose = hi > 0 and (half or (target is not None and hi - lo > target * hi))
         if not (lower and loose and self.neighboring is Neighboring.ADD_OR_REMOVE and len(self._events) == 1
-                and type(self._events[0][0]) is SubsampledGaussian and self._events[0][0].sample_rate < 1.0):
+                and type(self._events[0][0]) is SubsampledGaussian and not random_scale(self._events[0][0])
+                and self._events[0][0].sample_rate < 1.0):
             return None
         if not self._two_scale:
             (m, n), = self._events

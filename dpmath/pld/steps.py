@@ -4,12 +4,12 @@ A :class:`~dpmath.mechanisms.Mechanism` is composed as the step that dominates i
 becomes a subsampled-Gaussian pair on a loss grid (:mod:`dpmath.pld.losses`), split onto grid points for each bound
 (:mod:`dpmath.pld.discretize`), as its entry of :data:`STEPS` says.
 
-For :class:`~dpmath.RandomizedClipGaussian` the scale ``a = 1/sqrt(Y)`` is part of the output of
-the dominating pair, so its hockey-stick curve is the ``Y``-average of subsampled-Gaussian curves,
-and its PLD the ``Y``-mixture of their PLDs.  ``Y`` is discretized with
-:func:`~dpmath.pessimistic_discretization`; the mass below the grid has an unbounded scale and is
-charged as follows: when the example is removed, ``q`` of it is an infinite loss and the rest has
-loss ``log(1-q)``; when it is added, the loss is ``-log(1-q)`` (``+inf`` if ``q = 1``).
+For randomized clipping (:class:`~dpmath.SubsampledGaussian` with an ``envelope``) the scale ``a = 1/sqrt(Y)`` is
+part of the output of the dominating pair, so its hockey-stick curve is the ``Y``-average of subsampled-Gaussian
+curves, and its PLD the ``Y``-mixture of their PLDs.  ``Y`` is discretized with
+:func:`~dpmath.pessimistic_discretization`; the mass below the grid has an unbounded scale and is charged as follows:
+when the example is removed, ``q`` of it is an infinite loss and the rest has loss ``log(1-q)``; when it is added, the
+loss is ``-log(1-q)`` (``+inf`` if ``q = 1``).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from scipy import special
 from ..accountant import Neighboring
 from ..discretization import pessimistic_discretization
 from ..envelope import Envelope
-from ..mechanisms import Gaussian, Mechanism, RandomAllocationGaussian, RandomizedClipGaussian, SubsampledGaussian
+from ..mechanisms import Gaussian, Mechanism, RandomAllocationGaussian, SubsampledGaussian
 from .allocation import epoch_plds
 from .discretize import assemble, split
 from .distribution import GridTooLargeError, Pld
 from .losses import MixtureSums, StepMasses, mix, mixture_masses, mixture_sums, pair_cdfs, sparse_points, step_grid
 
 __all__ = ["STEPS", "StepKind", "accounted_step", "is_gaussian_step", "one_pair", "random_scale", "reads_replacement",
-           "scale_atoms", "scale_sums", "step_plds"]
+           "scale_atoms", "scale_sums", "step_kind", "step_plds"]
 
 
 def accounted_step(mechanism: Mechanism, neighboring: Neighboring = Neighboring.ADD_OR_REMOVE) -> Mechanism:
@@ -40,7 +40,7 @@ def accounted_step(mechanism: Mechanism, neighboring: Neighboring = Neighboring.
     as the subsampled Gaussian that dominates it, a sampling scheme as its dominating step, a Gaussian step as
     itself), or, adding or removing an example, the mechanism itself where it is
     :attr:`~dpmath.mechanisms.Mechanism.amplified` (an epoch of random allocation: :mod:`dpmath.pld.allocation`).
-    It is a key of :data:`STEPS`."""
+    It has an entry of :data:`STEPS` (:func:`step_kind`)."""
     if mechanism.amplified and neighboring is Neighboring.ADD_OR_REMOVE:
         return mechanism
     return mechanism.dominating()
@@ -67,21 +67,27 @@ class StepKind(NamedTuple):
     symmetric: bool
 
 
+def step_kind(step: Mechanism) -> StepKind:
+    """An accounted step's entry of :data:`STEPS`: by its class and whether it has an envelope (randomized
+    clipping; a point mass too)."""
+    return STEPS[type(step), getattr(step, "envelope", None) is not None]
+
+
 def is_gaussian_step(step: Mechanism) -> bool:
     """Whether an accounted step is a Gaussian mechanism (sample rate 1, a fixed scale): it is read out in
     closed form (:mod:`dpmath.pld.gaussian`), no grid."""
-    return STEPS[type(step)].gaussian and step.sample_rate == 1.0
+    return step_kind(step).gaussian and step.sample_rate == 1.0
 
 
 def one_pair(step: Mechanism) -> bool:
     """Whether adding and removing an example are the same pair for an accounted step (sample rate 1, one scale or
     a random one): one direction serves both.  Not for random allocation, whose two directions differ."""
-    return step.sample_rate == 1.0 and STEPS[type(step)].symmetric
+    return step.sample_rate == 1.0 and step_kind(step).symmetric
 
 
 def random_scale(step: Mechanism) -> bool:
     """Whether an accounted step has a random scale (randomized clipping): a scale grid, refined with the loss grid."""
-    return STEPS[type(step)].scaled
+    return step_kind(step).scaled
 
 
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
@@ -151,7 +157,7 @@ def _loss_cap(scales: np.ndarray, weights: np.ndarray, sigma: float, q: float, r
 
 
 @functools.lru_cache(maxsize=4)
-def scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool, ...], count: int,
+def scale_sums(mechanism: SubsampledGaussian, h: float, bounds: tuple[bool, ...], count: int,
                 scale_refinement: float) -> tuple[list[tuple[bool, MixtureSums]], np.ndarray | None, list[float]]:
     """A randomized-clipping step's "remove" pair, reduced to normal-CDF sums per grid (:class:`MixtureSums`:
     ``(sparse, sums)`` per group of scales sharing a grid), the weights of the zero scale per bound (``None``
@@ -205,11 +211,11 @@ def scale_sums(mechanism: RandomizedClipGaussian, h: float, bounds: tuple[bool, 
 
 def step_plds(step: Mechanism, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,
                scale_refinement: float = 1.0) -> list[Pld]:
-    """One accounted step (a key of :data:`STEPS`) in one neighbouring direction, as a discrete PLD for each bound in
+    """One accounted step (an entry of :data:`STEPS`) in one neighbouring direction, as a discrete PLD for each bound in
     ``bounds`` (``True``: upper, ``False``: lower), built as its :class:`StepKind` says: a randomized-clipping step
     from :func:`scale_sums`, an epoch of random allocation from :mod:`dpmath.pld.allocation`, the others on one grid
     of up to :data:`MAX_GRID` points."""
-    return STEPS[type(step)].build(step, relation, h, bounds, count, scale_refinement)
+    return step_kind(step).build(step, relation, h, bounds, count, scale_refinement)
 
 
 def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
@@ -238,7 +244,7 @@ def _fixed_plds(step: Gaussian | SubsampledGaussian, relation: str, h: float, bo
     return _point_plds(step, 1.0, relation, h, bounds)
 
 
-def _point_plds(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian, point: float, relation: str, h: float,
+def _point_plds(step: Gaussian | SubsampledGaussian, point: float, relation: str, h: float,
                 bounds: tuple[bool, ...]) -> list[Pld]:
     """A step of the fixed scale ``a = 1 / sqrt(point)``, on one grid."""
     q = step.sample_rate
@@ -250,7 +256,7 @@ def _point_plds(step: Gaussian | SubsampledGaussian | RandomizedClipGaussian, po
     return [assemble([split(mix([m]), h, upper)], h, upper) for m, upper in zip(masses, bounds, strict=True)]
 
 
-def _scaled_plds(step: RandomizedClipGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
+def _scaled_plds(step: SubsampledGaussian, relation: str, h: float, bounds: tuple[bool, ...], count: int,
                  scale_refinement: float) -> list[Pld]:
     """A randomized-clipping step: a mixture over the envelope's scales (one scale where it is a point mass)."""
     point = step.envelope.point_mass()
@@ -290,11 +296,12 @@ def _unbounded_atom(mass: float, q: float, relation: str, h: float) -> StepMasse
     return StepMasses(0, np.zeros(0), np.zeros(0), np.zeros(1), mass)
 
 
-#: How each accounted step is built and read: the PLD accountant's one table keyed on mechanism classes
-#: (:func:`accounted_step` takes every mechanism of :data:`~dpmath.mechanisms.MECHANISMS` to one of these).
-STEPS: dict[type[Mechanism], StepKind] = {
-    Gaussian: StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
-    SubsampledGaussian: StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
-    RandomizedClipGaussian: StepKind(_scaled_plds, gaussian=False, scaled=True, symmetric=True),
-    RandomAllocationGaussian: StepKind(_epoch_plds, gaussian=False, scaled=False, symmetric=False),
+#: How each accounted step is built and read: the PLD accountant's one table, keyed on a mechanism class and whether
+#: the step has an envelope (randomized clipping) (:func:`step_kind`; :func:`accounted_step` takes every mechanism of
+#: :data:`~dpmath.mechanisms.MECHANISMS` to one of these).
+STEPS: dict[tuple[type[Mechanism], bool], StepKind] = {
+    (Gaussian, False): StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
+    (SubsampledGaussian, False): StepKind(_fixed_plds, gaussian=True, scaled=False, symmetric=True),
+    (SubsampledGaussian, True): StepKind(_scaled_plds, gaussian=False, scaled=True, symmetric=True),
+    (RandomAllocationGaussian, False): StepKind(_epoch_plds, gaussian=False, scaled=False, symmetric=False),
 }

@@ -11,8 +11,8 @@ from dpmath import (
     HutchPPEnvelope,
     Neighboring,
     PLDAccountant,
+    PointMassEnvelope,
     RandomAllocationGaussian,
-    RandomizedClipGaussian,
     RDPAccountant,
     ShuffledGaussian,
     SubsampledGaussian,
@@ -21,6 +21,7 @@ from dpmath import (
     UnsupportedMechanismError,
 )
 from dpmath.mechanisms import MECHANISMS
+from dpmath.pld.steps import is_gaussian_step, random_scale
 from dpmath.twice_sampling import TwiceSampledGaussian
 
 ENV = HutchPPEnvelope(projection_dim=4, dim=16)
@@ -32,7 +33,8 @@ ACCOUNTANTS = {"pld add_or_remove": lambda: PLDAccountant(),
 SUPPORT = [
     (Gaussian(2.0), (True, True, True)),
     (SubsampledGaussian(1.0, 0.01), (True, True, True)),
-    (RandomizedClipGaussian(1.0, 0.01, ENV), (True, False, False)),
+    (SubsampledGaussian(1.0, 0.01, ENV), (True, False, False)),
+    (SubsampledGaussian(1.0, 0.01, PointMassEnvelope()), (True, False, False)),
     (SubsampledL2Laplace(2.0, 0.01), (True, False, True)),
     (FixedSizeSubsampledGaussian(2.0, 100, 10_000), (False, True, False)),
     (FixedSizeSubsampledGaussian(2.0, 100, 10_000, ENV), (False, True, False)),
@@ -51,6 +53,21 @@ CASES = [pytest.param(name, mechanism, supported[i], id=f"{name}-{type(mechanism
 
 def test_the_support_table_covers_every_registered_mechanism():
     assert set(MECHANISMS) <= {type(m) for m, _ in SUPPORT}
+
+
+def test_poisson_randomized_clipping_is_the_envelope_field_and_the_steps_dispatch_on_it():
+    plain, rc = SubsampledGaussian(1.0, 0.01), SubsampledGaussian(1.0, 0.01, ENV)
+    assert plain.envelope is None and plain == SubsampledGaussian(1.0, 0.01, None) != rc
+    assert repr(plain) == "SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01)"
+    assert repr(rc) == f"SubsampledGaussian(noise_multiplier=1.0, sample_rate=0.01, envelope={ENV!r})"
+    # a point mass is still randomized clipping: a scale grid of one scale, never the closed-form Gaussian
+    point = SubsampledGaussian(1.0, 1.0, PointMassEnvelope())
+    assert random_scale(rc) and random_scale(point) and not random_scale(plain)
+    assert is_gaussian_step(SubsampledGaussian(1.0, 1.0)) and not is_gaussian_step(point)
+    with pytest.raises(ValueError, match="scale_resolution"):
+        SubsampledGaussian(1.0, 0.01, scale_resolution=0.2)
+    with pytest.raises(ValueError, match="envelope"):
+        SubsampledGaussian(1.0, 0.01, "hutch")
 
 
 @pytest.mark.parametrize(("accountant", "mechanism", "supported"), CASES)
@@ -79,7 +96,7 @@ def test_a_refusal_says_why_and_which_relation_covers_the_mechanism():
     assert PLDAccountant().refusal(fixed) == (
         "neighboring='add_or_remove' is not supported for FixedSizeSubsampledGaussian: its batches have a fixed size, "
         "so a data set with one example more or less is not a neighbour it covers; use neighboring='replace_one'")
-    assert "infinite for every order" in RDPAccountant().refusal(RandomizedClipGaussian(1.0, 0.01, ENV))
+    assert "infinite for every order" in RDPAccountant().refusal(SubsampledGaussian(1.0, 0.01, ENV))
     assert "independent random scales" in PLDAccountant(neighboring="replace_one").refusal(
         RandomAllocationGaussian(2.0, 50, ENV))
 

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from dpmath import (
     PLDAccountant,
-    RandomizedClipGaussian,
     SubsampledGaussian,
     calibrate_noise_multiplier,
     dpsgd_epsilon,
@@ -45,7 +44,7 @@ def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps)
     sigma = calibrate_noise_multiplier(eps, 1e-5, q, steps, envelope=env)
 
     def f(s):
-        return PLDAccountant().compose(RandomizedClipGaussian(s, q, env), steps).epsilon(1e-5)
+        return PLDAccountant().compose(SubsampledGaussian(s, q, env), steps).epsilon(1e-5)
 
     assert f(sigma) <= eps
     assert f(sigma / (1 + 1e-4)) > eps
@@ -218,7 +217,7 @@ def _recorded(monkeypatch):
 
 
 def test_a_randomized_clipping_calibration_is_confirmed_by_one_evaluation_on_the_requested_grid(monkeypatch):
-    from dpmath import HutchEnvelope, RandomizedClipGaussian
+    from dpmath import HutchEnvelope, SubsampledGaussian
 
     envelope = HutchEnvelope(32, 64)
     calls = _recorded(monkeypatch)
@@ -229,7 +228,7 @@ def test_a_randomized_clipping_calibration_is_confirmed_by_one_evaluation_on_the
     assert fine == [(1e-4, None)] and calls[-1] == (1e-4, None) and len(calls) <= 16
 
     def published(s):
-        return PLDAccountant().compose(RandomizedClipGaussian(s, 0.01, envelope), 100).epsilon(1e-5)
+        return PLDAccountant().compose(SubsampledGaussian(s, 0.01, envelope), 100).epsilon(1e-5)
 
     assert published(sigma) <= 2.0 < published(sigma / (1 + 2e-4))
 

@@ -10,7 +10,6 @@ import pytest
 from dpmath import (
     HutchEnvelope,
     PLDAccountant,
-    RandomizedClipGaussian,
     SubsampledGaussian,
     calibrate_noise_multiplier,
     dpsgd_epsilon_bracket,
@@ -131,7 +130,7 @@ def test_the_budget_stops_a_costly_refinement_at_the_tightest_bracket_reached():
     # costs more than the budget (its atoms alone: 1428 at half the step), so the default is the coarse grid's
     # bracket (0.51 %), which holds the truth
     assert AUTO_BUDGET == 1 << 23
-    m = RandomizedClipGaussian(1.0, 0.05, HutchEnvelope(32, 2048))
+    m = SubsampledGaussian(1.0, 0.05, HutchEnvelope(32, 2048))
     lo, hi = PLDAccountant().compose(m).epsilon_bracket(1e-6)
     assert (lo, hi) == PLDAccountant(bracket_rtol=None).compose(m).epsilon_bracket(1e-6)
     assert lo <= 2.309921 and 2.311126 <= hi
@@ -143,7 +142,7 @@ def test_an_infinite_upper_end_becomes_the_huge_epsilon_of_a_coarser_grid():
     # 64 times coarser reaches 26,843 nats: a finite bracket around the truth (4 % wide: the scale grid's bins in
     # the heavy tail, whose refinement costs more than the budget; bracket_rtol=5e-3 gives [23443.8, 23524.2],
     # 0.34 %, in about 45 s and 2.2 GB)
-    m = RandomizedClipGaussian(0.97, 0.111, HutchEnvelope(projection_dim=2, dim=5))
+    m = SubsampledGaussian(0.97, 0.111, HutchEnvelope(projection_dim=2, dim=5))
     lo, hi = PLDAccountant().compose(m).epsilon_bracket(2.51e-6)
     assert 20_000 < lo <= 23_498 <= hi < 25_000
 

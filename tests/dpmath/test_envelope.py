@@ -308,7 +308,7 @@ def test_heavy_light_search_is_exact_at_huge_d(k, d):
 def test_envelopes_compare_and_hash_by_value_and_survive_pickling():
     import pickle
 
-    from dpmath import PLDAccountant, PointMassEnvelope, RandomizedClipGaussian
+    from dpmath import PLDAccountant, PointMassEnvelope, SubsampledGaussian
     from dpmath.envelope import Envelope
 
     a, b = HutchEnvelope(4, 16), pickle.loads(pickle.dumps(HutchEnvelope(4, 16)))
@@ -316,8 +316,8 @@ def test_envelopes_compare_and_hash_by_value_and_survive_pickling():
     assert a != HutchEnvelope(4, 17) and a != HutchEnvelope(4, 16, family="full") and a != HutchPPEnvelope(4, 16)
     assert HutchPPEnvelope(2, 8) == HutchPPEnvelope(2, 8) and PointMassEnvelope(2.0) == PointMassEnvelope(2.0)
     assert len({a, b, HutchPPEnvelope(4, 16)}) == 2
-    acc = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, a), 3)
-    assert acc.events == PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, b), 3).events
+    acc = PLDAccountant().compose(SubsampledGaussian(2.0, 0.01, a), 3)
+    assert acc.events == PLDAccountant().compose(SubsampledGaussian(2.0, 0.01, b), 3).events
 
     class Custom(Envelope):   # no parameters declared: identity
         def cdf(self, x):

@@ -9,7 +9,6 @@ from dpmath import (
     Gaussian,
     HutchPPEnvelope,
     PLDAccountant,
-    RandomizedClipGaussian,
     SubsampledGaussian,
     SubsampledL2Laplace,
 )
@@ -28,7 +27,7 @@ Poisson, GaussianEvent = dp_accounting.PoissonSampledDpEvent, dp_accounting.Gaus
 
 
 @pytest.mark.parametrize("mechanism", [Gaussian(2.0), SubsampledGaussian(1.1, 0.01),
-                                       RandomizedClipGaussian(1.0, 0.05, ENV), RandomizedClipGaussian(3.0, 1.0, ENV)])
+                                       SubsampledGaussian(1.0, 0.05, ENV), SubsampledGaussian(3.0, 1.0, ENV)])
 @pytest.mark.parametrize("count", [1, 7])
 def test_mechanisms_round_trip_through_dp_events(mechanism, count):
     assert to_mechanisms(to_dp_event(mechanism, count)) == [(mechanism, count)]
@@ -39,7 +38,7 @@ def test_nested_compositions_flatten_in_order():
     rc = Poisson(0.02, RandomizedClipDpEvent(0.9, ENV))
     event = dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(
         dp_accounting.ComposedDpEvent([sg, rc]), 3), dp_accounting.NoOpDpEvent(), GaussianEvent(5.0)])
-    assert to_mechanisms(event) == [(SubsampledGaussian(1.1, 0.01), 3), (RandomizedClipGaussian(0.9, 0.02, ENV), 3),
+    assert to_mechanisms(event) == [(SubsampledGaussian(1.1, 0.01), 3), (SubsampledGaussian(0.9, 0.02, ENV), 3),
                                     (Gaussian(5.0), 1)]
 
 
@@ -66,7 +65,7 @@ def test_randomized_clipping_composes_with_a_dp_accounting_users_events():
     eps_rc = acc.compose(rc).get_epsilon(1e-5)
     eps_plain = BracketPLDAccountant(discretization=1e-3).compose(plain).get_epsilon(1e-5)
     assert eps_rc > eps_plain  # randomized clipping costs privacy
-    direct = PLDAccountant(1e-3).compose(RandomizedClipGaussian(1.0, 0.01, ENV), 200)
+    direct = PLDAccountant(1e-3).compose(SubsampledGaussian(1.0, 0.01, ENV), 200)
     assert eps_rc == direct.epsilon(1e-5)
 
 
@@ -176,7 +175,7 @@ def test_opacus_accountant_with_an_envelope_accounts_for_randomized_clipping():
         acc.step(noise_multiplier=1.0, sample_rate=0.05)
     lo, hi = acc.get_epsilon_bracket(1e-5)
     assert lo <= hi == acc.get_epsilon(delta=1e-5)  # the second query reuses the composed accountant
-    assert hi == PLDAccountant(1e-3).compose(RandomizedClipGaussian(1.0, 0.05, ENV), 50).epsilon(1e-5)
+    assert hi == PLDAccountant(1e-3).compose(SubsampledGaussian(1.0, 0.05, ENV), 50).epsilon(1e-5)
     plain = BracketAccountant(discretization=1e-3)
     plain.history = [(1.0, 0.05, 50)]
     assert hi > plain.get_epsilon(1e-5)

@@ -16,7 +16,6 @@ from dpmath import (
     HutchEnvelope,
     PLDAccountant,
     RandomAllocationGaussian,
-    RandomizedClipGaussian,
     ShuffledGaussian,
     SubsampledGaussian,
     TruncatedSubsampledGaussian,
@@ -104,7 +103,7 @@ def test_truncation_and_overflow_probabilities_are_the_binomial_tails():
 def test_exact_norm_truncation_is_the_scale_one_scale_two_mixture():
     m = TruncatedSubsampledGaussian(1.0, 0.01, max_batch_size=110, dataset_size=10_000)
     p = m.truncation_probability()
-    assert m.dominating() == RandomizedClipGaussian(1.0, 0.01, DiscreteEnvelope([0.25, 1.0], [p, 1 - p]))
+    assert m.dominating() == SubsampledGaussian(1.0, 0.01, DiscreteEnvelope([0.25, 1.0], [p, 1 - p]))
     lo, hi = PLDAccountant().compose(m, 200).epsilon_bracket(1e-5)
     plain = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 200).epsilon(1e-5)
     doubled = PLDAccountant().compose(SubsampledGaussian(0.5, 0.01), 200).epsilon(1e-5)
@@ -121,10 +120,10 @@ def test_a_cap_far_above_the_mean_costs_nothing_measurable():
 def test_randomized_clipping_truncation_charges_the_overflow_to_delta():
     env = HutchEnvelope(projection_dim=16, dim=1000)
     m = TruncatedSubsampledGaussian(2.0, 0.01, 300, 10_000, envelope=env)
-    assert m.charged and m.dominating() == RandomizedClipGaussian(2.0, 0.01, env)
+    assert m.charged and m.dominating() == SubsampledGaussian(2.0, 0.01, env)
     eta = 100 * m.overflow_probability()
     lo, hi = PLDAccountant().compose(m, 100).epsilon_bracket(1e-5)
-    plain = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.01, env), 100)
+    plain = PLDAccountant().compose(SubsampledGaussian(2.0, 0.01, env), 100)
     r_lo, r_hi = plain.epsilon_bracket(1e-5)
     assert lo <= r_lo and hi >= r_hi and hi <= r_hi * (1 + 1e-6)
     # delta: the plain bracket widened by eta (1 + e^eps) on each side
@@ -207,7 +206,7 @@ def test_a_one_step_epoch_and_replacing_an_example_keep_the_gaussian_bound():
 def test_balls_in_bins_with_randomized_clipping_is_the_envelope_step_at_rate_one():
     env = HutchEnvelope(projection_dim=16, dim=1000)
     a = PLDAccountant().compose(RandomAllocationGaussian(3.0, 20, env), 4).epsilon_bracket(1e-5)
-    b = PLDAccountant().compose(RandomizedClipGaussian(3.0, 1.0, env), 4).epsilon_bracket(1e-5)
+    b = PLDAccountant().compose(SubsampledGaussian(3.0, 1.0, env), 4).epsilon_bracket(1e-5)
     assert a == b
 
 

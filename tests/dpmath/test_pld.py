@@ -15,7 +15,6 @@ from dpmath import (
     HutchPPEnvelope,
     PLDAccountant,
     PointMassEnvelope,
-    RandomizedClipGaussian,
     SubsampledGaussian,
 )
 
@@ -246,7 +245,7 @@ def test_tradeoff_is_a_tradeoff_function():
 def test_trivial_envelope_reproduces_subsampled_gaussian_exactly():
     plain = PLDAccountant().compose(SubsampledGaussian(2.0, 0.03), 400)
     for env in (PointMassEnvelope(1.0), HutchPPEnvelope(projection_dim=32, dim=16)):
-        rc = PLDAccountant().compose(RandomizedClipGaussian(2.0, 0.03, env), 400)
+        rc = PLDAccountant().compose(SubsampledGaussian(2.0, 0.03, env), 400)
         assert rc.epsilon_bracket(1e-6) == plain.epsilon_bracket(1e-6)
         assert rc.delta_bracket(1.0) == plain.delta_bracket(1.0)
 
@@ -269,7 +268,7 @@ def _rc_exact_delta(eps, sigma, q, k, relation):
 def test_randomized_clip_one_step_brackets_the_scale_average(eps, relation):
     # the mechanism is the Y-average of subsampled Gaussians: check it against direct quadrature
     sigma, q, k = 2.0, 0.05, 4
-    mech = RandomizedClipGaussian(sigma, q, HutchPPEnvelope(projection_dim=k, dim=64), scale_resolution=1e-2)
+    mech = SubsampledGaussian(sigma, q, HutchPPEnvelope(projection_dim=k, dim=64), scale_resolution=1e-2)
     acc = PLDAccountant().compose(mech)
     comp_hi = acc._composed(True)[0 if relation == "remove" else 1]
     comp_lo = acc._composed(False)[0 if relation == "remove" else 1]
@@ -284,7 +283,7 @@ def test_randomized_clip_one_step_brackets_the_scale_average(eps, relation):
 def test_randomized_clipping_costs_privacy_and_more_probes_cost_less():
     sigma, q, steps = 3.0, 0.02, 500
     plain = PLDAccountant().compose(SubsampledGaussian(sigma, q), steps).epsilon(1e-5)
-    by_k = [PLDAccountant().compose(RandomizedClipGaussian(sigma, q, HutchEnvelope(k, 256)), steps).epsilon(1e-5)
+    by_k = [PLDAccountant().compose(SubsampledGaussian(sigma, q, HutchEnvelope(k, 256)), steps).epsilon(1e-5)
             for k in (16, 32, 128)]
     assert by_k[0] > by_k[1] > by_k[2] > plain
 
@@ -295,7 +294,7 @@ def test_randomized_clipping_costs_privacy_and_more_probes_cost_less():
 def test_randomized_clipping_bracket_is_tight(sigma, q, steps, rtol):
     # both directions matter: the add direction's long negative loss tail must not be clipped
     env = HutchEnvelope(projection_dim=32, dim=2048)
-    lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, env), steps).epsilon_bracket(1e-5)
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q, env), steps).epsilon_bracket(1e-5)
     assert lo <= hi <= lo * (1 + rtol)
 
 
@@ -304,7 +303,7 @@ def test_refined_randomized_clipping_bracket_reaches_half_a_percent_at_small_sig
     # issue 16's hardest randomized-clipping configuration: the refinement shrinks the scale grid with the
     # loss grid (the first scale grid stopped at 2.6 %: its tail bins, not h, set the upper end); the finest
     # bracket measured with the earlier lower-bound split, [4.2696, 4.2883], must overlap it (both are sound)
-    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(0.8, 1e-3, HutchEnvelope(32, 2048)), 50000)
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(SubsampledGaussian(0.8, 1e-3, HutchEnvelope(32, 2048)), 50000)
     lo, hi = acc.epsilon_bracket(1e-6)
     assert 4.26 < lo <= 4.2883 and 4.2696 <= hi <= lo * 1.005
 
@@ -330,7 +329,7 @@ def test_scale_grid_is_fine_into_the_tail_and_bounded_in_size(env):
 @pytest.mark.slow  # 10-20 s: kept out of the README's 10-minute run
 def test_unbounded_scale_mass_is_charged_to_delta():
     # with q = 1 the mass of Y below the scale grid is an infinite loss: delta never drops below it
-    acc = PLDAccountant().compose(RandomizedClipGaussian(1.0, 1.0, HutchEnvelope(projection_dim=2, dim=4)))
+    acc = PLDAccountant().compose(SubsampledGaussian(1.0, 1.0, HutchEnvelope(projection_dim=2, dim=4)))
     assert acc.delta(1e4) > 0
 
 
@@ -341,8 +340,8 @@ def test_unbounded_scale_mass_is_charged_to_delta():
     (lambda: Gaussian(float("nan")), "noise_multiplier"),
     (lambda: SubsampledGaussian(1.0, 0.0), "sample_rate"),
     (lambda: SubsampledGaussian(1.0, 1.5), "sample_rate"),
-    (lambda: RandomizedClipGaussian(1.0, 0.1, "hutch"), "envelope"),
-    (lambda: RandomizedClipGaussian(1.0, 0.1, PointMassEnvelope(), scale_resolution=0.5), "scale_resolution"),
+    (lambda: SubsampledGaussian(1.0, 0.1, "hutch"), "envelope"),
+    (lambda: SubsampledGaussian(1.0, 0.1, PointMassEnvelope(), scale_resolution=0.5), "scale_resolution"),
     (lambda: PLDAccountant(discretization=0.0), "discretization"),
     (lambda: PLDAccountant(neighboring="swap"), "neighboring"),
     (lambda: PLDAccountant().compose(Gaussian(1.0), count=-3), "count"),
@@ -353,7 +352,7 @@ def test_unbounded_scale_mass_is_charged_to_delta():
     (lambda: PLDAccountant().compose(Gaussian(1.0)).tradeoff(1.5), "alpha"),
     (lambda: PLDAccountant().compose("gaussian"), "mechanism"),
     (lambda: PLDAccountant("1e-4", "replace_one").compose(
-        RandomizedClipGaussian(1.0, 0.1, PointMassEnvelope())), "replace_one"),
+        SubsampledGaussian(1.0, 0.1, PointMassEnvelope())), "replace_one"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
@@ -508,10 +507,10 @@ def test_the_add_direction_of_a_randomized_clipping_step_costs_no_normal_cdf_aft
     # adding an example is removing it with the pair swapped: on the mirrored grids its masses are the removal's
     # cached sums, read in reverse, and the step equals the one built from its own (mirrored) grid's CDFs
     import dpmath.pld.losses as losses
-    from dpmath import HutchEnvelope, RandomizedClipGaussian
+    from dpmath import HutchEnvelope, SubsampledGaussian
     from dpmath.pld.steps import scale_sums, step_plds
 
-    m = RandomizedClipGaussian(1.0, 0.02, HutchEnvelope(16, 512))
+    m = SubsampledGaussian(1.0, 0.02, HutchEnvelope(16, 512))
     scale_sums.cache_clear()
     step_plds(m, "remove", 1e-3, (True, False), 40)
     calls = []
@@ -530,9 +529,9 @@ def test_the_add_direction_of_a_randomized_clipping_step_costs_no_normal_cdf_aft
 def test_an_rc_upper_end_is_the_same_number_with_or_without_its_lower_end():
     # the bracket's upper end is built together with the lower end (shared CDFs); the published epsilon is
     # built alone: they must agree to the last bit, or a user sees two different epsilons for one run
-    from dpmath import HutchEnvelope, RandomizedClipGaussian
+    from dpmath import HutchEnvelope, SubsampledGaussian
 
-    m = RandomizedClipGaussian(1.0, 0.05, HutchEnvelope(16, 512))
+    m = SubsampledGaussian(1.0, 0.05, HutchEnvelope(16, 512))
     alone = PLDAccountant(1e-3).compose(m, 40).epsilon(1e-5)
     lo, hi = PLDAccountant(1e-3).compose(m, 40).epsilon_bracket(1e-5)
     assert lo < hi == alone
@@ -756,7 +755,7 @@ def test_an_rc_direction_whose_coarse_upper_end_is_below_is_never_built_on_the_q
     """Adding an example (epsilon 1.73) is far below removing one (6.18): its upper end on the coarse grid
     (1e-3, 4 scale steps) settles it, so only the removal's steps are built on the query's grid, and the
     bracket still equals the maximum over both directions built in full."""
-    acc = PLDAccountant().compose(RandomizedClipGaussian(0.8, 0.02, HutchEnvelope(32, 2048)), 200)
+    acc = PLDAccountant().compose(SubsampledGaussian(0.8, 0.02, HutchEnvelope(32, 2048)), 200)
     lo, hi = acc.epsilon_bracket(1e-6)
     assert sorted({(h, s, rel) for h, _, s, rel in acc._plds}) == [(1e-4, 1.0, ("remove",)), (1e-3, 4.0, ("add",))]
     assert hi == max(c.epsilon(1e-6) for c in acc._composed(True))
@@ -774,19 +773,19 @@ def test_a_refined_rc_bracket_starts_on_the_loss_grid_its_share_calls_for(sigma,
     step's mean gap puts the loss grid's share of the width above half the target, between, or below 1/64
     of it."""
     env = HutchEnvelope(32, 2048)
-    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(sigma, q, env), steps)
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(SubsampledGaussian(sigma, q, env), steps)
     assert acc._first_loss_step(5e-3) == first
 
 
 def test_a_refined_rc_bracket_from_a_coarse_loss_grid_still_reaches_its_target():
     env = HutchEnvelope(32, 2048)
-    acc = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(0.8, 0.02, env), 200)
+    acc = PLDAccountant(bracket_rtol=5e-3).compose(SubsampledGaussian(0.8, 0.02, env), 200)
     assert acc._mean_gap(4e-4) <= 5e-3 / 32
     lo, hi = acc.epsilon_bracket(1e-6)
     assert hi - lo <= 5e-3 * hi
     assert {(h, s) for h, _, s, _ in acc._plds} == {(4e-4, 0.5), (1e-3, 4.0)}
     ref_lo, ref_hi = PLDAccountant(bracket_rtol=5e-3, discretization=2.5e-5).compose(
-        RandomizedClipGaussian(0.8, 0.02, env), 200).epsilon_bracket(1e-6)
+        SubsampledGaussian(0.8, 0.02, env), 200).epsilon_bracket(1e-6)
     assert max(lo, ref_lo) <= min(hi, ref_hi)     # both hold the truth
 
 
@@ -795,7 +794,7 @@ def test_a_refined_rc_bracket_from_a_coarse_loss_grid_still_reaches_its_target()
                  marks=pytest.mark.slow),   # 5 s; the next case is skipped as well
     (SubsampledGaussian(0.9, 0.1), 3000, 1e-5, True),         # 50.3 against 65.3
     (SubsampledGaussian(1.1, 256 / 60000), 14063, 1e-5, False),  # 2.24 against 2.38: too close to certify
-    (RandomizedClipGaussian(2.0, 0.01, HutchEnvelope(32, 2048)), 300, 1e-6, None),
+    (SubsampledGaussian(2.0, 0.01, HutchEnvelope(32, 2048)), 300, 1e-6, None),
 ])
 def test_a_direction_is_skipped_only_where_its_chernoff_bound_shows_it_cannot_be_the_larger(mechanism, steps,
                                                                                            delta, skipped):
@@ -846,7 +845,7 @@ def test_an_epsilon_query_cuts_the_steps_farthest_losses_for_its_delta_and_stays
     from dpmath.pld.compose import CUT, Composition, truncated
     from dpmath.pld.steps import step_plds
 
-    mechanism = RandomizedClipGaussian(1.5665, 0.05, HutchEnvelope(16, 24))
+    mechanism = SubsampledGaussian(1.5665, 0.05, HutchEnvelope(16, 24))
     steps = step_plds(mechanism, "remove", 1e-3, (True, False), 60)
     delta = 1e-5
     for step in steps:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats
 
-from dpmath import Gaussian, HutchEnvelope, PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+from dpmath import Gaussian, HutchEnvelope, PLDAccountant, SubsampledGaussian
 from dpmath.conversions import rdp_to_delta, rdp_to_epsilon
 from dpmath.rdp import RDPAccountant, subsampled_gaussian_rdp
 
@@ -128,7 +128,7 @@ def test_rdp_tradeoff_is_below_the_pld_one():
 def test_randomized_clipping_is_refused_with_the_reason():
     acc = RDPAccountant()
     with pytest.raises(ValueError, match="infinite for every order"):
-        acc.compose(RandomizedClipGaussian(1.0, 0.01, HutchEnvelope(projection_dim=4, dim=8)))
+        acc.compose(SubsampledGaussian(1.0, 0.01, HutchEnvelope(projection_dim=4, dim=8)))
     assert acc.events == ()
 
 

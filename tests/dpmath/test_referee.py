@@ -12,7 +12,6 @@ from dpmath import (
     HutchPPEnvelope,
     PLDAccountant,
     PointMassEnvelope,
-    RandomizedClipGaussian,
     SubsampledGaussian,
 )
 from dpmath.referee import referee_delta, referee_epsilon, referee_rc_delta, referee_rc_epsilon
@@ -156,7 +155,7 @@ def test_our_rc_bracket_holds_the_refereed_one_step_epsilon(envelope, sigma, q, 
     r_lo, r_hi = referee_rc_epsilon(sigma, q, envelope, 1, delta)
     assert r_hi - r_lo <= 1e-3 * r_hi                        # 0.01 to 0.05 %: 10 to 40 times narrower than ours
     assert truth[0] - 1e-4 * truth[0] <= r_lo and r_hi <= truth[1] + 1e-4 * truth[1]   # the values quoted in docs
-    lo, hi = PLDAccountant().compose(RandomizedClipGaussian(sigma, q, envelope), 1).epsilon_bracket(delta)
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(sigma, q, envelope), 1).epsilon_bracket(delta)
     assert lo <= r_hi and r_lo <= hi
     assert hi - lo <= 0.02 * r_hi                            # 0.5 to 1.7 % wide on the default grid
 
@@ -170,7 +169,7 @@ def test_a_refined_rc_bracket_is_within_half_a_percent_and_holds_the_refereed_tr
                                                                                     truth):
     """Issue 16 item 1 for randomized clipping (0.5 %): one step's width is the scale grid's, which the
     refinement finds and shrinks (the truth is the referee's, from the test above)."""
-    lo, hi = PLDAccountant(bracket_rtol=5e-3).compose(RandomizedClipGaussian(sigma, q, envelope)).epsilon_bracket(delta)
+    lo, hi = PLDAccountant(bracket_rtol=5e-3).compose(SubsampledGaussian(sigma, q, envelope)).epsilon_bracket(delta)
     assert hi - lo <= 5e-3 * hi
     assert lo <= truth[1] and truth[0] <= hi
 
@@ -181,7 +180,7 @@ def test_our_rc_bracket_holds_the_refereed_composed_epsilon():
     composed truth lies inside both, not tightness."""
     env = HutchEnvelope(32, 2048)
     r_lo, r_hi = referee_rc_epsilon(1.0, 0.05, env, 100, 1e-5, resolution=0.02, rtol=1e-3)
-    lo, hi = PLDAccountant().compose(RandomizedClipGaussian(1.0, 0.05, env), 100).epsilon_bracket(1e-5)
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.05, env), 100).epsilon_bracket(1e-5)
     assert lo <= r_hi and r_lo <= hi
     assert r_lo <= lo and hi <= r_hi                          # ours is the narrower
 

@@ -96,7 +96,7 @@ def test_each_noise_object_pairs_its_draws_with_its_mechanism_and_refusals():
     env = estimator_envelope("hutch", 8, 100)
     assert as_noise("gaussian") == GaussianNoise() and as_noise("laplace") == LaplaceNoise()
     assert GaussianNoise().mechanism(1.5, 0.01) == SubsampledGaussian(1.5, 0.01)
-    assert type(GaussianNoise().mechanism(1.5, 0.01, env)).__name__ == "RandomizedClipGaussian"
+    assert GaussianNoise().mechanism(1.5, 0.01, env) == SubsampledGaussian(1.5, 0.01, env)
     assert LaplaceNoise().mechanism(1.5, 0.01) == SubsampledL2Laplace(1.5, 0.01)
     with pytest.raises(ValueError, match="estimated norms"):
         LaplaceNoise().mechanism(1.5, 0.01, env)

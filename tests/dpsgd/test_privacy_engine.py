@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpmath import EpsilonSchedule, HutchEnvelope, HutchPPEnvelope, PLDAccountant, RandomizedClipGaussian
+from dpmath import EpsilonSchedule, HutchEnvelope, HutchPPEnvelope, PLDAccountant, SubsampledGaussian
 from dpsgd import NormPlan, PrivacyEngine, per_sample_sq_norms
 from dpsgd.strategies import TwiceSampling
 
@@ -44,7 +44,7 @@ def test_training_runs_and_the_ledger_counts_steps():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     eps = engine.get_epsilon(1e-5)
     assert engine.envelope.dim == (5 + 1) + (2 + 1) and isinstance(engine.envelope, HutchEnvelope)
-    ref = PLDAccountant().compose(RandomizedClipGaussian(1.5, 0.1, HutchEnvelope(32, 9)), 10)
+    ref = PLDAccountant().compose(SubsampledGaussian(1.5, 0.1, HutchEnvelope(32, 9)), 10)
     assert engine.accountant().events == ref.events
     assert ref.epsilon_bracket(1e-5)[0] <= eps <= ref.epsilon(1e-5 * (1 - 2e-3))   # tests/dpmath/test_schedule.py
     _epoch(model, opt, crit, loader)
@@ -55,7 +55,7 @@ def test_frequent_get_epsilon_calls_meet_a_fresh_accountant_at_the_same_step_cou
     """A logging loop asks between steps and at every step, at two deltas: each answer is the same number however
     often it is asked, and within a fresh accountant's bracket (tests/dpmath/test_schedule.py: the tolerance)."""
     engine, model, opt, crit, loader = _setup(n=36)
-    mechanism = RandomizedClipGaussian(1.5, 12 / 36, HutchEnvelope(32, 9))
+    mechanism = SubsampledGaussian(1.5, 12 / 36, HutchEnvelope(32, 9))
     for xb, yb in loader:
         crit(model(xb), yb).backward()
         opt.step()

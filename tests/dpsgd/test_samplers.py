@@ -168,12 +168,12 @@ def test_randomized_clipping_runs_with_every_scheme():
 
 
 def test_fixed_size_randomized_clipping_charges_two_scales_together():
-    from dpmath import HutchEnvelope, RandomizedClipGaussian, ReplacementEnvelope
+    from dpmath import HutchEnvelope, ReplacementEnvelope, SubsampledGaussian
 
     engine = _train(FixedSize(), estimator="hutch", steps=4)
     m = engine.accountant().events[0][0]
     assert m == FixedSizeSubsampledGaussian(1.5, B, N, engine.envelope)
-    assert m.dominating() == RandomizedClipGaussian(1.5, B / N, ReplacementEnvelope(engine.envelope))
+    assert m.dominating() == SubsampledGaussian(1.5, B / N, ReplacementEnvelope(engine.envelope))
     exact = PLDAccountant(neighboring="replace_one").compose(FixedSizeSubsampledGaussian(1.5, B, N), 4).epsilon(1e-5)
     assert engine.get_epsilon(1e-5) > exact
     # the union bound: the sum of two scales above s at most twice one scale above s / 2

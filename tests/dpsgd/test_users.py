@@ -8,7 +8,7 @@ from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpmath import PLDAccountant, RandomizedClipGaussian, SubsampledGaussian
+from dpmath import PLDAccountant, SubsampledGaussian
 from dpsgd import BatchMemoryManager, PrivacyEngine
 from dpsgd.capture import Capture
 from dpsgd.clipping import clipped_backward
@@ -467,7 +467,7 @@ def test_epsilon_is_per_user_at_the_user_rate():
 
 def test_hutch_epsilon_charges_the_user_rate_with_the_plans_envelope():
     engine, *_ = _user_run([i // 5 for i in range(60)], noise_multiplier=1.2, estimator="hutch", projection_dim=8)
-    rc = RandomizedClipGaussian(noise_multiplier=1.2, sample_rate=4 / 12, envelope=engine.envelope)
+    rc = SubsampledGaussian(noise_multiplier=1.2, sample_rate=4 / 12, envelope=engine.envelope)
     assert engine.accounting.mechanism(engine.noise_multiplier) == rc
 
 
