@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--train", type=int, default=2048)
     ap.add_argument("--epochs", type=float, default=2)
     ap.add_argument("--epsilon", type=float, default=8.0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="reproducible batches and noise, for tests: not private against whoever holds the seed")
     ap.add_argument("--out", default="trl-dpo-out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                            eval_dataset=preferences(256, seed=2), processing_class=word_tokenizer(),
                            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"],
                                                   lora_dropout=0.0, fan_in_fan_out=True),
-                           privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon))
+                           privacy=PrivacyArguments(max_grad_norm=1.0, target_epsilon=args.epsilon, seed=args.seed))
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
