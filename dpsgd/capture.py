@@ -182,7 +182,8 @@ class Capture:
                 for local, alias in aliases.items():
                     owner, attr = _locate(module, local)
                     owner._parameters[attr] = share_output(alias, share)
-            self._swapped.setdefault(id(module), []).append((aliases, previous, share))
+            installed = {local: _locate(module, local)[0]._parameters[_locate(module, local)[1]] for local in aliases}
+            self._swapped.setdefault(id(module), []).append((aliases, previous, share, installed))
             return None
         return hook
 
@@ -191,10 +192,14 @@ class Capture:
             stack = self._swapped.get(id(module))
             if not stack:
                 return None
-            aliases, previous, share = stack.pop()
+            aliases, previous, share, installed = stack.pop()
             for local in aliases:  # always restore, even when the forward raised
                 owner, attr = _locate(module, local)
-                owner._parameters[attr] = previous[local]
+                # unless FSDP2 resharded the module in a post-forward hook that ran before this one: it has put the
+                # sharded parameter back, and restoring the gathered copy would leave the module holding a full,
+                # unsharded parameter (the ranks then disagree on whether the model is sharded)
+                if owner._parameters[attr] is installed[local]:
+                    owner._parameters[attr] = previous[local]
             if output is None:  # the forward raised (always_call)
                 return None
             b = self._batch

@@ -46,7 +46,8 @@ def row_check(capture: Capture, calls: list[Call], losses: torch.Tensor, model_p
     need = capture.check_every_step or new_layout or any(c.cache.get("probed") for c in calls)
     # 0: no check, 1: the isolation pass, 2: with the attribution passes
     level = (2 if new_layout else 1) if need and b > 1 else 0
-    collective = rank_world()[1] > 1 and any(is_sharded(p) for p in model_params)
+    # the plan's parameters, the ones the optimizer holds: under FSDP2 the sharded tensors, whatever a module holds
+    collective = rank_world()[1] > 1 and any(is_sharded(p) for p in capture.plan.params)
     if collective:   # the check's backward gathers parameters: every rank or none, with as many passes
         level, neg = max_over_ranks([level, -b])
         fewest = -neg
@@ -84,7 +85,7 @@ def output_gradients(capture: Capture, calls: list[Call], losses: torch.Tensor, 
                  else [None] * (len(outputs) + len(model_params)))
     leaked = [plan.names.get(id(p), qualified_name(plan.model, p)) for p, g in zip(model_params, grads[len(outputs):],
                                                                               strict=True) if g is not None]
-    if b and any(is_sharded(p) for p in model_params):
+    if b and any(is_sharded(p) for p in plan.params):
         # FSDP2 runs modules with gathered copies of the sharded parameters: gradient that reaches one outside
         # a recorded call would not reach the parameter itself, so look for it in the graph
         leaked += gathered_leaves(losses, calls)

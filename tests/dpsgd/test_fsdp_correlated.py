@@ -203,8 +203,8 @@ def ranks(tmp_path_factory):
     return [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
 
 
-# about 25 s for the two-process runs of the module (18 trainings; 60 s on a loaded 2-core machine), 15-20 s
-# for the xfail (its gloo timeout)
+# about 25 s for the two-process runs of the module (18 trainings; 60 s on a loaded 2-core machine), and the bare
+# layers' test
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")]
 
@@ -301,19 +301,14 @@ def _bare_worker(rank: int, world: int, store: str, out: str) -> None:
     os._exit(0)   # no destroy_process_group: after a timed-out collective it may wait for the other rank
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "dpsgd/rowcheck.py row_check decides whether the ranks share the row check's decision (collective) from "
-    "plan.model.parameters() after the forward (dpsgd/clipping.py clipped_backward), but the capture's post-forward "
-    "hook (dpsgd/capture.py _pre_hook's `previous`) registers back the parameter FSDP2 had gathered, after FSDP2's "
-    "own reshard: on a module that is both an FSDP unit and a clipped layer the parameter is then a plain tensor, "
-    "and when every unit is such a layer no rank sees a DTensor.  Each rank then picks its own check level (a new "
-    "layout on one rank only, a probed forward), one rank runs the check's backward passes (FSDP2 all-gathers) "
-    "while the other does not, and the ranks wait in mismatched collectives until gloo times out"))
 def test_fsdp2_units_that_are_the_clipped_layers_train(tmp_path):
-    """Two Linear layers, each fully_shard'ed itself, trained sharded for STEPS steps (Gaussian noise: the failure is
-    not the correlated noise's).  check_rate = 0 makes the check's schedule deterministic: with seed 11 rank 0's part
-    of step 4 has 5 rows (the output's width, so a new layout of shapes) and rank 1's 4, so rank 0 alone runs the
-    attribution passes."""
+    """Two Linear layers, each fully_shard'ed itself, trained sharded for STEPS steps (Gaussian noise: what is tested
+    is not the correlated noise).  check_rate = 0 makes the check's schedule deterministic: with seed 11 rank 0's part
+    of step 4 has 5 rows (the output's width, so a new layout of shapes) and rank 1's 4, so rank 0 alone needs the
+    attribution passes.  The ranks decide the row check together from the sharded parameters the optimizer holds, and
+    a module that is both an FSDP unit and a clipped layer holds its sharded parameter again after the forward (the
+    capture restores the gathered copy only where FSDP2's reshard has not already put the shard back): before, no
+    rank saw a sharded parameter, each chose its own check level, and the ranks hung in mismatched collectives."""
     out = str(tmp_path / "rank{rank}.pt")
     _run_ranks(_bare_worker, str(tmp_path / "store"), out)
     ranks = [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
@@ -321,3 +316,4 @@ def test_fsdp2_units_that_are_the_clipped_layers_train(tmp_path):
         assert rank["error"] is None and rank["steps"] == STEPS, (
             f"rank {r}: {rank['error']}; parameters after the forward: {rank['after_forward']}; rows a step: "
             f"{rank['rows']}")
+        assert rank["after_forward"] == [["DTensor", "DTensor"]]
