@@ -686,7 +686,8 @@ class Composition:
             events = [(truncated(p, mass / total), n) for p, n in self.events]
             cut = self
             if any(c is not p for (c, _), (p, _) in zip(events, self.events, strict=True)):
-                cut = Composition(events, self._tail, spectra=self.spectra)
+                # no shared spectra: they hold the transforms of the steps before the cut
+                cut = Composition(events, self._tail)
                 cut._cuts = None
             if len(self._cuts) >= 4:
                 self._cuts.pop(next(iter(self._cuts)))
