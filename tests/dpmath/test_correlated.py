@@ -65,6 +65,24 @@ def test_sensitivity_bounds_every_pattern_and_is_exact_when_participations_are_a
     assert bound >= truth - 1e-12
     if s >= strategy.bands:
         assert bound == pytest.approx(truth, rel=1e-12) == pytest.approx(math.sqrt(k) * strategy.column_norm)
+    if all(a >= b >= 0 for a, b in zip(c, c[1:], strict=False)):   # non-negative, non-increasing: exact
+        assert bound == pytest.approx(truth, rel=1e-12)
+
+
+@pytest.mark.parametrize("c", [(1.0, -0.6, 0.3), (1.0, 0.2, 0.7, -0.4), (1.0, 0.5, -0.5), (1.0, 0.3, -0.2, 0.25, 0.1)])
+@pytest.mark.parametrize("k,s", [(2, 1), (3, 1), (3, 2), (4, 2), (6, 1)])
+def test_a_close_participation_charges_at_most_k_minus_1_others_s_apart_on_its_two_sides(c, k, s):
+    # each participation's row of |C^T C| meets at most k - 1 others within its band, those on one side at least s
+    # apart: never above charging the largest offsets on both sides, and still above every sign pattern's norm
+    strategy = BandedStrategy(c)
+    b = strategy.bands
+    near = sorted((float(np.max(np.abs(np.cumsum(np.array(c[:b - d]) * np.array(c[d:]))))) for d in range(s, b)),
+                  reverse=True)
+    loose = math.sqrt(k * (strategy.column_norm ** 2 + 2 * sum(near[:min(len(near), (b - 1) // s, k - 1)])))
+    bound = strategy.sensitivity(k, s)
+    assert _brute_force_sensitivity(strategy, (k - 1) * s + b + 1, k, s) - 1e-12 <= bound <= loose + 1e-12
+    if k == 2:   # one other participation: on one side only
+        assert bound == pytest.approx(math.sqrt(2 * (strategy.column_norm ** 2 + max(near))), rel=1e-12)
 
 
 def test_prefix_sum_errors_equal_the_dense_computation_and_the_optimizer_improves_on_the_square_root():
