@@ -34,6 +34,8 @@ from dpsgd import PrivacyEngine
 from dpsgd.noise import BandedNoise, BLTNoise, GaussianNoise
 from dpsgd.samplers import CyclicPoisson
 
+from .test_fsdp import Net  # embedding, two blocks (each its own FSDP unit), a Conv1d, an RMSNorm and a head
+
 pytest.importorskip("torch.distributed.fsdp")
 
 BANDED = BandedStrategy((1.0, 0.6, -0.3))          # 3 bands
@@ -48,42 +50,11 @@ def _noise(name: str):
     return {"banded": BandedNoise(BANDED), "blt": BLTNoise(BLT), "gaussian": GaussianNoise()}[name]
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    """Embedding, two blocks (each its own FSDP unit), a Conv1d over positions, an RMSNorm and a head (the model of
-    tests/dpsgd/test_fsdp.py)."""
-
-    def __init__(self, vocab=30, dim=10):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
-        self.conv = nn.Conv1d(dim, dim, 3, padding=1)
-        self.rms = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, 3)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return self.head(self.rms(x).mean(1))
-
-
 class Zero(nn.Module):
     """Two bias-free linear layers, each inside its own FSDP unit (a Sequential: 16 x 8 and 5 x 16, the second split
     3 + 2 rows over two ranks).  On zero inputs and zero targets every per-example gradient is zero, whatever the
-    parameters: each step's update is the step's noise alone.  (With each Linear itself the FSDP unit the ranks
-    hang in the row check: test_fsdp2_units_that_are_the_clipped_layers_train.)"""
+    parameters: each step's update is the step's noise alone.  (Each Linear as its own FSDP unit:
+    test_fsdp2_units_that_are_the_clipped_layers_train.)"""
 
     def __init__(self):
         super().__init__()
