@@ -138,6 +138,34 @@ def _reshape_axis(ids: torch.Tensor, old: list[int], new: list[int], d: int) -> 
         return d, ids
     if new and bool((ids == ids[0]).all()):   # one example: every element is its own, whatever the shape
         return 0, ids[:1].expand(new[0])
+    # the layout with distinct examples, found once per shape (each step's batch has new ids): where it lands on
+    # one output dimension, along which the labels vary and nowhere else, the labels of any ids are ids[those] (they
+    # are constant wherever the distinct ones are, and not all equal, since every label appears along it)
+    plan = _reshape_plan(tuple(old), tuple(new), d)
+    if plan is not None:
+        k, labels = plan
+        return k, ids[labels]
+    return _axis_layout(ids, old, new, d)
+
+
+_PLANS: dict[tuple, tuple[int, torch.Tensor] | None] = {}
+
+
+def _reshape_plan(old: tuple[int, ...], new: tuple[int, ...], d: int) -> tuple[int, torch.Tensor] | None:
+    """``_axis_layout`` of distinct ids ``0 .. old[d] - 1`` (cached by shape): ``(output dimension, labels)``, or
+    ``None`` where it is not one dimension (the caller then reads its own ids)."""
+    key = (old, new, d)
+    if key not in _PLANS:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        found = _axis_layout(torch.arange(old[d]), list(old), list(new), d) if old[d] > 1 else None
+        _PLANS[key] = found
+    return _PLANS[key]
+
+
+def _axis_layout(ids: torch.Tensor, old: list[int], new: list[int], d: int) -> tuple[int, torch.Tensor] | None:
+    """Where the example axis ``d`` (labelled ``ids``) of a row-major reshape from ``old`` to ``new`` lands: the
+    output dimension along which the labels vary, and nowhere else, with its labels; ``None`` where none does."""
     size = old[d]
     inner = 1
     for s in old[d + 1:]:

@@ -531,3 +531,59 @@ def test_a_gradient_hook_that_mixes_the_batch_is_refused_by_the_first_steps_row_
     with pytest.raises(ExampleMixingError):
         _loop(engine, model, opt, crit, loader, lambda m, x: m(x))
     assert _unchanged(model, before) and engine.steps == 0
+
+
+def _shapes():
+    from hypothesis import strategies as st
+
+    def split(dims):
+        total = 1
+        for x in dims:
+            total *= x
+        factors, n, f = [], total, 2
+        while n > 1:   # the prime factors, regrouped at random below
+            while n % f == 0:
+                factors.append(f)
+                n //= f
+            f += 1
+        return st.permutations(factors).flatmap(
+            lambda p: st.lists(st.integers(0, max(len(p) - 1, 0)), min_size=len(p), max_size=len(p)).map(
+                lambda cuts: _group(p, cuts)))
+    return st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=1, max_size=4).flatmap(
+        lambda dims: st.tuples(st.just(dims), split(dims), st.integers(0, len(dims) - 1)))
+
+
+def _group(factors, cuts):
+    out = [1] * (max(cuts, default=0) + 1)
+    for f, c in zip(factors, cuts, strict=True):
+        out[c] *= f
+    return out
+
+
+def test_a_reshape_of_the_example_axis_lands_where_the_ids_themselves_say_whatever_the_batch():
+    # the layout is found once per shape from distinct ids and reused for each batch's ids: it must equal reading the
+    # batch's own ids, distinct, repeated or all one example
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from dpsgd.rows import _axis_layout, _reshape_axis
+
+    @settings(max_examples=300, deadline=None)
+    @given(shapes=_shapes(), pattern=st.sampled_from(["distinct", "repeated", "one"]), seed=st.integers(0, 99))
+    def check(shapes, pattern, seed):
+        old, new, d = shapes
+        g = torch.Generator().manual_seed(seed)
+        size = old[d]
+        ids = {"distinct": torch.randperm(64, generator=g)[:size], "one": torch.full((size,), 5),
+               "repeated": torch.randint(0, 3, (size,), generator=g)}[pattern]
+        got = _reshape_axis(ids, list(old), list(new), d)
+        if old[:d + 1] == new[:d + 1]:
+            want = (d, ids)
+        elif bool((ids == ids[0]).all()):
+            want = (0, ids[:1].expand(new[0]))
+        else:
+            want = _axis_layout(ids, list(old), list(new), d)
+        assert (got is None) == (want is None)
+        assert got is None or (got[0] == want[0] and torch.equal(got[1], want[1]))
+
+    check()
