@@ -132,7 +132,7 @@ def clipped_backward(capture: Capture, losses: torch.Tensor, max_grad_norm: floa
         raise ValueError(f"padding must be a ({b},) bool tensor, without groups or twice sampling")
     model_params = [p for p in plan.model.parameters() if p.requires_grad]
     calls = list(capture.calls)
-    row_check(capture, calls, losses, model_params)
+    row_check(capture, calls, losses)
     reached = output_gradients(capture, calls, losses, model_params, two_pass)
     capture.active = False
     stack = contextlib.ExitStack()

@@ -28,7 +28,7 @@ from .isolation import ExampleMixingError, IncompleteGradientError
 from .shared import carrying_back
 
 
-def row_check(capture: Capture, calls: list[Call], losses: torch.Tensor, model_params: list) -> None:
+def row_check(capture: Capture, calls: list[Call], losses: torch.Tensor) -> None:
     """The row check (:func:`check_rows`: example ``i``'s loss depends on example ``i``'s rows alone) on a step
     that needs it: a new layout of calls (with the row attribution too), a probed forward, or every step with
     ``check_every_step``; it sees the probed forwards' inputs.  It runs before the step's own backward, which
