@@ -550,6 +550,12 @@ class CyclicBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.groups * self.cycles
 
+    @property
+    def members(self) -> tuple[torch.Tensor, ...] | None:
+        """Each group's example indices (``None`` before the first batch): the partition, not the steps' coins.  The
+        accounting holds given the partition, so an auditor (:mod:`verify.training`) may read it."""
+        return None if self._groups is None else tuple(self._groups)
+
     def resume(self, epochs: int) -> None:
         """Continue a run that has charged ``epochs`` cycles: the next batch begins cycle ``epochs + 1`` (group 0;
         the partition is drawn afresh, so an example may be drawn one step after the charged cycles end: each cycle

@@ -258,13 +258,13 @@ def _cyclic_groups(loader, n: int) -> np.ndarray:
     """Each example's group (``n``,) under cyclic Poisson sampling, read from the loader's sampler once it has
     drawn: the accounting holds given the groups, so an auditor may know them (not the steps' coins)."""
     sampler = loader
-    while sampler is not None and getattr(sampler, "_groups", None) is None:
+    while sampler is not None and getattr(sampler, "members", None) is None:
         inner = getattr(sampler, "logical_sampler", None)
         sampler = getattr(sampler, "sampler", None) if inner is None else inner
     if sampler is None:
         raise RuntimeError("the loader's cyclic Poisson sampler (and its groups) was not found")
     group = np.full(n, -1)
-    for j, members in enumerate(sampler._groups):
+    for j, members in enumerate(sampler.members):
         group[members.numpy()] = j
     return group
 

@@ -230,3 +230,17 @@ def test_optimized_blt_survives_runs_shorter_than_its_buffers(d, n):
     blt = BLTStrategy.optimized(d, n, error="max")   # independent noise is the optimum: weights near 0
     assert blt.buffers == d and prefix_sum_errors(blt, n)[1] <= (1 + 1e-9) * prefix_sum_errors(
         BandedStrategy((1.0,)), n)[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(decrements=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), k=st.integers(2, 3), s=st.integers(1, 3))
+def test_non_negative_non_increasing_bands_have_the_evenly_spaced_pattern_as_their_worst(decrements, k, s):
+    # every pattern of k participations s apart, in a run long enough for any of them, and every sign: the exact
+    # value is the brute-force maximum (in one dimension, which the non-negative Gram entries make the worst)
+    c = [1.0]
+    for x in decrements:
+        c.append(c[-1] * (1.0 - x))
+    strategy = BandedStrategy(tuple(c))
+    b = strategy.bands
+    truth = _brute_force_sensitivity(strategy, (k - 1) * s + b + 2, k, s)
+    assert strategy.sensitivity(k, s) == pytest.approx(truth, rel=1e-12)
