@@ -886,3 +886,13 @@ def test_a_narrow_step_is_bracketed_on_the_first_grid_alone_by_the_accountant_an
     wide = PLDAccountant().compose(SubsampledGaussian(0.8, 1e-3), 10_000)
     wide.epsilon(1e-6)
     assert acc._narrow() and not wide._narrow()
+
+
+def test_a_float_target_asks_the_two_scale_lower_end_before_it_refines_the_grid():
+    # q = 1e-6: the grid's lower end is 0 however fine the grid (the losses sit far below it); the two-scale curve
+    # closes a 1e-3 bracket at once, so no finer grid is built (it took 73 s of grids 8 and 64 times finer)
+    acc = PLDAccountant(bracket_rtol=1e-3).compose(SubsampledGaussian(0.5, 1e-6), 10_000)
+    lo, hi = acc.epsilon_bracket(1e-9)
+    assert {k[0] for k in acc._plds} == {1e-4}
+    assert 0 < hi - lo <= 1e-3 * hi
+    assert (lo, hi) == PLDAccountant().compose(SubsampledGaussian(0.5, 1e-6), 10_000).epsilon_bracket(1e-9)
