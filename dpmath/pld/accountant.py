@@ -103,7 +103,7 @@ class PLDAccountant(Accountant):
         a float target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
         quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
         :class:`SubsampledGaussian` without an envelope, a lower end short of a float target is recomputed on two
-        scales (see :meth:`epsilon_bracket`).  ``None``: the coarse single grid.
+        scales (see :meth:`epsilon_bracket`) before any finer grid is built.  ``None``: the coarse single grid.
         Every grid's bracket holds the truth, so the refined upper end is never above the coarse grid's.
 
     Examples
