@@ -117,20 +117,17 @@ def test_fsdp2_sharded_training_equals_replicated(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
 
 
-# a hang (ranks waiting in mismatched collectives) fails the test instead of blocking it
-_DEADLINE_S = 90
-
-
-def _run_ranks(worker, *args) -> None:
-    """``worker(rank, 2, *args)`` on two processes; fails the test if they have not finished within the deadline."""
+def run_ranks(worker, *args, deadline_s: float = 90.0) -> None:
+    """``worker(rank, 2, *args)`` on two processes; fails the test if they have not finished within ``deadline_s``
+    (a hang, ranks waiting in mismatched collectives, fails the test instead of blocking it)."""
     context = mp.start_processes(worker, args=(2, *args), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + _DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:
             for proc in context.processes:   # the processes this test started, by their own handles
                 if proc.is_alive():
                     proc.kill()
-            pytest.fail(f"the ranks did not finish within {_DEADLINE_S} s: they wait for each other")
+            pytest.fail(f"the ranks did not finish within {deadline_s:g} s: they wait for each other")
 
 
 def _tiny_data():
@@ -213,7 +210,7 @@ def test_fsdp2_rank_parts_of_no_example_or_one(tmp_path):
     two examples in different steps.  The sharded run equals one process training on all 12 with batch size 3."""
     single, engine, high, _ = _train_tiny(_tiny_data(), 3, False, batch_sampling=FixedSize())
     assert {0, 1} <= set(high), high   # the cases under test happen: rank 1's part is empty, and one example
-    _run_ranks(_small_parts_worker, str(tmp_path / "store"), str(tmp_path / "rank0.pt"))
+    run_ranks(_small_parts_worker, str(tmp_path / "store"), str(tmp_path / "rank0.pt"))
     sharded = torch.load(tmp_path / "rank0.pt", weights_only=False)   # written by this test's rank 0
     assert sharded["steps"] == engine.steps == 4
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(single, sharded["params"], strict=True))
@@ -259,6 +256,6 @@ def test_fsdp2_poisson_parts_of_no_example_or_one(tmp_path):
     """Poisson sampling at q = 3/12, rank 1 sampling its 2 examples: the sharded run (with a collate_fn that
     reverses the rows) equals the replicated one (whose rank 1 takes noise-only steps for its empty parts) and
     reports the same epsilon."""
-    _run_ranks(_poisson_worker, str(tmp_path / "store"), str(tmp_path / "rank1.pt"))
+    run_ranks(_poisson_worker, str(tmp_path / "store"), str(tmp_path / "rank1.pt"))
     rank1 = torch.load(tmp_path / "rank1.pt")
     assert len(rank1["yielded"]) < rank1["steps"] and 1 in rank1["yielded"], rank1

@@ -18,14 +18,12 @@ The workers train and save what they saw; the assertions run in the test's own p
 that failed an assertion)."""
 
 import os
-import time
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,7 +32,7 @@ from dpsgd import PrivacyEngine
 from dpsgd.noise import BandedNoise, BLTNoise, GaussianNoise
 from dpsgd.samplers import CyclicPoisson
 
-from .test_fsdp import Net  # embedding, two blocks (each its own FSDP unit), a Conv1d, an RMSNorm and a head
+from .test_fsdp import Net, run_ranks  # embedding, two blocks (each its own FSDP unit), a Conv1d, an RMSNorm and a head
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -150,18 +148,6 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 _DEADLINE_S = 300   # a hang (ranks waiting in mismatched collectives) fails the test instead of blocking it
 
 
-def _run_ranks(worker, *args) -> None:
-    """``worker(rank, 2, *args)`` on two processes; fails the test if they have not finished within the deadline."""
-    context = mp.start_processes(worker, args=(2, *args), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + _DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for proc in context.processes:   # the processes this test started, by their own handles
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"the ranks did not finish within {_DEADLINE_S} s: they wait for each other")
-
-
 def _close(a, b, rtol=1e-5, atol=1e-6) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b, strict=True))
 
@@ -170,7 +156,7 @@ def _close(a, b, rtol=1e-5, atol=1e-6) -> bool:
 def ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_correlated")
     out = str(tmp / "rank{rank}.pt")
-    _run_ranks(_worker, str(tmp / "store"), out)
+    run_ranks(_worker, str(tmp / "store"), out, deadline_s=_DEADLINE_S)
     return [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
 
 
@@ -281,7 +267,7 @@ def test_fsdp2_units_that_are_the_clipped_layers_train(tmp_path):
     capture restores the gathered copy only where FSDP2's reshard has not already put the shard back): before, no
     rank saw a sharded parameter, each chose its own check level, and the ranks hung in mismatched collectives."""
     out = str(tmp_path / "rank{rank}.pt")
-    _run_ranks(_bare_worker, str(tmp_path / "store"), out)
+    run_ranks(_bare_worker, str(tmp_path / "store"), out, deadline_s=_DEADLINE_S)
     ranks = [torch.load(out.format(rank=r), weights_only=False) for r in range(2)]
     for r, rank in enumerate(ranks):
         assert rank["error"] is None and rank["steps"] == STEPS, (
