@@ -40,6 +40,11 @@ are paired):
   sigma / ||c|| per cycle);
 * ``banded-b8``: the same with 8 bands, ``BandedStrategy.optimized(8, steps)``, under ``CyclicPoisson(8)``
   (q = 0.713; groups must keep q = B groups / N <= 1, at most 11 here).
+* ``blt-d3``: buffered-linear-Toeplitz noise (``BLTNoise``) with ``BLTStrategy.optimized(3, steps,
+  min_separation=4)`` (3 buffers, optimized for participations 4 steps apart) under ``CyclicPoisson(4)``, exact
+  norms, accounted without amplification (one Gaussian step per cycle at sigma / sqrt(per), ``per`` the
+  strategy's sensitivity per participation): a BLT holds 3 parameter-sized buffers where ``banded-b4`` holds 3
+  past noises, with no amplification to lean on.
 
   The run's ``steps`` are what ``make_private(epochs=...)`` counts: a loop over a cyclic loader is
   ``groups x max(1, round(1 / q))`` steps (``planned_steps``), so 20 epochs are 240 steps for ``cyclic`` and
@@ -87,6 +92,7 @@ Commands (one CPU thread; the JSON and PNG go to ``--out`` and ``--out`` with th
     OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --small        # seconds: 1 seed, 2 epsilons, 3 methods
     OMP_NUM_THREADS=1 python benchmarks/utility/digits.py                # tuning + the full grid, 5 seeds
     OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --merge --methods exact cyclic banded-b4 banded-b8
+    OMP_NUM_THREADS=1 python benchmarks/utility/digits.py --merge --methods exact blt-d3
 
 The default writes ``benchmarks/results/utility/digits.json`` and ``digits.png`` (left: test accuracy against
 epsilon per method, non-private as a band; right: each method's sigma over exact's); ``--small`` writes
@@ -103,7 +109,8 @@ command, methods, machine and seconds, with, for each method it replaced, the la
 accuracy (0 when the rerun reproduces the file's runs; ``exact`` is rerun with the new methods so that their
 paired differences use runs made with the same code).  The cyclic rows were added so:
 ``--merge --methods exact cyclic banded-b4 banded-b8`` (288 s on one thread, the two cores shared; every
-``exact`` run reproduced).
+``exact`` run reproduced), and the BLT row by ``--merge --methods exact blt-d3`` (98 s; every ``exact`` run
+reproduced).
 """
 
 from __future__ import annotations
@@ -111,6 +118,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -125,9 +133,9 @@ from study_common import machine, mean_ci
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpmath.correlated import BandedStrategy
+from dpmath.correlated import BandedStrategy, BLTStrategy
 from dpsgd import PrivacyEngine
-from dpsgd.noise import BandedNoise
+from dpsgd.noise import BandedNoise, BLTNoise
 from dpsgd.samplers import CyclicPoisson
 from dpsgd.strategies import HybridClipping, TwiceSampling
 
@@ -146,7 +154,9 @@ MOMENTUM = 0.9
 COORDINATE_RATE = 0.5          # twice and hybrid: q2
 COORDINATE_BOUND = 1 / 20      # twice and hybrid: c_inf in units of C (at most 400 coordinates reach it)
 HYBRID_SPLIT = {"features.": 0.6, "head.": 0.8}   # l2 bound per group, in units of C (0.6^2 + 0.8^2 = 1)
-CYCLIC = {"cyclic": (4, None), "banded-b4": (4, 4), "banded-b8": (8, 8)}   # method: (groups, bands or None)
+# method: (groups, correlated noise, its bands or buffers)
+CYCLIC = {"cyclic": (4, None, None), "banded-b4": (4, "banded", 4), "banded-b8": (8, "banded", 8),
+          "blt-d3": (4, "blt", 3)}
 METHODS = ("non-private", "exact", "ghost", "hutch-k8", "hutch-k32", "hutchpp-k32", "lap2", "twice", "hybrid",
            *CYCLIC)
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -194,9 +204,15 @@ def planned_steps(groups: int, num_samples: int, batch_size: int, epochs: int) -
 
 
 @functools.lru_cache
-def banded_strategy(bands: int, steps: int) -> BandedStrategy:
-    """``BandedStrategy.optimized(bands, steps)``, computed once per (bands, steps)."""
-    return BandedStrategy.optimized(bands, steps)
+def cyclic_strategy(method: str, steps: int) -> BandedStrategy | BLTStrategy:
+    """The correlated-noise strategy of a cyclic ``method`` for a run of ``steps`` (computed once each): the
+    optimized banded or BLT one, or the identity (independent noise)."""
+    groups, kind, size = CYCLIC[method]
+    if kind == "banded":
+        return BandedStrategy.optimized(size, steps)
+    if kind == "blt":
+        return BLTStrategy.optimized(size, steps, min_separation=groups)
+    return BandedStrategy((1.0,))
 
 
 def private_kwargs(method: str, c: float, *, num_samples: int | None = None, batch_size: int | None = None,
@@ -204,13 +220,13 @@ def private_kwargs(method: str, c: float, *, num_samples: int | None = None, bat
     """``make_private`` arguments that define ``method`` at clipping norm ``c``.  The cyclic methods need the
     schedule (training examples, expected batch, epochs): their strategy is optimized for the run's steps."""
     if method in CYCLIC:
-        groups, bands = CYCLIC[method]
+        groups, kind, _ = CYCLIC[method]
         kwargs = {"estimator": "exact", "max_grad_norm": c, "batch_sampling": CyclicPoisson(groups)}
-        if bands is not None:
+        if kind is not None:
             if None in (num_samples, batch_size, epochs):
                 raise ValueError(f"{method} needs num_samples, batch_size and epochs (its strategy's steps)")
-            steps = planned_steps(groups, num_samples, batch_size, epochs)
-            kwargs["noise"] = BandedNoise(banded_strategy(bands, steps))
+            strategy = cyclic_strategy(method, planned_steps(groups, num_samples, batch_size, epochs))
+            kwargs["noise"] = BandedNoise(strategy) if kind == "banded" else BLTNoise(strategy)
         return kwargs
     if method in ("exact", "ghost"):
         return {"estimator": method, "max_grad_norm": c}
@@ -265,11 +281,15 @@ def train_once(method: str, epsilon: float | None, seed: int, split: Split, epoc
         record.update(sigma=engine.noise_multiplier, calibrated=sigma is None,
                       accountant=type(engine.accountant()).__name__, calibration_s=time.perf_counter() - start)
         if method in CYCLIC:
-            groups, bands = CYCLIC[method]
-            strategy = (banded_strategy(bands, planned_steps(groups, len(x_tr), batch, epochs)) if bands
-                        else BandedStrategy((1.0,)))
-            record.update(groups=groups, coefficients=list(strategy.coefficients),
-                          accounting_noise_multiplier=engine.noise_multiplier / strategy.column_norm)
+            groups, kind, _ = CYCLIC[method]
+            strategy = cyclic_strategy(method, planned_steps(groups, len(x_tr), batch, epochs))
+            if kind == "blt":   # one Gaussian step per cycle at sigma / sqrt(per): no amplification
+                record.update(groups=groups, weights=list(strategy.weights), decays=list(strategy.decays),
+                              accounting_noise_multiplier=engine.noise_multiplier
+                              / math.sqrt(strategy.sensitivity_per_participation(groups)))
+            else:
+                record.update(groups=groups, coefficients=list(strategy.coefficients),
+                              accounting_noise_multiplier=engine.noise_multiplier / strategy.column_norm)
     steps, loop_start = 0, time.perf_counter()
     for _ in range(epochs):
         for xb, yb in loader:
@@ -521,11 +541,13 @@ def main(argv: list[str] | None = None) -> dict:
                 "twice": {"coordinate_rate": COORDINATE_RATE, "max_grad_coordinate_over_C": COORDINATE_BOUND},
                 "hybrid": {"l2_over_C": HYBRID_SPLIT, "max_grad_coordinate_over_C": COORDINATE_BOUND,
                            "coordinate_rate": COORDINATE_RATE},
-                "cyclic": {m: {"groups": g, "bands": b, "noise": "gaussian" if b is None else
-                               f"BandedNoise(BandedStrategy.optimized({b}, steps))",
+                "cyclic": {m: {"groups": g, "bands" if kind != "blt" else "buffers": b,
+                               "noise": "gaussian" if kind is None else
+                               f"BandedNoise(BandedStrategy.optimized({b}, steps))" if kind == "banded" else
+                               f"BLTNoise(BLTStrategy.optimized({b}, steps, min_separation={g}))",
                                "sample_rate": args.batch_size * g / len(split[0]),
                                "steps": planned_steps(g, len(split[0]), args.batch_size, args.epochs)}
-                           for m, (g, b) in CYCLIC.items() if m in methods},
+                           for m, (g, kind, b) in CYCLIC.items() if m in methods},
                 "ci": "95 % confidence interval of the mean over seeds, t distribution, seeds - 1 dof"}
     sigmas = {m: {f"{s['epsilon']:g}": s["sigma"] for s in summary if s["method"] == m}
               for m in methods if m != "non-private"}

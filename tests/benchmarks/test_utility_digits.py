@@ -35,7 +35,8 @@ def test_small_setting_writes_sane_results(tmp_path):
     assert all(v.startswith("ValueError") for v in data["refused"].values()), data["refused"]
     # banded noise: its strategy optimized for the steps the cyclic loader runs, sigma = ||c|| x the accountant's
     banded = [r for r in data["runs"] if r["method"] == "banded-b4"]
-    groups, bands = digits.CYCLIC["banded-b4"]
+    groups, kind, bands = digits.CYCLIC["banded-b4"]
+    assert kind == "banded"
     assert banded and all(r["steps"] == digits.planned_steps(groups, data["settings"]["train"], 128, small["epochs"])
                           == data["settings"]["cyclic"]["banded-b4"]["steps"] for r in banded)
     for r in banded:
