@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import linalg, optimize
+from scipy import linalg, optimize, signal
 
 from .envelope import Envelope
 from .mechanisms import Gaussian, SubsampledGaussian
@@ -421,7 +421,6 @@ class BLTStrategy:
         if error not in ("mean", "max"):
             raise ValueError(f"error must be 'mean' or 'max', got {error!r}")
         s = None if min_separation is None else positive_int(min_separation, "min_separation")
-        from scipy import signal
 
         k = np.arange(n)
         row_weights = (n - k) / n if error == "mean" else np.ones(n)

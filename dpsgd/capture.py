@@ -154,7 +154,7 @@ class Capture:
                     # parameters would silently not train
                     self.no_grad_units.append(unit.path or type(module).__name__)
                 return None
-            aliases, previous = {}, {}
+            aliases, previous, installed = {}, {}, {}   # installed: what this hook put on the module, by name
             for local, p in unit.params.items():
                 owner, attr = _locate(module, local)
                 current = owner._parameters[attr]
@@ -168,7 +168,7 @@ class Capture:
                                        f"would not be that of the parameter the optimizer updates")
                 alias = nn.Parameter(data, requires_grad=True)
                 owner._parameters[attr] = alias
-                aliases[local], previous[local] = alias, current
+                aliases[local], previous[local], installed[local] = alias, current, alias
             share = None
             if isinstance(unit.handler, RootParameterHandler):
                 # the model's own parameters are outputs shared by the batch: marked, every use of them is
@@ -181,8 +181,7 @@ class Capture:
                 share = Share("the model's own parameters", list(aliases.values()), self._batch)
                 for local, alias in aliases.items():
                     owner, attr = _locate(module, local)
-                    owner._parameters[attr] = share_output(alias, share)
-            installed = {local: _locate(module, local)[0]._parameters[_locate(module, local)[1]] for local in aliases}
+                    owner._parameters[attr] = installed[local] = share_output(alias, share)
             self._swapped.setdefault(id(module), []).append((aliases, previous, share, installed))
             return None
         return hook
