@@ -344,7 +344,7 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
     # frequencies); the others are left at 0 and their moduli are charged to the error below
     scale = _FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
     tiny = _LOG_TINY
-    if shared:
+    if shared and nfft > 1:   # (one point: its rounding bound is 0, and nothing to drop)
         # a shared transform is reused at many counts, where the power of every frequency would cost about as
         # much as the inverse FFT: it also drops the moduli below 1e-3 of the rounding bound's least value,
         # scale / nfft (the largest output is at least the mean, 1 / nfft: the tilted masses sum to 1), so the

@@ -188,3 +188,19 @@ def test_get_epsilon_at_the_calibrated_count_is_the_fresh_accountants_and_meets_
             break
     assert logged[-1] == engine.accountant().epsilon(DELTA) <= 2.0
     assert logged == sorted(logged)
+
+
+def test_the_default_takes_a_coarse_grids_bracket_only_where_it_is_within_1e_5():
+    """The default first asks a grid 16 times coarser and keeps its bracket where it is within 1e-5 (relative):
+    then a bound of the truth no looser than the default grid's own bracket; elsewhere the default grid answers."""
+    trainer_like = SubsampledGaussian(1.0, 0.25)    # the docs' tiny DPTrainer run: 20 steps at q = 1/4
+    schedule = EpsilonSchedule(trainer_like, 20)
+    lo, hi = schedule.epsilon_bracket(10, DELTA)
+    assert hi - lo <= 1e-5 * hi
+    _within_fresh(trainer_like, 10, (lo, hi))
+    coarse = EpsilonSchedule(trainer_like, 20, discretization=1.6e-3, bracket_rtol=None)
+    assert (lo, hi) == coarse.epsilon_bracket(10, DELTA)
+    # q = 0.01 over 300 steps: the coarse grid's bracket is wider than 1e-5, so the default grid answers
+    wide = EpsilonSchedule(SG, 300, discretization=1.6e-3, bracket_rtol=None).epsilon_bracket(300, DELTA)
+    assert wide[1] - wide[0] > 1e-5 * wide[1]
+    assert EpsilonSchedule(SG, 300).epsilon(300, DELTA) < wide[1]
