@@ -44,8 +44,8 @@ confidence interval from the t distribution, and each randomized estimator's per
 seed (paired: same Poisson batches and noise stream).
 
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --small   # the smoke test's setting: seconds
-    OMP_NUM_THREADS=1 python benchmarks/utility/shift.py           # the committed run: about an hour, one thread
-    options: --methods exact hutch ... --epsilons 1 8 --seeds 3 --out DIR
+    OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2  # the committed run: about 35 min on 2 cores
+    options: --methods exact hutch ... --epsilons 1 8 --seeds 3 --jobs N --out DIR
 
 Writes ``DIR/shift.json`` (``shift_small.json`` with ``--small``), a PNG plot of the same name and the pre-training
 cache; ``DIR`` defaults to ``benchmarks/results/utility`` (``--small``: its untracked ``small/`` folder).
@@ -118,8 +118,8 @@ class Setting:
 
 SMALL = Setting(seq_len=32, width=32, layers=1, heads=2, pretrain_steps=40, pretrain_batch=16, pretrain_lr=3e-3,
                 private_articles=20, batch=32, epochs=1, grid_c=(0.5, 2.0), grid_lr=(1e-3,))
-DEFAULT = Setting(seq_len=128, width=128, layers=2, heads=4, pretrain_steps=2400, pretrain_batch=32, pretrain_lr=3e-3,
-                  private_articles=None, batch=64, epochs=2, grid_c=(0.1, 0.3, 1.0), grid_lr=(1e-3, 3e-3))
+DEFAULT = Setting(seq_len=128, width=128, layers=2, heads=4, pretrain_steps=4800, pretrain_batch=32, pretrain_lr=3e-3,
+                  private_articles=None, batch=64, epochs=2, grid_c=(0.5, 2.0, 8.0), grid_lr=(3e-4, 1e-3, 3e-3))
 
 
 _DROP_BLOCKS = [re.compile(p, re.S) for p in (r"<ref[^>]*/>", r"<ref[^>]*>.*?</ref>", r"<!--.*?-->",
@@ -296,12 +296,36 @@ def gradient_ranks(state: dict, data: Corpus, setting: Setting, examples: int = 
     return out
 
 
-def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float, state: dict, data: Corpus,
-        setting: Setting, delta: float, calibrated: dict, split: str) -> dict:
-    """Fine-tune once and measure on ``split`` ("validation" or "test"); the run's record.
+def _private(model: nn.Module, opt: torch.optim.Optimizer, method: str, privacy: dict, clip: float, seed: int,
+             data: Corpus, setting: Setting):
+    """``make_private`` as every run calls it: the engine and what it returns."""
+    engine = PrivacyEngine()
+    with warnings.catch_warnings():   # the study seeds its runs to be reproduced; it releases no model
+        warnings.filterwarnings("ignore", message=r"make_private\(seed=", category=UserWarning)
+        out = engine.make_private(
+            module=model, optimizer=opt,
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train),
+                                                    batch_size=setting.batch),
+            criterion=nn.CrossEntropyLoss(), max_grad_norm=clip, seed=seed, **privacy, **DP_METHODS[method])
+    return engine, *out
 
-    ``calibrated`` maps ``(method, eps)`` to the sigma ``make_private`` calibrated the first time; later runs pass it
-    as ``noise_multiplier`` (it depends on the sampling rate, the steps and the envelope only)."""
+
+def calibrate(method: str, eps: float, state: dict, data: Corpus, setting: Setting, delta: float) -> float:
+    """The sigma ``make_private`` calibrates for ``eps`` over the run's steps: it depends on the sampling rate, the
+    steps and the estimator's envelope, not on ``C``, the learning rate or the seed, so every run of the cell
+    passes it as ``noise_multiplier``."""
+    model = fresh_model(state, data, setting)
+    engine, *_ = _private(model, torch.optim.Adam(model.parameters()), method,
+                          {"target_epsilon": eps, "target_delta": delta, "epochs": setting.epochs}, 1.0, 0, data,
+                          setting)
+    return engine.noise_multiplier
+
+
+def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float, sigma: float | None, state: dict,
+        data: Corpus, setting: Setting, delta: float, split: str) -> dict:
+    """Fine-tune once with noise multiplier ``sigma`` (:func:`calibrate`'s) and measure on ``split``
+    ("validation" or "test"); the run's record."""
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = fresh_model(state, data, setting)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -320,18 +344,9 @@ def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float
                 steps += 1
         record.update(sigma=None, epsilon_reported=None, mechanism=None)
     else:
-        key = (method, eps)
-        privacy = ({"noise_multiplier": calibrated[key]} if key in calibrated else
-                   {"target_epsilon": eps, "target_delta": delta, "epochs": setting.epochs})
-        engine = PrivacyEngine()
-        with warnings.catch_warnings():   # the study seeds its runs to be reproduced; it releases no model
-            warnings.filterwarnings("ignore", message=r"make_private\(seed=", category=UserWarning)
-            model, opt, crit, loader = engine.make_private(
-                module=model, optimizer=opt,
-                data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train),
-                                                        batch_size=setting.batch),
-                criterion=nn.CrossEntropyLoss(), max_grad_norm=clip, seed=seed, **privacy, **DP_METHODS[method])
-        calibrated.setdefault(key, engine.noise_multiplier)
+        engine, model, opt, crit, loader = _private(model, opt, method, {"noise_multiplier": sigma,
+                                                                         "epochs": setting.epochs}, clip, seed, data,
+                                                    setting)
         start = time.perf_counter()
         for _ in range(setting.epochs):
             for (ids,) in loader:
@@ -348,6 +363,22 @@ def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float
     return record
 
 
+def execute(tasks: list[tuple], shared: tuple, jobs: int, log) -> list[dict]:
+    """``run(*task, *shared)`` for every task, on ``jobs`` processes (one thread each), logged as they finish; in
+    the order of ``tasks`` (each run is seeded: the records do not depend on ``jobs``)."""
+    if jobs == 1:
+        out = []
+        for t in tasks:
+            out.append(run(*t, *shared))
+            log(out[-1])
+        return out
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        pending = [pool.apply_async(run, (*t, *shared), callback=log) for t in tasks]
+        return [p.get() for p in pending]
+
+
 def procedure_epsilon(runs: list[dict], delta: float) -> float:
     """The epsilon of every run in ``runs`` composed (each run's steps of its mechanism): the privacy cost of
     tuning on them and releasing one (selection is post-processing of the composition)."""
@@ -357,24 +388,24 @@ def procedure_epsilon(runs: list[dict], delta: float) -> float:
     return acc.epsilon(delta)
 
 
-def tune(methods: list[str], epsilons: list[float], state: dict, data: Corpus, setting: Setting, delta: float,
-         calibrated: dict, log) -> tuple[list[dict], dict]:
+def tune(methods: list[str], epsilons: list[float], sigmas: dict, shared: tuple, setting: Setting, jobs: int,
+         log) -> tuple[list[dict], dict]:
     """Every grid setting once per method and epsilon on the validation split; the chosen ``(C, lr)`` of each."""
-    runs, chosen = [], {}
+    tasks = []
     for method in methods:
         if method in TUNED_AS:
             continue
         for eps in [None] if method == "non-private" else epsilons:
             grid = [(None, lr) for lr in setting.grid_lr] if method == "non-private" else \
                 [(c, lr) for c in setting.grid_c for lr in setting.grid_lr]
-            cell = []
-            for clip, lr in grid:
-                r = run(method, eps, TUNE_SEED, clip, lr, state, data, setting, delta, calibrated, "validation")
-                cell.append(r)
-                log(r)
-            best = min(cell, key=lambda r: r["ppl"])
-            chosen[(method, eps)] = (best["max_grad_norm"], best["lr"])
-            runs.extend(cell)
+            tasks += [(method, eps, TUNE_SEED, clip, lr, sigmas.get((method, eps))) for clip, lr in grid]
+    runs = execute(tasks, (*shared, "validation"), jobs, log)
+    chosen = {}
+    for r in runs:   # the first best of each cell, in the grid's order
+        key = (r["method"], r["epsilon_target"])
+        if key not in chosen or r["ppl"] < chosen[key][2]:
+            chosen[key] = (r["max_grad_norm"], r["lr"], r["ppl"])
+    chosen = {k: v[:2] for k, v in chosen.items()}
     for method, src in TUNED_AS.items():
         if method in methods:
             for eps in epsilons:
@@ -392,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=None, help="reported runs per cell: default 3 (1 with --small)")
     ap.add_argument("--out", type=Path, default=None, help="directory for the JSON, the PNG and the cache (default "
                     "benchmarks/results/utility; with --small its untracked small/ folder)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (the records do not depend "
+                    "on it; the seconds per step do)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     setting = SMALL if args.small else DEFAULT
@@ -435,18 +468,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['split']:>10} {r['method']:>11} eps {eps_txt:>3} seed {r['seed']}: {dp}lr {r['lr']:g}: ppl "
               f"{r['ppl']:.3f}, {r['steps']} steps, {r['seconds_per_step']:.3f} s/step", flush=True)
 
-    calibrated: dict = {}
+    sigmas = {(m, e): calibrate(m, e, state, data, setting, delta) for m in methods if m != "non-private"
+              for e in epsilons}
+    print("\nsigma calibrated by make_private: " + ", ".join(f"{m} eps {e:g}: {v:.4f}" for (m, e), v in sigmas.items()))
+    shared = (state, data, setting, delta)
     print("\ntuning on the validation split:", flush=True)
-    tuning, chosen = tune(methods, epsilons, state, data, setting, delta, calibrated, log)
+    tuning, chosen = tune(methods, epsilons, sigmas, shared, setting, args.jobs, log)
     print("\nreported runs on the test split:", flush=True)
-    runs = []
-    for seed in seeds:
-        for method in methods:
-            for eps in [None] if method == "non-private" else epsilons:
-                clip, lr = chosen[(method, eps)]
-                r = run(method, eps, seed, clip, lr, state, data, setting, delta, calibrated, "test")
-                runs.append({**r, "mode": "full", "test_ppl": r["ppl"]})
-                log(r)
+    tasks = [(method, eps, seed, *chosen[(method, eps)], sigmas.get((method, eps))) for seed in seeds
+             for method in methods for eps in ([None] if method == "non-private" else epsilons)]
+    runs = [{**r, "mode": "full", "test_ppl": r["ppl"]} for r in execute(tasks, (*shared, "test"), args.jobs, log)]
 
     procedures = []
     for (method, eps), (clip, lr) in chosen.items():
