@@ -129,7 +129,7 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
-from study_common import machine, mean_ci
+from study_common import machine, mean_ci, planned_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -194,13 +194,6 @@ def digits_split(validation: bool) -> Split:
         x_tr, x_te, y_tr, y_te = train_test_split(x_tr, y_tr, test_size=VALIDATION_SIZE, stratify=y_tr,
                                                   random_state=VALIDATION_SEED)
     return torch.from_numpy(x_tr), torch.from_numpy(y_tr), torch.from_numpy(x_te), torch.from_numpy(y_te)
-
-
-def planned_steps(groups: int, num_samples: int, batch_size: int, epochs: int) -> int:
-    """The steps ``make_private(epochs=epochs)`` counts under ``CyclicPoisson(groups)``: ``epochs`` loops over the
-    loader, each ``groups x max(1, round(1 / q))`` steps at ``q = batch_size x groups / num_samples``."""
-    q = batch_size * groups / num_samples
-    return epochs * groups * max(1, round(1 / q))
 
 
 @functools.lru_cache

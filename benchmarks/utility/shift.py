@@ -28,6 +28,10 @@ settings and the public text).  Private fine-tuning of all weights with ``dpsgd.
   estimator's envelope.  The per-example gradients here have rank up to ``seq_len - 1`` per weight matrix (the
   study measures them, :func:`gradient_ranks`), far above what ``k`` projections capture exactly, so the two
   estimators differ from each other and from exact norms;
+* ``banded-b4``: banded matrix-factorization noise (``BandedNoise(BandedStrategy.optimized(4, steps))``) under
+  ``CyclicPoisson(4)`` (each example in one of 4 groups; step ``t`` Poisson-samples group ``t mod 4`` at 4 times
+  the rate), exact norms, accounted by amplified banded MF: one event per cycle.  Its batches come from another
+  sampler, so its paired difference to ``exact`` shares the seed only;
 * ``non-private``: the same loop and Poisson batches, neither clipping nor noise (its learning rate tuned too).
 
 **Tuning.**  Each method and epsilon picks its clipping norm ``C`` and learning rate from ``GRID_C x GRID_LR`` by
@@ -41,7 +45,7 @@ the validation articles are read without privacy (treat them as public or consen
 private-train chunks) over the run's steps; runs that share the method and epsilon reuse it (the calibration does
 not depend on ``C``, the learning rate or the seed).  The summary is the mean test perplexity over seeds with a 95 %
 confidence interval from the t distribution, and each randomized estimator's perplexity minus exact's on the same
-seed (paired: same Poisson batches and noise stream).
+seed (paired: same Poisson batches and noise stream; ``banded-b4``: the seed alone).
 
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --small   # the smoke test's setting: seconds
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2  # the committed run: about 35 min on 2 cores
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import bz2
+import functools
 import hashlib
 import html
 import json
@@ -71,13 +76,16 @@ from pathlib import Path
 
 import torch
 from gensim.test.utils import datapath
-from study_common import machine
+from study_common import machine, planned_steps
 from text import CharTokenizer, chunks, decoder, lm_losses, perplexity, plot, print_tables, read_articles, summarize
 from torch import nn
 
 from dpmath import PLDAccountant
+from dpmath.correlated import BandedStrategy
 from dpsgd import PrivacyEngine
 from dpsgd.data import PoissonBatchSampler
+from dpsgd.noise import BandedNoise
+from dpsgd.samplers import CyclicPoisson
 
 WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 PUBLIC_HELD_OUT = 0.05   # the last 5 % of the public articles: the pre-trained model's own-domain perplexity
@@ -92,7 +100,9 @@ DP_METHODS: dict[str, dict] = {
     "ghost": {"estimator": "ghost"},
     "hutch": {"estimator": "hutch", "projection_dim": K},
     "hutchpp": {"estimator": "hutchpp", "projection_dim": K},
+    "banded-b4": {"estimator": "exact"},   # and its cyclic sampler and banded noise (method_kwargs)
 }
+BANDS = 4   # banded-b4: CyclicPoisson(4) batches, BandedStrategy.optimized(4, steps) noise
 TUNED_AS = {"ghost": "exact"}   # ghost's norms are exact's: it runs with exact's tuned setting
 METHODS = ("non-private", *DP_METHODS)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "utility"
@@ -296,6 +306,21 @@ def gradient_ranks(state: dict, data: Corpus, setting: Setting, examples: int = 
     return out
 
 
+@functools.lru_cache
+def banded_strategy(steps: int) -> BandedStrategy:
+    return BandedStrategy.optimized(BANDS, steps)
+
+
+def method_kwargs(method: str, data: Corpus, setting: Setting) -> dict:
+    """``make_private``'s arguments that define ``method`` (banded-b4: its sampler, and its strategy optimized for
+    the run's steps)."""
+    if method == "banded-b4":
+        steps = planned_steps(BANDS, len(data.train), setting.batch, setting.epochs)
+        return {**DP_METHODS[method], "batch_sampling": CyclicPoisson(BANDS),
+                "noise": BandedNoise(banded_strategy(steps))}
+    return DP_METHODS[method]
+
+
 def _private(model: nn.Module, opt: torch.optim.Optimizer, method: str, privacy: dict, clip: float, seed: int,
              data: Corpus, setting: Setting):
     """``make_private`` as every run calls it: the engine and what it returns."""
@@ -306,7 +331,8 @@ def _private(model: nn.Module, opt: torch.optim.Optimizer, method: str, privacy:
             module=model, optimizer=opt,
             data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train),
                                                     batch_size=setting.batch),
-            criterion=nn.CrossEntropyLoss(), max_grad_norm=clip, seed=seed, **privacy, **DP_METHODS[method])
+            criterion=nn.CrossEntropyLoss(), max_grad_norm=clip, seed=seed, **privacy,
+            **method_kwargs(method, data, setting))
     return engine, *out
 
 
@@ -357,7 +383,11 @@ def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float
         record.update(sigma=engine.noise_multiplier, epsilon_reported=engine.get_epsilon(delta),
                       sample_rate=engine.sample_rate,
                       envelope=None if engine.envelope is None else repr(engine.envelope))
-        record["mechanism"] = engine.accounting.mechanism(engine.noise_multiplier)
+        # what the whole tuning procedure composes: this run's events of its mechanism (a cycle of banded-b4's
+        # sampler is one event), under its accountant's neighbouring relation
+        record.update(mechanism=engine.accounting.mechanism(engine.noise_multiplier),
+                      events=engine.accounting.events(steps),
+                      neighboring=engine.accounting.accountant().neighboring.value)
     record.update(steps=steps, seconds_per_step=(time.perf_counter() - start) / max(steps, 1),
                   ppl=perplexity(model, getattr(data, split)))
     return record
@@ -382,9 +412,12 @@ def execute(tasks: list[tuple], shared: tuple, jobs: int, log) -> list[dict]:
 def procedure_epsilon(runs: list[dict], delta: float) -> float:
     """The epsilon of every run in ``runs`` composed (each run's steps of its mechanism): the privacy cost of
     tuning on them and releasing one (selection is post-processing of the composition)."""
-    acc = PLDAccountant()
+    relations = {r["neighboring"] for r in runs}
+    if len(relations) != 1:
+        raise ValueError(f"runs accounted under different neighbouring relations: {sorted(relations)}")
+    acc = PLDAccountant(neighboring=relations.pop())
     for r in runs:
-        acc.compose(r["mechanism"], r["steps"])
+        acc.compose(r["mechanism"], r["events"])
     return acc.epsilon(delta)
 
 
@@ -491,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict:
             final = next(r for r in runs if (r["method"], r["epsilon_target"]) == (method, eps))
             cell.update(tuning_runs=len(tuned), procedure_epsilon=procedure_epsilon([*tuned, final], delta))
         procedures.append(cell)
-    summary, paired = summarize(runs)
+    summary, paired = summarize(runs, against_exact=("hutch", "hutchpp", "banded-b4"))
     print_tables(summary, paired, levels["test"], epsilons)
     print("\nchosen settings (validation perplexity) and the privacy cost of the whole procedure "
           "(every tuning run and one reported run, composed):")

@@ -1,5 +1,5 @@
-"""What the privacy-utility scripts of benchmarks/utility/ share: the machine they ran on, and a mean with its
-95 % confidence interval over seeds."""
+"""What the privacy-utility scripts of benchmarks/utility/ share: the machine they ran on, a mean with its
+95 % confidence interval over seeds, and the steps a cyclic Poisson run takes."""
 
 from __future__ import annotations
 
@@ -25,3 +25,11 @@ def mean_ci(values: list[float]) -> tuple[float, float | None]:
     if len(values) < 2:
         return mean, None
     return mean, float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def planned_steps(groups: int, num_samples: int, batch_size: int, epochs: int) -> int:
+    """The steps ``make_private(epochs=epochs)`` counts under ``CyclicPoisson(groups)``: ``epochs`` loops over the
+    loader, each ``groups x max(1, round(1 / q))`` steps at ``q = batch_size x groups / num_samples`` (a correlated
+    noise strategy is optimized for them)."""
+    q = batch_size * groups / num_samples
+    return epochs * groups * max(1, round(1 / q))

@@ -318,9 +318,9 @@ def run(method: str, mode: str, eps: float | None, seed: int, state: dict, data:
     return record
 
 
-def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Per (mode, method, epsilon): mean and 95 % interval over seeds; and each randomized estimator's perplexity
-    minus exact's on the same seed (paired)."""
+def summarize(runs: list[dict], against_exact: tuple[str, ...] = ("hutch", "hutchpp")) -> tuple[list[dict], list[dict]]:
+    """Per (mode, method, epsilon): mean and 95 % interval over seeds; and the perplexity of each method of
+    ``against_exact`` minus exact's on the same seed (paired)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["mode"], r["method"], r["epsilon_target"]), []).append(r)
@@ -335,7 +335,7 @@ def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
     for (mode, method, eps), rs in groups.items():
         base = {r["seed"]: r["test_ppl"] for r in groups.get((mode, "exact", eps), [])}
         diffs = [r["test_ppl"] - base[r["seed"]] for r in rs if r["seed"] in base]
-        if method in ("hutch", "hutchpp") and diffs:
+        if method in against_exact and diffs:
             mean, ci = mean_ci(diffs)
             paired.append({"mode": mode, "method": method, "epsilon_target": eps, "seeds": len(diffs),
                            "ppl_minus_exact_mean": mean, "ppl_minus_exact_ci95": ci})
@@ -367,7 +367,7 @@ def print_tables(summary: list[dict], paired: list[dict], zero_shot: float, epsi
 
 def plot(path: Path, summary: list[dict], paired: list[dict], zero_shot: float, modes: list[str], title: str) -> None:
     """Top row: test perplexity against epsilon per method (one panel per mode, own y axis); bottom row, where there
-    are paired differences: each randomized estimator's perplexity minus exact's on the same seed."""
+    are paired differences: each paired method's perplexity minus exact's on the same seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,8 +376,8 @@ def plot(path: Path, summary: list[dict], paired: list[dict], zero_shot: float, 
     rows = 2 if paired else 1
     fig, axes = plt.subplots(rows, len(modes), figsize=(6 * len(modes), 4 + 3 * (rows - 1)), squeeze=False,
                              height_ratios=[4, 3][:rows])
-    dp = [m for m in DP_METHODS if any(s["method"] == m for s in summary)]
-    colors = {m: f"C{i}" for i, m in enumerate(DP_METHODS)}
+    dp = list(dict.fromkeys(s["method"] for s in summary if s["method"] != "non-private"))
+    colors = {m: f"C{i}" for i, m in enumerate(dp)}
     epsilons = sorted({s["epsilon_target"] for s in summary if s["epsilon_target"] is not None})
 
     def bars(ax, points: list[tuple[float, float, float | None]], j: int, n: int, method: str) -> None:
@@ -403,7 +403,7 @@ def plot(path: Path, summary: list[dict], paired: list[dict], zero_shot: float, 
         ax.set_ylabel("test perplexity per character\n(mean, 95 % CI over seeds)")
         if rows == 2:
             ax = axes[1][col]
-            randomized = [m for m in ("hutch", "hutchpp") if any(p["method"] == m for p in paired)]
+            randomized = list(dict.fromkeys(p["method"] for p in paired if p["mode"] == mode))
             for j, method in enumerate(randomized):
                 bars(ax, [(p["epsilon_target"], p["ppl_minus_exact_mean"], p["ppl_minus_exact_ci95"]) for p in paired
                           if p["mode"] == mode and p["method"] == method], j, len(randomized), method)
