@@ -71,7 +71,8 @@ class EpsilonSchedule:
     docstring says why that is sound at every smaller count), and ``epsilon_bracket`` adds the lower bound from
     the lower PLD.  The first query of each neighbouring direction builds its step (a randomized-clipping step:
     about a second) and the transform; each later count costs one inverse FFT of the window of ``max_count``
-    steps and the read-out: about 10 ms for a subsampled Gaussian, 20 to 40 ms for randomized clipping with
+    steps and the read-out: about 10 ms for a subsampled Gaussian (2 ms where the default's coarse grid answers,
+    below), 20 to 40 ms for randomized clipping with
     ``HutchEnvelope(16, 64)`` (up to about 0.4 s with ``k = 8``'s heavier tail and wider window).  Values are kept
     by ``(count, delta)``.
 
