@@ -48,7 +48,7 @@ confidence interval from the t distribution, and each randomized estimator's per
 seed (paired: same Poisson batches and noise stream; ``banded-b4``: the seed alone).
 
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --small   # the smoke test's setting: seconds
-    OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2  # the committed run: about 35 min on 2 cores
+    OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2  # the committed run: 34 min on 2 cores
     options: --methods exact hutch ... --epsilons 1 8 --seeds 3 --jobs N --out DIR
 
 Writes ``DIR/shift.json`` (``shift_small.json`` with ``--small``), a PNG plot of the same name and the pre-training
@@ -129,7 +129,7 @@ class Setting:
 SMALL = Setting(seq_len=32, width=32, layers=1, heads=2, pretrain_steps=40, pretrain_batch=16, pretrain_lr=3e-3,
                 private_articles=20, batch=32, epochs=1, grid_c=(0.5, 2.0), grid_lr=(1e-3,))
 DEFAULT = Setting(seq_len=128, width=128, layers=2, heads=4, pretrain_steps=4800, pretrain_batch=32, pretrain_lr=3e-3,
-                  private_articles=None, batch=64, epochs=2, grid_c=(0.5, 2.0, 8.0), grid_lr=(3e-4, 1e-3, 3e-3))
+                  private_articles=None, batch=64, epochs=2, grid_c=(0.5, 4.0, 8.0), grid_lr=(1e-4, 3e-4, 1e-3, 3e-3))
 
 
 _DROP_BLOCKS = [re.compile(p, re.S) for p in (r"<ref[^>]*/>", r"<ref[^>]*>.*?</ref>", r"<!--.*?-->",
@@ -393,6 +393,14 @@ def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float
     return record
 
 
+def grid_end(value: float | None, grid: tuple[float, ...]) -> str:
+    """``"lowest"`` or ``"highest"`` where a chosen ``value`` is at that end of a grid of three or more, else ``""``
+    (a better value may lie beyond it)."""
+    if value is None or len(grid) < 3:
+        return ""
+    return "lowest" if value == min(grid) else "highest" if value == max(grid) else ""
+
+
 def execute(tasks: list[tuple], shared: tuple, jobs: int, log) -> list[dict]:
     """``run(*task, *shared)`` for every task, on ``jobs`` processes (one thread each), logged as they finish; in
     the order of ``tasks`` (each run is seeded: the records do not depend on ``jobs``)."""
@@ -447,6 +455,15 @@ def tune(methods: list[str], epsilons: list[float], sigmas: dict, shared: tuple,
     return runs, chosen
 
 
+def draw(result: dict, path: Path) -> None:
+    """The study's plot, from its result (``--replot`` redraws it from the JSON)."""
+    setting, levels = result["setting"], result["pretrained_ppl"]
+    plot(path, result["summary"], result["paired_to_exact"], levels["test"], ["full"],
+         f"char-level GPT-2 ({setting['layers']} layers, width {setting['width']}) pre-trained on Wikipedia\n"
+         f"(held-out ppl {levels['public_held_out']:.2f}), fine-tuned on {result['data']['private_chunks']['train']} "
+         f"private news chunks;\ndelta {result['delta']:g}, {result['summary'][0]['seeds']} seeds, tuned per method")
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -458,6 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "benchmarks/results/utility; with --small its untracked small/ folder)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (the records do not depend "
                     "on it; the seconds per step do)")
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     setting = SMALL if args.small else DEFAULT
@@ -471,6 +489,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out is None:   # a smoke run never overwrites the tracked results
         args.out = DEFAULT_OUT / "small" if args.small else DEFAULT_OUT
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        result = json.loads((args.out / f"{stem}.json").read_text())
+        draw(result, args.out / f"{stem}.png")
+        return result
     t0 = time.perf_counter()
 
     data = corpus(setting)
@@ -514,10 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     procedures = []
     for (method, eps), (clip, lr) in chosen.items():
-        grid_c = setting.grid_c if method != "non-private" else ()
-        cell = {"method": method, "epsilon_target": eps, "max_grad_norm": clip, "lr": lr,
-                "at_grid_edge": (clip in (min(grid_c), max(grid_c)) if grid_c and len(grid_c) > 2 else False)
-                or (len(setting.grid_lr) > 2 and lr in (min(setting.grid_lr), max(setting.grid_lr)))}
+        cell = {"method": method, "epsilon_target": eps, "max_grad_norm": clip, "lr": lr}
         if eps is not None:
             src = TUNED_AS.get(method, method)
             tuned = [r for r in tuning if (r["method"], r["epsilon_target"]) == (src, eps)]
@@ -532,8 +551,11 @@ def main(argv: list[str] | None = None) -> dict:
         cost = "" if p["epsilon_target"] is None else \
             f", {p['tuning_runs']} tuning runs + 1: epsilon {p['procedure_epsilon']:.2f} at delta {delta:g}"
         eps_txt = "-" if p["epsilon_target"] is None else f"{p['epsilon_target']:g}"
+        edges = [f"{name} at the grid's {end}" for name, value, grid in (("C", p["max_grad_norm"], setting.grid_c),
+                                                                         ("lr", p["lr"], setting.grid_lr))
+                 if (end := grid_end(value, grid))]
         print(f"  {p['method']:>11} eps {eps_txt:>3}: C {p['max_grad_norm']}, lr {p['lr']:g}"
-              f"{' (at the grid edge)' if p['at_grid_edge'] else ''}{cost}")
+              f"{' (' + ', '.join(edges) + ')' if edges else ''}{cost}")
     total = time.perf_counter() - t0
     print(f"\ntotal {total:.0f} s")
     for r in (*tuning, *runs):
@@ -548,10 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
               "tuning": tuning, "chosen": procedures, "runs": runs, "summary": summary, "paired_to_exact": paired,
               "total_seconds": total}
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(args.out / f"{stem}.png", summary, paired, levels["test"], ["full"],
-         f"char-level GPT-2 ({setting.layers} layers, width {setting.width}) pre-trained on Wikipedia "
-         f"(held-out ppl {levels['public_held_out']:.2f}), fine-tuned on {n} private news chunks; delta {delta:g}, "
-         f"{len(seeds)} seeds, tuned per method")
+    draw(result, args.out / f"{stem}.png")
     print(f"wrote {args.out / f'{stem}.json'} and {args.out / f'{stem}.png'}")
     return result
 

@@ -1,5 +1,5 @@
 """The tables of docs/utility.md, rendered at build time from the committed results of benchmarks/utility/
-(digits.json, text.json, canary_audit.json): nothing in them is typed by hand, nothing is re-trained."""
+(digits.json, text.json, shift.json, canary_audit.json): nothing in them is typed by hand, nothing is re-trained."""
 
 from __future__ import annotations
 
@@ -77,6 +77,67 @@ def _text(data: dict) -> list[str]:
     return lines
 
 
+def _pm(mean: float, ci: float | None, digits: int = 3, sign: str = "") -> str:
+    """``mean ± ci`` (the mean alone for one seed, whose interval is None)."""
+    return f"{mean:{sign}.{digits}f}" + ("" if ci is None else f" ± {ci:.{digits}f}")
+
+
+def _shift(data: dict) -> list[str]:
+    info, pre, ppl = data["data"], data["pretrain"], data["pretrained_ppl"]
+    summary = data["summary"]
+    eps = sorted({s["epsilon_target"] for s in summary if s["epsilon_target"] is not None})
+    base = next(s for s in summary if s["method"] == "non-private")
+    chunks = info["private_chunks"]
+    lines = [f"**The pre-trained model** ({pre['steps']} AdamW steps of {data['setting']['pretrain_batch']} windows "
+             f"of {info['seq_len']} characters over {info['public_characters']:,} characters of Wikipedia, "
+             f"{pre['seconds'] / 60:.0f} min on one thread): perplexity per character "
+             f"{ppl['public_held_out']:.3f} on {info['public_held_out_articles']} held-out Wikipedia articles, "
+             f"{ppl['test']:.3f} on the news test split before fine-tuning.  News: {chunks['train']} train, "
+             f"{chunks['validation']} validation and {chunks['test']} test chunks; δ = {data['delta']:g}.", "",
+             f"Test perplexity per character, mean ± 95 % CI over {summary[0]['seeds']} seeds, each method at its own "
+             f"tuned C and learning rate; non-private fine-tuning: {_pm(base['test_ppl_mean'], base['test_ppl_ci95'])}."
+             f"  Below each cell: the paired difference to `exact` (same seed: same "
+             f"batches and noise stream).", "",
+             "| method | " + " | ".join(f"ε = {e:g}" for e in eps) + " | σ at each ε |", "|---" * (len(eps) + 2) + "|"]
+    paired = {(p["method"], p["epsilon_target"]): p for p in data["paired_to_exact"]}
+    for m in dict.fromkeys(s["method"] for s in summary if s["method"] != "non-private"):
+        by = {s["epsilon_target"]: s for s in summary if s["method"] == m}
+        cells = []
+        for e in eps:
+            cell = _pm(by[e]['test_ppl_mean'], by[e]['test_ppl_ci95'])
+            p = paired.get((m, e))
+            if p is not None:
+                cell += f"<br>({_pm(p['ppl_minus_exact_mean'], p['ppl_minus_exact_ci95'], 4, '+')})"
+            cells.append(cell)
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " | " + " / ".join(f"{by[e]['sigma']:.3f}" for e in eps)
+                     + " |")
+    grid = data["setting"]
+    lines += ["", f"The tuning: C in {{{', '.join(f'{c:g}' for c in grid['grid_c'])}}} × learning rate in "
+              f"{{{', '.join(f'{x:g}' for x in grid['grid_lr'])}}}, one validation run each; the privacy cost of the "
+              f"whole procedure is every tuning run and the reported run composed (PLD accountant, same δ).", "",
+              "| method | ε per run | chosen C | chosen learning rate | runs composed | ε of the procedure |",
+              "|---|---|---|---|---|---|"]
+    def mark(value: float, values: list[float]) -> str:   # a choice at an end of its grid: better may lie beyond
+        return f"{value:g}" + (" (the grid's end)" if len(values) > 2 and value in (min(values), max(values)) else "")
+
+    for c in data["chosen"]:
+        lr = mark(c["lr"], grid["grid_lr"])
+        if c["epsilon_target"] is None:
+            lines.append(f"| `{c['method']}` | – | – | {lr} | – | – |")
+        else:
+            lines.append(f"| `{c['method']}` | {c['epsilon_target']:g} | {mark(c['max_grad_norm'], grid['grid_c'])} | "
+                         f"{lr} | {c['tuning_runs'] + 1} | {c['procedure_epsilon']:.2f} |")
+    lines += ["", f"Per-example gradient ranks of the pre-trained model on {8} news train chunks (numerical rank: "
+              f"singular values above 10⁻⁵ of the largest), the ranks that hold 99 % of the squared norm, and the "
+              f"share of the squared norm in the top k = {data['k']} singular values (what Hutch++'s sketch can "
+              f"hold exactly):", "", "| weight | shape | rank (min–max) | 99 % of the norm² | top-k share |",
+              "|---|---|---|---|---|"]
+    for r in data["gradient_ranks"]:
+        lines.append(f"| `{r['parameter']}` | {' × '.join(map(str, r['shape']))} | {r['rank_min']}–{r['rank_max']} | "
+                     f"{r['rank99_median']:g} | {r['top_k_share_median']:.3f} |")
+    return lines + [""]
+
+
 def _canary(data: dict) -> list[str]:
     s = data["settings"]
     lines = [f"q = {s['sample_rate']}, {s['steps']} steps, σ = {s['noise_multiplier']}, C = {s['max_grad_norm']}, "
@@ -96,7 +157,7 @@ def main(out_dir: str, static_dir: str) -> None:
     out, static = pathlib.Path(out_dir), pathlib.Path(static_dir)
     out.mkdir(parents=True, exist_ok=True)
     static.mkdir(parents=True, exist_ok=True)
-    for name, render in (("digits", _digits), ("text", _text), ("canary_audit", _canary)):
+    for name, render in (("digits", _digits), ("text", _text), ("shift", _shift), ("canary_audit", _canary)):
         data = json.loads((RESULTS / f"{name}.json").read_text())
         (out / f"utility_{name}.md").write_text("\n".join(render(data)))
         png = RESULTS / f"{name}.png"
