@@ -347,6 +347,23 @@ def calibrate(method: str, eps: float, state: dict, data: Corpus, setting: Setti
     return engine.noise_multiplier
 
 
+def gradient_norms(state: dict, data: Corpus, setting: Setting, examples: int = 64) -> dict:
+    """10 %, 50 % and 90 % quantiles of the pre-trained model's per-example gradient norms (all weights) on
+    ``examples`` held-out public chunks, and on as many private-train chunks: where the clipping norms ``C`` of
+    the grid stand against them."""
+    model = fresh_model(state, data, setting)
+    out = {}
+    for name, rows in (("public_held_out", data.public_test), ("private_train", data.train)):
+        norms = []
+        for i in range(min(examples, len(rows))):
+            model.zero_grad()
+            lm_losses(model, rows[i:i + 1]).sum().backward()
+            norms.append(math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters())))
+        q = statistics.quantiles(norms, n=10, method="inclusive")
+        out[name] = {"examples": len(norms), "q10": q[0], "median": statistics.median(norms), "q90": q[-1]}
+    return out
+
+
 def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float, sigma: float | None, state: dict,
         data: Corpus, setting: Setting, delta: float, split: str) -> dict:
     """Fine-tune once with noise multiplier ``sigma`` (:func:`calibrate`'s) and measure on ``split``
@@ -509,6 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"pre-trained model ({origin}): perplexity per character on held-out Wikipedia "
           f"{levels['public_held_out']:.3f}, on the news test split (zero-shot) {levels['test']:.3f}", flush=True)
 
+    norms = gradient_norms(state, data, setting)
+    print("per-example gradient norms (10 % / 50 % / 90 %): " + "; ".join(
+        f"{k} {v['q10']:.2f} / {v['median']:.2f} / {v['q90']:.2f}" for k, v in norms.items()), flush=True)
     ranks = gradient_ranks(state, data, setting)
     print(f"\nper-example gradient ranks (8 private-train chunks; numerical rank, ranks holding 99 % of the squared "
           f"norm, share of it in the top {K} singular values), medians:")
@@ -564,7 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "method tuned on a validation split",
               "command": shlex.join(["python", "benchmarks/utility/shift.py", *argv]),
               "machine": machine(), "setting": asdict(setting), "data": data.info, "delta": delta, "k": K,
-              "optimizer": "Adam", "pretrain": pre, "pretrained_ppl": levels, "gradient_ranks": ranks,
+              "optimizer": "Adam", "pretrain": pre, "pretrained_ppl": levels, "gradient_norms": norms,
+              "gradient_ranks": ranks,
               "statistics": "mean over seeds, 95 % CI half-width t_{0.975,n-1} s/sqrt(n); paired: the same seed's "
                             "exact run (same Poisson batches and noise stream) subtracted",
               "tuning": tuning, "chosen": procedures, "runs": runs, "summary": summary, "paired_to_exact": paired,

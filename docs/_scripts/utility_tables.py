@@ -127,6 +127,11 @@ def _shift(data: dict) -> list[str]:
         else:
             lines.append(f"| `{c['method']}` | {c['epsilon_target']:g} | {mark(c['max_grad_norm'], grid['grid_c'])} | "
                          f"{lr} | {c['tuning_runs'] + 1} | {c['procedure_epsilon']:.2f} |")
+    norms = data["gradient_norms"]
+    lines += ["", "The pre-trained model's per-example gradient norms (all weights; 10 % / 50 % / 90 % quantiles): "
+              + "; ".join(f"{v['q10']:.2f} / {v['median']:.2f} / {v['q90']:.2f} on {v['examples']} "
+                          f"{'held-out Wikipedia' if k == 'public_held_out' else 'news train'} chunks"
+                          for k, v in norms.items()) + "."]
     lines += ["", f"Per-example gradient ranks of the pre-trained model on {8} news train chunks (numerical rank: "
               f"singular values above 10⁻⁵ of the largest), the ranks that hold 99 % of the squared norm, and the "
               f"share of the squared norm in the top k = {data['k']} singular values (what Hutch++'s sketch can "
