@@ -32,6 +32,9 @@ settings and the public text).  Private fine-tuning of all weights with ``dpsgd.
   ``CyclicPoisson(4)`` (each example in one of 4 groups; step ``t`` Poisson-samples group ``t mod 4`` at 4 times
   the rate), exact norms, accounted by amplified banded MF: one event per cycle.  Its batches come from another
   sampler, so its paired difference to ``exact`` shares the seed only;
+* ``blt-d3``: buffered-linear-Toeplitz noise (``BLTNoise(BLTStrategy.optimized(3, steps, min_separation=4))``)
+  under ``CyclicPoisson(4)``, exact norms, accounted **without** amplification (one Gaussian step per cycle: no
+  amplification argument for BLT is claimed);
 * ``non-private``: the same loop and Poisson batches, neither clipping nor noise (its learning rate tuned too).
 
 **Tuning.**  Each method and epsilon picks its clipping norm ``C`` and learning rate from ``GRID_C x GRID_LR`` by
@@ -45,11 +48,14 @@ the validation articles are read without privacy (treat them as public or consen
 private-train chunks) over the run's steps; runs that share the method and epsilon reuse it (the calibration does
 not depend on ``C``, the learning rate or the seed).  The summary is the mean test perplexity over seeds with a 95 %
 confidence interval from the t distribution, and each randomized estimator's perplexity minus exact's on the same
-seed (paired: same Poisson batches and noise stream; ``banded-b4``: the seed alone).
+seed (paired: same Poisson batches and noise stream; ``banded-b4``, ``blt-d3``: the seed alone).  ``--merge``
+runs only ``--methods`` and keeps the other methods' records from ``DIR/shift.json`` (add ``exact`` to check that
+its runs reproduce and to pair against them).
 
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --small   # the smoke test's setting: seconds
     OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2  # the committed run: 34 min on 2 cores
-    options: --methods exact hutch ... --epsilons 1 8 --seeds 3 --jobs N --out DIR
+    OMP_NUM_THREADS=1 python benchmarks/utility/shift.py --jobs 2 --merge --methods exact blt-d3   # its BLT rows
+    options: --methods exact hutch ... --epsilons 1 8 --seeds 3 --jobs N --merge --out DIR
 
 Writes ``DIR/shift.json`` (``shift_small.json`` with ``--small``), a PNG plot of the same name and the pre-training
 cache; ``DIR`` defaults to ``benchmarks/results/utility`` (``--small``: its untracked ``small/`` folder).
@@ -81,10 +87,10 @@ from text import CharTokenizer, chunks, decoder, lm_losses, perplexity, plot, pr
 from torch import nn
 
 from dpmath import PLDAccountant
-from dpmath.correlated import BandedStrategy
+from dpmath.correlated import BandedStrategy, BLTStrategy
 from dpsgd import PrivacyEngine
 from dpsgd.data import PoissonBatchSampler
-from dpsgd.noise import BandedNoise
+from dpsgd.noise import BandedNoise, BLTNoise
 from dpsgd.samplers import CyclicPoisson
 
 WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -100,10 +106,12 @@ DP_METHODS: dict[str, dict] = {
     "ghost": {"estimator": "ghost"},
     "hutch": {"estimator": "hutch", "projection_dim": K},
     "hutchpp": {"estimator": "hutchpp", "projection_dim": K},
-    "banded-b4": {"estimator": "exact"},   # and its cyclic sampler and banded noise (method_kwargs)
+    "banded-b4": {"estimator": "exact"},   # and its cyclic sampler and correlated noise (method_kwargs)
+    "blt-d3": {"estimator": "exact"},
 }
-BANDS = 4   # banded-b4: CyclicPoisson(4) batches, BandedStrategy.optimized(4, steps) noise
+GROUPS = 4   # the correlated methods' CyclicPoisson(4) batches
 TUNED_AS = {"ghost": "exact"}   # ghost's norms are exact's: it runs with exact's tuned setting
+PAIRED = ("hutch", "hutchpp", "banded-b4", "blt-d3")   # paired to exact by seed in the summary
 METHODS = ("non-private", *DP_METHODS)
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "utility"
 
@@ -307,17 +315,21 @@ def gradient_ranks(state: dict, data: Corpus, setting: Setting, examples: int = 
 
 
 @functools.lru_cache
-def banded_strategy(steps: int) -> BandedStrategy:
-    return BandedStrategy.optimized(BANDS, steps)
+def correlated_strategy(method: str, steps: int) -> BandedStrategy | BLTStrategy:
+    """banded-b4's 4-band strategy, or blt-d3's 3 buffers for participations ``GROUPS`` steps apart, optimized for
+    the run's ``steps`` (once each)."""
+    if method == "banded-b4":
+        return BandedStrategy.optimized(4, steps)
+    return BLTStrategy.optimized(3, steps, min_separation=GROUPS)
 
 
 def method_kwargs(method: str, data: Corpus, setting: Setting) -> dict:
-    """``make_private``'s arguments that define ``method`` (banded-b4: its sampler, and its strategy optimized for
-    the run's steps)."""
-    if method == "banded-b4":
-        steps = planned_steps(BANDS, len(data.train), setting.batch, setting.epochs)
-        return {**DP_METHODS[method], "batch_sampling": CyclicPoisson(BANDS),
-                "noise": BandedNoise(banded_strategy(steps))}
+    """``make_private``'s arguments that define ``method`` (the correlated ones: their sampler, and their strategy
+    optimized for the run's steps)."""
+    if method in ("banded-b4", "blt-d3"):
+        strategy = correlated_strategy(method, planned_steps(GROUPS, len(data.train), setting.batch, setting.epochs))
+        noise = BandedNoise(strategy) if method == "banded-b4" else BLTNoise(strategy)
+        return {**DP_METHODS[method], "batch_sampling": CyclicPoisson(GROUPS), "noise": noise}
     return DP_METHODS[method]
 
 
@@ -493,6 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (the records do not depend "
                     "on it; the seconds per step do)")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
+    ap.add_argument("--merge", action="store_true", help="run --methods only; keep the JSON's other methods")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     setting = SMALL if args.small else DEFAULT
@@ -554,7 +567,21 @@ def main(argv: list[str] | None = None) -> dict:
              for method in methods for eps in ([None] if method == "non-private" else epsilons)]
     runs = [{**r, "mode": "full", "test_ppl": r["ppl"]} for r in execute(tasks, (*shared, "test"), args.jobs, log)]
 
-    procedures = []
+    kept = {}
+    if args.merge:
+        kept = json.loads((args.out / f"{stem}.json").read_text())
+        fields = ("method", "epsilon_target", "seed", "split", "max_grad_norm", "lr")
+        ours = {tuple(r[f] for f in fields): r["ppl"] for r in (*tuning, *runs)}
+        again = [(k, r["ppl"], ours[k]) for r in (*kept["tuning"], *kept["runs"])
+                 if (k := tuple(r[f] for f in fields)) in ours]
+        print(f"\nmerged: {sum(a == b for _, a, b in again)} of {len(again)} runs of the kept file reproduced "
+              f"exactly; differing: {[k for k, a, b in again if a != b]}")
+        tuning = [r for r in kept["tuning"] if r["method"] not in methods] + tuning
+        runs = [r for r in kept["runs"] if r["method"] not in methods] + runs
+        methods = [m for m in METHODS if m in methods or any(r["method"] == m for r in runs)]
+        runs.sort(key=lambda r: (r["seed"], methods.index(r["method"])))
+
+    procedures = [c for c in kept.get("chosen", []) if c["method"] not in args.methods]
     for (method, eps), (clip, lr) in chosen.items():
         cell = {"method": method, "epsilon_target": eps, "max_grad_norm": clip, "lr": lr}
         if eps is not None:
@@ -563,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict:
             final = next(r for r in runs if (r["method"], r["epsilon_target"]) == (method, eps))
             cell.update(tuning_runs=len(tuned), procedure_epsilon=procedure_epsilon([*tuned, final], delta))
         procedures.append(cell)
-    summary, paired = summarize(runs, against_exact=("hutch", "hutchpp", "banded-b4"))
+    summary, paired = summarize(runs, against_exact=PAIRED)
     print_tables(summary, paired, levels["test"], epsilons)
     print("\nchosen settings (validation perplexity) and the privacy cost of the whole procedure "
           "(every tuning run and one reported run, composed):")
@@ -579,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict:
     total = time.perf_counter() - t0
     print(f"\ntotal {total:.0f} s")
     for r in (*tuning, *runs):
-        r["mechanism"] = None if r["mechanism"] is None else repr(r["mechanism"])
+        if not isinstance(r["mechanism"], str | None):   # (a kept record's is its repr already)
+            r["mechanism"] = repr(r["mechanism"])
     result = {"study": "private fine-tuning of a character-level GPT-2 pre-trained on Wikipedia, on news text, each "
                        "method tuned on a validation split",
               "command": shlex.join(["python", "benchmarks/utility/shift.py", *argv]),

@@ -53,4 +53,13 @@ def test_the_small_setting_tunes_each_method_and_writes_a_complete_and_sane_resu
             assert 0 < r["epsilon_reported"] <= r["epsilon_target"] * (1 + 1e-9)
     by = {(r["method"], r["seed"]): r for r in result["runs"]}
     assert by[("ghost", 1)]["test_ppl"] == pytest.approx(by[("exact", 1)]["test_ppl"], rel=1e-4)
-    assert {p["method"] for p in result["paired_to_exact"]} == {"hutch", "hutchpp", "banded-b4"}
+    assert {p["method"] for p in result["paired_to_exact"]} == set(study.PAIRED)
+
+    # --merge reruns the methods named and keeps the rest: exact's runs reproduce bit for bit
+    merged = study.main(["--small", "--out", str(tmp_path), "--merge", "--methods", "exact"])
+    key = ("method", "epsilon_target", "seed", "split", "max_grad_norm", "lr", "ppl")
+    for part in ("tuning", "runs"):
+        assert sorted(tuple(r[k] for k in key) for r in merged[part]) == sorted(
+            tuple(r[k] for k in key) for r in result[part])
+    assert {c["method"]: c["procedure_epsilon"] for c in merged["chosen"] if c["epsilon_target"]} == {
+        c["method"]: c["procedure_epsilon"] for c in result["chosen"] if c["epsilon_target"]}
