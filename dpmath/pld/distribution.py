@@ -182,7 +182,19 @@ class Pld:
 
     def epsilon(self, delta: float) -> float:
         """Smallest ``eps >= 0`` with ``delta(eps) <= delta`` (``inf`` when the mass at ``+inf`` exceeds it),
-        rounded outward (up for an upper PLD, down for a lower one)."""
+        rounded outward (up for an upper PLD, down for a lower one).  An upper PLD's answer also satisfies its own
+        :meth:`delta` read-out, ``delta(epsilon(d)) <= d``: each rounds outward on its own, so the root is moved up
+        by the few units in the last place that their two margins can differ by."""
+        eps = self._epsilon(delta)
+        if self.upper and 0.0 < eps < math.inf:
+            step = 4.0 * _EPS * max(abs(eps), self.h)
+            for _ in range(64):
+                if self.delta(eps) <= delta:
+                    break
+                eps, step = eps + step, 2.0 * step
+        return eps
+
+    def _epsilon(self, delta: float) -> float:
         t, dj, r, total = self._curves()
         if self.inf - self.slack > delta:
             return math.inf

@@ -896,3 +896,17 @@ def test_a_float_target_asks_the_two_scale_lower_end_before_it_refines_the_grid(
     assert {k[0] for k in acc._plds} == {1e-4}
     assert 0 < hi - lo <= 1e-3 * hi
     assert (lo, hi) == PLDAccountant().compose(SubsampledGaussian(0.5, 1e-6), 10_000).epsilon_bracket(1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sigma=st.sampled_from([0.5, 0.8, 1.0, 2.0, 4.0]), q=st.sampled_from([1e-3, 1e-2, 0.1, 0.5, 1.0]),
+       delta=st.sampled_from([1e-3, 1e-5, 1e-8]), relation=st.sampled_from(["remove", "add"]))
+def test_an_upper_pld_reads_back_its_own_epsilon_at_or_below_delta(sigma, q, delta, relation):
+    """``delta(epsilon(d)) <= d`` on one upper PLD: each read-out rounds outward on its own, and the root is moved
+    up past their margins, so the two never contradict each other (a bound of 1e-13 above d was possible)."""
+    from dpmath.pld.steps import step_plds
+
+    (pld,) = step_plds(SubsampledGaussian(sigma, q), relation, 1e-4, (True,))
+    eps = pld.epsilon(delta)
+    assume(0 < eps < math.inf)
+    assert pld.delta(eps) <= delta
