@@ -617,7 +617,11 @@ def main(argv: list[str] | None = None) -> dict:
               "statistics": "mean over seeds, 95 % CI half-width t_{0.975,n-1} s/sqrt(n); paired: the same seed's "
                             "exact run (same Poisson batches and noise stream) subtracted",
               "tuning": tuning, "chosen": procedures, "runs": runs, "summary": summary, "paired_to_exact": paired,
-              "total_seconds": total}
+              "total_seconds": total,
+              # a merged file's earlier runs: the commands (and their seconds) whose records it keeps
+              "earlier_commands": [*kept.get("earlier_commands", []),
+                                   {"command": kept["command"], "total_seconds": kept["total_seconds"]}]
+              if kept else []}
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     draw(result, args.out / f"{stem}.png")
     print(f"wrote {args.out / f'{stem}.json'} and {args.out / f'{stem}.png'}")

@@ -57,6 +57,8 @@ def test_the_small_setting_tunes_each_method_and_writes_a_complete_and_sane_resu
 
     # --merge reruns the methods named and keeps the rest: exact's runs reproduce bit for bit
     merged = study.main(["--small", "--out", str(tmp_path), "--merge", "--methods", "exact"])
+    assert result["earlier_commands"] == []
+    assert [c["command"] for c in merged["earlier_commands"]] == [result["command"]]
     key = ("method", "epsilon_target", "seed", "split", "max_grad_norm", "lr", "ppl")
     for part in ("tuning", "runs"):
         assert sorted(tuple(r[k] for k in key) for r in merged[part]) == sorted(
