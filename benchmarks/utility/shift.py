@@ -82,14 +82,25 @@ from pathlib import Path
 
 import torch
 from gensim.test.utils import datapath
-from study_common import machine, planned_steps
-from text import CharTokenizer, chunks, decoder, lm_losses, perplexity, plot, print_tables, read_articles, summarize
+from study_common import cached_pretraining, machine, non_private_epochs, planned_steps
+from text import (
+    PRETRAIN_SEED,
+    CharTokenizer,
+    chunks,
+    decoder,
+    lm_losses,
+    perplexity,
+    plot,
+    pretrain,
+    print_tables,
+    read_articles,
+    summarize,
+)
 from torch import nn
 
 from dpmath import PLDAccountant
 from dpmath.correlated import BandedStrategy, BLTStrategy
 from dpsgd import PrivacyEngine
-from dpsgd.data import PoissonBatchSampler
 from dpsgd.noise import BandedNoise, BLTNoise
 from dpsgd.samplers import CyclicPoisson
 
@@ -98,7 +109,6 @@ PUBLIC_HELD_OUT = 0.05   # the last 5 % of the public articles: the pre-trained 
 MIN_COUNT = 50           # a public character seen fewer times is id 0 (unknown)
 SPLITS = (0.6, 0.2, 0.2)  # private articles: train, validation, test
 SPLIT_SEED = 1234
-PRETRAIN_SEED = 0
 TUNE_SEED = 100
 K = 32
 DP_METHODS: dict[str, dict] = {
@@ -246,40 +256,16 @@ def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
     """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
     fields = {k: v for k, v in asdict(setting).items() if k.startswith("pretrain") or k in
               ("seq_len", "width", "layers", "heads")}
-    key_text = json.dumps({**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
-                           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}, sort_keys=True)
-    path = out / f"shift_pretrained_{hashlib.sha256(key_text.encode()).hexdigest()[:12]}.pt"
-    if path.exists():
-        saved = torch.load(path, weights_only=True)
-        return saved["state_dict"], {**json.loads(saved["record"]), "cache": path.name, "cached": True}
-    torch.manual_seed(PRETRAIN_SEED)
-    model = decoder(data.tokenizer.vocab_size, setting)
-    opt = torch.optim.AdamW(model.parameters(), lr=setting.pretrain_lr, weight_decay=0.01)
-    warm = max(1, setting.pretrain_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / setting.pretrain_steps)))
-    gen = torch.Generator().manual_seed(PRETRAIN_SEED)
-    span = len(data.public) - setting.seq_len
-    start, tail, curve = time.perf_counter(), [], []
-    for step in range(setting.pretrain_steps):
-        at = torch.randint(0, span + 1, (setting.pretrain_batch, 1), generator=gen) + torch.arange(setting.seq_len)
-        loss = lm_losses(model, data.public[at]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        tail.append(float(loss.detach()))
-        if (step + 1) % max(1, setting.pretrain_steps // 8) == 0:
-            curve.append({"step": step + 1, "public_test_ppl": perplexity(model, data.public_test)})
-            print(f"pre-training step {step + 1}/{setting.pretrain_steps}: train loss "
-                  f"{statistics.mean(tail[-50:]):.3f}, public held-out ppl {curve[-1]['public_test_ppl']:.3f}, "
-                  f"{time.perf_counter() - start:.0f} s",
-                  flush=True)
-    record = {"steps": setting.pretrain_steps, "seconds": time.perf_counter() - start,
-              "final_train_loss": statistics.mean(tail[-50:]), "curve": curve, "settings": json.loads(key_text)}
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.state_dict(), "record": json.dumps(record)}, path)
-    return model.state_dict(), {**record, "cache": path.name, "cached": False}
+    key = {**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
+           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}
+
+    def train() -> tuple[dict, dict]:
+        warm = max(1, setting.pretrain_steps // 20)   # a linear warm-up over 5 %, then a cosine decay
+        return pretrain(data.public, data.tokenizer.vocab_size, setting,
+                        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / setting.pretrain_steps)),
+                        reports=8, evaluate=lambda model: perplexity(model, data.public_test))
+
+    return cached_pretraining(out, "shift_pretrained", key, train)
 
 
 def fresh_model(state: dict, data: Corpus, setting: Setting) -> nn.Module:
@@ -387,16 +373,8 @@ def run(method: str, eps: float | None, seed: int, clip: float | None, lr: float
     record = {"method": method, "epsilon_target": eps, "seed": seed, "max_grad_norm": clip, "lr": lr,
               "split": split}
     if method == "non-private":
-        sampler = PoissonBatchSampler(len(data.train), setting.batch / len(data.train),
-                                      generator=torch.Generator().manual_seed(seed))
-        start, steps = time.perf_counter(), 0
-        for _ in range(setting.epochs):
-            for index in sampler:
-                opt.zero_grad()
-                if index:   # an empty Poisson batch: the step is skipped, as a noise-only step would move nothing
-                    lm_losses(model, data.train[index]).mean().backward()
-                    opt.step()
-                steps += 1
+        start = time.perf_counter()
+        steps = non_private_epochs(model, opt, data.train, setting.batch, setting.epochs, seed, lm_losses)
         record.update(sigma=None, epsilon_reported=None, mechanism=None)
     else:
         engine, model, opt, crit, loader = _private(model, opt, method, {"noise_multiplier": sigma,

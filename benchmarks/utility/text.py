@@ -67,6 +67,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -74,12 +75,11 @@ import torch
 import torch.nn.functional as F
 from gensim.test.utils import datapath
 from peft import LoraConfig, get_peft_model
-from study_common import machine, mean_ci
+from study_common import cached_pretraining, machine, mean_ci, non_private_epochs
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dpsgd import PrivacyEngine
-from dpsgd.data import PoissonBatchSampler
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 # peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` on every get_peft_model
@@ -217,39 +217,50 @@ def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
     return math.exp(total / len(ids))
 
 
-def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
-    """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
-    fields = {k: v for k, v in asdict(setting).items() if k.startswith("pretrain") or k in
-              ("seq_len", "width", "layers", "heads")}
-    key_text = json.dumps({**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
-                           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}, sort_keys=True)
-    path = out / f"text_pretrained_{hashlib.sha256(key_text.encode()).hexdigest()[:12]}.pt"
-    if path.exists():
-        saved = torch.load(path, weights_only=True)
-        return saved["state_dict"], {**json.loads(saved["record"]), "cache": str(path), "cached": True}
+def pretrain(public: torch.Tensor, vocab: int, setting, schedule: Callable[[int], float], reports: int,
+             evaluate: Callable[[nn.Module], float] | None = None) -> tuple[dict, dict]:
+    """Non-private pre-training of :func:`decoder` from seed ``PRETRAIN_SEED``: ``setting.pretrain_steps`` AdamW steps
+    (weight decay 0.01, learning rate ``setting.pretrain_lr`` times ``schedule(step)``) on random windows of
+    ``setting.seq_len`` ids of ``public``, ``setting.pretrain_batch`` a step; ``reports`` progress lines, each with
+    ``evaluate(model)`` (kept as the record's ``curve``) where given.  The state dict and the record."""
     torch.manual_seed(PRETRAIN_SEED)
-    model = decoder(data.tokenizer.vocab_size, setting)
+    model = decoder(vocab, setting)
     opt = torch.optim.AdamW(model.parameters(), lr=setting.pretrain_lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / setting.pretrain_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     gen = torch.Generator().manual_seed(PRETRAIN_SEED)
-    span = len(data.public) - setting.seq_len
-    start, tail = time.perf_counter(), []
+    span = len(public) - setting.seq_len
+    start, tail, curve = time.perf_counter(), [], []
     for step in range(setting.pretrain_steps):
         at = torch.randint(0, span + 1, (setting.pretrain_batch, 1), generator=gen) + torch.arange(setting.seq_len)
-        loss = lm_losses(model, data.public[at]).mean()
+        loss = lm_losses(model, public[at]).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
         tail.append(float(loss.detach()))
-        if (step + 1) % max(1, setting.pretrain_steps // 5) == 0:
-            print(f"pre-training step {step + 1}/{setting.pretrain_steps}: loss {statistics.mean(tail[-50:]):.3f}, "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
+        if (step + 1) % max(1, setting.pretrain_steps // reports) == 0:
+            line = f"pre-training step {step + 1}/{setting.pretrain_steps}: loss {statistics.mean(tail[-50:]):.3f}"
+            if evaluate is not None:
+                curve.append({"step": step + 1, "public_test_ppl": evaluate(model)})
+                line += f", public held-out ppl {curve[-1]['public_test_ppl']:.3f}"
+            print(f"{line}, {time.perf_counter() - start:.0f} s", flush=True)
     record = {"steps": setting.pretrain_steps, "seconds": time.perf_counter() - start,
-              "final_train_loss": statistics.mean(tail[-50:]), "settings": json.loads(key_text)}
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.state_dict(), "record": json.dumps(record)}, path)
-    return model.state_dict(), {**record, "cache": str(path), "cached": False}
+              "final_train_loss": statistics.mean(tail[-50:])}
+    return model.state_dict(), {**record, "curve": curve} if evaluate is not None else record
+
+
+def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
+    """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
+    fields = {k: v for k, v in asdict(setting).items() if k.startswith("pretrain") or k in
+              ("seq_len", "width", "layers", "heads")}
+    key = {**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
+           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}
+
+    def train() -> tuple[dict, dict]:
+        return pretrain(data.public, data.tokenizer.vocab_size, setting, lambda s: 1 - s / setting.pretrain_steps,
+                        reports=5)
+
+    return cached_pretraining(out, "text_pretrained", key, train)
 
 
 def fine_tune_model(state: dict, data: Corpus, setting: Setting, mode: str, seed: int) -> nn.Module:
@@ -279,16 +290,8 @@ def run(method: str, mode: str, eps: float | None, seed: int, state: dict, data:
     record = {"method": method, "mode": mode, "epsilon_target": eps, "seed": seed,
               "trainable_parameters": sum(p.numel() for p in params)}
     if method == "non-private":
-        sampler = PoissonBatchSampler(len(data.train), setting.batch / len(data.train),
-                                      generator=torch.Generator().manual_seed(seed))
-        start, steps = time.perf_counter(), 0
-        for _ in range(setting.epochs):
-            for index in sampler:
-                opt.zero_grad()
-                if index:   # an empty Poisson batch: the step is skipped, as a noise-only step would move nothing
-                    lm_losses(model, data.train[index]).mean().backward()
-                    opt.step()
-                steps += 1
+        start = time.perf_counter()
+        steps = non_private_epochs(model, opt, data.train, setting.batch, setting.epochs, seed, lm_losses)
         record.update(sigma=None, epsilon_reported=None, make_private_seconds=0.0)
     else:
         key = (mode, method, eps)
