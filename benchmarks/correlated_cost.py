@@ -1,12 +1,13 @@
-"""What banded correlated noise costs on CPU, against Gaussian noise measured in the same run: one thread.
+"""What correlated noise (banded and BLT) costs on CPU, against Gaussian noise measured in the same run: one thread.
 
 1. **The noise step alone**: ``dpsgd.noise.noisy_gradients(..., in_place=True)`` on zero tensors of the parameter
    shapes of GPT-2 small (n_embd 768, 12 layers, vocab 50257, 1024 positions, tied head: 124.4 M coordinates;
    ``--quick``: one block and the embeddings, 46.5 M), with Gaussian noise and with
    ``BandedNoise(BandedStrategy.sqrt_prefix_sum(b))``, b in {2, 4, 8}, each banded run with its own
-   ``CorrelatedStream``.  Each noise first takes ``max(2, b)`` untimed steps (its stream's history full); then
-   ``--rounds`` rounds alternate the four (G, b2, b4, b8, G, b2, ...), one step each, the sums zeroed (untimed)
-   before each step; the median over rounds is reported, with its ratio to Gaussian's.  "correlate s" is the
+   ``CorrelatedStream``, and with ``BLTNoise(BLTStrategy.optimized(3, 1000, min_separation=4))`` (3 buffers,
+   its ``BufferedStream``).  Each noise first takes ``max(2, b)`` untimed steps (its stream's history full; BLT:
+   2); then ``--rounds`` rounds alternate the five (G, b2, b4, b8, blt, G, ...), one step each, the sums zeroed
+   (untimed) before each step; the median over rounds is reported, with its ratio to Gaussian's.  "correlate s" is the
    median time spent in ``CorrelatedStream.correlate`` (the ``b - 1`` multiply-adds and the history's copy);
    "extra ns/coord" is the step's time over Gaussian's per coordinate, and per band (divided by ``b - 1``).
    Memory: "history MB" counts the bytes of the stream's tensors (``(b - 1)`` x the parameters' bytes),
@@ -50,11 +51,12 @@ import warnings
 
 import torch
 
-from dpmath.correlated import BandedStrategy
-from dpsgd.noise import BandedNoise, GaussianNoise, noisy_gradients
+from dpmath.correlated import BandedStrategy, BLTStrategy
+from dpsgd.noise import BandedNoise, BLTNoise, GaussianNoise, noisy_gradients
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "correlated_cost.md"
 BANDS = (2, 4, 8)
+BLT_BUFFERS = 3   # the BLT row: BLTStrategy.optimized(3, 1000, min_separation=4), the studies' blt-d3
 
 
 def gpt2_shapes(layers: int, vocab: int = 50257, n_embd: int = 768, positions: int = 1024) -> list[tuple]:
@@ -81,10 +83,12 @@ def peak_rss_mb() -> float:
 
 
 def history_bytes(stream) -> int:
-    """The bytes of the tensors a ``CorrelatedStream`` holds (its history of the last ``b - 1`` steps)."""
+    """The bytes of the tensors a noise stream holds: a ``CorrelatedStream``'s history of the last ``b - 1`` steps,
+    a ``BufferedStream``'s ``d`` buffers."""
     if stream is None:
         return 0
-    return sum(t.numel() * t.element_size() for past in stream._past.values() for t in past)
+    held = stream._past if hasattr(stream, "_past") else stream._buffers
+    return sum(t.numel() * t.element_size() for past in held.values() for t in past)
 
 
 def timed_correlate(stream, spent: list) -> None:
@@ -105,12 +109,14 @@ def noise_step_cost(layers: int, vocab: int, rounds: int) -> dict:
     sums = [torch.zeros(s) for s in gpt2_shapes(layers, vocab)]
     coords = sum(t.numel() for t in sums)
     param_bytes = sum(t.numel() * t.element_size() for t in sums)
-    names = ["gaussian", *(f"banded b={b}" for b in BANDS)]
+    # (name, noise, bands b: its b - 1 multiply-adds; BLT: None), the warm-up's untimed steps
+    setups = [("gaussian", GaussianNoise(), 1, 2),
+              *((f"banded b={b}", BandedNoise(BandedStrategy.sqrt_prefix_sum(b)), b, max(2, b)) for b in BANDS),
+              (f"blt d={BLT_BUFFERS}", BLTNoise(BLTStrategy.optimized(BLT_BUFFERS, 1000, min_separation=4)), None, 2)]
     runs = {}
-    for name, b in zip(names, (1, *BANDS), strict=True):
-        noise = GaussianNoise() if b == 1 else BandedNoise(BandedStrategy.sqrt_prefix_sum(b))
-        runs[name] = {"b": b, "noise": noise, "stream": noise.stream(), "gen": torch.Generator().manual_seed(b),
-                      "times": [], "correlate": []}
+    for i, (name, noise, b, warm) in enumerate(setups):
+        runs[name] = {"b": b, "warm": warm, "noise": noise, "stream": noise.stream(),
+                      "gen": torch.Generator().manual_seed(i + 1), "times": [], "correlate": []}
 
     def step(r: dict) -> float:
         for t in sums:
@@ -124,7 +130,7 @@ def noise_step_cost(layers: int, vocab: int, rounds: int) -> dict:
         if r["stream"] is not None:
             timed_correlate(r["stream"], r["correlate"])
         before = rss_bytes()
-        for _ in range(max(2, r["b"])):
+        for _ in range(r["warm"]):
             step(r)
         r["rss_growth"] = rss_bytes() - before
         r["correlate"].clear()
@@ -139,7 +145,7 @@ def noise_step_cost(layers: int, vocab: int, rounds: int) -> dict:
         rows.append({"noise": name, "b": r["b"], "seconds": s, "ratio": s / base, "extra_s": s - base,
                      "correlate_s": statistics.median(r["correlate"]) if r["stream"] is not None else 0.0,
                      "extra_ns_per_coord": extra_ns,
-                     "extra_ns_per_band": extra_ns / (r["b"] - 1) if r["b"] > 1 else None,
+                     "extra_ns_per_band": extra_ns / (r["b"] - 1) if r["b"] and r["b"] > 1 else None,
                      "history_mb": history_bytes(r["stream"]) / 2**20,
                      "history_x_params": history_bytes(r["stream"]) / param_bytes,
                      "rss_growth_mb": r["rss_growth"] / 2**20})
@@ -291,7 +297,7 @@ def machine() -> dict:
 def report(command: str, m: dict, load_end: str, noise: dict, step: dict, primitives: dict, args,
            seconds: float) -> str:
     lines = [
-        "# Cost of banded correlated noise (benchmarks/correlated_cost.py)", "",
+        "# Cost of correlated noise, banded and BLT (benchmarks/correlated_cost.py)", "",
         f"- command: `{command}`",
         f"- machine: nproc {m['nproc']}, CPU {m['cpu']}; torch {m['torch']} ({m['threads']} thread, "
         f"OMP_NUM_THREADS={m['omp']}), Python {m['python']}",
@@ -336,6 +342,8 @@ def report(command: str, m: dict, load_end: str, noise: dict, step: dict, primit
         "| noise | correlate | (b-1) sub_ | rest: the copy | step over Gaussian |",
         "|---|---:|---:|---:|---:|"]
     for r in noise["rows"][1:]:
+        if r["b"] is None:   # BLT: d buffers, each updated and read every step (no history copy)
+            continue
         c = r["correlate_s"] / noise["coords"] * 1e9
         lines.append(f"| {r['noise']} | {c:.3f} | {(r['b'] - 1) * sub:.3f} | "
                      f"{c - (r['b'] - 1) * sub:.3f} | {r['extra_ns_per_coord']:.3f} |")

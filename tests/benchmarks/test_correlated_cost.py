@@ -24,11 +24,12 @@ def test_tiny_run_prints_and_writes_its_tables(tmp_path, capsys):
     assert text in printed
     for heading in ("## 1. The noise step alone", "## 2. A whole private training step", "## 3. Where the"):
         assert heading in text
-    for row in ("| gaussian |", "| banded b=2 |", "| banded b=4 |", "| banded b=8 |",
+    for row in ("| gaussian |", "| banded b=2 |", "| banded b=4 |", "| banded b=8 |", "| blt d=3 |",
                 "| gaussian, poisson (baseline) |", "| gaussian, cyclic_poisson(4) |",
                 "| banded b=4, cyclic_poisson(4) |"):
         assert row in text
     assert "nproc" in text and "torch" in text and "load average" in text
     rows = result["noise_step"]["rows"]
-    assert [r["history_x_params"] for r in rows] == pytest.approx([0, 1, 3, 7])   # (b - 1) parameter copies
+    # (b - 1) parameter copies for banded noise, d buffers for BLT
+    assert [r["history_x_params"] for r in rows] == pytest.approx([0, 1, 3, 7, 3])
     assert all(r["mean_batch"] == 2 for r in result["training_step"]["rows"])
