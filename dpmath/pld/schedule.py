@@ -252,7 +252,9 @@ class EpsilonSchedule:
         Without ``lower``, the lower end is computed only where a finer schedule may be built (its width decides), so
         the upper end is the same number either way."""
         rc = random_scale(self._step)
-        if self.bracket_rtol == AUTO and not rc and self._root == self.discretization:
+        # (a grid coarser than a loss step of 1, the accountant's largest, is not tried)
+        if self.bracket_rtol == AUTO and not rc and self._root == self.discretization \
+                and self.discretization * _COARSE <= 1.0:
             coarse = self._coarsened(count, delta)
             if coarse is not None:
                 return coarse

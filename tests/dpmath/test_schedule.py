@@ -7,6 +7,8 @@ accepted, like the accountant's passes, where its error bounds move delta by at 
 step's largest losses moves it by at most 1e-6 of it.
 """
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -204,3 +206,12 @@ def test_the_default_takes_a_coarse_grids_bracket_only_where_it_is_within_1e_5()
     wide = EpsilonSchedule(SG, 300, discretization=1.6e-3, bracket_rtol=None).epsilon_bracket(300, DELTA)
     assert wide[1] - wide[0] > 1e-5 * wide[1]
     assert EpsilonSchedule(SG, 300).epsilon(300, DELTA) < wide[1]
+
+
+@pytest.mark.parametrize("discretization", [0.1, 0.5, 1.0])
+def test_a_coarse_discretization_answers_without_trying_a_grid_beyond_a_loss_step_of_1(discretization):
+    """The default's first try, 16 times coarser, would pass the accountant's largest loss step: it is skipped, and
+    the schedule's own grid answers (it raised ``ValueError`` for a discretization above 1/16)."""
+    step = SubsampledGaussian(1.0, 0.25)
+    fine_lo, _ = EpsilonSchedule(step, 20, bracket_rtol=None).epsilon_bracket(10, DELTA)
+    assert fine_lo <= EpsilonSchedule(step, 20, discretization=discretization).epsilon(10, DELTA) < math.inf
