@@ -48,6 +48,8 @@ import subprocess
 import sys
 import time
 
+from peer_process import call_peer
+
 DEFAULT_PEER = "/work/jpvenv/bin/python"
 BUFFERS = (2, 3, 4, 5)
 SINGLE_STEPS = (64, 256, 2000)
@@ -124,14 +126,6 @@ def peer_worker() -> None:
 # our side
 # ----------------------------------------------------------------------------------------------------------------
 
-def call_peer(python: str, request: dict) -> dict:
-    proc = subprocess.run([python, os.path.abspath(__file__), "--peer-worker"], input=json.dumps(request),
-                          capture_output=True, text=True, check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"peer failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer-python", default=DEFAULT_PEER, help="the jax_privacy virtualenv's python")
@@ -168,7 +162,7 @@ def main() -> None:
     if not os.path.exists(args.peer_python):
         sys.exit(f"no jax_privacy interpreter at {args.peer_python}; install it with the command in the docstring")
     t = time.perf_counter()
-    peer = call_peer(args.peer_python, {"rows": rows})
+    peer = call_peer(args.peer_python, __file__, {"rows": rows})
     peer_seconds = time.perf_counter() - t
     answers = {a["id"]: a for a in peer["rows"]}
 

@@ -59,6 +59,8 @@ import sys
 import time
 from statistics import NormalDist
 
+from peer_process import call_peer
+
 DEFAULT_PEER = "/work/jpvenv/bin/python"
 INSTALL = ("python3 -m venv /work/jpvenv && /work/jpvenv/bin/pip install jax jaxlib jax-privacy==2.0.0 "
            "dp-accounting numpy scipy")
@@ -188,14 +190,6 @@ def peer_worker() -> None:
 # our side
 # ----------------------------------------------------------------------------------------------------------------
 
-def call_peer(python: str, request: dict) -> dict:
-    proc = subprocess.run([python, os.path.abspath(__file__), "--peer-worker"], input=json.dumps(request),
-                          capture_output=True, text=True, check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"peer failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
-
-
 def verdict(value: float, lo: float, hi: float) -> str:
     """Where a peer's epsilon lies against our bracket; the gap relative to the nearer end."""
     if lo <= value <= hi:
@@ -310,7 +304,7 @@ def main() -> None:
     peer = None
     if have_peer:
         t = time.perf_counter()
-        peer = call_peer(args.peer_python, request)
+        peer = call_peer(args.peer_python, __file__, request)
         peer_seconds = time.perf_counter() - t
     else:
         print(f"jax_privacy peer skipped: {args.peer_python} not found.  Install it with\n    {INSTALL}\n"
