@@ -90,6 +90,12 @@ class Mechanism:
         :class:`TruncatedSubsampledGaussian` with randomized clipping: its ``overflow_probability()``)."""
         return False
 
+    def decomposed(self) -> tuple[Mechanism, int]:
+        """``(mechanism, k)``: one run of this mechanism is dominated by ``k`` runs of ``mechanism`` composed, which
+        the accountants compose in its place (the mechanism itself once, except an epoch of
+        :class:`RandomAllocationGaussian` with several participations)."""
+        return self, 1
+
 
 @dataclass(frozen=True)
 class Gaussian(Mechanism):
@@ -522,14 +528,27 @@ class RandomAllocationGaussian(_OneEpoch):
     and the other examples' steps do not depend on it, so the epoch is dominated by one Gaussian step
     (:meth:`dominating`: :class:`Gaussian`, or :class:`SubsampledGaussian` at rate 1 with the envelope).
 
+    **k of T steps** (``participations = k``): each example is in ``k`` distinct steps of the epoch, a uniformly
+    random ``k``-subset.  The epoch is dominated by ``k`` epochs of one participation in ``m = floor(T / k)`` steps,
+    composed (:meth:`decomposed`; Feldman and Shenfeld 2025 state this reduction).  Why: cut ``T`` into ``k`` blocks
+    of ``m`` steps (and ``T - k m`` left over) and put the example in one uniformly random step of each block; a
+    uniformly random permutation of the ``T`` steps, independent of everything, turns that ``k``-subset into a
+    uniform one.  So the epoch's pair is the average over permutations ``pi`` of the block pair moved by ``pi``,
+    against ``Q``, which no permutation moves; the hockey-stick divergence is jointly convex and unchanged by a
+    bijection, so it is at most the block pair's, whose blocks are independent epochs of one participation in ``m``
+    steps (their interleaving in time is a concurrent composition, which is no worse than the sequential one:
+    Vadhan and Zhang 2023).  Without amplification each participation is one dominating step, ``k`` of them.
+
     Parameters
     ----------
     noise_multiplier : float
         ``sigma > 0``.
     steps : int
-        Steps per epoch, ``>= 1`` (the batches' expected size is ``N / steps``).
+        Steps per epoch, ``>= 1`` (the batches' expected size is ``k N / steps``).
     envelope : Envelope, optional
         Randomized clipping's envelope.
+    participations : int
+        Steps each example is in, ``k``, in ``[1, steps]`` (default 1).
 
     Examples
     --------
@@ -540,21 +559,41 @@ class RandomAllocationGaussian(_OneEpoch):
     >>> lo, hi = PLDAccountant().compose(epoch, 5).epsilon_bracket(1e-5)
     >>> hi < PLDAccountant().compose(SubsampledGaussian(2.0, 0.01), 500).epsilon(1e-5)   # below Poisson at 1/100
     True
+    >>> RandomAllocationGaussian(2.0, steps=100, participations=4).decomposed()
+    (RandomAllocationGaussian(noise_multiplier=2.0, steps=25, envelope=None, participations=1), 4)
     """
 
     noise_multiplier: float
     steps: int
     envelope: Envelope | None = None
+    participations: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        k = positive_int(self.participations, "participations")
+        if k > self.steps:
+            raise ValueError(f"participations must lie in [1, steps={self.steps}] (each example is in that many "
+                             f"distinct steps of the epoch), got {k}")
+        object.__setattr__(self, "participations", k)
 
     @property
     def amplified(self) -> bool:
-        """Whether adding or removing an example is accounted by the epoch's own PLD (exact norms, ``steps > 1``),
-        rather than by :meth:`dominating`."""
-        return self.envelope is None and self.steps > 1
+        """Whether adding or removing an example is accounted by the epoch's own PLD (exact norms, at least two steps
+        per participation), rather than by :meth:`dominating`."""
+        return self.envelope is None and self.steps // self.participations > 1
+
+    def decomposed(self) -> tuple[RandomAllocationGaussian, int]:
+        """``(epoch, k)``: ``k = participations`` epochs of one participation in ``floor(steps / k)`` steps, whose
+        composition dominates this epoch (the class docstring says why); the epoch itself where ``k = 1``."""
+        if self.participations == 1:
+            return self, 1
+        return RandomAllocationGaussian(self.noise_multiplier, self.steps // self.participations,
+                                        self.envelope), self.participations
 
     def dominating(self) -> Gaussian | SubsampledGaussian:
-        """The one step that dominates the epoch: the bound used with randomized clipping, for replacing one example,
-        and for a one-step epoch (where it is exact)."""
+        """The one step that dominates an epoch of one participation: the bound used with randomized clipping, for
+        replacing one example, and for a one-step epoch (where it is exact).  With several participations it is
+        each one's (:meth:`decomposed`: one step per participation)."""
         if self.envelope is None:
             return Gaussian(self.noise_multiplier)
         return SubsampledGaussian(self.noise_multiplier, 1.0, self.envelope)

@@ -38,9 +38,14 @@ ALLOCATION_CONFIGS = [(0.8, 10, 3), (1.5, 20, 9), (1.0, 100, 3), (2.0, 50, 9)]
 
 
 def allocation_delta_estimate(noise_multiplier: float, steps: int, epsilons: np.ndarray, draws: int, seed: int = 0,
-                              chunk: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
+                              chunk: int = 50_000, participations: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Monte Carlo ``delta(eps)`` of one epoch of random allocation, the larger of the two directions at each
     ``eps``, and its standard error (module docstring).
+
+    With ``k = participations > 1`` the pair is the epoch's own, not the composition the accountant bounds it by:
+    ``P`` the average over ``k``-subsets ``A`` of ``N(1_A / sigma, I_t)``, whose likelihood ratio to ``Q`` is
+    ``e_k(W) / C(t, k)``, the elementary symmetric polynomial of the ``W_j = exp(x_j / sigma - 1 / (2 sigma^2))``
+    over its number of terms (plain draws under ``P``: the example's ``k`` steps drawn uniformly).
 
     Parameters
     ----------
@@ -55,6 +60,8 @@ def allocation_delta_estimate(noise_multiplier: float, steps: int, epsilons: np.
     seed : int
     chunk : int
         Draws held in memory at once (``chunk * steps`` normals).
+    participations : int
+        Steps each example is in, ``k`` in ``[1, steps]``.
 
     Returns
     -------
@@ -72,6 +79,9 @@ def allocation_delta_estimate(noise_multiplier: float, steps: int, epsilons: np.
     n = positive_int(draws, "draws")
     if n < 100:
         raise ValueError(f"draws must be at least 100, got {n}")
+    k = positive_int(participations, "participations")
+    if k > t:
+        raise ValueError(f"participations must lie in [1, steps={t}], got {k}")
     e = np.exp(np.asarray(epsilons, dtype=np.float64).ravel())
     mu = 1.0 / sigma
     rng = np.random.default_rng(seed)
@@ -79,9 +89,12 @@ def allocation_delta_estimate(noise_multiplier: float, steps: int, epsilons: np.
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
         x = rng.standard_normal((m, t))
-        s_q = np.exp(mu * x - mu * mu / 2).mean(axis=1)
-        x[np.arange(m), rng.integers(0, t, m)] += mu
-        s_p = np.exp(mu * x - mu * mu / 2).mean(axis=1)
+        s_q = _subset_mean(np.exp(mu * x - mu * mu / 2), k)
+        if k == 1:
+            x[np.arange(m), rng.integers(0, t, m)] += mu
+        else:   # the k smallest of t uniforms: a uniformly random k-subset
+            x[np.arange(m)[:, None], np.argpartition(rng.random((m, t)), k - 1, axis=1)[:, :k]] += mu
+        s_p = _subset_mean(np.exp(mu * x - mu * mu / 2), k)
         for d, values in enumerate((np.maximum(1.0 - e[None, :] / s_p[:, None], 0.0),
                                     np.maximum(1.0 - e[None, :] * s_q[:, None], 0.0))):
             sums[d, 0] += values.sum(axis=0)
@@ -90,6 +103,18 @@ def allocation_delta_estimate(noise_multiplier: float, steps: int, epsilons: np.
     se = np.sqrt(np.maximum(sums[:, 1] / n - mean * mean, 0.0) / n)
     pick = mean[0] >= mean[1]
     return np.where(pick, mean[0], mean[1]), np.where(pick, se[0], se[1])
+
+
+def _subset_mean(w: np.ndarray, k: int) -> np.ndarray:
+    """``e_k(w) / C(t, k)`` along each row: the mean over ``k``-subsets of the product of their terms (the
+    recursion ``e_i <- e_i + w_j e_{i-1}`` over the ``t`` columns; all terms positive, so no cancellation)."""
+    if k == 1:
+        return w.mean(axis=1)
+    e = np.zeros((k + 1, w.shape[0]))
+    e[0] = 1.0
+    for j in range(w.shape[1]):
+        e[1:] += w[:, j] * e[:-1]   # the right side is evaluated first: e_{i-1} before this column
+    return e[k] / math.comb(w.shape[1], k)
 
 
 def allocation_rdp_epsilon(noise_multiplier: float, steps: int, epochs: int, delta: float,

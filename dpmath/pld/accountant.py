@@ -44,7 +44,8 @@ _AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid mak
 #: the project's 2-core machine.
 AUTO_BUDGET = 1 << 23
 _ATOM_POINTS = 4096     # a randomized-clipping step's cost per scale atom, in composition grid points
-_AUTO_DELTA = 10.0      # the default's target for a delta bracket, in multiples of epsilon's (_refined)
+_RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
+_AGREE_RTOL = 1e-10     # epsilon's first nudge toward its own delta read-out (_agreeing), then 10 times more each
 _FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
 _COARSER = 64.0         # an infinite upper end retries on a loss grid this much coarser, up to a step of 1 ...
 _COARSER_TRIES = 3      # ... this many times
@@ -90,8 +91,8 @@ class PLDAccountant(Accountant):
         ``1e-18``); the upper bound charges it to delta.
     bracket_rtol : float, "auto" or None
         How tight each query's bracket is.  ``"auto"`` (default): refine the grid until ``upper - lower <=
-        1e-3 * upper`` (``5e-3`` where randomized clipping is composed; 10 times these for a delta
-        bracket, whose relative width is epsilon's times ``|d log delta / d log eps|``) while the finer grids fit a
+        1e-3 * upper`` (``5e-3`` where randomized clipping is composed; for a delta bracket these times
+        ``|d log delta / d log eps|``, the factor by which its relative width is epsilon's) while the finer grids fit a
         budget of :data:`AUTO_BUDGET` grid points, about a second here (a cost model in grid points, never
         wall-clock time: the same inputs give the same bracket on every machine); where the budget runs out,
         the tightest bracket reached is returned.  A float in ``(0, 1)``: refine until that width, with no
@@ -208,10 +209,12 @@ class PLDAccountant(Accountant):
         """
         self._refuse_unsupported(mechanism)
         n = positive_int(count, "count")
-        if n > MAX_COUNT:   # the composed tail mass and the loss range are floats: beyond this they overflow
-            raise ValueError(f"count must be at most {MAX_COUNT:.0e} (a float's range of steps), got a count of "
+        # an epoch of k participations is composed as the k epochs of one that dominate it
+        base, k = mechanism.decomposed()
+        if n * k > MAX_COUNT:   # the composed tail mass and the loss range are floats: beyond this they overflow
+            raise ValueError(f"count must be at most {MAX_COUNT // k:.0e} (a float's range of steps), got a count of "
                              f"{len(str(n))} digits; no training run takes that many steps")
-        self._events = self._events + ((mechanism, n),)
+        self._events = self._events + ((base, n * k),)
         self._plds = {}
         self._two_scale = []
         self._gaussian = []
@@ -235,7 +238,7 @@ class PLDAccountant(Accountant):
         if covered is not None and covered is not self.neighboring:
             return (f"neighboring={self.neighboring.value!r} is not supported for {name}: {mechanism.uncovered}; use "
                     f"neighboring={covered.value!r}")
-        if reads_replacement(mechanism, self.neighboring) and random_scale(accounted_step(mechanism)):
+        if reads_replacement(mechanism, self.neighboring) and random_scale(accounted_step(mechanism.decomposed()[0])):
             return (f"neighboring='replace_one' is not supported for {name} with randomized clipping: the two "
                     f"differing examples carry independent random scales, whose joint pair this accountant does not "
                     f"discretize; use neighboring='add_or_remove'")
@@ -263,7 +266,7 @@ class PLDAccountant(Accountant):
                 atoms += scale_atoms(step.envelope, step.scale_resolution * s, True)[0].size
         return float(_ATOM_POINTS * atoms)
 
-    def _refined(self, query, lower: bool, zero_refines: bool = False, of_delta: bool = False,
+    def _refined(self, query, lower: bool, zero_refines: bool = False, slope=None, capped=None,
                  lower_end=None) -> tuple[float, float]:
         """``query(h, upper, s, together)`` on finer grids until the bracket is :meth:`_target` tight (``h`` the
         loss grid's step, ``s`` the factor on randomized clipping's scale step, ``together`` the bounds whose steps
@@ -284,15 +287,22 @@ class PLDAccountant(Accountant):
         **Cost model** (deterministic: grid points, never time).  A grid's cost is twice the FFT points its upper
         end's passes read (:attr:`Composition.work`, cached passes too, so the count does not depend on earlier
         queries; a single step's points count ``STEP_COST`` each) plus :meth:`_atom_points`; a finer grid's count
-        is predicted from the last one's (count times ``h`` is about constant).  A delta bracket's default target is
-        ``_AUTO_DELTA`` times epsilon's (delta's relative error is epsilon's times ``|d log delta / d log eps|``).  With
+        is predicted from the last one's (count times ``h`` is about constant).  A finer loss step is rounded down to
+        a rung ``h0 2^(-k/2)``, so that the queries of one accountant (an epsilon and the delta read back at it) meet
+        on the same cached grids.
+
+        A delta query passes ``slope(h, s)``, ``|d log delta / d log epsilon|`` on its first grid: delta's relative
+        width is epsilon's times that, so its target is epsilon's times the slope (a float target's at most its
+        own), and it refines as far as an epsilon query there would.  With
         ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit
         :data:`AUTO_BUDGET`, and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
         (else no width could be acted on), so it is :meth:`epsilon_bracket`'s upper end to the last bit.
 
         An infinite upper end (losses beyond the loss cap, ``2^22`` points: randomized clipping with a heavy-tailed
         scale, epsilon in the thousands) retries on loss grids ``_COARSER`` times coarser, up to a step of 1, whose
-        cap reaches further, in any mode and whatever the budget: a huge epsilon is an answer, infinity is not.
+        cap reaches further, in any mode and whatever the budget: a huge epsilon is an answer, infinity is not.  A
+        delta query passes ``capped(h, s, upper)``, whether that grid's upper end is mostly the mass beyond its cap,
+        and retries the same way.
 
         Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of 0 under a positive
         upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is refined the same way, to
@@ -304,9 +314,7 @@ class PLDAccountant(Accountant):
         refined for 73 s where the curve closes the bracket in about a second)."""
         h0 = self.discretization
         mode = self.bracket_rtol
-        # delta's relative width is epsilon's times |d log delta / d log epsilon| (29 at sigma = 2, q = 1e-3, 10^6
-        # steps, delta = 1e-9): the default asks 10 times epsilon's target of a delta bracket
-        rtol = self._target() * (_AUTO_DELTA if of_delta and mode == AUTO else 1.0)
+        rtol = self._target()
         scaled = self._scaled()
         budget = AUTO_BUDGET if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
@@ -366,16 +374,22 @@ class PLDAccountant(Accountant):
             return False
 
         both = lower or isinstance(mode, float)
-        h, s = h0, 1.0
-        if scaled and isinstance(mode, float) and mode < _RC_WIDE:
-            # randomized clipping's default grid leaves 0.5 to 1.7 % (the benchmark's cases), so a tighter target
-            # starts where the default grid would only be a first, wasted try: the scale step halved, and the loss
-            # step where a plain step's mean gap puts it (a guess of where to start; the refinement below decides)
-            h, s = self._first_loss_step(mode), 0.5
+        h, s = self._start()
+        def rung(x: float, finer: bool = True) -> float:
+            """``x`` rounded to the ladder ``h0 2^(-k / _RUNGS)``, down (``finer``) or up."""
+            k = _RUNGS * math.log2(h0 / x)
+            k = math.ceil(k - 1e-9) if finer else math.floor(k + 1e-9)
+            return h0 * 2.0 ** (-k / _RUNGS)
+
         try:
             width = run(h, s, both)
+            if slope is not None:
+                # delta's relative width is epsilon's times |d log delta / d log epsilon| (29 at sigma = 2,
+                # q = 1e-3, 10^6 steps, delta = 1e-9; about 1 for one step at q = 1e-3 near epsilon = 3e-4)
+                rtol *= slope(h, s) if mode == AUTO else min(1.0, slope(h, s))
             tries = 0
-            while best[1] == math.inf and h < 1.0 and tries < _COARSER_TRIES:
+            while (best[1] == math.inf or capped is not None and capped(h, s, best[1])) and h < 1.0 \
+                    and tries < _COARSER_TRIES:
                 h, tries = min(_COARSER * h, 1.0), tries + 1
                 width = run(h, s, both)
             while best[1] < math.inf and not done(h) and (both or mode != AUTO or finer(h, s) or width < 1.0):
@@ -383,11 +397,12 @@ class PLDAccountant(Accountant):
                 if not scaled or mode is None:
                     h_next = max(h * min(max(math.sqrt(target / width), 0.125), 0.5) if width > 0 else h / 2,
                                  h0 * _FINEST)
+                    h_next = rung(h_next)
                     if h_next < h0 / 64 and cost(h_next, s) > AUTO_BUDGET:
                         # below h0 / 64 only where cheap: the finest grid within the budget, else h0 / 64
-                        h_next = max(h0 / 64, 2.0 * span / AUTO_BUDGET)
+                        h_next = max(h0 / 64, rung(2.0 * span / AUTO_BUDGET, finer=False))
                     if spent + cost(h_next, s) > budget:   # the finest grid the default's budget leaves
-                        h_next = 2.0 * span / (budget - spent) if budget > spent else math.inf
+                        h_next = rung(2.0 * span / (budget - spent), finer=False) if budget > spent else math.inf
                     # the default refines by at least half (as finer() assumes: epsilon alone then refines exactly
                     # where the bracket does); a float target takes any progress
                     if h_next > (0.5 * h * (1 + 1e-9) if mode == AUTO else h * (1 - 1e-9)) or not allowed(h_next, s):
@@ -424,6 +439,16 @@ class PLDAccountant(Accountant):
             if best is None:
                 raise
         return best if lower else (0.0, best[1])
+
+    def _start(self) -> tuple[float, float]:
+        """The first grid ``(h, s)`` of every query's refinement: the discretization and the envelope's scale step,
+        except that a float target below 1 % with randomized clipping starts where the default grid would only be a
+        first, wasted try (0.5 to 1.7 % wide on the benchmark's cases): the scale step halved, and the loss step where
+        a plain step's mean gap puts it (a guess of where to start; the refinement decides)."""
+        mode = self.bracket_rtol
+        if self._scaled() and isinstance(mode, float) and mode < _RC_WIDE:
+            return self._first_loss_step(mode), 0.5
+        return self.discretization, 1.0
 
     def _first_loss_step(self, rtol: float) -> float:
         """The loss step of a refined randomized-clipping bracket's first grid: the coarsest of ``4 h0`` and
@@ -519,21 +544,23 @@ class PLDAccountant(Accountant):
                                   if plain else None)
         return self._gaussian[0]
 
-    def _coarsely_below(self, direction: int, eps: float, delta: float) -> bool:
-        """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps``, shown
-        by its upper bound on a coarse grid (10 times the loss step, up to ``1e-2``, and 4 times the scale
-        step), which costs a fraction of a step built on the query's grid.  Always ``False`` without
-        randomized clipping, whose steps are cheap enough to build and bound on the query's grid."""
+    def _coarsely_below(self, direction: int, eps: float, delta: float, of_delta: bool = False) -> bool:
+        """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps`` (with
+        ``of_delta``: a true ``delta(eps) <= delta``), shown by its upper bound on a coarse grid (10 times the loss
+        step, up to ``1e-2``, and 4 times the scale step), which costs a fraction of a step built on the query's
+        grid.  Always ``False`` without randomized clipping, whose steps are cheap enough to build and bound on the
+        query's grid."""
         if not any(random_scale(accounted_step(m)) for m, _ in self._events):
             return False
         try:
             coarse = self._composed(True, min(10.0 * self.discretization, 1e-2), 4.0, (direction,))[0]
         except GridTooLargeError:
             return False
-        return coarse.epsilon(delta) <= eps
+        return coarse.delta(eps) <= delta if of_delta else coarse.epsilon(delta) <= eps
 
     def epsilon(self, delta: float) -> float:
-        r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``.
+        r"""Upper bound on the smallest ``epsilon >= 0`` with ``delta(epsilon) <= delta``; :meth:`delta` at the
+        answer is at most ``delta`` (the answer is moved up where the two read-outs would disagree: :meth:`_agreeing`).
 
         Returns ``inf`` when mass that no epsilon can cover (unbounded scales, truncation) exceeds
         ``delta``.
@@ -569,6 +596,48 @@ class PLDAccountant(Accountant):
         d = open_probability(delta, "delta")
         if not self._events:   # nothing composed: the output does not depend on the data
             return 0.0, 0.0
+        lo, hi = self._epsilon_bracket(d, lower)
+        return lo, self._agreeing(d, hi)
+
+    def _agreeing(self, d: float, eps: float) -> float:
+        """``eps``, or the first of ``eps + r max(eps, 1e-6)``, ``r = 1e-10, 1e-9, ...`` (then doubling) whose
+        :meth:`delta` is at most ``d``: the epsilon published and the delta read back at it agree.
+
+        Both queries return upper bounds, but each is the tightest over the grids its own refinement built, read by
+        tilted passes centred on its own argument, so ``delta(epsilon(d))`` could exceed ``d`` (by ``1e-7`` of it
+        where the passes differ; by up to the delta bracket's width where delta's refinement stops on another grid).
+        A larger epsilon is an upper bound too, so moving up is sound.  Every delta query reads its first grid
+        (:meth:`_start`), so where that grid's upper bound agrees within a nudge of ``1e-6``, :meth:`delta` does too,
+        without running its refinement; else :meth:`delta` itself is asked (its grids are shared rungs, cached).
+        ``inf`` only if doubling 64 times never agrees."""
+        if not 0.0 <= eps < math.inf:
+            return eps
+        unit = max(eps, 1e-6)
+        if self._closed_form() is None:
+            h, s = self._start()
+            eta = self._overflow()
+            try:
+                for rel in (0.0, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6):
+                    x = eps + rel * unit
+                    charge = eta * (1.0 + math.exp(x)) if x < 700.0 else (math.inf if eta else 0.0)
+                    if self._delta_read(x, h, True, s) + charge <= d:
+                        return x
+            except GridTooLargeError:
+                pass
+        if self.delta(eps) <= d:
+            return eps
+        rel = _AGREE_RTOL
+        while rel < 1.0:
+            if self.delta(nudged := eps + rel * unit) <= d:
+                return nudged
+            rel *= 10.0
+        for k in range(1, 65):
+            if self.delta(nudged := eps + 2.0 ** k * unit) <= d:
+                return nudged
+        return math.inf
+
+    def _epsilon_bracket(self, d: float, lower: bool) -> tuple[float, float]:
+        """:meth:`epsilon_bracket` before :meth:`_agreeing`."""
         if (gaussian := self._closed_form()) is not None:
             return gaussian.epsilon_bracket(d)
         eta = self._overflow()
@@ -582,7 +651,7 @@ class PLDAccountant(Accountant):
                           f"to delta ({eta:.3g} over the steps composed, times 1 + e^epsilon), leaves no epsilon at "
                           f"which the total is at most delta; raise max_batch_size (TruncatedSubsampledGaussian) or "
                           f"delta",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=4)
         if not lower:
             return 0.0, hi
         # the truth is at most hi, where the charge is at most eta (1 + e^hi)
@@ -687,12 +756,50 @@ class PLDAccountant(Accountant):
         charge = eta * (1.0 + math.exp(e)) if e < 700.0 else (math.inf if eta else 0.0)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
-            return max(p.delta(e) for p in self._composed(upper, h, s, None, together))
-        lo, hi = self._refined(query, lower, of_delta=True)
+            return self._delta_read(e, h, upper, s, together)
+
+        def slope(h: float, s: float) -> float:
+            """``|d log delta / d log epsilon|`` at ``e`` on the grid's upper compositions: a secant over 1/64 of an
+            octave, up or down, whichever stays in ``e``'s tilt bin (:meth:`Composition.delta` reads both from one
+            pass); 1 at epsilon 0, where a relative width in epsilon means nothing."""
+            if e == 0:
+                return 1.0
+            step = 2.0 ** (1 / 64)
+            other = e * step if round(32.0 * math.log2(e * step)) == round(32.0 * math.log2(e)) else e / step
+            here, there = self._delta_read(e, h, True, s), self._delta_read(other, h, True, s)
+            if not (0 < min(here, there) and max(here, there) < 1 and here != there):
+                return 1.0
+            return max(abs(math.log(here / there) / math.log(step)), 1e-3)
+
+        def capped(h: float, s: float, upper: float) -> bool:
+            """Whether most of the upper end is mass beyond the loss cap (a coarser grid's cap reaches further)."""
+            return max(c.inf_mass for c in self._composed(True, h, s, (0,))) > 0.5 * upper
+
+        def lower_end(lo: float, hi: float) -> float:
+            curve = self._two_scale_lower(True, 0.0, 1.0)
+            return lo if curve is None else curve.delta(e)
+
+        lo, hi = self._refined(query, lower, slope=slope, capped=capped,
+                               lower_end=lower_end if isinstance(self.bracket_rtol, float) else None)
         curve = self._two_scale_lower(lower, lo, hi)
         lo = max(lo, curve.delta(e)) if curve is not None else lo
         # a truncated step's overflow, outside the refinement (no grid narrows it)
         return (max(0.0, lo - charge) if lower else 0.0), min(1.0, hi + charge)
+
+    def _delta_read(self, x: float, h: float, upper: bool, s: float, together: tuple[bool, ...] = ()) -> float:
+        """The grid ``(h, s)``'s bound on ``delta(x)``, the worse direction: the first direction's, then only the
+        directions whose delta could exceed its upper bound there (shown by a coarse grid's upper bound, or a
+        Chernoff bound), so the maximum is unchanged (a lower end needs no direction whose truth lies below the
+        first's upper bound: the first's own lower end is a lower bound)."""
+        first = self._composed(upper, h, s, (0,), together)[0].delta(x)
+        ceiling = first if upper else self._composed(True, h, s, (0,), together)[0].delta(x)
+        out = [first]
+        for j in range(1, len(_NEIGHBORING[self.neighboring])):
+            if (self._relations(j) == self._relations(0) or self._coarsely_below(j, x, ceiling, of_delta=True)
+                    or self._composed(True, h, s, (j,), together)[0].delta_bound(x) <= ceiling):
+                continue
+            out.append(self._composed(upper, h, s, (j,), together)[0].delta(x))
+        return max(out)
 
     def tradeoff(self, alpha: ArrayLike) -> np.ndarray:
         r"""Lower bound on the f-DP trade-off curve: the smallest false-negative rate ``beta`` of any test

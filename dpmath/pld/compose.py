@@ -204,6 +204,12 @@ def _window(factors: list[Factor], lam: float, tail: float, h: float, half_width
     return max(k_min, lo), min(k_max, hi), masses[0] if hi < k_max else 0.0, masses[1] if lo > k_min else 0.0
 
 
+def _binned(lam: float) -> float:
+    """A positive tilt rounded to 1/32 of an octave (a tilt is only a choice: every pass is checked), so that nearby
+    queries (an epsilon, and the delta read back at it) choose the same tilt and share its cached pass."""
+    return 2.0 ** (round(32.0 * math.log2(lam)) / 32.0) if lam > 0 else lam
+
+
 def _tilt_for_mean(factors: list[Factor], target: float, lam0: float, direction: float) -> float | None:
     """The tilt whose tilted mean is ``target`` (searching away from ``lam0``), or None if out of reach.
 
@@ -457,6 +463,7 @@ class Composition:
         self.single = first if (len(events) == 1 and events[0][1] == 1) else None
         self._full: Pld | None = None
         self._local: dict[tuple[float, bool], Pld] = {}
+        self._tilts: dict[int | None, float | None] = {}   # delta read-outs' tilts (:meth:`_delta_tilt`)
         #: The FFT points of the passes read since the caller last set it to 0, cached or not, an extended-precision
         #: point counted EXTENDED_COST times (a single step: STEP_COST per point): a cost measure that, unlike a
         #: clock, is the same on every machine and in every order of queries (the accountant's refinement budget).
@@ -653,7 +660,7 @@ class Composition:
         c = self._cumulants
         mean = c["mean"]
         # the tilt that minimises the Chernoff bound exp(K(theta) - theta u) at its delta quantile
-        lam = _grid_tilt(c["parts"], c["sd"], -math.log(delta))
+        lam = _binned(_grid_tilt(c["parts"], c["sd"], -math.log(delta)))
         extended = False
         tried = []   # every pass's answer is a valid bound, only not always a tight one
         for _ in range(5):
@@ -697,18 +704,43 @@ class Composition:
     def delta(self, eps: float) -> float:
         if self.single is not None:
             return self.single.delta(eps)
-        lam = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > self._cumulants["mean"] else 0.0
+        lam = self._delta_tilt(eps) if eps > self._cumulants["mean"] else 0.0
         tried = []
         if lam is not None:
+            # a float64 pass whose error bounds move delta by more than _TILT_RTOL of it is redone in extended
+            # precision (not only beyond _EXTEND_AT, as epsilon's search does, which can move its tilt instead):
+            # a delta read back at an epsilon must be as tight as the pass that epsilon came from
             for extended in (False, True) if EXTENDED else (False,):
                 pld = self.local(lam, extended)
                 d = pld.delta(eps)
                 if self._good(pld, eps, d):
                     return d
                 tried.append(d)
-                if not self._rounding_bound(pld, eps, d):
+                if eps < pld.start * self.h:   # the tilt does not resolve eps: precision would not help
+                    break
+        if tried and self.upper:
+            # still loose: the pass an epsilon query at about this delta reads (the steps cut for it, the Chernoff
+            # tilt at its level), whose window is narrower; a delta read back at an epsilon then meets its pass
+            cut = self._cut(min(tried))
+            c = cut._cumulants
+            lam = _binned(_grid_tilt(c["parts"], c["sd"], -math.log(min(tried)))) if cut is not self else None
+            for extended in ((False, True) if EXTENDED else (False,)) if lam else ():
+                pld = cut.local(lam, extended)
+                d = pld.delta(eps)
+                tried.append(d)
+                if cut._good(pld, eps, d) or eps < pld.start * self.h:
                     break
         return self._tightest([self.full().delta(eps), *tried])
+
+    def _delta_tilt(self, eps: float) -> float | None:
+        """The tilt centred at ``eps`` for a delta read-out, for ``eps`` and the tilt both rounded to 1/32 of an
+        octave (a tilt is only a choice, and every pass is checked): nearby epsilons (an epsilon, then the delta read
+        back at it and nudged) share one search and one pass."""
+        key = round(32.0 * math.log2(eps)) if eps > 0 else None
+        if key not in self._tilts:
+            lam = _tilt_for_mean(self.factors, eps if key is None else 2.0 ** (key / 32.0), 0.0, 1.0)
+            self._tilts[key] = _binned(lam) if lam else lam
+        return self._tilts[key]
 
     def _tightest(self, values: list[float]) -> float:
         """The tightest of several valid bounds (the smallest upper, the largest lower)."""

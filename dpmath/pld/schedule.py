@@ -131,10 +131,12 @@ class EpsilonSchedule:
         self._root = self.discretization   # the first schedule's grid: finer ones stop at root / 64
         self._finer: list[EpsilonSchedule] = []   # the schedule on the grid _FINER times this one, once built
         self._coarse: EpsilonSchedule | None = None   # the default's first try, _COARSE times coarser, once built
-        step = self._step = accounted_step(mechanism, self.neighboring)
+        # a count of an epoch of k participations is k counts of the epoch of one that dominates it (as composed)
+        base, self._per_run = mechanism.decomposed()
+        step = self._step = accounted_step(base, self.neighboring)
         # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
-        self._closed = is_gaussian_step(step) or mechanism.charged
-        if reads_replacement(mechanism, self.neighboring):
+        self._closed = is_gaussian_step(step) or base.charged
+        if reads_replacement(base, self.neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
             self._relations = ("remove",) if one_pair(step) else ("remove", "add")
@@ -180,7 +182,8 @@ class EpsilonSchedule:
         """The step's upper and lower PLDs in the direction ``relation``, for :attr:`max_count` (built once, both
         bounds at once: they share the step's CDF evaluations)."""
         if relation not in self._plds:
-            self._plds[relation] = step_plds(self._step, relation, self.discretization, (True, False), self.max_count)
+            self._plds[relation] = step_plds(self._step, relation, self.discretization, (True, False),
+                                             self.max_count * self._per_run)
         return self._plds[relation]
 
     def _narrow(self, target: float) -> bool:
@@ -200,17 +203,18 @@ class EpsilonSchedule:
         if key not in self._cut:
             if len(self._cut) >= 2 * len(self._relations) * _DELTAS:
                 self._cut.pop(next(iter(self._cut)))
-            step = truncated(self._steps(relation)[0 if upper else 1], CUT * delta / self.max_count)
+            most = self.max_count * self._per_run
+            step = truncated(self._steps(relation)[0 if upper else 1], CUT * delta / most)
             spectra = None
-            if self.max_count > 1:
+            if most > 1:
                 try:   # the window of max_count copies: no smaller count's is wider
-                    largest = Composition([(step, self.max_count)], self.tail_mass)
+                    largest = Composition([(step, most)], self.tail_mass)
                     spectra = Spectra(largest.hi - largest.lo + 1)
                 except GridTooLargeError:   # the largest count needs too many points: each count on its own
                     pass
             self._cut[key] = (step, spectra)
         step, spectra = self._cut[key]
-        return Composition([(step, count)], self.tail_mass, spectra=spectra)
+        return Composition([(step, count * self._per_run)], self.tail_mass, spectra=spectra)
 
     def _direction(self, relation: str, upper: bool, count: int, delta: float) -> tuple[float, int]:
         """One direction's bound: the untilted pass's where it resolves the answer, else the tightest of it and

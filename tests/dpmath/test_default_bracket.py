@@ -76,7 +76,7 @@ def test_the_default_bracket_is_a_tenth_of_a_percent_wide_and_holds_the_truth(si
 
 def test_the_published_upper_end_is_at_most_a_tenth_of_a_percent_above_the_truth():
     # (sigma 2, q 1e-3, 10^6 steps, delta 1e-9): the coarse grid published 3.1302, 0.31 % above the truth 3.12044
-    # (dp_accounting: 3.12679); the default publishes 3.12121
+    # (dp_accounting: 3.12679); the default publishes 3.12105
     coarse = PLDAccountant(bracket_rtol=None).compose(SubsampledGaussian(2.0, 1e-3), 10**6).epsilon(1e-9)
     published = PLDAccountant().compose(SubsampledGaussian(2.0, 1e-3), 10**6).epsilon(1e-9)
     assert coarse > 1.003 * 3.12044
@@ -170,10 +170,10 @@ def test_a_calibrated_sigma_meets_the_target_with_the_default_accountant():
 def test_the_command_line_refines_by_default_and_keeps_one_grid_with_bracket_rtol_none(capsys):
     args = ["epsilon", "--noise-multiplier", "2", "--sample-rate", "1e-3", "--steps", "1e6", "--delta", "1e-9"]
     assert main(args) == 0
-    assert "[3.118817, 3.121212]" in capsys.readouterr().out
+    assert "[3.119168, 3.121047]" in capsys.readouterr().out
     assert main([*args, "--bracket-rtol", "none"]) == 0
     assert "[3.098664, 3.130197]" in capsys.readouterr().out
-    assert dpsgd_epsilon_bracket(2.0, 1e-3, 10**6, 1e-9).upper == pytest.approx(3.121212, abs=1e-6)
+    assert dpsgd_epsilon_bracket(2.0, 1e-3, 10**6, 1e-9).upper == pytest.approx(3.121047, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -758,7 +758,8 @@ def test_an_rc_direction_whose_coarse_upper_end_is_below_is_never_built_on_the_q
     acc = PLDAccountant().compose(SubsampledGaussian(0.8, 0.02, HutchEnvelope(32, 2048)), 200)
     lo, hi = acc.epsilon_bracket(1e-6)
     assert sorted({(h, s, rel) for h, _, s, rel in acc._plds}) == [(1e-4, 1.0, ("remove",)), (1e-3, 4.0, ("add",))]
-    assert hi == max(c.epsilon(1e-6) for c in acc._composed(True))
+    built = max(c.epsilon(1e-6) for c in acc._composed(True))
+    assert built <= hi <= built * (1 + 1e-8)   # moved up only to agree with the delta read back
     assert lo == max(c.epsilon(1e-6) for c in acc._composed(False))
     assert acc._composed(True)[1].epsilon(1e-6) < 0.3 * hi
 
