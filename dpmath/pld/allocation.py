@@ -31,26 +31,36 @@ charged to ``+inf`` (upper) or dropped (lower).
 
 The loss of ``S`` rounds by at most ``D / S-bar`` nats.  A lognormal's heavy tail stretches the grid, so where one
 grid of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coarser than ``2e-4`` (``sigma``
-near 1 or below, or long epochs), **removing** is split by the largest term: caps ``m_0 < m_1 < ... < m_L``
-(``m_0`` the largest whose sum fits ``n`` points at that step, each next about ``1e-3 n / t`` times the last), and
-part ``i`` is the law on the event that the largest term lies in ``(m_{i-1}, m_i]``, where ``S > m_{i-1}``.  Each
-part sits on its own grid, of a step about ``m_i / n``, so it rounds ``S`` by at most ``1e-3`` of itself; the
-grids are nested and every cap is a point of two neighbouring grids, so the events are exactly complementary.
-Part ``i`` is the difference of the laws with caps ``m_i`` and ``m_{i-1}`` on its grid (pointwise: upper minus
-lower for the upper bound, lower minus upper for the lower).
+near 1 or below, or long epochs), ``S`` is put on **octave bands** instead (:class:`BandLaw`): row 0 a linear grid
+up to a floor, then one row per octave ``[2^(b-1), 2^b] F`` at a step of ``2^-p`` of its lower end (``p`` from 14
+to 17, about ``2^21`` points in all), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p`` nats of
+loss) wherever it lies, over the 13 decades the terms span at ``sigma = 0.3``.  The unshifted terms are summed by
+doubling (``X_2k = X_k + X_k'``) along the binary digits of their count, then the allocated term is added; each
+sum is split by the row of the larger summand, the smaller rounded onto that row's step, so one FFT of ``3 2^p``
+points holds each row's share, and the result is rounded onto the bands of twice the scale.  Each rounding is a
+coupling (up for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S``
+moves by at most ``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``).  The FFT's
+absolute error (about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a
+tail sum above ``1e-20`` the row's product is computed again under exponential tilts (:func:`_tilted_conv`).  A
+term above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top
+(lower).
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
-is below every one that matters).
+is below every one that matters); where one grid is coarse it too goes on octave bands, their floor at ``2^-40``
+of a term (``S = 0`` after rounding down is a loss of ``+inf``, charged).
 
-Where the grids fail (``sigma`` near 0.3, whose terms span 13 decades), one coarse grid is used, and its upper PLD
-is replaced by the Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.dominating`) where
-that has the smaller epsilon at ``delta = 1e-6``: both are upper bounds, so either choice is sound.
+The Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.dominating`) stays a last resort:
+:mod:`dpmath.pld.steps` uses its upper PLD where that has the smaller epsilon at ``delta = 1e-6`` (both are upper
+bounds, so either choice is sound); with the bands it no longer wins at ``sigma >= 0.3``.
 
-**Cost and width, measured** (``benchmarks/sampling_bench.py`` Table S3, ``delta = 1e-5``, one core, cold):
-``sigma = 1`` and 234 steps an epoch, 7 s, then 0.09 % wide after one epoch and 0.20 % after 10; ``sigma = 0.6``
-and 100 steps, 13 s, 0.10 % after 10; ``sigma = 2`` and 1000 steps, 0.84 %; ``sigma = 0.8`` and 4000 steps, 4.2 %
-after 10 (a long epoch's sum concentrates where its grid is coarse).
+**Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
+.epsilon_bracket(delta)``, one core, cold, peak RSS): ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``
+[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 31 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 %
+wide, 27 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 44 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 43 s; ``(0.45, 500, 1,
+1e-6)`` 0.002 %, 33 s, each under 0.45 GB; ``(0.8, 4000, 10, 1e-5)`` 0.35 % (was 4.2 %), 45 s, 1.1 GB;
+``(1, 20000, 1, 1e-5)`` 0.65 % (was 9.9 %), 31 s; ``(2, 100000, 1, 1e-5)`` 4.4 % (was 34 %), 35 s: a long epoch's
+sum concentrates near ``t``, where a relative rounding of ``2^-p`` per level is large against its spread.
 
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
 of random allocation (:mod:`verify.allocation`).
