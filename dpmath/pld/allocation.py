@@ -31,26 +31,36 @@ charged to ``+inf`` (upper) or dropped (lower).
 
 The loss of ``S`` rounds by at most ``D / S-bar`` nats.  A lognormal's heavy tail stretches the grid, so where one
 grid of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coarser than ``2e-4`` (``sigma``
-near 1 or below, or long epochs), **removing** is split by the largest term: caps ``m_0 < m_1 < ... < m_L``
-(``m_0`` the largest whose sum fits ``n`` points at that step, each next about ``1e-3 n / t`` times the last), and
-part ``i`` is the law on the event that the largest term lies in ``(m_{i-1}, m_i]``, where ``S > m_{i-1}``.  Each
-part sits on its own grid, of a step about ``m_i / n``, so it rounds ``S`` by at most ``1e-3`` of itself; the
-grids are nested and every cap is a point of two neighbouring grids, so the events are exactly complementary.
-Part ``i`` is the difference of the laws with caps ``m_i`` and ``m_{i-1}`` on its grid (pointwise: upper minus
-lower for the upper bound, lower minus upper for the lower).
+near 1 or below, or long epochs), ``S`` is put on **octave bands** instead (:class:`BandLaw`): row 0 a linear grid
+up to a floor, then one row per octave ``[2^(b-1), 2^b] F`` at a step of ``2^-p`` of its lower end (``p`` from 14
+to 17, about ``2^21`` points in all), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p`` nats of
+loss) wherever it lies, over the 13 decades the terms span at ``sigma = 0.3``.  The unshifted terms are summed by
+doubling (``X_2k = X_k + X_k'``) along the binary digits of their count, then the allocated term is added; each
+sum is split by the row of the larger summand, the smaller rounded onto that row's step, so one FFT of ``3 2^p``
+points holds each row's share, and the result is rounded onto the bands of twice the scale.  Each rounding is a
+coupling (up for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S``
+moves by at most ``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``).  The FFT's
+absolute error (about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a
+tail sum above ``1e-20`` the row's product is computed again under exponential tilts (:func:`_tilted_conv`).  A
+term above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top
+(lower).
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
-is below every one that matters).
+is below every one that matters); where one grid is coarse it too goes on octave bands, their floor at ``2^-40``
+of a term (``S = 0`` after rounding down is a loss of ``+inf``, charged).
 
-Where the grids fail (``sigma`` near 0.3, whose terms span 13 decades), one coarse grid is used, and its upper PLD
-is replaced by the Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.dominating`) where
-that has the smaller epsilon at ``delta = 1e-6``: both are upper bounds, so either choice is sound.
+The Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.dominating`) stays a last resort:
+:mod:`dpmath.pld.steps` uses its upper PLD where that has the smaller epsilon at ``delta = 1e-6`` (both are upper
+bounds, so either choice is sound); with the bands it no longer wins at ``sigma >= 0.3``.
 
-**Cost and width, measured** (``benchmarks/sampling_bench.py`` Table S3, ``delta = 1e-5``, one core, cold):
-``sigma = 1`` and 234 steps an epoch, 7 s, then 0.09 % wide after one epoch and 0.20 % after 10; ``sigma = 0.6``
-and 100 steps, 13 s, 0.10 % after 10; ``sigma = 2`` and 1000 steps, 0.84 %; ``sigma = 0.8`` and 4000 steps, 4.2 %
-after 10 (a long epoch's sum concentrates where its grid is coarse).
+**Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
+.epsilon_bracket(delta)``, one core, cold, peak RSS): ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``
+[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 31 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 %
+wide, 27 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 44 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 43 s; ``(0.45, 500, 1,
+1e-6)`` 0.002 %, 33 s, each under 0.45 GB; ``(0.8, 4000, 10, 1e-5)`` 0.35 % (was 4.2 %), 45 s, 1.1 GB;
+``(1, 20000, 1, 1e-5)`` 0.65 % (was 9.9 %), 31 s; ``(2, 100000, 1, 1e-5)`` 4.4 % (was 34 %), 35 s: a long epoch's
+sum concentrates near ``t``, where a relative rounding of ``2^-p`` per level is large against its spread.
 
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
 of random allocation (:mod:`verify.allocation`).
@@ -63,9 +73,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import fft as sfft
 from scipy import special
 
-from .compose import Composition
+from .compose import _FFT_ERR, Composition
 from .distribution import Pld
 
 __all__ = ["epoch_plds", "sum_laws", "SumLaw"]
@@ -78,7 +89,6 @@ _FINEST = 1e-4           # no finer grid than this (the default loss grid's step
 _ADD_CAP = 3.0           # adding: a term above at most t e^3 is held there (upper) or dropped (lower)
 _WINDOW_TAIL = 1e-18     # mass a composed sum's window leaves out on each side (charged like the cap)
 _TRIAL = 1 << 14         # grid points of a term's law when only its sum's window is measured
-_LEVEL_RTOL = 1e-3       # removing, heavy tails: a level's relative rounding of S, t R / points for caps R apart
 
 
 @dataclass(frozen=True)
@@ -137,41 +147,21 @@ def _span(mu: float, steps: int, cap: float, allocated: bool, negate: bool = Fal
     return (c.hi - c.lo + 1) * c.h, max(abs(c.hi), abs(c.lo)) * c.h
 
 
-def _upper_law(comp: Composition, shift: int, restricted: bool = False) -> SumLaw:
+def _upper_law(comp: Composition, shift: int) -> SumLaw:
     """Both bounds from one upper-mode composition: the lower law is the upper one shifted down by ``shift``
     grid points (the terms rounded down instead of up), with twice the error bound taken off (the upper pmf has
-    it added), and the mass lumped from below the window taken off its first point.  ``restricted``:
-    the terms beyond the cap are another part's event, not a charge (only the window's cut mass is)."""
+    it added), and the mass lumped from below the window taken off its first point."""
     full = comp.full()
     err = full.err if full.err is not None else np.zeros_like(full.pmf)
     lower = np.maximum(full.pmf - 2.0 * err, 0.0)
     lower[0] = max(0.0, full.pmf[0] - full.lump - 2.0 * err[0])
-    inf = comp.over if restricted else full.inf
-    return SumLaw(comp.h, full.start, full.pmf, full.start - shift, lower, inf, comp.over + comp.under)
-
-
-def _difference(whole: SumLaw, part: SumLaw) -> SumLaw:
-    """Pointwise bounds on ``whole - part`` (the law on the complement of ``part``'s event): upper minus lower,
-    lower minus upper, at least 0."""
-    lo = min(whole.start, part.start)
-    hi = max(whole.start + whole.upper.size, part.start + part.upper.size)
-
-    def placed(arr: np.ndarray, start: int) -> np.ndarray:
-        out = np.zeros(hi - lo)
-        out[start - lo:start - lo + arr.size] = arr
-        return out
-
-    shift = whole.start - whole.lower_start
-    upper = np.maximum(placed(whole.upper, whole.start) - placed(part.lower, part.lower_start + shift), 0.0)
-    lower = np.maximum(placed(whole.lower, whole.lower_start + shift) - placed(part.upper, part.start), 0.0)
-    return SumLaw(whole.step, lo, upper, lo - shift, lower, whole.inf, whole.slack + part.slack)
+    return SumLaw(comp.h, full.start, full.pmf, full.start - shift, lower, full.inf, comp.over + comp.under)
 
 
 @functools.lru_cache(maxsize=2)   # both directions of one noise level: up to about 150 MB
 def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
-    """The laws of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``), as
-    parts on disjoint events whose bounds add up: one part, or (removing, heavy tails) one per level of the largest
-    term, each on its own grid (module docstring)."""
+    """The law of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``) as a
+    one-element tuple: on one grid, or (removing, heavy tails or a long epoch) on octave bands (module docstring)."""
     t = steps
     points = _SHORT_POINTS if t <= _SHORT else _POINTS
     if relation == "add":
@@ -180,6 +170,8 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
         cap = min(t * math.exp(_ADD_CAP), math.exp(0.5 * mu * mu - mu * special.ndtri(0.25 * _FINE)))
         span, top = _span(mu, t, cap, False, negate=True)
         step = max(_FINEST, span / points)
+        if step > _FINE:   # heavy tails or a long epoch: octave bands, which resolve small sums too
+            return (band_laws(mu, t, "add", cap),)
         k_top = math.ceil(min(cap, top) / step)
         up = _sum(mu, t, step, k_top, False, negate=True, up=False, hold=True).full()
         low = _sum(mu, t, step, k_top, False, negate=True, up=True, lower_mode=True).full()
@@ -189,61 +181,288 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
     cap = min(z_cap, top)
     cap_step = whole_span / points
 
-    def one_grid(step: float) -> tuple[SumLaw]:
-        return (_upper_law(_sum(mu, t, step, math.ceil(cap / step), True), t),)
-
     if cap_step <= _FINE:
-        return one_grid(max(_FINEST, cap_step))
-    # caps m_0 < m_1 < ... < m_L = cap: m_0 the largest (halving, down to 1) whose sum fits the points at the fine
-    # step, each next R times the last.  Part i is the law on {the largest term in (m_{i-1}, m_i]}, where S > m_{i-1}
-    # and the grid's step is about m_i / points (or the bulk's spread over points, where S is near t anyway), so S
-    # rounds by at most t R / points of itself: R is chosen for _LEVEL_RTOL (between 4 and 1024)
-    ratio = min(1024.0, max(4.0, _LEVEL_RTOL * points / t))
-    m, (span, top) = cap, _span(mu, t, cap, True)
-    while m / 2.0 >= 1.0 and span / points > _FINE:
-        m /= 2.0
-        span, top = _span(mu, t, m, True)
-    caps, steps_ = [min(m, top)], [max(_FINEST, span / points)]   # a term above its window's top is above m
-    while caps[-1] < cap:
-        nxt = min(cap, caps[-1] * ratio)
-        caps.append(nxt)
-        steps_.append(cap_step if nxt == cap else _span(mu, t, nxt, True)[0] / points)
-    # nested grids, coarse to fine: each step divides the next, and each cap is a point of its level's grid and
-    # of the next, so the parts' events are complementary
-    for i in range(len(steps_) - 2, -1, -1):
-        steps_[i] = steps_[i + 1] / max(1, math.floor(steps_[i + 1] / steps_[i]))
-    k = [math.floor(c / steps_[i + 1]) * round(steps_[i + 1] / steps_[i]) for i, c in enumerate(caps[:-1])]
-    k.append(math.ceil(cap / steps_[-1]))
-    if any(j < 1 for j in k) or any(j > 2 * points for j in k):
-        # a grid cannot tell one level from the next (tails so heavy, sigma ~ 0.3, that one grid of the whole sum is
-        # all there is): one part on a coarse grid (a quarter of the points: its upper end is rarely the one used,
-        # see dpmath.pld.steps), valid on both sides and loose
-        return one_grid(4.0 * cap_step)
-    sums: dict[tuple[float, int], Composition] = {}   # levels sharing a grid share a composition
-
-    def law(step: float, k_top: int, restricted: bool) -> SumLaw:
-        if (step, k_top) not in sums:
-            sums[(step, k_top)] = _sum(mu, t, step, k_top, True)
-        return _upper_law(sums[(step, k_top)], t, restricted)
-
-    last = len(caps) - 1
-    parts = [law(steps_[0], k[0], True)]
-    for i in range(1, last + 1):
-        below = round(k[i - 1] * steps_[i - 1] / steps_[i])   # the previous cap on this level's grid
-        parts.append(_difference(law(steps_[i], k[i], i < last), law(steps_[i], below, True)))
-    return tuple(parts)
+        return (_upper_law(_sum(mu, t, max(_FINEST, cap_step), math.ceil(cap / max(_FINEST, cap_step)), True), t),)
+    # heavy tails or a long epoch: one grid would be coarse, so octave bands (module docstring)
+    return (band_laws(mu, t, "remove", z_cap),)
 
 
-def _losses(law: SumLaw, steps: int, relation: str, h: float, upper: bool) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(loss grid indices, masses, mass at +inf)`` of one part, its losses rounded toward the bound's side."""
-    start, pmf = (law.start, law.upper) if upper else (law.lower_start, law.lower)
-    k = np.abs(start + np.arange(pmf.size))
+# ---------------------------------------------------------------------------------------------- banded sums
+_BAND_POINTS = 1 << 21  # banded sums: about this many grid points in all (2^p an octave, p from 14 to 17), ...
+_BAND_FLOOR = 2.0 ** -8  # ... below this (one term's units, scaled with the sum's size) a linear grid instead; ...
+_ADD_FLOOR = 2.0 ** -40  # ... adding, whose large losses are small sums, down to this
+
+
+@dataclass(frozen=True)
+class BandLaw:
+    """A law of ``S >= 0`` on octave bands: row 0 holds ``j unit`` (``j = 0..n``, ``n = 2^p``), row
+    ``b >= 1`` holds ``(n + j) unit 2^(b-1)``, the octave ``[n unit 2^(b-1), n unit 2^b]``, at a step of ``2^-p`` of
+    its lower end.  ``up``: pointwise upper bounds on a law rounded up (``inf``: mass at ``+inf``); otherwise pointwise
+    lower bounds on one rounded down."""
+
+    unit: float
+    mass: np.ndarray
+    inf: float
+    up: bool
+
+    def values(self) -> np.ndarray:
+        n = self.mass.shape[1] - 1
+        rows = np.arange(self.mass.shape[0])
+        scale = self.unit * np.exp2(np.maximum(rows - 1, 0))
+        return (np.where(rows > 0, n, 0)[:, None] + np.arange(n + 1)[None, :]) * scale[:, None]
+
+
+def _band_index(v: np.ndarray, unit: float, shape: tuple[int, int], up: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices on the bands of ``unit`` of the values ``v`` (exact dyadic floats) rounded up (``up``) or down
+    (every value and ``unit`` a power of 2 times an integer: the divisions and ``ceil`` are exact), and which lie
+    beyond the top band (their index is the top point's)."""
+    rows, n = shape[0], shape[1] - 1
+    mant, e = np.frexp(v / (n * unit))             # v / (n unit) = mant 2^e, mant in [0.5, 1)
+    if up:   # row c >= 1 holds (2^(c-1), 2^c] in units of n unit
+        row = np.where(mant == 0.5, e - 1, e)
+        row = np.where(v <= n * unit, 0, row)
+    else:    # ... and [2^(c-1), 2^c) rounding down
+        row = np.where(v < n * unit, 0, e)
+    over = row >= rows
+    row = np.minimum(row, rows - 1)
+    step = unit * np.exp2(np.maximum(row - 1, 0))
+    q = v / step
+    j = (np.ceil(q) if up else np.floor(q)).astype(np.int64) - np.where(row > 0, n, 0)
+    j = np.where(over, n, j)
+    return row * (n + 1) + j, over
+
+
+def _band_place(v: np.ndarray, m: np.ndarray, unit: float, shape: tuple[int, int], up: bool
+                ) -> tuple[np.ndarray, float]:
+    """Masses ``m`` at the values ``v`` on the bands of ``unit`` (:func:`_band_index`); beyond the top band:
+    returned as ``+inf`` mass (up) or held at the top (down)."""
+    idx, over = _band_index(v, unit, shape, up)
+    beyond = float(m[over].sum()) if up else 0.0
+    if up:
+        idx, m = idx[~over], m[~over]
+    return np.bincount(idx, weights=m, minlength=shape[0] * shape[1]).reshape(shape), beyond
+
+
+def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up: bool) -> BandLaw:
+    """One lognormal term (as :func:`_term`) on the bands of ``unit``: the mass of ``(u, v]`` between neighbouring
+    points at ``v`` (up) or ``u`` (down); above the top: ``+inf`` (up) or the top (down)."""
+    c = 0.5 * mu * mu * (1.0 if shifted else -1.0)
+    grid = BandLaw(unit, np.zeros(shape), 0.0, up).values()
+    v = np.concatenate([grid[0], grid[1:, 1:].ravel()])   # increasing, each point once
     with np.errstate(divide="ignore"):
-        loss = np.log(k * (law.step / steps))
+        cdf = special.ndtr((np.log(v) - c) / mu)
+    cdf[0] = 0.0
+    inter = np.diff(cdf)
+    beyond = float(special.ndtr(-(math.log(v[-1]) - c) / mu))
+    at = v[1:] if up else v[:-1]
+    if not up:
+        at, inter = np.append(at, v[-1]), np.append(inter, beyond)
+    mass, _ = _band_place(at, inter, unit, shape, up)
+    return BandLaw(unit, mass, beyond if up else 0.0, up)
+
+
+def _band_rebin(law: BandLaw, unit: float) -> BandLaw:
+    """``law`` on the coarser bands of ``unit``: one more rounding of each value."""
+    if unit == law.unit:
+        return law
+    live = law.mass > 0
+    mass, beyond = _band_place(law.values()[live], law.mass[live], unit, law.mass.shape, law.up)
+    return BandLaw(unit, mass, law.inf + beyond, law.up)
+
+
+def _coarsen(c: np.ndarray, up: bool) -> np.ndarray:
+    """A law on ``0..2n`` at step ``D`` onto ``0..n`` at step ``2D``, rounding up or down."""
+    out = np.zeros((c.size + 1) // 2)
+    if up:   # i -> ceil(i / 2)
+        out[0] = c[0]
+        out[1:] = c[1::2] + np.append(c[2::2], 0.0)[: out.size - 1]
+    else:    # i -> floor(i / 2)
+        out[:] = c[0::2]
+        out[: c[1::2].size] += c[1::2]
+    return out
+
+
+_BAND_RTOL = 1e-3      # a band's FFT is tilted again where its error bounds exceed this of a tail sum ...
+_BAND_TAIL = 1e-20     # ... above this mass (either tail: adding reads small sums)
+_BAND_TILTS = 4
+_TILT_ROUND = 4000.0 * float(np.finfo(np.float64).eps)   # relative rounding of three tilt factors (arguments <= 1200)
+
+
+def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``sum a * c`` over ``pairs`` (non-negative arrays) at ``0..size-1``, and a pointwise bound on its error.
+
+    An FFT's error is absolute: :data:`_FFT_ERR` per unit mass of each factor and ``log2 N`` (as in
+    :mod:`dpmath.pld.compose`), about ``1e-13`` of the mass at every point, which swamps a tail's small masses.  So
+    where a tail sum (either side) above :data:`_BAND_TAIL` has error bounds over :data:`_BAND_RTOL` of it, the
+    product is computed again under the tilt ``e^{theta i}`` that flattens the decay there (its error bound shrinks by
+    ``e^{-theta i}`` once untilted), and each point is read from the tilt with the smallest bound."""
+    scale = _FFT_ERR * math.log2(nfft)
+    best = np.zeros(size)
+    err = np.full(size, np.inf)
+    theta, tried = 0.0, set()
+    for _ in range(_BAND_TILTS):
+        tried.add(theta)
+        spec, norms = 0.0, 0.0
+        # every factor's weights at most 1 (one normalizer per side, shared by the pairs: their products add)
+        norm_a = max(0.0, theta * max(a.size - 1 for a, _ in pairs))
+        norm_c = max(0.0, theta * max(c.size - 1 for _, c in pairs))
+        for a, c in pairs:
+            ta = a * np.exp(theta * np.arange(a.size) - norm_a)
+            tc = c * np.exp(theta * np.arange(c.size) - norm_c)
+            spec = spec + sfft.rfft(ta, nfft) * sfft.rfft(tc, nfft)
+            norms += float(ta.sum()) * float(tc.sum())
+        z = sfft.irfft(spec, nfft)[:size]
+        e_t = scale * (4.0 * norms + float(np.abs(z).max()))
+        # untilt: the normalizers put back, then e^{-theta i}
+        shift = norm_a + norm_c
+        with np.errstate(over="ignore"):
+            back = np.exp(shift - theta * np.arange(size))
+            z_u, e_u = z * back, e_t * back
+        # and the tilt's own rounding: each exp's argument (at most 1200 in size) rounds by its size times eps
+        e_u += _TILT_ROUND * (np.abs(z_u) + e_u)
+        better = e_u < err
+        best[better], err[better] = z_u[better], e_u[better]
+        pos = np.maximum(best, 0.0)
+        with np.errstate(over="ignore"):
+            upper_bad = (np.cumsum(err[::-1])[::-1] > _BAND_RTOL * np.cumsum(pos[::-1])[::-1]) & (
+                np.cumsum(pos[::-1])[::-1] > _BAND_TAIL)
+            lower_bad = (np.cumsum(err) > _BAND_RTOL * np.cumsum(pos)) & (np.cumsum(pos) > _BAND_TAIL)
+        top = int(np.argmax(pos))
+        cand = []
+        if upper_bad[top:].any():
+            s = top + int(np.argmax(upper_bad[top:]))
+            cand.append((s, top))
+        if lower_bad[:top].any():
+            s = top - 1 - int(np.argmax(lower_bad[:top][::-1]))
+            cand.append((s, top))
+        theta = None
+        for s, t in cand:
+            tail = float(np.cumsum(pos[::-1])[::-1][s]) if s > t else float(np.cumsum(pos)[s])
+            if tail <= 0 or s == t:
+                continue
+            # the decay rate from the peak to s, capped so that no weight leaves float64's range
+            th = math.log(pos[t] / max(tail, 1e-300)) / (s - t)
+            th = max(-600.0 / size, min(600.0 / size, th))
+            if th not in tried:
+                theta = th
+                break
+        if theta is None:
+            break
+    return best, err
+
+
+def _band_add(x: BandLaw, y: BandLaw) -> BandLaw:
+    """The law of ``X + Y`` (independent, on the same bands) on the bands of twice the unit.
+
+    Split by the row of the larger: ``{row X = b, row Y <= b}`` and ``{row Y = b, row X < b}``.  On each the sum
+    lies in ``[2^(b-1), 2^(b+1)] n unit``, and the smaller is first rounded onto row ``b``'s step ``D`` (a step of
+    at most ``2^-p`` of the larger), so one FFT of ``3n + 1`` points at step ``D`` holds it; its values are then
+    rounded onto the new bands.  Each FFT's error is bounded (:data:`_FFT_ERR` per unit mass of each factor and
+    ``log2 N``, as in :mod:`dpmath.pld.compose`) and added to every point (up) or subtracted (down)."""
+    rows, n = x.mass.shape[0], x.mass.shape[1] - 1
+    up = x.up
+    unit = 2.0 * x.unit
+    same = x is y
+    idx, mass = [], []
+    inf = x.inf + y.inf   # the union bound: either term at +inf
+    nfft = sfft.next_fast_len(3 * n + 1, real=True)
+    cx = cy = None   # rows below b, at row b's step (indices 0..n)
+    for b in range(rows):
+        if b >= 2:
+            cx, cy = _coarsen(cx, up), (None if same else _coarsen(cy, up))
+        xb, yb = x.mass[b], y.mass[b]
+        off = n if b > 0 else 0
+        # rows up to b at row b's step: indices 0..2n (0..n for row 0)
+        def upto(c, r):
+            if c is None:
+                return r.copy()
+            out = np.zeros(2 * n + 1)
+            out[: c.size] += c
+            out[n:] += r
+            return out
+        lex = upto(cx, xb)
+        ley = lex if same else upto(cy, yb)
+        if xb.any() or yb.any():
+            if same:   # X_b * (X_<b + X_<=b)
+                both = lex.copy()
+                if cx is not None:
+                    both[: cx.size] += cx
+                pairs = [(xb, both)]
+            else:
+                pairs = [(xb, ley)] + ([(yb, cx)] if cx is not None and yb.any() else [])
+            z, err = _tilted_conv(pairs, nfft, 3 * n + 1)
+            z = np.maximum(z, 0.0) + err if up else np.maximum(z - err, 0.0)
+            live = z > 0
+            d = x.unit * 2.0 ** max(b - 1, 0)
+            v = (off + np.nonzero(live)[0]) * d
+            i, over = _band_index(v, unit, x.mass.shape, up)
+            if up:
+                inf += float(z[live][over].sum())
+                i = i[~over]
+            idx.append(i)
+            mass.append(z[live][~over] if up else z[live])
+        cx = lex if b >= 1 else xb.copy()
+        cy = None if same else (ley if b >= 1 else yb.copy())
+    flat = np.bincount(np.concatenate(idx), weights=np.concatenate(mass), minlength=rows * (n + 1))
+    return BandLaw(unit, flat.reshape(rows, n + 1), min(1.0, inf), up)
+
+
+@dataclass(frozen=True)
+class BandPair:
+    """Removing's ``S`` on octave bands (:func:`band_laws`): its upper and lower laws; no slack."""
+
+    upper: BandLaw
+    lower: BandLaw
+    slack: float = 0.0
+
+
+@functools.lru_cache(maxsize=2)
+def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
+    """``S`` on octave bands (module docstring), rounded up and down: the unshifted terms summed by doubling and
+    rebinning, then (removing) the allocated term.  Removing: the upper law rounds up (a term above the top at
+    ``+inf``), the lower down.  Adding: the upper law rounds down (a term above the top held there, ``S = 0`` a loss
+    of ``+inf``), the lower up (``S`` at ``+inf`` dropped: a loss of ``-inf``).  ``cap``: the top band reaches
+    twice it (a term's ``1 - 1e-14`` quantile, or adding's ``m``)."""
+    floor = _BAND_FLOOR if relation == "remove" else _ADD_FLOOR
+    rows = 2 + math.ceil(math.log2(cap / floor))
+    bits = min(17, max(14, int(math.log2(_BAND_POINTS / rows))))
+    shape = (rows, (1 << bits) + 1)
+    unit = floor / (1 << bits)
+    out = []
+    for up in (True, False):
+        unshifted = steps - 1 if relation == "remove" else steps
+        power, acc, left = _band_term(mu, False, unit, shape, up), None, unshifted
+        while left:
+            if left & 1:
+                acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit))
+            left >>= 1
+            if left:
+                power = _band_add(power, power)
+        if relation == "remove":
+            one = _band_term(mu, True, unit, shape, up)
+            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit))
+        out.append(acc)
+    if relation == "remove":
+        return BandPair(out[0], out[1])
+    return BandPair(out[1], BandLaw(out[0].unit, out[0].mass, 0.0, True))
+
+
+def _losses(law: SumLaw | BandPair, steps: int, relation: str, h: float, upper: bool
+            ) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(loss grid indices, masses, mass at +inf)`` of one part, its losses rounded toward the bound's side."""
+    if isinstance(law, BandPair):
+        band = law.upper if upper else law.lower
+        s, pmf = band.values().ravel(), band.mass.ravel()
+        inf = band.inf
+    else:
+        start, pmf = (law.start, law.upper) if upper else (law.lower_start, law.lower)
+        s = np.abs(start + np.arange(pmf.size)) * law.step
+        inf = law.inf if upper else 0.0
+    with np.errstate(divide="ignore"):
+        loss = np.log(s / steps)
     if relation == "add":
         loss = -loss
     finite = np.isfinite(loss) & (pmf > 0)
-    inf = law.inf if upper else 0.0
     if upper:
         inf += float(pmf[np.isposinf(loss)].sum())
     if not finite.any():

@@ -229,8 +229,8 @@ def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds:
             f"ratios (lognormal, exp(1 / (2 sigma^2))) overflow float64, so epsilon is astronomically large; use more "
             f"noise, or bound the epoch by its dominating step ({step.dominating()!r})") from None
     if True in bounds:
-        # the unamplified bound is an upper PLD of the epoch too (either is sound): where its epsilon at
-        # _PROBE_DELTA is the smaller (sigma ~ 0.3, whose lognormal tails leave the grid coarse), it is used
+        # the unamplified bound is an upper PLD of the epoch too (either is sound): a last resort, used where its
+        # epsilon at _PROBE_DELTA is the smaller (the octave bands make that rare: not at sigma >= 0.3)
         bound = step_plds(step.dominating(), "remove", h, (True,))[0]
         at = bounds.index(True)
         if bound.epsilon(_PROBE_DELTA) < plds[at].epsilon(_PROBE_DELTA):
