@@ -76,7 +76,7 @@ import numpy as np
 from scipy import fft as sfft
 from scipy import special
 
-from .compose import _FFT_ERR, Composition
+from .compose import FFT_ERR, Composition
 from .distribution import Pld
 
 __all__ = ["epoch_plds", "sum_laws", "SumLaw"]
@@ -291,12 +291,12 @@ _TILT_ROUND = 4000.0 * float(np.finfo(np.float64).eps)   # relative rounding of 
 def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``sum a * c`` over ``pairs`` (non-negative arrays) at ``0..size-1``, and a pointwise bound on its error.
 
-    An FFT's error is absolute: :data:`_FFT_ERR` per unit mass of each factor and ``log2 N`` (as in
+    An FFT's error is absolute: :data:`FFT_ERR` per unit mass of each factor and ``log2 N`` (as in
     :mod:`dpmath.pld.compose`), about ``1e-13`` of the mass at every point, which swamps a tail's small masses.  So
     where a tail sum (either side) above :data:`_BAND_TAIL` has error bounds over :data:`_BAND_RTOL` of it, the
     product is computed again under the tilt ``e^{theta i}`` that flattens the decay there (its error bound shrinks by
     ``e^{-theta i}`` once untilted), and each point is read from the tilt with the smallest bound."""
-    scale = _FFT_ERR * math.log2(nfft)
+    scale = FFT_ERR * math.log2(nfft)
     best = np.zeros(size)
     err = np.full(size, np.inf)
     theta, tried = 0.0, set()
@@ -357,7 +357,7 @@ def _band_add(x: BandLaw, y: BandLaw) -> BandLaw:
     Split by the row of the larger: ``{row X = b, row Y <= b}`` and ``{row Y = b, row X < b}``.  On each the sum
     lies in ``[2^(b-1), 2^(b+1)] n unit``, and the smaller is first rounded onto row ``b``'s step ``D`` (a step of
     at most ``2^-p`` of the larger), so one FFT of ``3n + 1`` points at step ``D`` holds it; its values are then
-    rounded onto the new bands.  Each FFT's error is bounded (:data:`_FFT_ERR` per unit mass of each factor and
+    rounded onto the new bands.  Each FFT's error is bounded (:data:`FFT_ERR` per unit mass of each factor and
     ``log2 N``, as in :mod:`dpmath.pld.compose`) and added to every point (up) or subtracted (down)."""
     rows, n = x.mass.shape[0], x.mass.shape[1] - 1
     up = x.up

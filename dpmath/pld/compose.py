@@ -25,7 +25,9 @@ __all__ = ["CUT", "Composition", "Factor", "EXTENDED", "Spectra", "chernoff", "t
 _MAX_TILT = 1e12   # the largest tilt tried: beyond it lam * t leaves what a float64 exponent can mean
 
 _F64_EPS = float(np.finfo(np.float64).eps)
-_FFT_ERR = 5.0 * _F64_EPS  # |error| of an FFT coefficient per unit mass, per log2 N (scaled by eps in extended)
+#: The absolute error of an FFT coefficient per unit mass of its input, per ``log2 N``, in float64 (scaled by the
+#: working precision's epsilon in extended precision): the bound every FFT-composed law here is charged with.
+FFT_ERR = 5.0 * _F64_EPS
 # extended precision helps only where long double is wider than double (x86: 80 bits; not on every platform)
 EXTENDED = float(np.finfo(np.longdouble).eps) < _F64_EPS
 _EXTEND_AT = 1e-2      # ... and is used where a float64 pass's rounding moves delta by more than this of it
@@ -348,7 +350,7 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
         offset += f.n * int(f.k[0])
     # the power is taken only where the product's modulus is representable (after many steps, few
     # frequencies); the others are left at 0 and their moduli are charged to the error below
-    scale = _FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
+    scale = FFT_ERR * (eps / _F64_EPS) * math.log2(nfft)
     tiny = _LOG_TINY
     if shared and nfft > 1:   # (one point: its rounding bound is 0, and nothing to drop)
         # a shared transform is reused at many counts, where the power of every frequency would cost about as
@@ -364,7 +366,7 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
         part *= x[keep] ** f.n
     spec[keep] = part
     dropped = float(spec.size - part.size) * math.exp(tiny)   # each dropped modulus is below this
-    # |d prod X_i^n_i| <= sum_i n_i |dX_i| |X_i|^(n_i - 1) prod_{j != i} |X_j|^n_j, |dX| <= _FFT_ERR log2 N
+    # |d prod X_i^n_i| <= sum_i n_i |dX_i| |X_i|^(n_i - 1) prod_{j != i} |X_j|^n_j, |dX| <= FFT_ERR log2 N
     sens = 0.0
     for i, f in enumerate(factors):
         log_term = (f.n - 1) * log_abs[i] if f.n > 1 else np.zeros(spec.size)
