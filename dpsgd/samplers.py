@@ -10,9 +10,9 @@ batches and the mechanism the accountant composes come from one object and canno
   probability charged to delta.
 * :class:`FixedSize`: exactly ``B`` examples without replacement, afresh each step (static shapes);
   ``FixedSizeSubsampledGaussian``, for **replacing** one example.
-* :class:`BallsInBins`: each epoch, every example in one uniformly random of its ``T = round(N / B)`` steps;
-  ``RandomAllocationGaussian``, the epoch's own PLD with exact norms (about Poisson's epsilon at ``1/T``), one
-  Gaussian step per epoch with randomized clipping.
+* :class:`BallsInBins`: each epoch, every example in one uniformly random of its ``T = round(N / B)`` steps (or
+  in ``k`` distinct ones of ``round(k N / B)``); ``RandomAllocationGaussian``, the epoch's own PLD with exact
+  norms (about Poisson's epsilon at ``k/T``), ``k`` Gaussian steps per epoch with randomized clipping.
 * :class:`Shuffling`: each epoch, a permutation cut into batches of ``B``; ``ShuffledGaussian``, one Gaussian
   step per epoch for **replacing** one example (``sigma / 2``).
 * :class:`CyclicPoisson`: the examples split into ``b`` groups; step ``t`` Poisson-samples group ``t mod b``;
@@ -150,9 +150,9 @@ class FixedSizeBatchSampler(Sampler[list[int]]):
 
 
 class EpochBatchSampler(Sampler[list[int]]):
-    """The batches of epochs in which every example is in exactly one step: balls in bins (``"allocate"``: each
-    example's step uniform among ``steps``) or shuffling (``"shuffle"``: a permutation cut into batches of
-    ``batch_size``).
+    """The batches of epochs in which every example is in a fixed number of steps: balls in bins (``"allocate"``:
+    each example in ``participations`` distinct steps, a uniformly random subset of the ``steps``) or shuffling
+    (``"shuffle"``: a permutation cut into batches of ``batch_size``, each example once).
 
     The epoch is kept across loops: a loop that stops early leaves the rest of the epoch to the next one, so the
     batches drawn form one stream of whole epochs, and :attr:`drawn` (batches drawn so far) says how many epochs
@@ -167,8 +167,9 @@ class EpochBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int, kind: str, *, batch_size: int | None = None, steps: int | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, participations: int = 1) -> None:
         self.num_samples, self.kind, self.generator = num_samples, kind, generator
+        self.participations = participations
         if kind == "shuffle":
             self.batch_size = batch_size
             self.steps = math.ceil(num_samples / batch_size)
@@ -190,8 +191,18 @@ class EpochBatchSampler(Sampler[list[int]]):
         if self.kind == "shuffle":
             order = torch.randperm(self.num_samples, generator=self.generator)
             return [sorted(order[i:i + self.batch_size].tolist()) for i in range(0, self.num_samples, self.batch_size)]
-        bins = torch.randint(self.steps, (self.num_samples,), generator=self.generator)
-        return [(bins == t).nonzero().flatten().tolist() for t in range(self.steps)]
+        k = self.participations
+        if k == 1:
+            bins = torch.randint(self.steps, (self.num_samples,), generator=self.generator)
+        else:   # the k smallest of T uniforms: a uniformly random k-subset, in chunks of ~4M draws
+            chunk = max(1, (1 << 22) // self.steps)
+            bins = torch.cat([torch.rand(min(chunk, self.num_samples - i), self.steps, generator=self.generator)
+                              .topk(k, dim=1, largest=False).indices for i in range(0, self.num_samples, chunk)])
+        owner = torch.arange(self.num_samples).repeat_interleave(k)
+        flat = bins.flatten()
+        order = torch.argsort(flat * self.num_samples + owner)   # by step, then by example
+        counts = torch.bincount(flat, minlength=self.steps).tolist()
+        return [part.tolist() for part in torch.split(owner[order], counts)]
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
@@ -466,32 +477,56 @@ class FixedSize(BatchSampling):
         return FixedSizeSubsampledGaussian(noise_multiplier, bound.batch_size, bound.num_samples, envelope)
 
 
+@dataclass(frozen=True, repr=True)
 class BallsInBins(BatchSampling):
-    """Balls in bins (random allocation): each epoch puts every example in one uniformly random of its
-    ``T = round(N / B)`` steps.  Accounted per epoch: with exact norms by the PLD of random allocation (about as
-    much epsilon as Poisson sampling at rate ``1 / T``, often less), with randomized clipping by one Gaussian step
-    (a certified bound without amplification).
+    """Balls in bins (random allocation): each epoch puts every example in ``k = participations`` distinct steps, a
+    uniformly random subset of its ``T = round(k N / B)`` steps (one step by default).  Accounted per epoch: with
+    exact norms by the PLD of random allocation (about as much epsilon as Poisson sampling at rate ``k / T``, often
+    less; ``k > 1`` as ``k`` epochs of one participation in ``floor(T / k)`` steps:
+    :class:`dpmath.RandomAllocationGaussian`), with randomized clipping by ``k`` Gaussian steps (a certified bound
+    without amplification).
+
+    Parameters
+    ----------
+    participations : int
+        Steps each example is in per epoch, ``>= 1`` (default 1).
 
     Examples
     --------
     >>> from dpsgd.noise import GaussianNoise
     >>> BallsInBins().bind(1000, 10).mechanism(1.0, GaussianNoise(), None)
-    RandomAllocationGaussian(noise_multiplier=1.0, steps=100, envelope=None)
+    RandomAllocationGaussian(noise_multiplier=1.0, steps=100, envelope=None, participations=1)
+    >>> BallsInBins(participations=2).bind(1000, 10).steps_per_epoch
+    200
     """
 
-    name = "balls_in_bins"
-    per_epoch = True
+    participations: int = 1
+
+    name: ClassVar[str] = "balls_in_bins"
+    per_epoch: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        k = self.participations
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"participations must be a positive integer, got {k!r}")
+        object.__setattr__(self, "participations", int(k))
 
     def bind(self, num_samples, batch_size):
         check_sizes(num_samples, batch_size)
-        steps = max(1, round(num_samples / batch_size))
-        return BoundSampling(self, num_samples, batch_size, 1.0 / steps, steps)
+        k = self.participations
+        steps = max(k, round(k * num_samples / batch_size))
+        return BoundSampling(self, num_samples, batch_size, k / steps, steps)
 
     def make_sampler(self, bound, generator):
-        return EpochBatchSampler(bound.num_samples, "allocate", steps=bound.steps_per_epoch, generator=generator)
+        return EpochBatchSampler(bound.num_samples, "allocate", steps=bound.steps_per_epoch, generator=generator,
+                                 participations=self.participations)
 
     def make_mechanism(self, bound, noise_multiplier, noise, envelope):
-        return RandomAllocationGaussian(noise_multiplier, bound.steps_per_epoch, envelope)
+        return RandomAllocationGaussian(noise_multiplier, bound.steps_per_epoch, envelope,
+                                        participations=self.participations)
+
+    def settings(self):
+        return {"name": self.name, "participations": self.participations}
 
 
 class Shuffling(BatchSampling):

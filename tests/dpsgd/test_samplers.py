@@ -22,6 +22,7 @@ from dpmath import (
 )
 from dpsgd import PrivacyEngine
 from dpsgd.data import KeepsRowOrder, RowOrderError
+from dpsgd.noise import GaussianNoise
 from dpsgd.samplers import (
     BallsInBins,
     CyclicBatchSampler,
@@ -81,6 +82,31 @@ def test_balls_in_bins_puts_every_example_in_exactly_one_uniform_step_per_epoch(
         for t, batch in enumerate(epoch):
             position[batch, t] += 1
     assert _uniform_counts_ok(position.sum(0)) and _uniform_counts_ok(position[0] + position[1])
+
+
+def test_balls_in_bins_with_k_participations_puts_every_example_in_k_distinct_uniform_steps():
+    steps, k = 10, 3
+    s = EpochBatchSampler(N, "allocate", steps=steps, generator=_gen(12), participations=k)
+    position = np.zeros((N, steps))
+    for _ in range(100):
+        epoch = list(s)
+        assert all(len(set(b)) == len(b) for b in epoch)                  # an example at most once a step
+        assert sorted(i for b in epoch for i in b) == sorted(list(range(N)) * k)
+        for t, batch in enumerate(epoch):
+            position[batch, t] += 1
+    assert _uniform_counts_ok(position.sum(0)) and _uniform_counts_ok(position[0] + position[1])
+
+
+def test_balls_in_bins_with_k_participations_is_accounted_as_k_of_t_steps():
+    bound = BallsInBins(participations=2).bind(1000, 10)
+    assert (bound.steps_per_epoch, bound.sample_rate) == (200, 0.01)
+    assert bound.mechanism(1.5, GaussianNoise(), None) == RandomAllocationGaussian(1.5, 200, participations=2)
+    assert BallsInBins(participations=2).settings() == {"name": "balls_in_bins", "participations": 2}
+    with pytest.raises(ValueError, match="participations must be a positive integer"):
+        BallsInBins(participations=0)
+    engine = _train(BallsInBins(participations=2), loops=1, stop=4)
+    # 4 batches: one epoch of 2 in 20 steps begun, composed as 2 epochs of 1 in 10
+    assert engine.accountant().events == ((RandomAllocationGaussian(1.5, 10), 2),)
 
 
 def test_shuffling_cuts_a_permutation_into_batches_of_b():
