@@ -279,7 +279,8 @@ class PLDAccountant(Accountant):
         splits the width between them (a float target below 1 % starts from a grid with the scale step halved
         and the loss step chosen by :meth:`_first_loss_step`, where the default grid is 0.5 to 1.7 % wide on the
         benchmark's cases); each next grid shrinks only the parts above their share of the target (with a
-        safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and ``s = 1/16``.  A loss
+        safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and ``s = 1/16``.  A float target
+        stops where a finer grid narrowed the bracket by under 10 %.  A loss
         grid finer than ``discretization / 64`` (down to ``discretization * _FINEST``) is tried only where its
         predicted cost is within :data:`AUTO_BUDGET`: tiny sample rates and tiny epsilons, whose grids hold a
         few thousand points.
@@ -375,6 +376,12 @@ class PLDAccountant(Accountant):
 
         both = lower or isinstance(mode, float)
         h, s = self._start()
+        def stalled(last: float) -> bool:
+            """A float target's stop where a finer grid narrowed the bracket by under 10 % (its lower end is held by
+            something no grid moves, e.g. steps whose losses sit far below it): the next grid would cost more and
+            narrow it as little."""
+            return isinstance(mode, float) and best[1] - best[0] > 0.9 * last
+
         def rung(x: float, finer: bool = True) -> float:
             """``x`` rounded to the ladder ``h0 2^(-k / _RUNGS)``, down (``finer``) or up."""
             k = _RUNGS * math.log2(h0 / x)
@@ -408,7 +415,10 @@ class PLDAccountant(Accountant):
                     if h_next > (0.5 * h * (1 + 1e-9) if mode == AUTO else h * (1 - 1e-9)) or not allowed(h_next, s):
                         break
                     h = h_next
+                    last = best[1] - best[0]
                     width = run(h, s, True)
+                    if stalled(last):
+                        break
                     continue
                 if parts is None:
                     # split the width: w = A h^2 + B s, from one grid with h halved and one with s halved
@@ -433,7 +443,10 @@ class PLDAccountant(Accountant):
                 if not allowed(h_next, s_next):
                     break
                 h, s = h_next, s_next
+                last = best[1] - best[0]
                 width = run(h, s, True)
+                if stalled(last):
+                    break
                 parts = (loss * f_h ** 2, scale * f_s)
         except GridTooLargeError:   # a finer grid would exceed the size limit: keep the tightest so far
             if best is None:

@@ -674,7 +674,7 @@ class Composition:
             if not extended and self._rounding_bound(pld, eps, delta):
                 extended = True   # resolved, but rounding moves delta by over 1 %: the same pass, extended
                 continue
-            nxt = _tilt_for_mean(self.factors, eps, 0.0, 1.0) if eps > mean else 0.0
+            nxt = self._delta_tilt(eps) if eps > mean else 0.0
             if nxt is None or nxt == lam:
                 break
             lam = nxt
@@ -704,34 +704,40 @@ class Composition:
         return self._cuts[mass]
 
     def delta(self, eps: float) -> float:
+        """``delta(eps)``: a bound on this composition's side, the tightest of the tilted passes read (each pass's
+        value is a bound; a pass is enough once its error bounds move delta by at most ``_TILT_RTOL`` of it).
+
+        The passes, in order: float64 under the binned tilt centred at ``eps`` (:meth:`_delta_tilt`); then the passes an epsilon query at about this delta reads (the steps cut for it, :meth:`_cut`; the
+        binned Chernoff tilt at its level, then the binned tilt centred at its answer; float64, then extended
+        precision), so that a delta read back at an epsilon meets the pass that epsilon came from (cached) and the two
+        agree; then the first tilt in extended precision; then the untilted composition of every point."""
         if self.single is not None:
             return self.single.delta(eps)
+        tried: list[float] = []
+
+        def good(comp: Composition, lam: float, extended: bool) -> bool | None:
+            """Read one pass into ``tried``: whether it is enough (``None``: it does not resolve ``eps``)."""
+            pld = comp.local(lam, extended)
+            d = pld.delta(eps)
+            tried.append(d)
+            return None if eps < pld.start * self.h else comp._good(pld, eps, d)
+
         lam = self._delta_tilt(eps) if eps > self._cumulants["mean"] else 0.0
-        tried = []
-        if lam is not None:
-            # a float64 pass whose error bounds move delta by more than _TILT_RTOL of it is redone in extended
-            # precision (not only beyond _EXTEND_AT, as epsilon's search does, which can move its tilt instead):
-            # a delta read back at an epsilon must be as tight as the pass that epsilon came from
-            for extended in (False, True) if EXTENDED else (False,):
-                pld = self.local(lam, extended)
-                d = pld.delta(eps)
-                if self._good(pld, eps, d):
-                    return d
-                tried.append(d)
-                if eps < pld.start * self.h:   # the tilt does not resolve eps: precision would not help
-                    break
-        if tried and self.upper:
-            # still loose: the pass an epsilon query at about this delta reads (the steps cut for it, the Chernoff
-            # tilt at its level), whose window is narrower; a delta read back at an epsilon then meets its pass
-            cut = self._cut(min(tried))
+        if lam is not None and good(self, lam, False):
+            return self._tightest(tried)
+        if tried and (cut := self._cut(max(tried) if not self.upper else min(tried))) is not self:
             c = cut._cumulants
-            lam = _binned(_grid_tilt(c["parts"], c["sd"], -math.log(min(tried)))) if cut is not self else None
-            for extended in ((False, True) if EXTENDED else (False,)) if lam else ():
-                pld = cut.local(lam, extended)
-                d = pld.delta(eps)
-                tried.append(d)
-                if cut._good(pld, eps, d) or eps < pld.start * self.h:
-                    break
+            level = -math.log(max(min(tried), 1e-300))
+            for tilt in dict.fromkeys((_binned(_grid_tilt(c["parts"], c["sd"], level)),
+                                       cut._delta_tilt(eps) if eps > c["mean"] else None)):
+                for extended in ((False, True) if EXTENDED else (False,)) if tilt else ():
+                    ok = good(cut, tilt, extended)
+                    if ok:
+                        return self._tightest(tried)
+                    if ok is None:
+                        break
+        if lam is not None and EXTENDED and good(self, lam, True):
+            return self._tightest(tried)
         return self._tightest([self.full().delta(eps), *tried])
 
     def _delta_tilt(self, eps: float) -> float | None:
