@@ -41,9 +41,13 @@ points holds each row's share, and the result is rounded onto the bands of twice
 coupling (up for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S``
 moves by at most ``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``).  The FFT's
 absolute error (about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a
-tail sum above ``1e-20`` the row's product is computed again under exponential tilts (:func:`_tilted_conv`).  A
-term above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top
-(lower).
+tail sum above ``1e-20`` on the side that is read (large sums removing, small ones adding; the mass surely beyond a
+row's range counted in) the row's product is computed again under exponential tilts (:func:`_tilted_conv`); a row's
+product of negligible mass is not transformed but put at the end of its range the rounding points to.  A term
+above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top (lower).
+As a sum concentrates (long epochs), each doubling is refitted (:func:`_band_fit`): the octaves below its mass merge
+into the linear row 0, those above it are dropped (beyond the top), and the octaves left share the points, up to
+``2^18`` each, a finer relative step; a kept value stays on the finer grid exactly.
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
@@ -56,11 +60,12 @@ bounds, so either choice is sound); with the bands it no longer wins at ``sigma 
 
 **Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
 .epsilon_bracket(delta)``, one core, cold, peak RSS): ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``
-[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 31 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 %
-wide, 27 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 44 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 43 s; ``(0.45, 500, 1,
-1e-6)`` 0.002 %, 33 s, each under 0.45 GB; ``(0.8, 4000, 10, 1e-5)`` 0.35 % (was 4.2 %), 45 s, 1.1 GB;
-``(1, 20000, 1, 1e-5)`` 0.65 % (was 9.9 %), 31 s; ``(2, 100000, 1, 1e-5)`` 4.4 % (was 34 %), 35 s: a long epoch's
-sum concentrates near ``t``, where a relative rounding of ``2^-p`` per level is large against its spread.
+[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 9 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 % wide,
+9 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 15 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 16 s; ``(0.45, 500, 1, 1e-6)``
+0.002 %, 15 s, each under 0.5 GB; ``(0.8, 4000, 10, 1e-5)`` 0.30 % (was 4.2 %), 28 s, 0.75 GB; ``(1, 20000, 1,
+1e-5)`` 0.38 % (was 9.9 %), 27 s; ``(2, 100000, 1, 1e-5)`` 1.8 % (was 34 %), 27 s: a long epoch's sum concentrates
+near ``t``, where even the refitted relative rounding of ``2^-18`` per level is large against its spread (``epsilon``
+is 0.0036 there).
 
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
 of random allocation (:mod:`verify.allocation`).
@@ -264,13 +269,44 @@ def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up
     return BandLaw(unit, mass, beyond if up else 0.0, up, hi)
 
 
-def _band_rebin(law: BandLaw, unit: float) -> BandLaw:
-    """``law`` on the coarser bands of ``unit``: one more rounding of each value."""
-    if unit == law.unit:
+def _band_rebin(law: BandLaw, unit: float, shape: tuple[int, int] | None = None) -> BandLaw:
+    """``law`` on the bands of ``unit`` (and ``shape``): one more rounding of each value."""
+    shape = law.mass.shape if shape is None else shape
+    if unit == law.unit and shape == law.mass.shape:
         return law
     live = law.mass > 0
-    mass, beyond = _band_place(law.values()[live], law.mass[live], unit, law.mass.shape, law.up)
+    mass, beyond = _band_place(law.values()[live], law.mass[live], unit, shape, law.up)
     return BandLaw(unit, mass, law.inf + beyond, law.up, law.hi)
+
+
+_BAND_BITS = 18        # at most 2^18 points an octave (where few octaves hold a sum's mass)
+_TRIM_READ = 1e-30     # octaves dropped on the read side (and removing's top: charged to +inf) hold at most this ...
+_TRIM_OTHER = 1e-9     # ... on the other side at most this: merged into the linear row 0, or held at the top
+
+
+def _band_fit(law: BandLaw, side: str, top_min: float) -> BandLaw:
+    """``law`` on the octaves that hold its mass, at a finer step where they are fewer.
+
+    The octaves below the first that holds more than a small mass (:data:`_TRIM_OTHER`, or :data:`_TRIM_READ` where
+    small sums are read) are merged into the linear row 0 (a rounding up or down onto its step, ``2^-p`` of the new
+    floor), those above the last that does (beyond ``top_min``) are dropped (their mass at ``+inf`` or held at the top,
+    as any value beyond the top), and each octave left gets up to ``2^18`` points, the octaves' budget shared among
+    fewer rows.  A kept value stays exact: the new step divides the old one (both powers of 2 times the floor)."""
+    rows, n = law.mass.shape[0], law.mass.shape[1] - 1
+    bits = n.bit_length() - 1
+    floor = law.unit * n
+    r = law.mass.sum(axis=1)
+    low = _TRIM_READ if side == "lower" else _TRIM_OTHER
+    high = _TRIM_READ if side == "upper" else _TRIM_OTHER
+    j = max(0, int(np.count_nonzero(np.cumsum(r) <= low)) - 1)         # rows 0..j become the new row 0
+    above = np.append(np.cumsum(r[::-1])[::-1], 0.0)[1:]                # mass above each row
+    top = max(int(np.argmax(above <= high)), math.ceil(math.log2(top_min / floor)), j + 1)
+    top = min(top, rows - 1)
+    new_rows = top - j + 1
+    new_bits = min(_BAND_BITS, max(bits, int(math.log2(_BAND_POINTS / new_rows))))
+    if new_rows == rows and new_bits == bits:
+        return law
+    return _band_rebin(law, floor * 2.0 ** j / (1 << new_bits), (new_rows, (1 << new_bits) + 1))
 
 
 def _coarsen(c: np.ndarray, up: bool) -> np.ndarray:
@@ -357,7 +393,9 @@ def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: in
 
 
 _BAND_SKIP = 1e-40     # a band's product below this mass is not transformed: all of it at its largest (up) or
-                       # smallest sum, or (lower bounds) dropped
+                       # smallest sum, or (lower bounds) dropped; ...
+_BAND_SKIP_FAR = 1e-12  # ... nor below this where the read side holds more than this beyond its range (it moves
+_BAND_FAR = 1e-3        # every tail sum read by at most 1e-9 of it)
 
 
 def _band_add(x: BandLaw, y: BandLaw, side: str) -> BandLaw:
@@ -409,7 +447,8 @@ def _band_add(x: BandLaw, y: BandLaw, side: str) -> BandLaw:
             else:
                 pairs = [(xb, ley)] + ([(yb, cx)] if cx is not None and yb.any() else [])
             total = sum(float(a.sum()) * float(c.sum()) for a, c in pairs)
-            if total < _BAND_SKIP:   # no FFT: all of it at the range's end the rounding points to, or dropped
+            # no FFT for a negligible product: all of it at the range's end the rounding points to, or dropped
+            if total < _BAND_SKIP or (total < _BAND_SKIP_FAR and beyond[b] > _BAND_FAR):
                 z = np.zeros(3 * n + 1)
                 z[-1 if up else 0] = total * (1.0 + 1e-9) if hi else 0.0
             else:
@@ -460,13 +499,13 @@ def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
         power, acc, left = _band_term(mu, False, unit, shape, up, hi), None, unshifted
         while left:
             if left & 1:
-                acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit), side)
+                acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit, power.mass.shape), side)
             left >>= 1
             if left:
-                power = _band_add(power, power, side)
+                power = _band_fit(_band_add(power, power, side), side, 2.0 * cap)
         if relation == "remove":
             one = _band_term(mu, True, unit, shape, up, hi)
-            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit), side)
+            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
         out.append(acc)
     if relation == "remove":
         return BandPair(out[0], out[1])
