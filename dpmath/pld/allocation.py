@@ -41,9 +41,13 @@ points holds each row's share, and the result is rounded onto the bands of twice
 coupling (up for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S``
 moves by at most ``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``).  The FFT's
 absolute error (about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a
-tail sum above ``1e-20`` the row's product is computed again under exponential tilts (:func:`_tilted_conv`).  A
-term above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top
-(lower).
+tail sum above ``1e-20`` on the side that is read (large sums removing, small ones adding; the mass surely beyond a
+row's range counted in) the row's product is computed again under exponential tilts (:func:`_tilted_conv`); a row's
+product of negligible mass is not transformed but put at the end of its range the rounding points to.  A term
+above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top (lower).
+As a sum concentrates (long epochs), each doubling is refitted (:func:`_band_fit`): the octaves below its mass merge
+into the linear row 0, those above it are dropped (beyond the top), and the octaves left share the points, up to
+``2^18`` each, a finer relative step; a kept value stays on the finer grid exactly.
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
@@ -56,11 +60,12 @@ bounds, so either choice is sound); with the bands it no longer wins at ``sigma 
 
 **Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
 .epsilon_bracket(delta)``, one core, cold, peak RSS): ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``
-[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 31 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 %
-wide, 27 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 44 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 43 s; ``(0.45, 500, 1,
-1e-6)`` 0.002 %, 33 s, each under 0.45 GB; ``(0.8, 4000, 10, 1e-5)`` 0.35 % (was 4.2 %), 45 s, 1.1 GB;
-``(1, 20000, 1, 1e-5)`` 0.65 % (was 9.9 %), 31 s; ``(2, 100000, 1, 1e-5)`` 4.4 % (was 34 %), 35 s: a long epoch's
-sum concentrates near ``t``, where a relative rounding of ``2^-p`` per level is large against its spread.
+[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 9 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 % wide,
+9 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 15 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 16 s; ``(0.45, 500, 1, 1e-6)``
+0.002 %, 15 s, each under 0.5 GB; ``(0.8, 4000, 10, 1e-5)`` 0.30 % (was 4.2 %), 28 s, 0.75 GB; ``(1, 20000, 1,
+1e-5)`` 0.38 % (was 9.9 %), 27 s; ``(2, 100000, 1, 1e-5)`` 1.8 % (was 34 %), 27 s: a long epoch's sum concentrates
+near ``t``, where even the refitted relative rounding of ``2^-18`` per level is large against its spread (``epsilon``
+is 0.0036 there).
 
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
 of random allocation (:mod:`verify.allocation`).
@@ -197,13 +202,16 @@ _ADD_FLOOR = 2.0 ** -40  # ... adding, whose large losses are small sums, down t
 class BandLaw:
     """A law of ``S >= 0`` on octave bands: row 0 holds ``j unit`` (``j = 0..n``, ``n = 2^p``), row
     ``b >= 1`` holds ``(n + j) unit 2^(b-1)``, the octave ``[n unit 2^(b-1), n unit 2^b]``, at a step of ``2^-p`` of
-    its lower end.  ``up``: pointwise upper bounds on a law rounded up (``inf``: mass at ``+inf``); otherwise pointwise
-    lower bounds on one rounded down."""
+    its lower end.  ``up``: a law rounded up (``inf``: mass at ``+inf``), otherwise rounded down (held at the top);
+    ``hi``: its masses are pointwise upper bounds (FFT error bounds added), otherwise pointwise lower bounds.
+    Removing's upper law is rounded up with upper bounds, its lower one down with lower bounds; adding's upper law
+    (small sums are large losses) is rounded down with upper bounds, its lower one up with lower bounds."""
 
     unit: float
     mass: np.ndarray
     inf: float
     up: bool
+    hi: bool
 
     def values(self) -> np.ndarray:
         n = self.mass.shape[1] - 1
@@ -243,11 +251,11 @@ def _band_place(v: np.ndarray, m: np.ndarray, unit: float, shape: tuple[int, int
     return np.bincount(idx, weights=m, minlength=shape[0] * shape[1]).reshape(shape), beyond
 
 
-def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up: bool) -> BandLaw:
+def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up: bool, hi: bool) -> BandLaw:
     """One lognormal term (as :func:`_term`) on the bands of ``unit``: the mass of ``(u, v]`` between neighbouring
     points at ``v`` (up) or ``u`` (down); above the top: ``+inf`` (up) or the top (down)."""
     c = 0.5 * mu * mu * (1.0 if shifted else -1.0)
-    grid = BandLaw(unit, np.zeros(shape), 0.0, up).values()
+    grid = BandLaw(unit, np.zeros(shape), 0.0, up, hi).values()
     v = np.concatenate([grid[0], grid[1:, 1:].ravel()])   # increasing, each point once
     with np.errstate(divide="ignore"):
         cdf = special.ndtr((np.log(v) - c) / mu)
@@ -258,16 +266,47 @@ def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up
     if not up:
         at, inter = np.append(at, v[-1]), np.append(inter, beyond)
     mass, _ = _band_place(at, inter, unit, shape, up)
-    return BandLaw(unit, mass, beyond if up else 0.0, up)
+    return BandLaw(unit, mass, beyond if up else 0.0, up, hi)
 
 
-def _band_rebin(law: BandLaw, unit: float) -> BandLaw:
-    """``law`` on the coarser bands of ``unit``: one more rounding of each value."""
-    if unit == law.unit:
+def _band_rebin(law: BandLaw, unit: float, shape: tuple[int, int] | None = None) -> BandLaw:
+    """``law`` on the bands of ``unit`` (and ``shape``): one more rounding of each value."""
+    shape = law.mass.shape if shape is None else shape
+    if unit == law.unit and shape == law.mass.shape:
         return law
     live = law.mass > 0
-    mass, beyond = _band_place(law.values()[live], law.mass[live], unit, law.mass.shape, law.up)
-    return BandLaw(unit, mass, law.inf + beyond, law.up)
+    mass, beyond = _band_place(law.values()[live], law.mass[live], unit, shape, law.up)
+    return BandLaw(unit, mass, law.inf + beyond, law.up, law.hi)
+
+
+_BAND_BITS = 18        # at most 2^18 points an octave (where few octaves hold a sum's mass)
+_TRIM_READ = 1e-30     # octaves dropped on the read side (and removing's top: charged to +inf) hold at most this ...
+_TRIM_OTHER = 1e-9     # ... on the other side at most this: merged into the linear row 0, or held at the top
+
+
+def _band_fit(law: BandLaw, side: str, top_min: float) -> BandLaw:
+    """``law`` on the octaves that hold its mass, at a finer step where they are fewer.
+
+    The octaves below the first that holds more than a small mass (:data:`_TRIM_OTHER`, or :data:`_TRIM_READ` where
+    small sums are read) are merged into the linear row 0 (a rounding up or down onto its step, ``2^-p`` of the new
+    floor), those above the last that does (beyond ``top_min``) are dropped (their mass at ``+inf`` or held at the top,
+    as any value beyond the top), and each octave left gets up to ``2^18`` points, the octaves' budget shared among
+    fewer rows.  A kept value stays exact: the new step divides the old one (both powers of 2 times the floor)."""
+    rows, n = law.mass.shape[0], law.mass.shape[1] - 1
+    bits = n.bit_length() - 1
+    floor = law.unit * n
+    r = law.mass.sum(axis=1)
+    low = _TRIM_READ if side == "lower" else _TRIM_OTHER
+    high = _TRIM_READ if side == "upper" else _TRIM_OTHER
+    j = max(0, int(np.count_nonzero(np.cumsum(r) <= low)) - 1)         # rows 0..j become the new row 0
+    above = np.append(np.cumsum(r[::-1])[::-1], 0.0)[1:]                # mass above each row
+    top = max(int(np.argmax(above <= high)), math.ceil(math.log2(top_min / floor)), j + 1)
+    top = min(top, rows - 1)
+    new_rows = top - j + 1
+    new_bits = min(_BAND_BITS, max(bits, int(math.log2(_BAND_POINTS / new_rows))))
+    if new_rows == rows and new_bits == bits:
+        return law
+    return _band_rebin(law, floor * 2.0 ** j / (1 << new_bits), (new_rows, (1 << new_bits) + 1))
 
 
 def _coarsen(c: np.ndarray, up: bool) -> np.ndarray:
@@ -288,18 +327,22 @@ _BAND_TILTS = 4
 _TILT_ROUND = 4000.0 * float(np.finfo(np.float64).eps)   # relative rounding of three tilt factors (arguments <= 1200)
 
 
-def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: int, side: str, outside: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """``sum a * c`` over ``pairs`` (non-negative arrays) at ``0..size-1``, and a pointwise bound on its error.
 
     An FFT's error is absolute: :data:`FFT_ERR` per unit mass of each factor and ``log2 N`` (as in
     :mod:`dpmath.pld.compose`), about ``1e-13`` of the mass at every point, which swamps a tail's small masses.  So
-    where a tail sum (either side) above :data:`_BAND_TAIL` has error bounds over :data:`_BAND_RTOL` of it, the
-    product is computed again under the tilt ``e^{theta i}`` that flattens the decay there (its error bound shrinks by
-    ``e^{-theta i}`` once untilted), and each point is read from the tilt with the smallest bound."""
+    where a tail sum on the side that is read (``side``: ``"upper"`` removing, ``"lower"`` adding) above
+    :data:`_BAND_TAIL` has error bounds over :data:`_BAND_RTOL` of it, the product is computed again under the tilt
+    ``e^{theta i}`` that flattens the decay there (its error bound shrinks by ``e^{-theta i}`` once untilted), and
+    each point is read from the tilt with the smallest bound.  A tail sum counts ``outside``, the mass the whole
+    sum surely has beyond this product's range on that side (the tilts only tighten: every bound is charged)."""
     scale = FFT_ERR * math.log2(nfft)
     best = np.zeros(size)
     err = np.full(size, np.inf)
     theta, tried = 0.0, set()
+    upper = side == "upper"
     for _ in range(_BAND_TILTS):
         tried.add(theta)
         spec, norms = 0.0, 0.0
@@ -307,65 +350,78 @@ def _tilted_conv(pairs: list[tuple[np.ndarray, np.ndarray]], nfft: int, size: in
         norm_a = max(0.0, theta * max(a.size - 1 for a, _ in pairs))
         norm_c = max(0.0, theta * max(c.size - 1 for _, c in pairs))
         for a, c in pairs:
-            ta = a * np.exp(theta * np.arange(a.size) - norm_a)
-            tc = c * np.exp(theta * np.arange(c.size) - norm_c)
+            ta = a * np.exp(theta * np.arange(a.size) - norm_a) if theta else a
+            tc = c * np.exp(theta * np.arange(c.size) - norm_c) if theta else c
             spec = spec + sfft.rfft(ta, nfft) * sfft.rfft(tc, nfft)
             norms += float(ta.sum()) * float(tc.sum())
         z = sfft.irfft(spec, nfft)[:size]
         e_t = scale * (4.0 * norms + float(np.abs(z).max()))
-        # untilt: the normalizers put back, then e^{-theta i}
-        shift = norm_a + norm_c
-        with np.errstate(over="ignore"):
-            back = np.exp(shift - theta * np.arange(size))
-            z_u, e_u = z * back, e_t * back
-        # and the tilt's own rounding: each exp's argument (at most 1200 in size) rounds by its size times eps
-        e_u += _TILT_ROUND * (np.abs(z_u) + e_u)
-        better = e_u < err
-        best[better], err[better] = z_u[better], e_u[better]
+        if theta:   # untilt: the normalizers put back, then e^{-theta i}
+            with np.errstate(over="ignore"):
+                back = np.exp(norm_a + norm_c - theta * np.arange(size))
+                z_u, e_u = z * back, e_t * back
+            # and the tilt's own rounding: each exp's argument (at most 1200 in size) rounds by its size times eps
+            e_u += _TILT_ROUND * (np.abs(z_u) + e_u)
+            better = e_u < err
+            best[better], err[better] = z_u[better], e_u[better]
+        else:
+            best, err = z, np.full(size, e_t)
         pos = np.maximum(best, 0.0)
-        with np.errstate(over="ignore"):
-            upper_bad = (np.cumsum(err[::-1])[::-1] > _BAND_RTOL * np.cumsum(pos[::-1])[::-1]) & (
-                np.cumsum(pos[::-1])[::-1] > _BAND_TAIL)
-            lower_bad = (np.cumsum(err) > _BAND_RTOL * np.cumsum(pos)) & (np.cumsum(pos) > _BAND_TAIL)
+        # tail sums on the read side, from each point outward (the outside mass included)
+        tail = (np.cumsum(pos[::-1])[::-1] if upper else np.cumsum(pos)) + outside
+        with np.errstate(over="ignore", invalid="ignore"):
+            etail = np.cumsum(err[::-1])[::-1] if upper else np.cumsum(err)
+        bad = (etail > _BAND_RTOL * tail) & (tail > _BAND_TAIL)
         top = int(np.argmax(pos))
-        cand = []
-        if upper_bad[top:].any():
-            s = top + int(np.argmax(upper_bad[top:]))
-            cand.append((s, top))
-        if lower_bad[:top].any():
-            s = top - 1 - int(np.argmax(lower_bad[:top][::-1]))
-            cand.append((s, top))
         theta = None
-        for s, t in cand:
-            tail = float(np.cumsum(pos[::-1])[::-1][s]) if s > t else float(np.cumsum(pos)[s])
-            if tail <= 0 or s == t:
-                continue
+        if upper and bad[top + 1:].any():
+            s = top + 1 + int(np.argmax(bad[top + 1:]))
+        elif not upper and bad[:top].any():
+            s = top - 1 - int(np.argmax(bad[:top][::-1]))
+        else:
+            break
+        local = tail[s] - outside
+        if local > 0:
             # the decay rate from the peak to s, capped so that no weight leaves float64's range
-            th = math.log(pos[t] / max(tail, 1e-300)) / (s - t)
+            th = math.log(pos[top] / max(local, 1e-300)) / (s - top)
             th = max(-600.0 / size, min(600.0 / size, th))
             if th not in tried:
                 theta = th
-                break
         if theta is None:
             break
     return best, err
 
 
-def _band_add(x: BandLaw, y: BandLaw) -> BandLaw:
+_BAND_SKIP = 1e-40     # a band's product below this mass is not transformed: all of it at its largest (up) or
+                       # smallest sum, or (lower bounds) dropped; ...
+_BAND_SKIP_FAR = 1e-12  # ... nor below this where the read side holds more than this beyond its range (it moves
+_BAND_FAR = 1e-3        # every tail sum read by at most 1e-9 of it)
+
+
+def _band_add(x: BandLaw, y: BandLaw, side: str) -> BandLaw:
     """The law of ``X + Y`` (independent, on the same bands) on the bands of twice the unit.
 
     Split by the row of the larger: ``{row X = b, row Y <= b}`` and ``{row Y = b, row X < b}``.  On each the sum
     lies in ``[2^(b-1), 2^(b+1)] n unit``, and the smaller is first rounded onto row ``b``'s step ``D`` (a step of
     at most ``2^-p`` of the larger), so one FFT of ``3n + 1`` points at step ``D`` holds it; its values are then
     rounded onto the new bands.  Each FFT's error is bounded (:data:`FFT_ERR` per unit mass of each factor and
-    ``log2 N``, as in :mod:`dpmath.pld.compose`) and added to every point (up) or subtracted (down)."""
+    ``log2 N``, as in :mod:`dpmath.pld.compose`) and added to every point (``hi``) or subtracted; ``side``: which
+    tail is read (:func:`_tilted_conv`)."""
     rows, n = x.mass.shape[0], x.mass.shape[1] - 1
-    up = x.up
+    up, hi = x.up, x.hi
     unit = 2.0 * x.unit
     same = x is y
     idx, mass = [], []
     inf = x.inf + y.inf   # the union bound: either term at +inf
     nfft = sfft.next_fast_len(3 * n + 1, real=True)
+    # the mass of each row's product (max row = b) and what lies surely beyond its range on the read side: the
+    # products of rows b + 2 and up (sums above 2^(b+1) n unit), or of rows b - 2 and down (below 2^(b-1) n unit)
+    rx, ry = x.mass.sum(axis=1), y.mass.sum(axis=1)
+    row_mass = rx * np.cumsum(ry) + ry * (np.cumsum(rx) - rx)
+    if side == "upper":
+        beyond = np.append(np.cumsum(row_mass[::-1])[::-1], [0.0, 0.0])[2:]
+    else:
+        beyond = np.concatenate([[0.0, 0.0], np.cumsum(row_mass)])[:rows]
     cx = cy = None   # rows below b, at row b's step (indices 0..n)
     for b in range(rows):
         if b >= 2:
@@ -390,21 +446,28 @@ def _band_add(x: BandLaw, y: BandLaw) -> BandLaw:
                 pairs = [(xb, both)]
             else:
                 pairs = [(xb, ley)] + ([(yb, cx)] if cx is not None and yb.any() else [])
-            z, err = _tilted_conv(pairs, nfft, 3 * n + 1)
-            z = np.maximum(z, 0.0) + err if up else np.maximum(z - err, 0.0)
+            total = sum(float(a.sum()) * float(c.sum()) for a, c in pairs)
+            # no FFT for a negligible product: all of it at the range's end the rounding points to, or dropped
+            if total < _BAND_SKIP or (total < _BAND_SKIP_FAR and beyond[b] > _BAND_FAR):
+                z = np.zeros(3 * n + 1)
+                z[-1 if up else 0] = total * (1.0 + 1e-9) if hi else 0.0
+            else:
+                z, err = _tilted_conv(pairs, nfft, 3 * n + 1, side, float(beyond[b]))
+                z = np.maximum(z, 0.0) + err if hi else np.maximum(z - err, 0.0)
             live = z > 0
             d = x.unit * 2.0 ** max(b - 1, 0)
             v = (off + np.nonzero(live)[0]) * d
             i, over = _band_index(v, unit, x.mass.shape, up)
             if up:
-                inf += float(z[live][over].sum())
+                if hi:
+                    inf += float(z[live][over].sum())
                 i = i[~over]
             idx.append(i)
             mass.append(z[live][~over] if up else z[live])
         cx = lex if b >= 1 else xb.copy()
         cy = None if same else (ley if b >= 1 else yb.copy())
     flat = np.bincount(np.concatenate(idx), weights=np.concatenate(mass), minlength=rows * (n + 1))
-    return BandLaw(unit, flat.reshape(rows, n + 1), min(1.0, inf), up)
+    return BandLaw(unit, flat.reshape(rows, n + 1), min(1.0, inf), up, hi)
 
 
 @dataclass(frozen=True)
@@ -428,23 +491,25 @@ def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
     bits = min(17, max(14, int(math.log2(_BAND_POINTS / rows))))
     shape = (rows, (1 << bits) + 1)
     unit = floor / (1 << bits)
+    side = "upper" if relation == "remove" else "lower"   # the tail that is read: large sums, or small ones
     out = []
-    for up in (True, False):
+    # (rounding up, upper bounds on masses): removing's upper and lower laws, or adding's
+    for up, hi in ((True, True), (False, False)) if relation == "remove" else ((False, True), (True, False)):
         unshifted = steps - 1 if relation == "remove" else steps
-        power, acc, left = _band_term(mu, False, unit, shape, up), None, unshifted
+        power, acc, left = _band_term(mu, False, unit, shape, up, hi), None, unshifted
         while left:
             if left & 1:
-                acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit))
+                acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit, power.mass.shape), side)
             left >>= 1
             if left:
-                power = _band_add(power, power)
+                power = _band_fit(_band_add(power, power, side), side, 2.0 * cap)
         if relation == "remove":
-            one = _band_term(mu, True, unit, shape, up)
-            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit))
+            one = _band_term(mu, True, unit, shape, up, hi)
+            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
         out.append(acc)
     if relation == "remove":
         return BandPair(out[0], out[1])
-    return BandPair(out[1], BandLaw(out[0].unit, out[0].mass, 0.0, True))
+    return BandPair(out[0], BandLaw(out[1].unit, out[1].mass, 0.0, True, False))
 
 
 def _losses(law: SumLaw | BandPair, steps: int, relation: str, h: float, upper: bool
