@@ -707,10 +707,11 @@ class Composition:
         """``delta(eps)``: a bound on this composition's side, the tightest of the tilted passes read (each pass's
         value is a bound; a pass is enough once its error bounds move delta by at most ``_TILT_RTOL`` of it).
 
-        The passes, in order: float64 under the binned tilt centred at ``eps`` (:meth:`_delta_tilt`); then the passes an epsilon query at about this delta reads (the steps cut for it, :meth:`_cut`; the
-        binned Chernoff tilt at its level, then the binned tilt centred at its answer; float64, then extended
-        precision), so that a delta read back at an epsilon meets the pass that epsilon came from (cached) and the two
-        agree; then the first tilt in extended precision; then the untilted composition of every point."""
+        The passes, in order: float64 under the binned tilt centred at ``eps`` (:meth:`_delta_tilt`); then the
+        passes an epsilon query at about this delta reads (the steps cut for it, :meth:`_cut`; the binned Chernoff
+        tilt at its level, then the binned tilt centred at its answer; float64, then extended precision), so that a
+        delta read back at an epsilon meets the pass that epsilon came from (cached) and the two agree; then the
+        first tilt in extended precision; then the untilted composition of every point."""
         if self.single is not None:
             return self.single.delta(eps)
         tried: list[float] = []
