@@ -530,7 +530,7 @@ class RandomAllocationGaussian(_OneEpoch):
 
     **k of T steps** (``participations = k``): each example is in ``k`` distinct steps of the epoch, a uniformly
     random ``k``-subset.  The epoch is dominated by ``k`` epochs of one participation in ``m = floor(T / k)`` steps,
-    composed (:meth:`decomposed`; Feldman and Shenfeld 2025 state this reduction).  Why: cut ``T`` into ``k`` blocks
+    composed (:meth:`decomposed`).  Why: cut ``T`` into ``k`` blocks
     of ``m`` steps (and ``T - k m`` left over) and put the example in one uniformly random step of each block; a
     uniformly random permutation of the ``T`` steps, independent of everything, turns that ``k``-subset into a
     uniform one.  So the epoch's pair is the average over permutations ``pi`` of the block pair moved by ``pi``,

@@ -63,6 +63,13 @@ TASKS = [
          "beside Poisson sampling at 1/t, the Rényi bound of random allocation and no amplification (Table S3).",
          "python benchmarks/sampling_bench.py --json", CPU, "sampling_bench.txt",
          ("Table S1:", "Table S2:", "Table S3:")),
+    Task("Accountants", "Every mechanism family's default bracket, before and after",
+         "One accounting call per row, `PLDAccountant(...).compose(mechanism, count).epsilon_bracket(delta)` with the "
+         "default `bracket_rtol` unless the row names one, each in a fresh process (cold time, peak RSS): DP-SGD, "
+         "randomized clipping, random allocation (one and k participations), fixed-size and truncated Poisson "
+         "batches, and the cost rows.  \"before\" is the checkout named in the run's header, alternated row by row "
+         "with \"after\" in one run.",
+         "python benchmarks/dpmath_widths.py --compare DIR", CPU, "dpmath_widths.md"),
     Task("Accountants", "The two-scale lower end",
          "The lower end of the bracket at tiny sampling rates.", "python benchmarks/two_scale_bench.py", CPU,
          "two_scale_bench.txt"),
