@@ -64,6 +64,7 @@ from dpmath import (
     ShuffledGaussian,
     TruncatedSubsampledGaussian,
 )
+from dpmath.validation import positive_int
 
 from .data import DPDataLoader, KeepsRowOrder, PoissonBatchSampler
 from .distributed import MIN_ROWS
@@ -169,7 +170,9 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __init__(self, num_samples: int, kind: str, *, batch_size: int | None = None, steps: int | None = None,
                  generator: torch.Generator | None = None, participations: int = 1) -> None:
         self.num_samples, self.kind, self.generator = num_samples, kind, generator
-        self.participations = participations
+        self.participations = positive_int(participations, "participations")
+        if kind == "allocate" and self.participations > steps:
+            raise ValueError(f"participations must lie in [1, steps={steps}], got {self.participations}")
         if kind == "shuffle":
             self.batch_size = batch_size
             self.steps = math.ceil(num_samples / batch_size)
@@ -506,10 +509,7 @@ class BallsInBins(BatchSampling):
     per_epoch: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        k = self.participations
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"participations must be a positive integer, got {k!r}")
-        object.__setattr__(self, "participations", int(k))
+        object.__setattr__(self, "participations", positive_int(self.participations, "participations"))
 
     def bind(self, num_samples, batch_size):
         check_sizes(num_samples, batch_size)

@@ -720,7 +720,7 @@ class PLDAccountant(Accountant):
         target = self.bracket_rtol if isinstance(self.bracket_rtol, float) else (
             self._target() if self.bracket_rtol == AUTO else None)
         half = lo < 0.5 * hi
-        loose = hi > 0 and (half or (target is not None and hi - lo > target * hi))
+        loose = 0 < hi < math.inf and (half or (target is not None and hi - lo > target * hi))
         if not (lower and loose and self.neighboring is Neighboring.ADD_OR_REMOVE and len(self._events) == 1
                 and type(self._events[0][0]) is SubsampledGaussian and not random_scale(self._events[0][0])
                 and self._events[0][0].sample_rate < 1.0):

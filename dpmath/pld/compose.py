@@ -548,7 +548,10 @@ class Composition:
                 self._local[key] = self._finish(start + first, val[first:], err[first:], lam)
 
     def full(self) -> Pld:
-        """Every point of the window, each from the tilt with the smallest error bound (cached)."""
+        """Every point of the window, each from the tilt with the smallest error bound (cached); a single step is its
+        own PLD."""
+        if self.single is not None:
+            return self.single
         self._counted(None, self._full_pass)
         return self._full
 

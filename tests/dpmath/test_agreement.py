@@ -58,3 +58,12 @@ def test_a_charged_truncation_and_both_neighbouring_relations_agree():
     env = HutchEnvelope(16, 64)
     _agrees(PLDAccountant().compose(TruncatedSubsampledGaussian(2.0, 0.01, 40, 2000, env), 50), 1e-5)
     _agrees(PLDAccountant(neighboring="replace_one").compose(SubsampledGaussian(1.0, 0.01), 300), 1e-6)
+
+
+def test_a_two_step_float_target_and_a_delta_below_the_tail_mass_answer_instead_of_raising():
+    # a float target's two-scale lower end at 2 steps built a one-step composition's full pass (AttributeError); a
+    # delta below tail_mass has an infinite upper end, whose two-scale lower end floor()ed infinity (OverflowError)
+    two = PLDAccountant(bracket_rtol=1e-3).compose(SubsampledGaussian(1.0, 1e-3), 2)
+    assert 0 < two.epsilon(4e-4) == two.epsilon_bracket(4e-4)[1]
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(1.0, 1e-6), 10).epsilon_bracket(1e-20)
+    assert hi == math.inf and 0 <= lo < hi

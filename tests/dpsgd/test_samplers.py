@@ -104,6 +104,10 @@ def test_balls_in_bins_with_k_participations_is_accounted_as_k_of_t_steps():
     assert BallsInBins(participations=2).settings() == {"name": "balls_in_bins", "participations": 2}
     with pytest.raises(ValueError, match="participations must be a positive integer"):
         BallsInBins(participations=0)
+    for k, message in ((0, "positive integer"), (True, "positive integer"), (11, r"\[1, steps=10\]")):
+        with pytest.raises(ValueError, match=f"participations must (be a|lie in) .*{message}"):
+            EpochBatchSampler(N, "allocate", steps=10, participations=k)
+    assert BallsInBins(participations=2.0) == BallsInBins(participations=np.int64(2)) == BallsInBins(participations=2)
     engine = _train(BallsInBins(participations=2), loops=1, stop=4)
     # 4 batches: one epoch of 2 in 20 steps begun, composed as 2 epochs of 1 in 10
     assert engine.accountant().events == ((RandomAllocationGaussian(1.5, 10), 2),)
