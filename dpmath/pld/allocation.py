@@ -29,26 +29,26 @@ upper one shifted by ``t`` grid steps, with its error bounds subtracted instead 
 serves both.  A term beyond the grid's cap ``M`` (probability at most ``1e-14`` for the allocated term) is
 charged to ``+inf`` (upper) or dropped (lower).
 
-The loss of ``S`` rounds by at most ``D / S-bar`` nats.  A lognormal's heavy tail stretches the grid, so where one
-grid of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coarser than ``2e-4``, or than
-``5e-3`` of the loss's spread ``mu / sqrt(t)`` (``sigma`` near 1 or below, or long epochs: at ``sigma = 2`` with 1000
-steps and 10 epochs the one grid left 0.85 %, the bands 0.37 %), ``S`` is put on **octave bands** instead (:class:`BandLaw`): row 0 a linear grid
-up to a floor, then one row per octave ``[2^(b-1), 2^b] F`` at a step of ``2^-p`` of its lower end (``p`` from 14
-to 17, about ``2^21`` points in all), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p`` nats of
-loss) wherever it lies, over the 13 decades the terms span at ``sigma = 0.3``.  The unshifted terms are summed by
-doubling (``X_2k = X_k + X_k'``) along the binary digits of their count, then the allocated term is added; each
-sum is split by the row of the larger summand, the smaller rounded onto that row's step, so one FFT of ``3 2^p``
-points holds each row's share, and the result is rounded onto the bands of twice the scale.  Each rounding is a
-coupling (up for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S``
-moves by at most ``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``).  The FFT's
-absolute error (about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a
-tail sum above ``1e-20`` on the side that is read (large sums removing, small ones adding; the mass surely beyond a
-row's range counted in) the row's product is computed again under exponential tilts (:func:`_tilted_conv`); a row's
-product of negligible mass is not transformed but put at the end of its range the rounding points to.  A term
-above the top band (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top (lower).
-As a sum concentrates (long epochs), each doubling is refitted (:func:`_band_fit`): the octaves below its mass merge
-into the linear row 0, those above it are dropped (beyond the top), and the octaves left share the points, up to
-``2^18`` each, a finer relative step; a kept value stays on the finer grid exactly.
+The loss of ``S`` rounds by at most ``D / S-bar`` nats. A lognormal's heavy tail stretches the grid, so where one grid
+of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coarser than ``2e-4``, or than ``5e-3`` of
+the loss's spread ``mu / sqrt(t)`` (``sigma`` near 1 or below, or long epochs: at ``sigma = 2`` with 1000 steps and 10
+epochs the one grid left 0.85 %, the bands 0.37 %), ``S`` is put on **octave bands** instead (:class:`BandLaw`): row 0
+a linear grid up to a floor, then one row per octave ``[2^(b-1), 2^b] F`` at a step of ``2^-p`` of its lower end
+(``p`` from 14 to 17, about ``2^21`` points in all), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p``
+nats of loss) wherever it lies, over the 13 decades the terms span at ``sigma = 0.3``. The unshifted terms are summed
+by doubling (``X_2k = X_k + X_k'``) along the binary digits of their count, then the allocated term is added; each sum
+is split by the row of the larger summand, the smaller rounded onto that row's step, so one FFT of ``3 2^p`` points
+holds each row's share, and the result is rounded onto the bands of twice the scale. Each rounding is a coupling (up
+for the upper law, down for the lower), and a leaf is rounded once per level of the tree, so ``S`` moves by at most
+``2 log2(t) 2^-p`` of itself (the grid of all ``t`` terms at once moved it by ``t D``). The FFT's absolute error
+(about ``1e-13`` of a row's mass at every point) is bounded and charged, and where it would swamp a tail sum above
+``1e-20`` on the side that is read (large sums removing, small ones adding; the mass surely beyond a row's range
+counted in) the row's product is computed again under exponential tilts (:func:`_tilted_conv`); a row's product of
+negligible mass is not transformed but put at the end of its range the rounding points to. A term above the top band
+(twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top (lower). As a sum concentrates
+(long epochs), each doubling is refitted (:func:`_band_fit`): the octaves below its mass merge into the linear row 0,
+those above it are dropped (beyond the top), and the octaves left share the points, up to ``2^18`` each, a finer
+relative step; a kept value stays on the finer grid exactly.
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
