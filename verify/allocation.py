@@ -207,8 +207,13 @@ def allocation_audit(configs: list[tuple[float, int, int]] | None = None, *, dra
         for e, m, s in zip(epsilons, est, se, strict=True):
             lo, hi = one.delta_bracket(e)
             widths.append((hi - lo) / hi if hi > 0 else 0.0)
-            miss = max(lo - m if k == 1 else 0.0, m - hi, 0.0)
-            outside = max(outside, float(miss / s) if s > 0 else (math.inf if miss > 0 else 0.0))
+            if s > 0:
+                miss = max(lo - m if k == 1 else 0.0, m - hi, 0.0)
+                outside = max(outside, float(miss / s))
+            elif (k == 1 and lo > m + 3.0 / draws) or m > hi:
+                # no draw reached eps (a delta far below 1 / draws): the estimate only says delta < 3 / draws (the
+                # rule of three, 95 %), which a lower end above it contradicts
+                outside = math.inf
         lo, hi = PLDAccountant().compose(mech, epochs).epsilon_bracket(delta)
         rdp = allocation_rdp_epsilon(sigma, t, epochs, delta) if k == 1 else math.inf
         rows.append({"sigma, steps per epoch, epochs": f"{sigma:g}, {t}, {epochs}" + (f", k {k}" if k > 1 else ""),
