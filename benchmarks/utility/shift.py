@@ -84,7 +84,6 @@ import torch
 from gensim.test.utils import datapath
 from study_common import cached_pretraining, machine, non_private_epochs, planned_steps
 from text import (
-    PRETRAIN_SEED,
     CharTokenizer,
     chunks,
     decoder,
@@ -92,6 +91,7 @@ from text import (
     perplexity,
     plot,
     pretrain,
+    pretraining_key,
     print_tables,
     read_articles,
     summarize,
@@ -254,10 +254,7 @@ def corpus(setting: Setting) -> Corpus:
 
 def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
     """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
-    fields = {k: v for k, v in asdict(setting).items() if k.startswith("pretrain") or k in
-              ("seq_len", "width", "layers", "heads")}
-    key = {**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
-           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}
+    key = pretraining_key(data.public, data.tokenizer.vocab_size, setting)
 
     def train() -> tuple[dict, dict]:
         warm = max(1, setting.pretrain_steps // 20)   # a linear warm-up over 5 %, then a cosine decay

@@ -249,12 +249,19 @@ def pretrain(public: torch.Tensor, vocab: int, setting, schedule: Callable[[int]
     return model.state_dict(), {**record, "curve": curve} if evaluate is not None else record
 
 
-def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
-    """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
+def pretraining_key(public: torch.Tensor, vocab_size: int, setting) -> dict:
+    """What a pre-trained model depends on (its cache key, shared by the studies): the fields of ``setting`` (a
+    study's settings dataclass) that set pre-training and the model, the public text's hash, the vocabulary's size and
+    the seed."""
     fields = {k: v for k, v in asdict(setting).items() if k.startswith("pretrain") or k in
               ("seq_len", "width", "layers", "heads")}
-    key = {**fields, "public": hashlib.sha256(data.public.numpy().tobytes()).hexdigest(),
-           "vocab": data.tokenizer.vocab_size, "seed": PRETRAIN_SEED}
+    return {**fields, "public": hashlib.sha256(public.numpy().tobytes()).hexdigest(), "vocab": vocab_size,
+            "seed": PRETRAIN_SEED}
+
+
+def pretrained(data: Corpus, setting: Setting, out: Path) -> tuple[dict, dict]:
+    """The pre-trained state dict and its record, from the cache when it holds these settings' weights."""
+    key = pretraining_key(data.public, data.tokenizer.vocab_size, setting)
 
     def train() -> tuple[dict, dict]:
         return pretrain(data.public, data.tokenizer.vocab_size, setting, lambda s: 1 - s / setting.pretrain_steps,
