@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 from ..accountant import Accountant, Neighboring
 from ..mechanisms import MECHANISMS, Mechanism, SubsampledGaussian
 from ..validation import non_negative, open_probability, positive_int, probability_array, real_number
-from .compose import Composition
+from .compose import TILT_BINS, Composition, tilt_bin
 from .distribution import GridTooLargeError, Pld, mean_gap
 from .gaussian import GaussianCurve
 from .steps import (
@@ -626,28 +626,26 @@ class PLDAccountant(Accountant):
         if not 0.0 <= eps < math.inf:
             return eps
         unit = max(eps, 1e-6)
+        # 0, then _AGREE_RTOL, 10 times more each up to 1e-1, then doubling
+        nudges = [0.0, *(_AGREE_RTOL * 10.0 ** k for k in range(10)), *(2.0 ** k for k in range(1, 65))]
+        checks = [(self.delta, nudges)]
         if self._closed_form() is None:
             h, s = self._start()
-            eta = self._overflow()
+            checks.insert(0, (lambda x: self._delta_read(x, h, True, s) + self._charge(x), nudges[:6]))
+        for check, rels in checks:
             try:
-                for rel in (0.0, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6):
-                    x = eps + rel * unit
-                    charge = eta * (1.0 + math.exp(x)) if x < 700.0 else (math.inf if eta else 0.0)
-                    if self._delta_read(x, h, True, s) + charge <= d:
+                for rel in rels:
+                    if check(x := eps + rel * unit) <= d:
                         return x
             except GridTooLargeError:
-                pass
-        if self.delta(eps) <= d:
-            return eps
-        rel = _AGREE_RTOL
-        while rel < 1.0:
-            if self.delta(nudged := eps + rel * unit) <= d:
-                return nudged
-            rel *= 10.0
-        for k in range(1, 65):
-            if self.delta(nudged := eps + 2.0 ** k * unit) <= d:
-                return nudged
+                if check == self.delta:
+                    raise
         return math.inf
+
+    def _charge(self, e: float) -> float:
+        """A truncated step's overflow charged to delta at ``e``: ``eta (1 + e^e)`` (:meth:`_overflow`)."""
+        eta = self._overflow()
+        return eta * (1.0 + math.exp(e)) if e < 700.0 else (math.inf if eta else 0.0)
 
     def _epsilon_bracket(self, d: float, lower: bool) -> tuple[float, float]:
         """:meth:`epsilon_bracket` before :meth:`_agreeing`."""
@@ -765,20 +763,19 @@ class PLDAccountant(Accountant):
         if (gaussian := self._closed_form()) is not None:
             return gaussian.delta_bracket(e)
 
-        eta = self._overflow()
-        charge = eta * (1.0 + math.exp(e)) if e < 700.0 else (math.inf if eta else 0.0)
+        charge = self._charge(e)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return self._delta_read(e, h, upper, s, together)
 
         def slope(h: float, s: float) -> float:
-            """``|d log delta / d log epsilon|`` at ``e`` on the grid's upper compositions: a secant over 1/64 of an
-            octave, up or down, whichever stays in ``e``'s tilt bin (:meth:`Composition.delta` reads both from one
-            pass); 1 at epsilon 0, where a relative width in epsilon means nothing."""
+            """``|d log delta / d log epsilon|`` at ``e`` on the grid's upper compositions: a secant over half a tilt
+            bin, up or down, whichever stays in ``e``'s bin (:meth:`Composition.delta` reads both from one pass); 1 at
+            epsilon 0, where a relative width in epsilon means nothing."""
             if e == 0:
                 return 1.0
-            step = 2.0 ** (1 / 64)
-            other = e * step if round(32.0 * math.log2(e * step)) == round(32.0 * math.log2(e)) else e / step
+            step = 2.0 ** (0.5 / TILT_BINS)
+            other = e * step if tilt_bin(e * step) == tilt_bin(e) else e / step
             here, there = self._delta_read(e, h, True, s), self._delta_read(other, h, True, s)
             if not (0 < min(here, there) and max(here, there) < 1 and here != there):
                 return 1.0

@@ -206,10 +206,19 @@ def _window(factors: list[Factor], lam: float, tail: float, h: float, half_width
     return max(k_min, lo), min(k_max, hi), masses[0] if hi < k_max else 0.0, masses[1] if lo > k_min else 0.0
 
 
+#: Tilts, and the epsilons a delta read is centred at, are rounded to bins of ``1 / TILT_BINS`` of an octave
+#: (:func:`tilt_bin`), so that nearby queries (an epsilon, and the delta read back at it) share one cached pass.
+TILT_BINS = 32
+
+
+def tilt_bin(x: float) -> int:
+    """The bin of a positive ``x``: ``round(TILT_BINS log2 x)``."""
+    return round(TILT_BINS * math.log2(x))
+
+
 def _binned(lam: float) -> float:
-    """A positive tilt rounded to 1/32 of an octave (a tilt is only a choice: every pass is checked), so that nearby
-    queries (an epsilon, and the delta read back at it) choose the same tilt and share its cached pass."""
-    return 2.0 ** (round(32.0 * math.log2(lam)) / 32.0) if lam > 0 else lam
+    """A positive tilt rounded to its bin's centre (a tilt is only a choice: every pass is checked)."""
+    return 2.0 ** (tilt_bin(lam) / TILT_BINS) if lam > 0 else lam
 
 
 def _tilt_for_mean(factors: list[Factor], target: float, lam0: float, direction: float) -> float | None:
@@ -745,12 +754,12 @@ class Composition:
         return self._tightest([self.full().delta(eps), *tried])
 
     def _delta_tilt(self, eps: float) -> float | None:
-        """The tilt centred at ``eps`` for a delta read-out, for ``eps`` and the tilt both rounded to 1/32 of an
-        octave (a tilt is only a choice, and every pass is checked): nearby epsilons (an epsilon, then the delta read
-        back at it and nudged) share one search and one pass."""
-        key = round(32.0 * math.log2(eps)) if eps > 0 else None
+        """The tilt centred at ``eps`` for a delta read-out, ``eps`` and the tilt both rounded to their bins
+        (:func:`tilt_bin`; a tilt is only a choice, and every pass is checked): nearby epsilons (an epsilon, then the
+        delta read back at it and nudged) share one search and one pass."""
+        key = tilt_bin(eps) if eps > 0 else None
         if key not in self._tilts:
-            lam = _tilt_for_mean(self.factors, eps if key is None else 2.0 ** (key / 32.0), 0.0, 1.0)
+            lam = _tilt_for_mean(self.factors, eps if key is None else 2.0 ** (key / TILT_BINS), 0.0, 1.0)
             self._tilts[key] = _binned(lam) if lam else lam
         return self._tilts[key]
 
