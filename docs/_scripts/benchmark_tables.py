@@ -70,6 +70,11 @@ TASKS = [
          "batches, and the cost rows.  \"before\" is the checkout named in the run's header, alternated row by row "
          "with \"after\" in one run.",
          "python benchmarks/dpmath_widths.py --compare DIR", CPU, "dpmath_widths.md"),
+    Task("Accountants", "epsilon and delta agree; k of T steps against its own pair",
+         "`delta(epsilon(d)) / d - 1` on the issue's cases and 20 random DP-SGD settings, with the epsilon query's "
+         "time, against an earlier checkout (Table A1); the k-of-T allocation bound against a Monte Carlo delta of the "
+         "k-of-T pair itself and Poisson sampling at k / T (Table A2).",
+         "python benchmarks/agreement_bench.py --compare DIR", CPU, "agreement_bench.txt"),
     Task("Accountants", "The two-scale lower end",
          "The lower end of the bracket at tiny sampling rates.", "python benchmarks/two_scale_bench.py", CPU,
          "two_scale_bench.txt"),
