@@ -1,8 +1,9 @@
 """Whether ``epsilon`` and ``delta`` of one accountant agree, what it costs, and how tight k-of-T allocation is.
 
-Table A1: for the issue's cases and ``--random`` random DP-SGD settings (fixed seed), ``delta(epsilon(d)) / d - 1`` (above
-0: the two read-outs contradict each other) and the epsilon query's time, in this checkout and, with ``--compare DIR``,
-in another (a ``git worktree`` of an earlier commit), each setting in a fresh process per checkout, alternated.
+Table A1: for the issue's cases and ``--random`` random DP-SGD settings (fixed seed), ``delta(epsilon(d)) / d - 1``
+(above 0: the two read-outs contradict each other) and the epsilon query's time, in this checkout and, with
+``--compare DIR``, in another (a ``git worktree`` of an earlier commit), each setting in a fresh process per checkout,
+alternated.
 Table A2: the k-of-T allocation bound (``RandomAllocationGaussian(..., participations=k)``, composed as k epochs of one
 participation) against a Monte Carlo delta of the k-of-T pair itself (``verify.allocation.allocation_delta_estimate``,
 400,000 draws, fixed seed), and Poisson sampling at rate ``k / T``.
@@ -84,8 +85,8 @@ def table_a2() -> None:
     from verify.allocation import allocation_delta_estimate
 
     eps = np.array([0.25, 0.5, 1.0, 1.5])
-    print("\nTable A2: k of T steps, one epoch: our delta (upper end) over a Monte Carlo delta of the k-of-T pair itself "
-          "(400,000 draws, seed 3; +- one standard error), and Poisson sampling at k / T")
+    print("\nTable A2: k of T steps, one epoch: our delta (upper end) over a Monte Carlo delta of the k-of-T pair "
+          "itself (400,000 draws, seed 3; +- one standard error), and Poisson sampling at k / T")
     print(f"{'sigma':>6s} {'T':>4s} {'k':>3s} {'eps':>5s} | {'Monte Carlo':>22s} {'ours':>9s} {'ours/MC':>8s} "
           f"{'Poisson':>9s}")
     for sigma, t, k in [(1.0, 8, 2), (1.5, 12, 3), (2.0, 20, 4)]:
