@@ -22,6 +22,7 @@ from ..validation import non_negative, open_probability, positive_int, probabili
 from .compose import TILT_BINS, Composition, tilt_bin
 from .distribution import GridTooLargeError, Pld, mean_gap
 from .gaussian import GaussianCurve
+from .scale_mixture import ScaleMixtureCurve
 from .steps import (
     accounted_step,
     is_gaussian_step,
@@ -44,6 +45,8 @@ _AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid mak
 #: the project's 2-core machine.
 AUTO_BUDGET = 1 << 23
 _ATOM_POINTS = 4096     # a randomized-clipping step's cost per scale atom, in composition grid points
+_MIXTURE_START = 0.25   # the scale-grid factor of a single randomized-clipping step's first closed-form bracket ...
+_MIXTURE_FINEST = 1 / 64    # ... and its finest (one step of HutchEnvelope(2, 5): 151,140 atoms, 12 s)
 _RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
 _AGREE_RTOL = 1e-10     # epsilon's first nudge toward its own delta read-out (_agreeing), then 10 times more each
 _FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
@@ -146,6 +149,7 @@ class PLDAccountant(Accountant):
         self._plds: dict[tuple[float, bool, float, tuple[str, ...]], Composition] = {}
         self._two_scale: list[TwoScaleLower | None] = []   # built at most once per composition
         self._gaussian: list[GaussianCurve | None] = []    # likewise
+        self._mixtures: dict[float, ScaleMixtureCurve] = {}   # a single randomized-clipping step's, by scale factor
 
     @property
     def discretization(self) -> float:
@@ -218,6 +222,7 @@ class PLDAccountant(Accountant):
         self._plds = {}
         self._two_scale = []
         self._gaussian = []
+        self._mixtures = {}
         return self
 
     def refusal(self, mechanism: object) -> str | None:
@@ -557,6 +562,74 @@ class PLDAccountant(Accountant):
                                   if plain else None)
         return self._gaussian[0]
 
+    @property
+    def closed_form(self) -> bool:
+        """Whether the accountant reads its curves in closed form, with no loss grid: Gaussian steps alone
+        (:mod:`dpmath.pld.gaussian`), or one run of one randomized-clipping step, adding or removing an example
+        (:mod:`dpmath.pld.scale_mixture`, whose bracket's only width is the scale grid's).
+
+        Examples
+        --------
+        >>> from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
+        >>> step = SubsampledGaussian(1.0, 0.05, HutchEnvelope(32, 2048))
+        >>> PLDAccountant().compose(step).closed_form, PLDAccountant().compose(step, 2).closed_form
+        (True, False)
+        """
+        return bool(self._events) and (self._closed_form() is not None or self._mixture_step() is not None)
+
+    def _mixture_step(self) -> SubsampledGaussian | None:
+        """The step read in closed form by :class:`~dpmath.pld.scale_mixture.ScaleMixtureCurve`, where the accountant
+        holds one run of one randomized-clipping step, adding or removing an example; ``None`` otherwise."""
+        if self.neighboring is not Neighboring.ADD_OR_REMOVE or len(self._events) != 1 or self._events[0][1] != 1:
+            return None
+        step = accounted_step(self._events[0][0])
+        return step if random_scale(step) else None
+
+    def _mixture_refined(self, read, rtol: float) -> tuple[float, float]:
+        """``read(curve)``, a ``(lower, upper)`` bracket of a :class:`ScaleMixtureCurve`, on finer scale grids until it
+        is ``rtol`` tight.
+
+        The bracket's width is the scale grid's alone and shrinks like the scale step ``s`` (the atoms' count grows
+        like ``1/s``), so from ``s = 1/4`` (``1`` without ``bracket_rtol``: one grid, 3.5 % wide on one step of
+        ``HutchEnvelope(2, 5)``, 0.5 % at ``(32, 2048)``) the next ``s`` is the power of 2 that the width predicts
+        for ``0.8 rtol`` (at most ``1/16`` of the last), down to :data:`_MIXTURE_FINEST`.  A float target also stops
+        where a finer grid narrowed the bracket by under 10 %.  Every grid's bracket holds the truth: the tightest is
+        their intersection."""
+        mode = self.bracket_rtol
+        step = self._mixture_step()
+
+        def at(s: float) -> tuple[float, float]:
+            if s not in self._mixtures:
+                self._mixtures[s] = ScaleMixtureCurve(step, s)
+            return read(self._mixtures[s])
+
+        s = 1.0 if mode is None else _MIXTURE_START
+        lo, hi = at(s)
+        while mode is not None and 0 < hi < math.inf and hi - lo > rtol * hi and s > _MIXTURE_FINEST:
+            shrink = max(1 / 16, min(0.5, 0.8 * rtol * hi / (hi - lo)))
+            s = max(2.0 ** math.floor(math.log2(s * shrink)), _MIXTURE_FINEST)
+            last = hi - lo
+            l2, h2 = at(s)
+            lo, hi = max(lo, l2), min(hi, h2)
+            if isinstance(mode, float) and hi - lo > 0.9 * last:
+                break
+        return lo, hi
+
+    def _mixture_delta_target(self, e: float) -> float:
+        """A closed-form delta query's target: epsilon's times ``|d log delta / d log epsilon|`` at ``e`` on the first
+        curve (as :meth:`_refined` sets a grid's delta target; a float target's at most its own)."""
+        rtol = self._target()
+        if e == 0 or self.bracket_rtol is None:
+            return rtol
+        step = 1.0 + 1e-3
+        curve = self._mixtures.get(_MIXTURE_START) or ScaleMixtureCurve(self._mixture_step(), _MIXTURE_START)
+        self._mixtures[_MIXTURE_START] = curve
+        here, there = curve.delta(e), curve.delta(e * step)
+        if not (0 < min(here, there) and max(here, there) < 1 and here != there):
+            return rtol
+        slope = max(abs(math.log(here / there) / math.log(step)), 1e-3)
+        return rtol * slope if self.bracket_rtol == AUTO else rtol * min(1.0, slope)
+
     def _coarsely_below(self, direction: int, eps: float, delta: float, of_delta: bool = False) -> bool:
         """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps`` (with
         ``of_delta``: a true ``delta(eps) <= delta``), shown by its upper bound on a coarse grid (10 times the loss
@@ -629,7 +702,7 @@ class PLDAccountant(Accountant):
         # 0, then _AGREE_RTOL, 10 times more each up to 1e-1, then doubling
         nudges = [0.0, *(_AGREE_RTOL * 10.0 ** k for k in range(10)), *(2.0 ** k for k in range(1, 65))]
         checks = [(self.delta, nudges)]
-        if self._closed_form() is None:
+        if self._closed_form() is None and self._mixture_step() is None:
             h, s = self._start()
             checks.insert(0, (lambda x: self._delta_read(x, h, True, s) + self._charge(x), nudges[:6]))
         for check, rels in checks:
@@ -671,6 +744,9 @@ class PLDAccountant(Accountant):
 
     def _plain_epsilon_bracket(self, d: float, lower: bool) -> tuple[float, float]:
         """The bracket of the composed PLD's own epsilon at ``d`` (no overflow charge)."""
+        if self._mixture_step() is not None:
+            lo, hi = self._mixture_refined(lambda curve: curve.epsilon_bracket(d), self._target())
+            return (lo if lower else 0.0), hi
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             # the first direction's epsilon, then only the directions whose delta there could exceed delta:
             # a bound on another direction's exact curve at most delta there means its true epsilon is at most
@@ -764,6 +840,9 @@ class PLDAccountant(Accountant):
             return gaussian.delta_bracket(e)
 
         charge = self._charge(e)
+        if self._mixture_step() is not None:
+            lo, hi = self._mixture_refined(lambda curve: curve.delta_bracket(e), self._mixture_delta_target(e))
+            return (max(0.0, lo - charge) if lower else 0.0), min(1.0, hi + charge)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:
             return self._delta_read(e, h, upper, s, together)

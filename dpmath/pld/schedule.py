@@ -315,7 +315,7 @@ class EpsilonSchedule:
         2.1245
         """
         n, d = self._checked(count, delta)
-        if self._closed:
+        if self._closed or self._fresh(n).closed_form:
             return self._fresh(n).epsilon(d)
         if self.bracket_rtol is None:
             return self._bound(n, d, True)
@@ -333,7 +333,7 @@ class EpsilonSchedule:
         True
         """
         n, d = self._checked(count, delta)
-        if self._closed:
+        if self._closed or self._fresh(n).closed_form:
             return self._fresh(n).epsilon_bracket(d)
         if self.bracket_rtol is None:
             hi = self._bound(n, d, True)

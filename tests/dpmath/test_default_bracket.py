@@ -8,6 +8,7 @@ import mpmath
 import pytest
 
 from dpmath import (
+    DiscreteEnvelope,
     HutchEnvelope,
     PLDAccountant,
     SubsampledGaussian,
@@ -16,7 +17,7 @@ from dpmath import (
 )
 from dpmath.__main__ import main
 from dpmath.pld import EpsilonSchedule
-from dpmath.pld.accountant import AUTO, AUTO_BUDGET
+from dpmath.pld.accountant import AUTO
 from dpmath.referee import referee_epsilon
 
 
@@ -125,26 +126,34 @@ def test_a_bad_bracket_rtol_is_refused_naming_the_argument_and_its_values(value)
         PLDAccountant(bracket_rtol=value)
 
 
-def test_the_budget_stops_a_costly_refinement_at_the_tightest_bracket_reached():
-    # one randomized-clipping step: the referee's truth is in [2.309921, 2.311126]; refining the scale grid
-    # costs more than the budget (its atoms alone: 1428 at half the step), so the default is the coarse grid's
-    # bracket (0.51 %), which holds the truth
-    assert AUTO_BUDGET == 1 << 23
+def test_one_randomized_clipping_step_is_read_in_closed_form_within_the_default_target():
+    # one step: no loss grid (dpmath.pld.scale_mixture), so the default refines the scale grid to 0.5 %; the referee's
+    # truth is in [2.309921, 2.311126]; the coarse setting (bracket_rtol=None) keeps the envelope's own scale step
     m = SubsampledGaussian(1.0, 0.05, HutchEnvelope(32, 2048))
-    lo, hi = PLDAccountant().compose(m).epsilon_bracket(1e-6)
-    assert (lo, hi) == PLDAccountant(bracket_rtol=None).compose(m).epsilon_bracket(1e-6)
-    assert lo <= 2.309921 and 2.311126 <= hi
+    acc = PLDAccountant().compose(m)
+    assert acc.closed_form and not PLDAccountant().compose(m, 2).closed_form
+    lo, hi = acc.epsilon_bracket(1e-6)
+    assert lo <= 2.309921 and 2.311126 <= hi <= lo * (1 + 5e-3)
+    c_lo, c_hi = PLDAccountant(bracket_rtol=None).compose(m).epsilon_bracket(1e-6)
+    assert c_lo <= lo and hi <= c_hi and c_hi - c_lo > 5e-3 * c_hi
+
+
+def test_the_heavy_tailed_single_step_is_bracketed_within_the_default_target():
+    # k = 2: the scale's tail P(a > s) ~ s^-2 puts one step's epsilon near 23,498 (the audit's reference), beyond
+    # any loss grid's reach at discretization 1e-4; in closed form the default bracket is 0.4 % wide
+    m = SubsampledGaussian(0.97, 0.111, HutchEnvelope(projection_dim=2, dim=5))
+    lo, hi = PLDAccountant().compose(m).epsilon_bracket(2.51e-6)
+    assert lo <= 23_498 <= hi <= lo * (1 + 5e-3)
 
 
 def test_an_infinite_upper_end_becomes_the_huge_epsilon_of_a_coarser_grid():
-    # k = 2: the scale's tail P(a > s) ~ s^-2 puts one step's epsilon near 23,498, beyond the loss cap of 2^22
-    # points at discretization 1e-4 (419 nats): that grid's upper end is +inf and its lower end the cap.  A grid
-    # 64 times coarser reaches 26,843 nats: a finite bracket around the truth (4 % wide: the scale grid's bins in
-    # the heavy tail, whose refinement costs more than the budget; bracket_rtol=5e-3 gives [23443.8, 23524.2],
-    # 0.34 %, in about 45 s and 2.2 GB)
-    m = SubsampledGaussian(0.97, 0.111, HutchEnvelope(projection_dim=2, dim=5))
-    lo, hi = PLDAccountant().compose(m).epsilon_bracket(2.51e-6)
-    assert 20_000 < lo <= 23_498 <= hi < 25_000
+    # two steps of a scale 1000 with mass 1e-4: losses near 5,000 nats, beyond the loss cap of 2^22 points at
+    # discretization 1e-4 (419 nats), so that grid's upper end is +inf; a grid 64 times coarser reaches 26,843 nats
+    # and brackets it (one step, in closed form, is about 5,125)
+    m = SubsampledGaussian(10.0, 0.1, DiscreteEnvelope([1e-6, 1.0], [1e-4, 1 - 1e-4]))
+    lo, hi = PLDAccountant().compose(m, 2).epsilon_bracket(1e-6)
+    one = PLDAccountant().compose(m).epsilon(1e-6)
+    assert one < lo <= hi < 2 * one
 
 
 def test_the_schedule_follows_the_default_and_its_epsilon_is_its_upper_end():
