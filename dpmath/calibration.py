@@ -41,7 +41,7 @@ from .envelope import Envelope
 from .hutch import HutchEnvelope, HutchPPEnvelope
 from .mechanisms import SubsampledGaussian
 from .pld import GridTooLargeError, PLDAccountant
-from .pld.accountant import AUTO, published_epsilon
+from .pld.accountant import AUTO, AUTO_SCALE_START, published_epsilon
 from .rdp import RDPAccountant
 from .validation import open_probability, positive_int, positive_real, real_number
 from .validation import sample_rate as checked_sample_rate
@@ -206,9 +206,13 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     # the accountant whose epsilon decides the answer: the default's upper end ("auto") is the least over the grids
     # it builds, the first of which is the requested grid unrefined, so that grid's upper end bounds it (at half the
     # cost of the refined bracket: no lower end, no finer grid); a float or None bracket_rtol is its own
-    confirm = None if bracket_rtol == AUTO and envelope is not None else bracket_rtol
-    final = f if confirm is None else functools.lru_cache(maxsize=None)(
-        objective(_SCALE_RESOLUTION, h, refined=confirm))
+    # (with randomized clipping that first grid's scale step is AUTO_SCALE_START of the envelope's)
+    published_scale = _SCALE_RESOLUTION * (AUTO_SCALE_START if bracket_rtol == AUTO else 1.0)
+    if bracket_rtol == AUTO and envelope is not None:
+        final = functools.lru_cache(maxsize=None)(objective(published_scale, h))
+    else:
+        final = f if bracket_rtol is None else functools.lru_cache(maxsize=None)(
+            objective(_SCALE_RESOLUTION, h, refined=bracket_rtol))
     # the search's grid decides where it is the published one; RDP has no grid; a large target's search runs on a
     # grid in proportion, not the published one (module docstring)
     decides = accountant == "rdp" or h > discretization
@@ -242,7 +246,9 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
     if coarse is None:   # the Newton steps did not work out: a bracketing search on the coarse grid
         coarse, slope = _search(coarse_f, plain, [1.03, 1.1, 1.3], eps_t, context, 1e-3, plain_slope)
     medium_h = max(h, min(10 * h, 1e-2))
-    medium = f if medium_h == h else functools.lru_cache(maxsize=None)(objective(_SCALE_RESOLUTION, medium_h))
+    # on the published accountant's scale grid: the Newton step from it aims at that accountant's root
+    medium = functools.lru_cache(maxsize=None)(objective(published_scale, medium_h)) if medium_h != h else (
+        final if bracket_rtol == AUTO else f)
     if decides:
         return _search(medium, coarse, [1.01, 1.05, 1.2], eps_t, context, rt, slope)[0]
     value = medium(coarse)

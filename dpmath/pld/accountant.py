@@ -34,7 +34,7 @@ from .steps import (
 )
 from .two_scale import TwoScaleLower
 
-__all__ = ["PLDAccountant", "published_epsilon"]
+__all__ = ["AUTO_SCALE_START", "PLDAccountant", "published_epsilon"]
 
 _RC_WIDE = 1e-2         # a randomized-clipping bracket_rtol below this starts on a finer grid (_refined)
 #: ``bracket_rtol``'s default: refine to 0.1 % (0.5 % with randomized clipping) within :data:`AUTO_BUDGET`.
@@ -44,7 +44,10 @@ _AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid mak
 #: The grid points the default's refinement may spend per query, all grids counted (``_refined``): about a second on
 #: the project's 2-core machine.
 AUTO_BUDGET = 1 << 23
-_ATOM_POINTS = 4096     # a randomized-clipping step's cost per scale atom, in composition grid points
+#: The default's first scale-grid factor with randomized clipping: its scale step is the envelope's ``scale_resolution``
+#: times this (the first grid is 0.1 to 0.9 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1).
+AUTO_SCALE_START = 0.25
+_ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
 _MIXTURE_START = 0.25   # the scale-grid factor of a single randomized-clipping step's first closed-form bracket ...
 _MIXTURE_FINEST = 1 / 64    # ... and its finest (one step of HutchEnvelope(2, 5): 151,140 atoms, 12 s)
 _RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
@@ -322,7 +325,9 @@ class PLDAccountant(Accountant):
         mode = self.bracket_rtol
         rtol = self._target()
         scaled = self._scaled()
-        budget = AUTO_BUDGET if mode == AUTO else math.inf
+        # a delta query reads more passes per grid than an epsilon query (up to 1.4 times the points on the benchmark's
+        # cases), so it has twice the budget: it reaches the grids an epsilon query there would
+        budget = (AUTO_BUDGET * (2 if slope is not None else 1)) if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
         spent = 0.0                                  # the cost of the grids built, in grid points
@@ -343,8 +348,8 @@ class PLDAccountant(Accountant):
             """Whether the smallest refinement from ``(h, s)`` may be built: a lower end is worth computing."""
             if mode is None or mode == AUTO and self._narrow():
                 return False
-            if scaled:   # the first split needs both half grids
-                return spent + cost(h / 2, s) + cost(h, s / 2) <= budget
+            if scaled and h <= h0 / 64:   # the split's grid (_refined's loop) halves the scale step there
+                return allowed(h, s / 2)
             return allowed(h / 2, s)
 
         def run(h: float, s: float, need_lower: bool) -> float:
@@ -426,15 +431,25 @@ class PLDAccountant(Accountant):
                         break
                     continue
                 if parts is None:
-                    # split the width: w = A h^2 + B s, from one grid with h halved and one with s halved
-                    if not allowed(h / 2, s) or spent + cost(h / 2, s) + cost(h, s / 2) > budget:
+                    # split the width w = A h^2 + B s with one more grid: h halved (it took off 3/4 of A h^2), or
+                    # where h is at its floor, s halved (half of B s); that grid is the next one
+                    halve_h = h > h0 / 64
+                    h_s, s_s = (h / 2, s) if halve_h else (h, s / 2)
+                    if (not halve_h and s <= 1 / 16) or not allowed(h_s, s_s):
                         break
-                    w_h = run(h / 2, s, True) if h > h0 / 64 else width
-                    w_s = run(h, s / 2, True) if s > 1 / 16 else width
-                    if done(h):
+                    last = best[1] - best[0]
+                    w_next = run(h_s, s_s, True)
+                    if halve_h:
+                        loss = min(max(width - w_next, 0.0) * 4 / 3, width)
+                        parts = (loss / 4, width - loss)
+                    else:
+                        scale = min(max(width - w_next, 0.0) * 2, width)
+                        parts = (width - scale, scale / 2)
+                    if sum(parts) <= 0:
+                        parts = (0.5 * w_next, 0.5 * w_next)
+                    h, s, width = h_s, s_s, w_next
+                    if done(h) or stalled(last):
                         break
-                    loss, scale = max(width - w_h, 0.0) * 4 / 3, max(width - w_s, 0.0) * 2
-                    parts = (loss, scale) if loss + scale > 0 else (0.5 * width, 0.5 * width)
                 loss, scale = parts
                 # shrink only the parts above their share of the target
                 f_h = 1.0 if loss <= 0.5 * target or h <= h0 / 64 else \
@@ -458,6 +473,18 @@ class PLDAccountant(Accountant):
                 raise
         return best if lower else (0.0, best[1])
 
+    @property
+    def first_grid(self) -> tuple[float, float]:
+        """``(h, s)``: the loss step and the scale-grid factor of every query's first grid (:meth:`_start`).
+
+        Examples
+        --------
+        >>> from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
+        >>> PLDAccountant().compose(SubsampledGaussian(1.0, 0.01, HutchEnvelope(32, 2048)), 100).first_grid
+        (0.0001, 0.25)
+        """
+        return self._start()
+
     def _start(self) -> tuple[float, float]:
         """The first grid ``(h, s)`` of every query's refinement: the discretization and the envelope's scale step,
         except that a float target below 1 % with randomized clipping starts where the default grid would only be a
@@ -466,6 +493,8 @@ class PLDAccountant(Accountant):
         mode = self.bracket_rtol
         if self._scaled() and isinstance(mode, float) and mode < _RC_WIDE:
             return self._first_loss_step(mode), 0.5
+        if self._scaled() and mode == AUTO:
+            return self.discretization, AUTO_SCALE_START
         return self.discretization, 1.0
 
     def _first_loss_step(self, rtol: float) -> float:

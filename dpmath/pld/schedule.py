@@ -136,6 +136,8 @@ class EpsilonSchedule:
         step = self._step = accounted_step(base, self.neighboring)
         # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
         self._closed = is_gaussian_step(step) or base.charged
+        # randomized clipping's scale-grid factor: the accountant's first grid's
+        self._scale = checked.first_grid[1]
         if reads_replacement(base, self.neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
@@ -183,7 +185,7 @@ class EpsilonSchedule:
         bounds at once: they share the step's CDF evaluations)."""
         if relation not in self._plds:
             self._plds[relation] = step_plds(self._step, relation, self.discretization, (True, False),
-                                             self.max_count * self._per_run)
+                                             self.max_count * self._per_run, self._scale)
         return self._plds[relation]
 
     def _narrow(self, target: float) -> bool:

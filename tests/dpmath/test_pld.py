@@ -757,11 +757,12 @@ def test_an_rc_direction_whose_coarse_upper_end_is_below_is_never_built_on_the_q
     bracket still equals the maximum over both directions built in full."""
     acc = PLDAccountant().compose(SubsampledGaussian(0.8, 0.02, HutchEnvelope(32, 2048)), 200)
     lo, hi = acc.epsilon_bracket(1e-6)
-    assert sorted({(h, s, rel) for h, _, s, rel in acc._plds}) == [(1e-4, 1.0, ("remove",)), (1e-3, 4.0, ("add",))]
-    built = max(c.epsilon(1e-6) for c in acc._composed(True))
+    h, s = acc.first_grid
+    assert sorted({(h, s, rel) for h, _, s, rel in acc._plds}) == [(1e-4, s, ("remove",)), (1e-3, 4.0, ("add",))]
+    built = max(c.epsilon(1e-6) for c in acc._composed(True, h, s))
     assert built <= hi <= built * (1 + 1e-8)   # moved up only to agree with the delta read back
-    assert lo == max(c.epsilon(1e-6) for c in acc._composed(False))
-    assert acc._composed(True)[1].epsilon(1e-6) < 0.3 * hi
+    assert lo == max(c.epsilon(1e-6) for c in acc._composed(False, h, s))
+    assert acc._composed(True, h, s)[1].epsilon(1e-6) < 0.3 * hi
 
 
 @pytest.mark.parametrize("sigma, q, steps, first", [
@@ -804,10 +805,11 @@ def test_a_direction_is_skipped_only_where_its_chernoff_bound_shows_it_cannot_be
     is a true upper bound on each direction's curve."""
     acc = PLDAccountant().compose(mechanism, steps)
     lo, hi = acc.epsilon_bracket(delta)
-    assert hi == max(c.epsilon(delta) for c in acc._composed(True))
-    assert lo == max(c.epsilon(delta) for c in acc._composed(False))
+    grid = acc.first_grid
+    assert hi == max(c.epsilon(delta) for c in acc._composed(True, *grid))
+    assert lo == max(c.epsilon(delta) for c in acc._composed(False, *grid))
     if skipped is not None:
-        assert (acc._composed(True)[1].delta_bound(hi) <= delta) == skipped
+        assert (acc._composed(True, *grid)[1].delta_bound(hi) <= delta) == skipped
     for comp in acc._composed(True):
         for eps in (0.5 * hi, 0.8 * hi, hi):
             d = comp.delta(eps)
