@@ -30,7 +30,7 @@ def main() -> None:
         sigma = calibrate_noise_multiplier(EPS, DELTA, q, steps, envelope=estimator_envelope(est, 32, 2048))
         print(f"  {est}: sigma = {sigma:.4f}")
     print("Hutch: epsilon bracket [lower, upper] at sigma")
-    for sigma in (4.350, 4.352, 4.354, 4.3616):
+    for sigma in (4.350, 4.354, 4.355, 4.356, 4.3582):
         lo, hi = dpsgd_epsilon_bracket(sigma, q, steps, DELTA, estimator="hutch")
         print(f"  sigma = {sigma}: [{lo:.5f}, {hi:.5f}]")
 

@@ -265,8 +265,9 @@ class PLDAccountant(Accountant):
 
     def _atom_points(self, s: float) -> float:
         """The randomized-clipping steps' part of a grid's cost at the scale factor ``s``, in grid points:
-        ``_ATOM_POINTS`` per scale atom (each atom's loss grid is built point by point; the default grid of
-        ``HutchEnvelope(32, 2048)`` has 714 atoms, about 0.4 s of step building here)."""
+        ``_ATOM_POINTS`` per scale atom (each atom's loss grid is built point by point; the default's first grid of
+        ``HutchEnvelope(32, 2048)`` has 2,610 atoms, about 0.2 s more step building here than the envelope's own
+        step's 714)."""
         atoms = 0
         for m, _ in self._events:
             step = accounted_step(m)
@@ -283,12 +284,13 @@ class PLDAccountant(Accountant):
         Every grid's bracket holds the truth, so the tightest is their intersection.  Its width has two parts:
         the loss grid's, shrinking about like ``h^2``, and (randomized clipping) the scale grid's, shrinking
         like ``s``.  Which one dominates depends on the case (one RC step: the scale grid; ``10^6`` steps at
-        sigma = 2: the loss grid), so the first refinement of an RC accountant halves each separately and
-        splits the width between them (a float target below 1 % starts from a grid with the scale step halved
-        and the loss step chosen by :meth:`_first_loss_step`, where the default grid is 0.5 to 1.7 % wide on the
-        benchmark's cases); each next grid shrinks only the parts above their share of the target (with a
-        safety factor 0.8, by ``1/8`` to ``1/2``), down to ``discretization / 64`` and ``s = 1/16``.  A float target
-        stops where a finer grid narrowed the bracket by under 10 %.  A loss
+        sigma = 2: the loss grid), so the first refinement of an RC accountant splits the width between them from one
+        more grid, ``h`` halved (it takes off 3/4 of the loss part), or the scale step halved where ``h`` is at its
+        floor (half of the scale part); a float target below 1 % starts from a grid with the scale step halved and
+        the loss step chosen by :meth:`_first_loss_step`, the default from :data:`AUTO_SCALE_START`; each next grid
+        shrinks only the parts above their share of the target (with a safety factor 0.8, by ``1/8`` to ``1/2``),
+        down to ``discretization / 64`` and ``s = 1/16``.  A float target stops where a finer grid narrowed the
+        bracket by under 10 %.  A loss
         grid finer than ``discretization / 64`` (down to ``discretization * _FINEST``) is tried only where its
         predicted cost is within :data:`AUTO_BUDGET`: tiny sample rates and tiny epsilons, whose grids hold a
         few thousand points.
@@ -302,9 +304,10 @@ class PLDAccountant(Accountant):
 
         A delta query passes ``slope(h, s)``, ``|d log delta / d log epsilon|`` on its first grid: delta's relative
         width is epsilon's times that, so its target is epsilon's times the slope (a float target's at most its
-        own), and it refines as far as an epsilon query there would.  With
+        own), and it refines as far as an epsilon query there would (its passes read up to 1.4 times an epsilon
+        query's points on a grid, so its budget is twice).  With
         ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit
-        :data:`AUTO_BUDGET`, and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
+        :data:`AUTO_BUDGET` (a delta query's: twice that), and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
         (else no width could be acted on), so it is :meth:`epsilon_bracket`'s upper end to the last bit.
 
         An infinite upper end (losses beyond the loss cap, ``2^22`` points: randomized clipping with a heavy-tailed
