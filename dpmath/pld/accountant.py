@@ -45,11 +45,13 @@ _AUTO_RC_RTOL = 5e-3    # ... and with randomized clipping (whose scale grid mak
 #: the project's 2-core machine.
 AUTO_BUDGET = 1 << 23
 #: The default's first scale-grid factor with randomized clipping: its scale step is the envelope's ``scale_resolution``
-#: times this (the first grid is 0.1 to 0.9 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1).
-AUTO_SCALE_START = 0.25
+#: times this (the first grid is 0.25 to 1 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1;
+#: half the scale step keeps a randomized-clipping calibration within 2 s, a quarter did not).
+AUTO_SCALE_START = 0.5
 _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
 _MIXTURE_START = 0.25   # the scale-grid factor of a single randomized-clipping step's first closed-form bracket ...
 _MIXTURE_FINEST = 1 / 64    # ... and its finest (one step of HutchEnvelope(2, 5): 151,140 atoms, 12 s)
+_MIXTURE_ATOMS = 25_000     # the default's finest closed-form curve has at most about this many atoms (2 s)
 _RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
 _AGREE_RTOL = 1e-10     # epsilon's first nudge toward its own delta read-out (_agreeing), then 10 times more each
 _FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
@@ -305,10 +307,10 @@ class PLDAccountant(Accountant):
         A delta query passes ``slope(h, s)``, ``|d log delta / d log epsilon|`` on its first grid: delta's relative
         width is epsilon's times that, so its target is epsilon's times the slope (a float target's at most its
         own), and it refines as far as an epsilon query there would (its passes read up to 1.4 times an epsilon
-        query's points on a grid, so its budget is twice).  With
-        ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit
-        :data:`AUTO_BUDGET` (a delta query's: twice that), and :meth:`epsilon` alone builds the lower end only where a finer grid would fit
-        (else no width could be acted on), so it is :meth:`epsilon_bracket`'s upper end to the last bit.
+        query's points on a grid, so its budget is twice).  With ``bracket_rtol="auto"`` a grid is built only while
+        the grids built so far and it fit :data:`AUTO_BUDGET` (a delta query's: twice that), and :meth:`epsilon`
+        alone builds the lower end only where a finer grid would fit (else no width could be acted on), so it is
+        :meth:`epsilon_bracket`'s upper end to the last bit.
 
         An infinite upper end (losses beyond the loss cap, ``2^22`` points: randomized clipping with a heavy-tailed
         scale, epsilon in the thousands) retries on loss grids ``_COARSER`` times coarser, up to a step of 1, whose
@@ -618,15 +620,17 @@ class PLDAccountant(Accountant):
         return step if random_scale(step) else None
 
     def _mixture_refined(self, read, rtol: float) -> tuple[float, float]:
-        """``read(curve)``, a ``(lower, upper)`` bracket of a :class:`ScaleMixtureCurve`, on finer scale grids until it
-        is ``rtol`` tight.
+        """``read(curve)``, a ``(lower, upper)`` bracket of a :class:`ScaleMixtureCurve`, on finer scale grids.
 
-        The bracket's width is the scale grid's alone and shrinks like the scale step ``s`` (the atoms' count grows
-        like ``1/s``), so from ``s = 1/4`` (``1`` without ``bracket_rtol``: one grid, 3.5 % wide on one step of
-        ``HutchEnvelope(2, 5)``, 0.5 % at ``(32, 2048)``) the next ``s`` is the power of 2 that the width predicts
-        for ``0.8 rtol`` (at most ``1/16`` of the last), down to :data:`_MIXTURE_FINEST`.  A float target also stops
-        where a finer grid narrowed the bracket by under 10 %.  Every grid's bracket holds the truth: the tightest is
-        their intersection."""
+        The bracket's width is the scale grid's alone and shrinks like the scale step ``s``, and the atoms' count
+        grows like ``1/s``.  Without ``bracket_rtol`` it is one curve at ``s = 1`` (3.5 % wide on one step of
+        ``HutchEnvelope(2, 5)``, 0.5 % at ``(32, 2048)``).  The default reads the curve at :data:`AUTO_SCALE_START`
+        and at the finest power of 2 below it whose atoms are predicted to stay within :data:`_MIXTURE_ATOMS` (down
+        to :data:`_MIXTURE_FINEST`): a choice that depends on the step alone, so epsilon and delta queries read the
+        same curves and agree without a nudge.  A float ``rtol`` goes on from there to the power of 2 that the width
+        predicts for ``0.8 rtol`` (at most ``1/16`` of the last), down to :data:`_MIXTURE_FINEST`, and stops where a
+        finer grid narrowed the bracket by under 10 %.  Every curve's bracket holds the truth: the tightest is their
+        intersection."""
         mode = self.bracket_rtol
         step = self._mixture_step()
 
@@ -635,23 +639,30 @@ class PLDAccountant(Accountant):
                 self._mixtures[s] = ScaleMixtureCurve(step, s)
             return read(self._mixtures[s])
 
-        s = 1.0 if mode is None else _MIXTURE_START
+        s = 1.0 if mode is None else AUTO_SCALE_START
         lo, hi = at(s)
+        if mode == AUTO:
+            halvings = math.floor(math.log2(_MIXTURE_ATOMS / max(self._mixtures[s].atoms, 1)))
+            finest = max(s * 2.0 ** -max(halvings, 0), _MIXTURE_FINEST)
+            if finest < s:
+                l2, h2 = at(finest)
+                lo, hi = max(lo, l2), min(hi, h2)
+            return lo, hi
         while mode is not None and 0 < hi < math.inf and hi - lo > rtol * hi and s > _MIXTURE_FINEST:
             shrink = max(1 / 16, min(0.5, 0.8 * rtol * hi / (hi - lo)))
             s = max(2.0 ** math.floor(math.log2(s * shrink)), _MIXTURE_FINEST)
             last = hi - lo
             l2, h2 = at(s)
             lo, hi = max(lo, l2), min(hi, h2)
-            if isinstance(mode, float) and hi - lo > 0.9 * last:
+            if hi - lo > 0.9 * last:
                 break
         return lo, hi
 
     def _mixture_delta_target(self, e: float) -> float:
-        """A closed-form delta query's target: epsilon's times ``|d log delta / d log epsilon|`` at ``e`` on the first
-        curve (as :meth:`_refined` sets a grid's delta target; a float target's at most its own)."""
+        """A float ``bracket_rtol``'s closed-form delta target: epsilon's times ``|d log delta / d log epsilon|`` at
+        ``e`` on the first curve, at most its own (as :meth:`_refined` sets a grid's delta target)."""
         rtol = self._target()
-        if e == 0 or self.bracket_rtol is None:
+        if e == 0:
             return rtol
         step = 1.0 + 1e-3
         curve = self._mixtures.get(_MIXTURE_START) or ScaleMixtureCurve(self._mixture_step(), _MIXTURE_START)
@@ -660,7 +671,7 @@ class PLDAccountant(Accountant):
         if not (0 < min(here, there) and max(here, there) < 1 and here != there):
             return rtol
         slope = max(abs(math.log(here / there) / math.log(step)), 1e-3)
-        return rtol * slope if self.bracket_rtol == AUTO else rtol * min(1.0, slope)
+        return rtol * min(1.0, slope)
 
     def _coarsely_below(self, direction: int, eps: float, delta: float, of_delta: bool = False) -> bool:
         """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps`` (with
@@ -873,7 +884,8 @@ class PLDAccountant(Accountant):
 
         charge = self._charge(e)
         if self._mixture_step() is not None:
-            lo, hi = self._mixture_refined(lambda curve: curve.delta_bracket(e), self._mixture_delta_target(e))
+            target = self._mixture_delta_target(e) if isinstance(self.bracket_rtol, float) else self._target()
+            lo, hi = self._mixture_refined(lambda curve: curve.delta_bracket(e), target)
             return (max(0.0, lo - charge) if lower else 0.0), min(1.0, hi + charge)
 
         def query(h: float, upper: bool, s: float, together: tuple[bool, ...]) -> float:

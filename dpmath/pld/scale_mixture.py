@@ -39,13 +39,14 @@ import numpy as np
 from scipy import special
 
 from ..mechanisms import SubsampledGaussian
+from ..validation import non_negative, open_probability, real_number
 from .steps import scale_atoms
 
 __all__ = ["ScaleMixtureCurve", "gaussian_curve_terms"]
 
 _U = 2.0 ** -53          # float64's unit roundoff
 _SLACK = 64.0 * _U       # a term's relative error per unit of its condition (16 ulp per special function, summed)
-_TINY = 1e-300           # absolute error allowed for a term that underflows
+_TINY = 1e-306           # absolute error allowed for a term that underflows (below the smallest normal float)
 _SQRT_HALF_PI = math.sqrt(0.5 * math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -71,6 +72,14 @@ def gaussian_curve_terms(mu: np.ndarray, e: float) -> tuple[np.ndarray, np.ndarr
     >>> f"{value[0]:.6f}", bool(err[0] < 1e-12)
     ('0.126937', True)
     """
+    m = np.asarray(mu, dtype=np.float64)
+    if m.ndim != 1 or not np.all((m > 0) & np.isfinite(m)):
+        raise ValueError("mu must be a 1-D array of positive finite floats")
+    return _terms(m, real_number(e, "e", allow_inf=False))
+
+
+def _terms(mu: np.ndarray, e: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`gaussian_curve_terms` without the checks (the curve's atoms are positive by construction)."""
     with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
         a = 0.5 * mu - e / mu
         b = a - mu
@@ -94,10 +103,21 @@ def gaussian_curve_terms(mu: np.ndarray, e: float) -> tuple[np.ndarray, np.ndarr
         # |d log Phi(x) / dx| <= max(-x, 0) + 1 (and |d log M(y) / dy| <= y + 1); phi(a)'s exponent a^2 / 2 where it
         # is computed; e + log Phi(b)'s rounding where e^e Phi(b) is exp of it
         big_a = 0.5 * mu + abs(e) / mu
-        c1 = 1.0 + (np.maximum(-a, 0.0) + 1.0) * 3.0 * big_a + np.where(neg, 0.5 * a * a, 0.0)
+        # for a >= 0 the slope phi(x) / Phi(x), decreasing in x, at the lowest a the rounding allows (a huge mu puts
+        # a's rounding at 1e-16 mu, where the slope is 0, not 1)
+        a_lo = a - 3.0 * _SLACK * big_a
+        ratio = _INV_SQRT_2PI * np.exp(-0.5 * a_lo * a_lo) / special.ndtr(a_lo)
+        slope = np.minimum(np.maximum(-a_lo, 0.0) + 1.0, ratio)
+        slope = np.where(neg | ~np.isfinite(slope), np.maximum(-a, 0.0) + 1.0, slope)
+        c1 = 1.0 + np.where(slope > 0, slope * 3.0 * big_a, 0.0) + np.where(neg, 0.5 * a * a, 0.0)
         c2 = 1.0 + (np.maximum(-b, 0.0) + np.abs(mu - a) + 1.0) * 3.0 * big_a + np.where(
             neg, 0.5 * a * a, abs(e) + np.abs(log_b))
         err = _SLACK * (t1 * c1 + t2 * c2 + phi_a * mu) + _TINY
+        # 0 times an overflowed condition: |a| past 1e150, where both terms are 0 at any rounding of a
+        err = np.where(np.isnan(err), np.where((t1 == 0) & (t2 == 0), _TINY, 1.0), err)
+        # e / mu beyond the float range: a = -inf (delta_G = 0) or +inf (delta_G = 1), exactly
+        value = np.where(a == -np.inf, 0.0, np.where(a == np.inf, 1.0, value))
+        err = np.where(np.isinf(a), _TINY, err)
     value = np.clip(value, 0.0, 1.0)
     return value, np.where(np.isfinite(err), err, 1.0)
 
@@ -143,15 +163,16 @@ class ScaleMixtureCurve:
     def _mixture(self, e: float, upper: bool) -> float:
         """``E_a[delta_G(mu, e)]`` (plus the unbounded mass, upper only), rounded toward ``upper``."""
         mu, w, unbounded = self._atoms[upper]
-        value, err = gaussian_curve_terms(mu, e)
-        terms = value + err if upper else np.maximum(value - err, 0.0)
+        value, err = _terms(mu, e)
+        # delta_G is in [0, 1] whatever the rounding bound says
+        terms = np.minimum(value + err, 1.0) if upper else np.maximum(value - err, 0.0)
         total = float(w @ terms)
         spread = 2.0 * (w.size + 2) * _U * total   # the sum's own rounding
         return total + spread + unbounded + _TINY if upper else max(total - spread, 0.0)
 
     def delta(self, eps: float, upper: bool = True) -> float:
         """The upper (``upper``) or lower bound on ``delta(eps)``, the worse of the two directions, ``eps >= 0``."""
-        out = max(self._directions(eps, upper))
+        out = max(self._directions(non_negative(eps, "eps"), upper))
         out *= (1.0 + 4.0 * _U) if upper else (1.0 - 4.0 * _U)
         return min(max(out, 0.0), 1.0)
 
@@ -159,7 +180,7 @@ class ScaleMixtureCurve:
         """The bounds on removing's and adding's ``delta(eps)``, before the last rounding."""
         q = self.q
         # removing: e_r = log(1 + (e^eps - 1) / q), rounded by a few ulp of itself
-        if eps < 700.0:
+        if eps < 1.0:   # beyond, e^eps / q may pass the float range (eps near 700 at q = 1e-6)
             e_r = math.log1p(math.expm1(eps) / q)
         else:
             e_r = eps - math.log(q) + math.log1p(-(1.0 - q) * math.exp(-eps))
@@ -188,7 +209,8 @@ class ScaleMixtureCurve:
         """``(lower, upper)`` bounds on ``epsilon(delta)``: the upper end is a float where the upper curve is at most
         ``delta`` (``inf`` where none is: unbounded mass at least ``delta / q``), the lower end one where the lower
         curve exceeds ``delta`` (or 0), found by bisection to the last few bits."""
-        return self._end(delta, False), self._end(delta, True)
+        d = open_probability(delta, "delta")
+        return self._end(d, False), self._end(d, True)
 
     def _end(self, delta: float, upper: bool) -> float:
         if self.delta(0.0, upper) <= delta:
