@@ -115,3 +115,45 @@ def test_delta_read_back_at_the_closed_forms_epsilon_is_at_most_delta(delta):
         assert acc.delta(eps) <= delta
         lo, hi = acc.delta_bracket(eps)
         assert lo <= delta
+
+
+def test_a_huge_scales_rounding_bound_stays_small_where_its_curve_is_flat():
+    # a = mu/2 - e/mu is rounded by about 1e-16 mu, but Phi is flat there: the bound is not 1e-14 mu
+    value, err = gaussian_curve_terms(np.array([1e14]), 1.0)
+    assert value[0] == 1.0 and err[0] < 1e-12
+    acc = PLDAccountant().compose(SubsampledGaussian(1.0, 1.0, DiscreteEnvelope([1e-30, 1.0], [1e-3, 1 - 1e-3])))
+    lo, hi = acc.delta_bracket(5.0)
+    truth = _mixture_delta_mp([1e-30, 1.0], [1e-3, 1 - 1e-3], 1.0, 1.0, 5.0)
+    assert mpmath.mpf(lo) <= truth <= mpmath.mpf(hi) and hi <= lo * (1 + 1e-9)
+
+
+def test_a_tiny_sample_rate_near_epsilon_700_keeps_its_bracket():
+    # e^eps / q passes the float range at eps = 700 + log q: the shifted argument is computed without it
+    acc = PLDAccountant().compose(SubsampledGaussian(1.0, 1e-100, PointMassEnvelope(1 / 1600)))
+    lo, hi = acc.delta_bracket(699.0)
+    truth = _mixture_delta_mp([1 / 1600], [1.0], 1.0, 1e-100, 699.0)
+    assert mpmath.mpf(lo) <= truth <= mpmath.mpf(hi) and hi <= lo * (1 + 1e-9)
+    lo, hi = acc.epsilon_bracket(1e-101)
+    assert lo < hi <= lo * (1 + 1e-9) and 620 < lo < 621
+
+
+def test_a_delta_near_the_smallest_float_has_a_finite_epsilon():
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(1.0, 1.0, PointMassEnvelope(1.0))).epsilon_bracket(1e-300)
+    g_lo, g_hi = PLDAccountant().compose(SubsampledGaussian(1.0, 1.0)).epsilon_bracket(1e-300)
+    assert lo <= g_hi and g_lo <= hi < math.inf
+
+
+def test_an_epsilon_past_every_scale_leaves_only_the_unbounded_mass():
+    lo, hi = PLDAccountant().compose(SubsampledGaussian(1.0, 0.05, HutchEnvelope(32, 2048))).delta_bracket(1e308)
+    assert lo == 0.0 and hi < 1e-20
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda c: c.epsilon_bracket(math.nan), "delta"), (lambda c: c.epsilon_bracket(-1.0), "delta"),
+    (lambda c: c.delta_bracket(math.nan), "eps"), (lambda c: c.delta_bracket(-1.0), "eps"),
+    (lambda c: gaussian_curve_terms(np.array([-1.0]), 1.0), "mu"),
+    (lambda c: gaussian_curve_terms(np.array([1.0]), math.nan), "e")])
+def test_the_curves_public_methods_refuse_bad_input_naming_it(call, match):
+    curve = ScaleMixtureCurve(SubsampledGaussian(1.0, 0.1, PointMassEnvelope(1.0)), 1.0)
+    with pytest.raises(ValueError, match=match):
+        call(curve)
