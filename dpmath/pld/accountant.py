@@ -49,8 +49,8 @@ AUTO_BUDGET = 1 << 23
 #: half the scale step keeps a randomized-clipping calibration within 2 s, a quarter did not).
 AUTO_SCALE_START = 0.5
 _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
-_MIXTURE_START = 0.25   # the scale-grid factor of a single randomized-clipping step's first closed-form bracket ...
-_MIXTURE_FINEST = 1 / 64    # ... and its finest (one step of HutchEnvelope(2, 5): 151,140 atoms, 12 s)
+_MIXTURE_FINEST = 1 / 64    # a single randomized-clipping step's finest closed-form curve (HutchEnvelope(2, 5): 151,140
+                            # atoms, 12 s)
 _MIXTURE_ATOMS = 25_000     # the default's finest closed-form curve has at most about this many atoms (2 s)
 _RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
 _AGREE_RTOL = 1e-10     # epsilon's first nudge toward its own delta read-out (_agreeing), then 10 times more each
@@ -486,7 +486,7 @@ class PLDAccountant(Accountant):
         --------
         >>> from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
         >>> PLDAccountant().compose(SubsampledGaussian(1.0, 0.01, HutchEnvelope(32, 2048)), 100).first_grid
-        (0.0001, 0.25)
+        (0.0001, 0.5)
         """
         return self._start()
 
@@ -494,7 +494,8 @@ class PLDAccountant(Accountant):
         """The first grid ``(h, s)`` of every query's refinement: the discretization and the envelope's scale step,
         except that a float target below 1 % with randomized clipping starts where the default grid would only be a
         first, wasted try (0.5 to 1.7 % wide on the benchmark's cases): the scale step halved, and the loss step where
-        a plain step's mean gap puts it (a guess of where to start; the refinement decides)."""
+        a plain step's mean gap puts it (a guess of where to start; the refinement decides), and the default's
+        randomized clipping starts at :data:`AUTO_SCALE_START` of the scale step."""
         mode = self.bracket_rtol
         if self._scaled() and isinstance(mode, float) and mode < _RC_WIDE:
             return self._first_loss_step(mode), 0.5
@@ -665,8 +666,9 @@ class PLDAccountant(Accountant):
         if e == 0:
             return rtol
         step = 1.0 + 1e-3
-        curve = self._mixtures.get(_MIXTURE_START) or ScaleMixtureCurve(self._mixture_step(), _MIXTURE_START)
-        self._mixtures[_MIXTURE_START] = curve
+        if AUTO_SCALE_START not in self._mixtures:   # the first curve of the refinement (_mixture_refined)
+            self._mixtures[AUTO_SCALE_START] = ScaleMixtureCurve(self._mixture_step(), AUTO_SCALE_START)
+        curve = self._mixtures[AUTO_SCALE_START]
         here, there = curve.delta(e), curve.delta(e * step)
         if not (0 < min(here, there) and max(here, there) < 1 and here != there):
             return rtol
