@@ -307,8 +307,9 @@ class PLDAccountant(Accountant):
         A delta query passes ``slope(h, s)``, ``|d log delta / d log epsilon|`` on its first grid: delta's relative
         width is epsilon's times that, so its target is epsilon's times the slope (a float target's at most its
         own), and it refines as far as an epsilon query there would (its passes read up to 1.4 times an epsilon
-        query's points on a grid, so its budget is twice).  With ``bracket_rtol="auto"`` a grid is built only while
-        the grids built so far and it fit :data:`AUTO_BUDGET` (a delta query's: twice that), and :meth:`epsilon`
+        query's points on a grid, so a randomized-clipping delta query's budget is twice).  With
+        ``bracket_rtol="auto"`` a grid is built only while the grids built so far and it fit :data:`AUTO_BUDGET`
+        (a randomized-clipping delta query's: twice that), and :meth:`epsilon`
         alone builds the lower end only where a finer grid would fit (else no width could be acted on), so it is
         :meth:`epsilon_bracket`'s upper end to the last bit.
 
@@ -330,9 +331,10 @@ class PLDAccountant(Accountant):
         mode = self.bracket_rtol
         rtol = self._target()
         scaled = self._scaled()
-        # a delta query reads more passes per grid than an epsilon query (up to 1.4 times the points on the benchmark's
-        # cases), so it has twice the budget: it reaches the grids an epsilon query there would
-        budget = (AUTO_BUDGET * (2 if slope is not None else 1)) if mode == AUTO else math.inf
+        # a randomized-clipping delta query reads more passes per grid than an epsilon query (up to 1.4 times the
+        # points on the benchmark's cases), so it has twice the budget: it reaches the grids an epsilon query there
+        # would (without randomized clipping the agreement sweep meets its delta at the first nudges already)
+        budget = (AUTO_BUDGET * (2 if slope is not None and scaled else 1)) if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
         spent = 0.0                                  # the cost of the grids built, in grid points
