@@ -12,7 +12,9 @@ that root, confirms the answer where it meets the target within ``rtol`` (or a s
 moves it); only the requested grid's epsilon decides the result.  Each epsilon query cuts the steps' farthest
 losses, up to ``1e-6`` of delta (:data:`dpmath.pld.compose.CUT`), which shrinks a heavy-tailed envelope's FFT
 window about four-fold.  The README's former setting (Hutch, ``k = 16``, ``D = 24``, q = 0.05, 60 steps, epsilon 2)
-took 3.4 s cold with a search on the requested grid, 2.1 s with a medium-grid search, and takes 0.98 s
+took 3.4 s cold with a search on the requested grid, 2.1 s with a medium-grid search, and 0.98 s on the envelope's
+own scale step; the medium and requested grids now read the default accountant's first scale grid
+(:data:`~dpmath.pld.accountant.AUTO_SCALE_START`, half the step), which gives 0.05 % less noise in 1.8 s
 (``benchmarks/calibration_bench.py --compare``).  A search that runs longer than
 :data:`PROGRESS_AFTER` seconds logs each evaluation as an INFO record of the ``"dpmath"`` logger.
 
