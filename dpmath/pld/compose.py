@@ -44,6 +44,7 @@ _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta
 #: that holds them grows to millions of points; cut, it shrinks about four-fold (6.6M to 1.6M points at Hutch
 #: ``k = 16``, ``D = 24``, q = 0.05, 60 steps).
 CUT = 1e-6
+_DELTA_LEVELS = 3     # a delta read's rounds of an epsilon query's passes, each at the level the last one read
 _SPECTRA_MAX = 1 << 23   # largest FFT whose steps' transforms :class:`Spectra` keeps (8M points: 200 MB a step)
 #: What one extended-precision point costs in :attr:`Composition.work`, in float64 points (the docs' "about 7
 #: times", rounded up: its FFT is also slower per point on large windows).
@@ -733,22 +734,39 @@ class Composition:
             pld = comp.local(lam, extended)
             d = pld.delta(eps)
             tried.append(d)
-            return None if eps < pld.start * self.h else comp._good(pld, eps, d)
+            # a tilt whose pass falls back to the untilted composition is not enough: that pass's FFT error floor
+            # (1e-8 at 7.8M points) is what the tilts are for
+            return None if eps < pld.start * self.h else (comp._good(pld, eps, d) and pld is not comp._full)
 
         lam = self._delta_tilt(eps) if eps > self._cumulants["mean"] else 0.0
         if lam is not None and good(self, lam, False):
             return self._tightest(tried)
-        if tried and (cut := self._cut(max(tried) if not self.upper else min(tried))) is not self:
+        # the passes an epsilon query at this delta reads; where they bring delta down by more than half, again at
+        # the new level (a flat curve, e.g. a heavy-tailed scale, read 1e-8 on the first pass where epsilon's own
+        # pass at 1e-9 was resolved: the Chernoff tilt depends on the level)
+        seen: set[tuple[int, float]] = set()
+        for _ in range(_DELTA_LEVELS):
+            if not tried:
+                break
+            read = max(tried) if not self.upper else min(tried)
+            cut = self._cut(read)
             c = cut._cumulants
             level = -math.log(max(min(tried), 1e-300))
-            for tilt in dict.fromkeys((_binned(_grid_tilt(c["parts"], c["sd"], level)),
-                                       cut._delta_tilt(eps) if eps > c["mean"] else None)):
-                for extended in ((False, True) if EXTENDED else (False,)) if tilt else ():
+            tilts = [t for t in dict.fromkeys((_binned(_grid_tilt(c["parts"], c["sd"], level)),
+                                               cut._delta_tilt(eps) if eps > c["mean"] else None))
+                     if t and (id(cut), t) not in seen]
+            if not tilts:
+                break
+            for tilt in tilts:
+                seen.add((id(cut), tilt))
+                for extended in (False, True) if EXTENDED else (False,):
                     ok = good(cut, tilt, extended)
                     if ok:
                         return self._tightest(tried)
                     if ok is None:
                         break
+            if not self._tightest(tried) < 0.5 * read:
+                break
         if lam is not None and EXTENDED and good(self, lam, True):
             return self._tightest(tried)
         return self._tightest([self.full().delta(eps), *tried])
