@@ -622,6 +622,12 @@ class PLDAccountant(Accountant):
         step = accounted_step(self._events[0][0])
         return step if random_scale(step) else None
 
+    def _mixture_curve(self, s: float) -> ScaleMixtureCurve:
+        """The closed-form curve of :meth:`_mixture_step` at the scale-grid factor ``s`` (built once)."""
+        if s not in self._mixtures:
+            self._mixtures[s] = ScaleMixtureCurve(self._mixture_step(), s)
+        return self._mixtures[s]
+
     def _mixture_refined(self, read, rtol: float) -> tuple[float, float]:
         """``read(curve)``, a ``(lower, upper)`` bracket of a :class:`ScaleMixtureCurve`, on finer scale grids.
 
@@ -635,17 +641,14 @@ class PLDAccountant(Accountant):
         finer grid narrowed the bracket by under 10 %.  Every curve's bracket holds the truth: the tightest is their
         intersection."""
         mode = self.bracket_rtol
-        step = self._mixture_step()
 
         def at(s: float) -> tuple[float, float]:
-            if s not in self._mixtures:
-                self._mixtures[s] = ScaleMixtureCurve(step, s)
-            return read(self._mixtures[s])
+            return read(self._mixture_curve(s))
 
         s = 1.0 if mode is None else AUTO_SCALE_START
         lo, hi = at(s)
         if mode == AUTO:
-            halvings = math.floor(math.log2(_MIXTURE_ATOMS / max(self._mixtures[s].atoms, 1)))
+            halvings = math.floor(math.log2(_MIXTURE_ATOMS / max(self._mixture_curve(s).atoms, 1)))
             finest = max(s * 2.0 ** -max(halvings, 0), _MIXTURE_FINEST)
             if finest < s:
                 l2, h2 = at(finest)
@@ -668,14 +671,8 @@ class PLDAccountant(Accountant):
         if e == 0:
             return rtol
         step = 1.0 + 1e-3
-        if AUTO_SCALE_START not in self._mixtures:   # the first curve of the refinement (_mixture_refined)
-            self._mixtures[AUTO_SCALE_START] = ScaleMixtureCurve(self._mixture_step(), AUTO_SCALE_START)
-        curve = self._mixtures[AUTO_SCALE_START]
-        here, there = curve.delta(e), curve.delta(e * step)
-        if not (0 < min(here, there) and max(here, there) < 1 and here != there):
-            return rtol
-        slope = max(abs(math.log(here / there) / math.log(step)), 1e-3)
-        return rtol * min(1.0, slope)
+        curve = self._mixture_curve(AUTO_SCALE_START)   # the refinement's first curve
+        return rtol * min(1.0, _log_slope(curve.delta(e), curve.delta(e * step), step))
 
     def _coarsely_below(self, direction: int, eps: float, delta: float, of_delta: bool = False) -> bool:
         """Whether a randomized-clipping accountant's ``direction`` has a true ``epsilon(delta) <= eps`` (with
@@ -903,10 +900,7 @@ class PLDAccountant(Accountant):
                 return 1.0
             step = 2.0 ** (0.5 / TILT_BINS)
             other = e * step if tilt_bin(e * step) == tilt_bin(e) else e / step
-            here, there = self._delta_read(e, h, True, s), self._delta_read(other, h, True, s)
-            if not (0 < min(here, there) and max(here, there) < 1 and here != there):
-                return 1.0
-            return max(abs(math.log(here / there) / math.log(step)), 1e-3)
+            return _log_slope(self._delta_read(e, h, True, s), self._delta_read(other, h, True, s), step)
 
         def capped(h: float, s: float, upper: float) -> bool:
             """Whether most of the upper end is mass beyond the loss cap (a coarser grid's cap reaches further)."""
@@ -968,6 +962,14 @@ class PLDAccountant(Accountant):
         out = np.where(flat >= 1, 0.0, np.where(flat <= 0, 1.0 - max(p.inf_mass for p in self._composed(True)), out))
         out = np.minimum(out, 1.0 - flat).reshape(a.shape)
         return out[()] if out.ndim == 0 else out
+
+
+def _log_slope(here: float, there: float, ratio: float) -> float:
+    """``|d log delta / d log epsilon|`` from two delta reads at epsilons ``ratio`` apart (at least ``1e-3``); 1 where
+    the reads cannot say (0, 1 or equal)."""
+    if not (0 < min(here, there) and max(here, there) < 1 and here != there):
+        return 1.0
+    return max(abs(math.log(here / there) / math.log(ratio)), 1e-3)
 
 
 _PUBLISHED: dict[tuple, float] = {}   # published_epsilon's values, by settings, events and delta

@@ -136,8 +136,11 @@ class EpsilonSchedule:
         step = self._step = accounted_step(base, self.neighboring)
         # the accountant's closed form, no grid; a charged truncated step's overflow is the accountant's read-out
         self._closed = is_gaussian_step(step) or base.charged
-        # randomized clipping's scale-grid factor: the accountant's first grid's
+        # randomized clipping's scale-grid factor: the accountant's first grid's; and whether one run is read in
+        # closed form (one randomized-clipping step), decided once by the accountant
         self._scale = checked.first_grid[1]
+        self._closed_one = PLDAccountant(discretization, neighboring, tail_mass=tail_mass,
+                                         bracket_rtol=bracket_rtol).compose(mechanism, 1).closed_form
         if reads_replacement(base, self.neighboring):
             self._relations: tuple[str, ...] = ("replace",)
         else:   # with q = 1 adding and removing an example are the same pair: one direction serves both
@@ -317,7 +320,7 @@ class EpsilonSchedule:
         2.1245
         """
         n, d = self._checked(count, delta)
-        if self._closed or self._fresh(n).closed_form:
+        if self._closed or (n == 1 and self._closed_one):
             return self._fresh(n).epsilon(d)
         if self.bracket_rtol is None:
             return self._bound(n, d, True)
@@ -335,7 +338,7 @@ class EpsilonSchedule:
         True
         """
         n, d = self._checked(count, delta)
-        if self._closed or self._fresh(n).closed_form:
+        if self._closed or (n == 1 and self._closed_one):
             return self._fresh(n).epsilon_bracket(d)
         if self.bracket_rtol is None:
             hi = self._bound(n, d, True)
