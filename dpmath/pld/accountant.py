@@ -30,6 +30,7 @@ from .steps import (
     random_scale,
     reads_replacement,
     scale_atoms,
+    step_kind,
     step_plds,
 )
 from .two_scale import TwoScaleLower
@@ -52,6 +53,8 @@ _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in c
 _MIXTURE_FINEST = 1 / 64    # a single randomized-clipping step's finest closed-form curve (HutchEnvelope(2, 5): 151,140
                             # atoms, 12 s)
 _MIXTURE_ATOMS = 25_000     # the default's finest closed-form curve has at most about this many atoms (2 s)
+_LOWER_STEPS = (0.95, 0.9)    # the finer loss steps (times h) a fixed-scale lower composition may move to ...
+_LOWER_POINTS = 1 << 19       # ... where its steps hold at most this many points
 _RUNGS = 2              # a refined loss step is h0 2^(-k / _RUNGS): the queries of one accountant share grids
 _AGREE_RTOL = 1e-10     # epsilon's first nudge toward its own delta read-out (_agreeing), then 10 times more each
 _FINEST = 2.0 ** -16    # the finest loss step, relative to discretization (below 1/64 only on grids within budget)
@@ -585,7 +588,42 @@ class PLDAccountant(Accountant):
         """The step PLDs and their counts, one list per bound in ``bounds``."""
         events = [(accounted_step(m, self.neighboring), n) for m, n in self._events]
         per_event = [step_plds(m, rel, h, bounds, n, s) for (m, n), rel in zip(events, relations, strict=True)]
-        return [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
+        out = [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
+        if False in bounds and all(step_kind(m).gaussian for m, _ in events):
+            j = bounds.index(False)
+            upper = out[bounds.index(True)] if True in bounds else self._steps(relations, (True,), h, s)[0]
+            out[j] = self._lower_grid(events, relations, upper, out[j], h)
+        return out
+
+    def _lower_grid(self, events: list[tuple[Mechanism, int]], relations: tuple[str, ...],
+                    upper: list[tuple[Pld, int]], lower: list[tuple[Pld, int]], h: float) -> list[tuple[Pld, int]]:
+        """The lower steps of fixed-scale events on the loss step ``h`` or, where that grid resonates with the steps,
+        on a slightly finer one (:data:`_LOWER_STEPS`, the first whose :func:`~dpmath.pld.distribution.mean_gap` to
+        the upper steps on ``h`` is under half of ``h``'s), tried where the gap exceeds an eighth of the target and the
+        steps hold at most :data:`_LOWER_POINTS` points.
+
+        Any lower PLD gives a lower bound, so the grid is free to choose.  On a grid whose point sits just above a
+        step's least loss ``log(1 - q)`` (``q = 1e-4`` at ``h = 1e-4``, where ``log(1 - q) = -1.00005 h``), one
+        interval holds nearly all of a step's mass with its bend inside, and the lowered split must drop that bend by
+        about a quarter of ``h`` times the mass: at sigma = 0.3, ``10^4`` steps the composed mean sits 0.06 below the
+        upper one and the lower end 0.47 % below the truth; on ``0.95 h`` the gap is ``7e-6`` and the bracket
+        ``5e-7`` wide.  Away from such resonance a finer grid narrows the gap only like ``h^2`` (0.81 times at
+        ``0.9 h``), so ``h`` stays, and where a step's losses sit within one interval whatever the grid (``q mu`` far
+        below ``h``: the two-scale curve's case) no grid helps.  Fixed-scale steps only, on small grids: each try
+        rebuilds the steps (0.07 s for 288,182 points; 1.3 s for 1.4M at ``q = 1e-5``, ``h = 1.25e-5``, which it
+        would not help)."""
+        gap = mean_gap(upper, lower)
+        # a step's least loss log(1 - q) above -0.9 h: its bulk sits within (-h, 0] on every grid tried
+        reach = max(-math.log1p(-q) if (q := getattr(m, "sample_rate", 1.0)) < 1.0 else math.inf for m, _ in events)
+        if gap <= self._target() / 8 or sum(p.pmf.size for p, _ in lower) > _LOWER_POINTS \
+                or reach < min(_LOWER_STEPS) * h:
+            return lower
+        for r in _LOWER_STEPS:
+            steps = [(step_plds(m, rel, h * r, (False,), n)[0], n)
+                     for (m, n), rel in zip(events, relations, strict=True)]
+            if mean_gap(upper, steps) < 0.5 * gap:
+                return steps
+        return lower
 
     def _closed_form(self) -> GaussianCurve | None:
         """The composed Gaussian (:mod:`dpmath.pld.gaussian`) where every event is a Gaussian step: a sample rate of

@@ -61,6 +61,9 @@ DP_SGD = [
     # the grid's lower end is 51 % of the upper end, which is tight: the two-scale lower end (its bulk's window
     # within the budget's quarter) lifts it from 1.1636 to 2.27199 under 2.27237
     (0.518, 1.25e-5, 14_196, 4.03e-11, None),
+    # the issue's tiny-q case: the truth 29.3900 (the referee); the lower end was 0.47 % below it on the grid 1e-4,
+    # which resonates with q = 1e-4 (test below)
+    (0.3, 1e-4, 10_000, 1e-12, 29.3900),
 ]
 
 
@@ -73,6 +76,17 @@ def test_the_default_bracket_is_a_tenth_of_a_percent_wide_and_holds_the_truth(si
     if truth is not None:
         tol = 1e-5 if isinstance(truth, float) and truth > 1e-3 else 0.0   # the quoted values' last digit
         assert lo <= truth * (1 + tol) and truth * (1 - tol) <= hi
+
+
+@pytest.mark.parametrize("h", [1e-4, 1.1e-4])
+def test_a_loss_grid_resonant_with_the_sample_rate_takes_its_lower_end_from_a_finer_grid(h):
+    # log(1 - q) = -1.00005e-4 sits just below a grid point of both grids: one interval holds nearly every step's
+    # mass with its bend inside, and the lower end on that grid was 29.2523 (h = 1e-4) and 16.975 (h = 1.1e-4),
+    # against the truth 29.3900; on 0.95 h the single grid's bracket is 5e-7 and 2e-5 wide
+    acc = PLDAccountant(h, bracket_rtol=None).compose(SubsampledGaussian(0.3, 1e-4), 10_000)
+    lo, hi = acc.epsilon_bracket(1e-12)
+    assert lo <= 29.3900 * (1 + 1e-5) and 29.3900 * (1 - 1e-5) <= hi
+    assert hi - lo <= 1e-4 * hi
 
 
 def test_the_published_upper_end_is_at_most_a_tenth_of_a_percent_above_the_truth():
