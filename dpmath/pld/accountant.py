@@ -110,7 +110,9 @@ class PLDAccountant(Accountant):
         budget: the discretization shrinks by the factor the width asks for (errors fall about like ``h^2``;
         each grid is composed afresh and cached) down to ``discretization / 64`` (further, down to
         ``discretization / 65536``, only while a grid costs at most the budget: tiny sample rates and tiny
-        epsilons), or until a finer grid would exceed the grid-size limit.  A randomized-clipping mechanism's
+        epsilons), or until a finer grid would exceed the grid-size limit, or where it could not narrow the
+        bracket by a tenth (each end's move between the last two grids, scaled by ``h^2``, predicts the next one's)
+        or did not.  A randomized-clipping mechanism's
         scale grid is refined too, down to 1/16 of its step, each grid by what its share of the width asks for;
         a float target below 1 % starts with the scale step halved, and the loss step halved, kept, or doubled or
         quadrupled, as a plain step's upper and lower PLDs differ in mean (``_first_loss_step``).  With a single
@@ -281,7 +283,7 @@ class PLDAccountant(Accountant):
         return float(_ATOM_POINTS * atoms)
 
     def _refined(self, query, lower: bool, zero_refines: bool = False, slope=None, capped=None,
-                 lower_end=None) -> tuple[float, float]:
+                 lower_end=None, at: float | None = None) -> tuple[float, float]:
         """``query(h, upper, s, together)`` on finer grids until the bracket is :meth:`_target` tight (``h`` the
         loss grid's step, ``s`` the factor on randomized clipping's scale step, ``together`` the bounds whose steps
         are built together).
@@ -325,6 +327,9 @@ class PLDAccountant(Accountant):
         Without ``bracket_rtol`` but with ``zero_refines`` (epsilon queries), a lower end of 0 under a positive
         upper end (one step's losses span only a few grid points, e.g. ``q mu < h``) is refined the same way, to
         ``1e-3``, for one finer grid (``h/8``; where even that leaves it at 0, finer ones rarely help).
+
+        ``at``: the epsilon a delta query reads at (an epsilon query's is its bracket's upper end), for
+        ``futile``'s rule.
 
         ``lower_end(lo, hi)`` (a float ``bracket_rtol``'s epsilon queries): another lower bound, asked before any
         finer grid is built for a bracket wider than the target (the two-scale curve of a single subsampled Gaussian
@@ -377,6 +382,7 @@ class PLDAccountant(Accountant):
                 best = (0.0, hi) if best is None else (best[0], min(best[1], hi))
                 return 1.0
             lo = query(h, False, s, together)
+            ends.append((h, lo, hi))
             best = (min(lo, hi), hi) if best is None else (max(best[0], min(lo, hi)), min(best[1], hi))
             return max(hi - lo, 0.0) / hi if 0 < hi < math.inf else 0.0
 
@@ -401,6 +407,30 @@ class PLDAccountant(Accountant):
             something no grid moves, e.g. steps whose losses sit far below it): the next grid would cost more and
             narrow it as little."""
             return isinstance(mode, float) and best[1] - best[0] > 0.9 * last
+
+        ends: list[tuple[float, float, float]] = []   # each loss grid's (h, lower end, upper end)
+
+        def futile(h_next: float) -> bool:
+            """A float target's stop before a finer loss grid that cannot narrow the bracket by a tenth: each end of
+            the last grid moved by ``C (h_prev^2 - h^2)`` from the grid before, so the next moves it by that times
+            ``(h^2 - h_next^2) / (h_prev^2 - h^2)``; an end counts only where that move could reach the bracket (a
+            grid's lower end far below a lower end held by the two-scale curve does not), and only where epsilon spans
+            at least 1000 grid steps.  At sigma 0.5, q = 1e-6,
+            10^4 steps, ``bracket_rtol=1e-4`` the grid 1.25e-5 moved the upper end by 1.1e-5 and the next, 1.6e-6,
+            would move it by 1.8e-7 against a width of 2.9e-5: it took 100 s and 8 GB and narrowed nothing."""
+            if not isinstance(mode, float) or len(ends) < 2 or ends[-1][0] != h:
+                return False
+            (h0_, lo0, hi0), (h1, lo1, hi1) = ends[-2], ends[-1]
+            # the h^2 model holds where epsilon spans many grid steps (a tiny epsilon of a few steps moves like h)
+            span_eps = best[1] if at is None else at
+            if not h1 < h0_ or not all(math.isfinite(v) for v in (lo0, hi0, lo1, hi1)) or span_eps < 1000.0 * h1:
+                return False
+            factor = (h1 * h1 - h_next * h_next) / (h0_ * h0_ - h1 * h1)
+            width = best[1] - best[0]
+            gain_hi = abs(hi0 - hi1) * factor
+            gain_lo = abs(lo1 - lo0) * factor
+            reach = max(0.0, lo1 + gain_lo - best[0])   # what the next lower end could add above the best one
+            return gain_hi + reach < 0.1 * width
 
         def rung(x: float, finer: bool = True) -> float:
             """``x`` rounded to the ladder ``h0 2^(-k / _RUNGS)``, down (``finer``) or up."""
@@ -432,7 +462,8 @@ class PLDAccountant(Accountant):
                         h_next = rung(2.0 * span / (budget - spent), finer=False) if budget > spent else math.inf
                     # the default refines by at least half (as finer() assumes: epsilon alone then refines exactly
                     # where the bracket does); a float target takes any progress
-                    if h_next > (0.5 * h * (1 + 1e-9) if mode == AUTO else h * (1 - 1e-9)) or not allowed(h_next, s):
+                    if h_next > (0.5 * h * (1 + 1e-9) if mode == AUTO else h * (1 - 1e-9)) or not allowed(h_next, s) \
+                            or futile(h_next):
                         break
                     h = h_next
                     last = best[1] - best[0]
@@ -948,7 +979,7 @@ class PLDAccountant(Accountant):
             curve = self._two_scale_lower(True, 0.0, 1.0)
             return lo if curve is None else curve.delta(e)
 
-        lo, hi = self._refined(query, lower, slope=slope, capped=capped,
+        lo, hi = self._refined(query, lower, slope=slope, capped=capped, at=e,
                                lower_end=lower_end if isinstance(self.bracket_rtol, float) else None)
         curve = self._two_scale_lower(lower, lo, hi)
         lo = max(lo, curve.delta(e)) if curve is not None else lo

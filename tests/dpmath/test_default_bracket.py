@@ -172,6 +172,17 @@ def test_a_heavy_tailed_composition_takes_the_tightest_of_its_passes():
     assert 12.0 <= lo <= hi <= 14.0
 
 
+@pytest.mark.slow
+def test_a_float_target_stops_before_a_grid_that_cannot_narrow_the_bracket():
+    # sigma 0.5, q 1e-6: the lower end is the two-scale curve's, which no grid moves; the grid 1.25e-5 moved the upper
+    # end by 1.1e-5, so the next (1.6e-6) would move it by about 1.8e-7 against a width of 2.9e-5.  It was built
+    # anyway: 100 s and 8 GB for the same bracket
+    acc = PLDAccountant(bracket_rtol=1e-4).compose(SubsampledGaussian(0.5, 1e-6), 10**4)
+    lo, hi = acc.epsilon_bracket(1e-9)
+    assert (round(lo, 7), round(hi, 7)) == (0.1383798, 0.1384094)
+    assert min(key[0] for key in acc._plds) >= 1.25e-5 * (1 - 1e-9)
+
+
 def test_an_infinite_upper_end_becomes_the_huge_epsilon_of_a_coarser_grid():
     # two steps of a scale 1000 with mass 1e-4: losses near 5,000 nats, beyond the loss cap of 2^22 points at
     # discretization 1e-4 (419 nats), so that grid's upper end is +inf; a grid 64 times coarser reaches 26,843 nats
