@@ -12,6 +12,7 @@ Families: DP-SGD (the Poisson-subsampled Gaussian), randomized clipping (an enve
 (a float ``bracket_rtol``, tiny noise).
 
     OMP_NUM_THREADS=1 python benchmarks/dpmath_widths.py [--compare DIR] [--families rc alloc ...] [--timeout S]
+    OMP_NUM_THREADS=1 python benchmarks/dpmath_widths.py --sweep 25 --seed 1 [--compare DIR]   # random settings
 """
 
 from __future__ import annotations
@@ -127,14 +128,42 @@ def cell(r: dict | None) -> str:
     return f"| [{lo:.6g}, {hi:.6g}] {width:.3g} % | {r['s']:.1f} s | {r['mb']:.0f} MB |"
 
 
+def sweep(count: int, seed: int) -> list[tuple[str, str, str]]:
+    """``count`` random DP-SGD and ``count`` random randomized-clipping (Hutch) rows, from ``seed``: off the table,
+    where the default's targets are checked beyond the configurations it was tuned on."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        sigma = float(np.exp(rng.uniform(np.log(0.3), np.log(3))))
+        q = float(10 ** rng.uniform(-5, -1))
+        if rng.random() < 0.5:   # the round sample rates users pick, where a grid can resonate with q
+            q = float(rng.choice([1e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 1e-2, 0.02, 0.05]))
+        n, delta = int(10 ** rng.uniform(1, 5.5)), float(10 ** rng.uniform(-12, -4))
+        rows.append(("dpsgd", f"σ {sigma:.3f}, q {q:.3g}, {n} steps, δ {delta:.2g}",
+                     f"SubsampledGaussian({sigma!r}, {q!r}), {n}, {delta!r}, {{}}"))
+    for _ in range(count):
+        k, d = int(rng.choice([4, 8, 16, 32, 64])), int(rng.choice([64, 256, 1024, 2048]))
+        sigma, q = float(np.exp(rng.uniform(np.log(0.6), np.log(3)))), float(10 ** rng.uniform(-3.5, -1.3))
+        n, delta = int(10 ** rng.uniform(1, 5)), float(10 ** rng.uniform(-9, -5))
+        rows.append(("rc", f"Hutch k {k}, d {d}; σ {sigma:.3f}, q {q:.3g}, {n} steps, δ {delta:.2g}",
+                     f"SubsampledGaussian({sigma!r}, {q!r}, HutchEnvelope({k}, {d})), {n}, {delta!r}, {{}}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", metavar="DIR", help="another checkout, run alternated with this one")
     parser.add_argument("--families", nargs="*", help="only these families (dpsgd rc alloc fixed truncated cost)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default 300)")
+    parser.add_argument("--sweep", type=int, metavar="N", help="instead of the table: N random DP-SGD and N random "
+                        "randomized-clipping rows")
+    parser.add_argument("--seed", type=int, default=0, help="the sweep's seed (default 0)")
     args = parser.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rows = [r for r in ROWS if not args.families or r[0] in args.families]
+    rows = sweep(args.sweep, args.seed) if args.sweep else ROWS
+    rows = [r for r in rows if not args.families or r[0] in args.families]
     head = "| family | configuration | after: bracket, width | s | peak |"
     if args.compare:
         head += " before: bracket, width | s | peak |"
