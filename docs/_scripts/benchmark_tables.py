@@ -70,6 +70,11 @@ TASKS = [
          "batches, and the cost rows.  \"before\" is the checkout named in the run's header, alternated row by row "
          "with \"after\" in one run.",
          "python benchmarks/dpmath_widths.py --compare DIR", CPU, "dpmath_widths.md"),
+    Task("Accountants", "Default brackets off the table",
+         "The same calls at random settings: DP-SGD (σ 0.3 to 3, q 1e-5 to 0.1, half of them round numbers, 10 to "
+         "3·10⁵ steps, δ 1e-12 to 1e-4) and randomized clipping (Hutch k 4 to 64, d 64 to 2048, σ 0.6 to 3, q 3e-4 to "
+         "0.05, 10 to 10⁵ steps, δ 1e-9 to 1e-5).  Heavy-tailed envelopes (k 4 and 8) are the wide and costly rows.",
+         "python benchmarks/dpmath_widths.py --sweep 12 --seed 1 --compare DIR", CPU, "dpmath_sweep.md"),
     Task("Accountants", "epsilon and delta agree; k of T steps against its own pair",
          "`delta(epsilon(d)) / d - 1` on the issue's cases and 20 random DP-SGD settings, with the epsilon query's "
          "time, against an earlier checkout (Table A1); the k-of-T allocation bound against a Monte Carlo delta of the "

@@ -109,7 +109,7 @@ _POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparse
 _FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/64 decade of mass ...
 _FINE_DECADES = 1 / 64 / 2e-3   # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
-_FALLBACK_POINTS = 1 << 19   # the unamplified bound of an epoch is built on at most this many points (_embedded)
+_FALLBACK_POINTS = 1 << 19   # the unamplified bound of an epoch is built on at most this many points (_coarse_gaussian)
 _PROBE_DELTA = 1e-6   # where an epoch of random allocation's two upper PLDs are compared
 
 
