@@ -1,0 +1,58 @@
+"""The memory-saving paths give the numbers of the plain ones: octave bands placed a block of rows at a time, the
+unamplified fallback on a coarser grid embedded into the finer one, and the read-out computed in place."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import signal
+
+from dpmath import Gaussian
+from dpmath.pld import allocation, steps
+from dpmath.pld.distribution import Pld
+
+
+@pytest.mark.parametrize("relation", ["remove", "add"])
+def test_octave_bands_placed_in_small_blocks_are_bit_identical(monkeypatch, relation):
+    mu, t = 1 / 0.35, 20
+    cap = math.exp(0.5 * mu * mu + 7.65 * mu) if relation == "remove" else t * math.exp(3.0)
+    whole = allocation.band_laws(mu, t, relation, cap)
+    monkeypatch.setattr(allocation, "_PLACE_BLOCK", 1 << 12)   # hundreds of blocks instead of a few
+    blocks = allocation.band_laws(mu, t, relation, cap)
+    for a, b in ((whole.upper, blocks.upper), (whole.lower, blocks.lower)):
+        assert a.unit == b.unit and a.mass.shape == b.mass.shape
+        assert np.array_equal(a.mass, b.mass)
+        assert a.inf == pytest.approx(b.inf, rel=1e-12, abs=1e-300)
+
+
+def test_a_coarse_gaussian_embedded_in_the_finer_grid_reads_the_same_curve():
+    h = 1e-4
+    coarse, f = steps._coarse_gaussian(Gaussian(0.05), h)   # mu = 20: 3.8M points on h, at most 2^19 on h f
+    assert f > 1 and coarse.pmf.size <= (1 << 19) + 2
+    fine = steps._embedded(coarse, f)
+    assert fine.h == h and fine.pmf.size == (coarse.pmf.size - 1) * f + 1
+    # the same law; only the read-out's rounding allowance (5 eps per point of the grid) differs: 3.5M points
+    for eps in (150.0, 200.0, 250.0, 280.0):
+        assert fine.delta(eps) == pytest.approx(coarse.delta(eps), rel=1e-8)
+    assert fine.epsilon(1e-5) == pytest.approx(coarse.epsilon(1e-5), rel=1e-8)
+    # an upper bound: at least the exact Gaussian's epsilon (284.39184949774 at 1e-5)
+    assert fine.epsilon(1e-5) >= 284.3918494977
+
+
+@pytest.mark.parametrize("upper", [True, False])
+def test_the_read_out_in_place_is_the_plain_formula_bit_for_bit(upper):
+    rng = np.random.default_rng(5)
+    pmf = rng.random(20_001)
+    pmf /= 1.3 * pmf.sum()
+    pld = Pld(1e-4, -700, pmf, 0.01, upper, slack=0.0 if upper else 1e-9)
+    t, dj, r, total = pld._curves()
+    eps, side, c, n = float(np.finfo(np.float64).eps), 1.0 if upper else -1.0, math.exp(-pld.h), pmf.size
+    r0 = signal.lfilter([0.0, c], [1.0, -c], pmf[::-1])[::-1]
+    rel = (5.0 * eps) * (n + 1 - np.arange(n, dtype=np.float64))
+    d = math.expm1(pld.h) * np.cumsum(r0[::-1])[::-1] * (1.0 + side * rel)
+    dj0 = pld.inf + d - pld.slack
+    dj0 = np.clip(dj0 + side * (2.0 * eps) * (pld.inf + d + pld.slack), 0.0, 1.0)
+    assert np.array_equal(dj, dj0)
+    assert np.array_equal(r, r0 * (1.0 - side * rel))
+    assert np.array_equal(t.array(), (pld.start + np.arange(n)) * pld.h)
+    assert t[7] == (pld.start + 7) * pld.h and np.array_equal(t[np.array([0, 5])], t.array()[[0, 5]])
