@@ -498,9 +498,12 @@ class Composition:
             mean = _tilted_stats(self.factors, 0.0)[0]
             lo, hi = _window(self.factors, 0.0, tail, self.h, 1 << 62)[:2]
             side = max(hi * self.h - mean, mean - lo * self.h)
+            cut = max(self.over, self.under)
+            # a Chernoff bound of 1 or more bounds nothing: say what it means, not "a mass of 1.0e+00"
+            left = (f"that many leave a mass of up to {cut:.1e} outside" if cut < 0.1 else
+                    "the Chernoff bound on the mass outside that many is no bound at all")
             raise GridTooLargeError(
-                f"the composed privacy loss needs more than {MAX_GRID:,} grid points (that many leave a mass of "
-                f"{max(self.over, self.under):.1e} outside); "
+                f"the composed privacy loss needs more than {MAX_GRID:,} grid points ({left}); "
                 + grid_advice(self.h, 1.25 * side / (MAX_GRID // 2), max(abs(hi), abs(lo)) * self.h))
 
     def _pass(self, lam: float, extended: bool = False, trim: bool = False

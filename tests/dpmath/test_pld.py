@@ -913,3 +913,14 @@ def test_an_upper_pld_reads_back_its_own_epsilon_at_or_below_delta(sigma, q, del
     eps = pld.epsilon(delta)
     assume(0 < eps < math.inf)
     assert pld.delta(eps) <= delta
+
+
+def test_a_window_past_the_grid_limit_says_what_its_chernoff_bound_means():
+    from dpmath import GridTooLargeError
+
+    # a sparse sum (q 5e-5, sigma 0.3) whose Chernoff window needs 1.34e4 nats at h = 5e-5: the bound at the cut is
+    # 1 or more, which the message used to print as "a mass of 1.0e+00 outside"
+    acc = PLDAccountant(discretization=5e-5).compose(SubsampledGaussian(0.3, 4.9995e-05), 10_000)
+    with pytest.raises(GridTooLargeError, match=r"needs more than 33,554,432 grid points \(the Chernoff bound .* no "
+                                                  r"bound at all\); .*coarser discretization"):
+        acc.epsilon_bracket(1e-12)
