@@ -415,9 +415,9 @@ class PLDAccountant(Accountant):
             the last grid moved by ``C (h_prev^2 - h^2)`` from the grid before, so the next moves it by that times
             ``(h^2 - h_next^2) / (h_prev^2 - h^2)``; an end counts only where that move could reach the bracket (a
             grid's lower end far below a lower end held by the two-scale curve does not), and only where epsilon spans
-            at least 1000 grid steps.  At sigma 0.5, q = 1e-6,
-            10^4 steps, ``bracket_rtol=1e-4`` the grid 1.25e-5 moved the upper end by 1.1e-5 and the next, 1.6e-6,
-            would move it by 1.8e-7 against a width of 2.9e-5: it took 100 s and 8 GB and narrowed nothing."""
+            at least 1000 grid steps.  At sigma 0.5, q = 1e-6, 10^4 steps, ``bracket_rtol=1e-4`` the grid 1.25e-5
+            moved the upper end by 1.1e-5 and the next, 1.6e-6, would move it by 1.8e-7 against a width of 2.9e-5: it
+            took 100 s and 8 GB and narrowed nothing."""
             if not isinstance(mode, float) or len(ends) < 2 or ends[-1][0] != h:
                 return False
             (h0_, lo0, hi0), (h1, lo1, hi1) = ends[-2], ends[-1]
@@ -622,7 +622,10 @@ class PLDAccountant(Accountant):
         out = [[(plds[j], n) for plds, (_, n) in zip(per_event, events, strict=True)] for j in range(len(bounds))]
         if False in bounds and all(step_kind(m).gaussian for m, _ in events):
             j = bounds.index(False)
-            upper = out[bounds.index(True)] if True in bounds else self._steps(relations, (True,), h, s)[0]
+            # the upper steps: built with it, or those of the upper composition on this grid (cached), or built now
+            cached = self._plds.get((h, True, s, relations))
+            upper = out[bounds.index(True)] if True in bounds else (
+                cached.events if cached is not None else self._steps(relations, (True,), h, s)[0])
             out[j] = self._lower_grid(events, relations, upper, out[j], h)
         return out
 
@@ -645,7 +648,7 @@ class PLDAccountant(Accountant):
         would not help)."""
         gap = mean_gap(upper, lower)
         # a step's least loss log(1 - q) above -0.9 h: its bulk sits within (-h, 0] on every grid tried
-        reach = max(-math.log1p(-q) if (q := getattr(m, "sample_rate", 1.0)) < 1.0 else math.inf for m, _ in events)
+        reach = max(-math.log1p(-m.sample_rate) if m.sample_rate < 1.0 else math.inf for m, _ in events)
         if gap <= self._target() / 8 or sum(p.pmf.size for p, _ in lower) > _LOWER_POINTS \
                 or reach < min(_LOWER_STEPS) * h:
             return lower

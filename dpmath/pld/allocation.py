@@ -281,8 +281,8 @@ def _band_term(mu: float, shifted: bool, unit: float, shape: tuple[int, int], up
     last_v, last_cdf = 0.0, 0.0   # the point 0 (row 0's first), where the CDF of a lognormal is 0
     for r0 in range(0, shape[0], block):
         rows = grid.values(r0, min(shape[0], r0 + block))
-        v = np.concatenate([[last_v], (rows[0, 1:] if r0 == 0 else np.empty(0)), rows[(1 if r0 == 0 else 0):, 1:]
-                            .ravel()])   # increasing, each point once (a row's first point is the last one's end)
+        # increasing, each point once: a row's first point is the last one's end (row 0's first is 0, last_v's start)
+        v = np.concatenate([[last_v], rows[:, 1:].ravel()])
         with np.errstate(divide="ignore"):
             cdf = special.ndtr((np.log(v) - c) / mu)
         cdf[0] = last_cdf
