@@ -84,6 +84,7 @@ from scipy import special
 
 from .compose import FFT_ERR, Composition
 from .distribution import Pld
+from .linear_sum import LinearLaw, linear_law, linear_suits
 
 __all__ = ["epoch_plds", "sum_laws", "SumLaw"]
 
@@ -170,6 +171,8 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
     """The law of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``) as a
     one-element tuple: on one grid, or (removing, heavy tails or a long epoch) on octave bands (module docstring)."""
     t = steps
+    if linear_suits(mu, t):   # light tails, a long epoch: the convex order (second order, seconds)
+        return (linear_law(mu, t, relation),)
     points = _SHORT_POINTS if t <= _SHORT else _POINTS
     # one grid where its step is fine against the epoch's loss: at most _FINE, and at most _SPREAD of the loss's
     # spread, about mu / sqrt(t) (a long epoch at large sigma has a tiny loss, which a step of 1e-4 blurs: at
@@ -543,10 +546,12 @@ def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
     return BandPair(out[0], BandLaw(out[1].unit, out[1].mass, 0.0, True, False))
 
 
-def _losses(law: SumLaw | BandPair, steps: int, relation: str, h: float, upper: bool
+def _losses(law: SumLaw | BandPair | LinearLaw, steps: int, relation: str, h: float, upper: bool
             ) -> tuple[np.ndarray, np.ndarray, float]:
     """``(loss grid indices, masses, mass at +inf)`` of one part, its losses rounded toward the bound's side."""
-    if isinstance(law, BandPair):
+    if isinstance(law, LinearLaw):
+        s, pmf, inf = law.read(upper)
+    elif isinstance(law, BandPair):
         band = law.upper if upper else law.lower
         s, pmf = band.values().ravel(), band.mass.ravel()
         inf = band.inf
