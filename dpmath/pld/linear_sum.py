@@ -52,7 +52,7 @@ from scipy import special
 
 from .compose import EXTENDED, FFT_ERR
 
-__all__ = ["POINTS", "MAX_POINTS", "CUT", "LinearLaw", "linear_law", "linear_suits"]
+__all__ = ["POINTS", "MAX_POINTS", "CUT", "fft_bound", "LinearLaw", "linear_law", "linear_suits"]
 
 #: grid points of a term's law and of every sum: at least this many, ...
 POINTS = 1 << 16
@@ -122,7 +122,7 @@ def _term(mu: float, step: float, n: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return m, em, o, eo, q_tail, p_tail
 
 
-def _fft_bound(nfft: int, a1: float, a2: float, b1: float, b2: float, u: float = _U) -> float:
+def fft_bound(nfft: int, a1: float, a2: float, b1: float, b2: float, u: float = _U) -> float:
     """A bound on every point's error of ``a * b`` computed by FFTs of ``nfft`` points, from the factors' 1- and
     2-norms: ``gamma (|a|_1 |b|_2 + |a|_2 |b|_1)`` (each transform's 2-norm error at most ``gamma`` of it,
     ``|A|_inf <= |a|_1``, Parseval), the product's rounding and the second-order term."""
@@ -161,7 +161,7 @@ def _tilt_add(x: _Tilted, y: _Tilted, extended: bool) -> _Tilted:
     fy = fx if y is x else sfft.rfft(y.m.astype(dtype), nfft)
     z = sfft.irfft(fx * fy, nfft)[:n]
     u = float(np.finfo(dtype).eps) / 2
-    e = _fft_bound(nfft, *_norms(x.m), *_norms(y.m), u) + 2.0 * u * float(np.abs(z).max())
+    e = fft_bound(nfft, *_norms(x.m), *_norms(y.m), u) + 2.0 * u * float(np.abs(z).max())
     # the float64 result rounded up: one more ulp of each point
     z = (np.maximum(z, 0.0) + e).astype(np.float64) * (1.0 + 2.0 * _U)
     return _normalized(z, x.start + y.start, x.step, x.log_z + y.log_z)
@@ -268,8 +268,8 @@ def _moment_add(x: _Moments, y: _Moments, down: bool) -> _Moments:
     zm = sfft.irfft(fmx * fmy, nfft)[:n]
     zo = sfft.irfft(fox * fmy + fmx * foy, nfft)[:n]
     nmx, nox, nmy, noy = _norms(x.m), _norms(x.o), _norms(y.m), _norms(y.o)
-    em = _fft_bound(nfft, *nmx, *nmy) + 2.0 * _U * float(np.abs(zm).max())
-    eo = _fft_bound(nfft, *nox, *nmy) + _fft_bound(nfft, *nmx, *noy) + 4.0 * _U * float(np.abs(zo).max())
+    em = fft_bound(nfft, *nmx, *nmy) + 2.0 * _U * float(np.abs(zm).max())
+    eo = fft_bound(nfft, *nox, *nmy) + fft_bound(nfft, *nmx, *noy) + 4.0 * _U * float(np.abs(zo).max())
     m = np.maximum(zm - em, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         if down:   # a mean at most the true one: the moment low, the mass high
