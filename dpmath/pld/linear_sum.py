@@ -68,6 +68,7 @@ _U = float(np.finfo(np.float64).eps) / 2
 _RESOLUTION = 0.05       # where this path is used (linear_suits): a term's step at most this of its deviation, ...
 _LIGHT = 5.0             # ... its cap at most this many deviations of S (FFTs in float64), ...
 _HEAVY = 30.0            # ... or this many, the upper sums' FFTs in extended precision
+_THREE = 1e-18          # three or more large terms (above a term's body) are charged: at most this
 _MARGIN = 1e-12          # relative margin on products of exponentials (arguments at most a few hundred: 1e-13)
 
 
@@ -95,31 +96,35 @@ class LinearLaw:
         return s, m, self.upper_inf if upper else 0.0
 
 
-def _cells(mu: float, step: float, n: int, size_biased: bool) -> tuple[np.ndarray, np.ndarray, float]:
-    """Masses of the cells ``(j step, (j + 1) step]``, ``j < n``, of ``LN(-mu^2/2, mu^2)`` (or, ``size_biased``,
-    of ``LN(mu^2/2, mu^2)``: the partial expectations ``E[W; cell]``), a bound on each one's rounding, and the mass
-    above ``n step``.  Differences of the CDF below the median, of the survival function above it."""
+def _cells(mu: float, edges: np.ndarray, size_biased: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Masses of the cells ``(edges[i], edges[i + 1]]`` of ``LN(-mu^2/2, mu^2)`` (or, ``size_biased``, of
+    ``LN(mu^2/2, mu^2)``: the partial expectations ``E[W; cell]``) and a bound on each one's rounding.  Differences of
+    the CDF below the median, of the survival function above it."""
     c = 0.5 * mu * mu * (1.0 if size_biased else -1.0)
     with np.errstate(divide="ignore"):
-        z = (np.log(np.arange(n + 1) * step) - c) / mu
+        z = (np.log(edges) - c) / mu
     lo, hi = z[:-1], z[1:]
     below = hi <= 0
     a = np.where(below, special.ndtr(hi), special.ndtr(-lo))
     b = np.where(below, special.ndtr(lo), special.ndtr(-hi))
     # each value within a few ulp (ndtr), the arguments' rounding (|z| ulp, times the density): 64 u of the larger
     err = 64.0 * _U * (a + b) * (1.0 + np.abs(np.where(np.isfinite(lo), lo, 0.0)) + np.abs(hi))
-    return np.maximum(a - b, 0.0), err, float(special.ndtr(-z[-1]))
+    return np.maximum(a - b, 0.0), err
 
 
-def _term(mu: float, step: float, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
-    """A term truncated at ``n step`` on the cells of ``step``: masses and their rounding bound, first moments
-    ``E[(W - j step) / step; cell]`` (in ``[0, mass]``) and their bound, and the ``Q``- and ``P``-mass above."""
-    m, em, q_tail = _cells(mu, step, n, False)
-    pe, epe, p_tail = _cells(mu, step, n, True)
-    j = np.arange(n, dtype=float)
+def _term(mu: float, step: float, first: int, lo: float, hi: float
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A term restricted to ``(lo, hi]`` on the cells ``(j step, (j + 1) step]`` from ``j = first`` (``lo`` in the
+    first cell, ``hi`` in the last): masses and their rounding bound, first moments ``E[(W - j step) / step; cell]``
+    (in ``[0, mass]``) and their bound."""
+    n = max(1, math.ceil(hi / step) - first)
+    j = first + np.arange(n, dtype=float)
+    edges = np.clip(np.append(j, first + n) * step, lo, hi)
+    m, em = _cells(mu, edges, False)
+    pe, epe = _cells(mu, edges, True)
     o = pe / step - j * m
     eo = epe / step + j * em + 4.0 * _U * (pe / step + j * m)
-    return m, em, o, eo, q_tail, p_tail
+    return m, em, o, eo
 
 
 def fft_bound(nfft: int, a1: float, a2: float, b1: float, b2: float, u: float = _U) -> float:
@@ -192,16 +197,16 @@ class _Upper:
     """The upper sums under every tilt, on one schedule of grids and windows, and the Chernoff bounds on their
     untrimmed laws (log moment generating functions on a grid of ``lam``)."""
 
-    def __init__(self, g: np.ndarray, step: float, thetas: list[float], lam: np.ndarray, log_mgf: np.ndarray,
-                 extended: bool):
-        x = np.arange(g.size) * step
-        self.thetas, self.lam, self.log_mgf, self.extended = thetas, lam, log_mgf, extended
+    def __init__(self, g: np.ndarray, start: int, step: float, thetas: list[float], lam: np.ndarray, extended: bool):
+        x = (start + np.arange(g.size)) * step
+        self.thetas, self.lam, self.extended = thetas, lam, extended
+        self.log_mgf = np.array([special.logsumexp(v * x, b=g) for v in lam]) + 1e-9   # + the summation's rounding
         self.top = float(x[-1])   # the largest value of the exact (untrimmed) sum: cut events' S is at most this
         self.sums = []
         for th in thetas:
             arg = th * x
             peak = float(arg.max())
-            self.sums.append(_normalized(g * np.exp(arg - peak) * (1.0 + _MARGIN), 0, step, peak))
+            self.sums.append(_normalized(g * np.exp(arg - peak) * (1.0 + _MARGIN), start, step, peak))
 
     @property
     def step(self) -> float:
@@ -307,10 +312,11 @@ def _moment_coarsen(x: _Moments, down: bool) -> _Moments:
     return _Moments(mm, np.minimum(oo, mm), start // 2, 2.0 * x.step)
 
 
-def _binary_sum(power, steps: int, add, coarsen, size, points: int):
-    """``steps`` i.i.d. copies of ``power`` summed by doubling along the binary digits of ``steps``; ``add(a, b,
-    copies)`` sums two laws on one step (``copies``: how many times the sum occurs in the whole), ``coarsen`` doubles
-    a law's step, ``size`` is its point count (kept within ``points``)."""
+def _binary_sums(power, counts: tuple[int, ...], add, coarsen, size, points: int) -> list[tuple[object, float]]:
+    """For each count ``c``, the sum of ``c`` i.i.d. copies of ``power`` (by doubling along the binary digits of
+    ``c``, the doublings shared) and the mass its windows cut (union bound: each sum's cut times how often it occurs
+    in the whole).  ``add(a, b)`` sums two laws on one step and says the mass it cut; ``coarsen`` doubles a law's
+    step; ``size`` is its point count, kept within ``points``."""
     def fit(x):
         while size(x) > points:
             x = coarsen(x)
@@ -323,39 +329,65 @@ def _binary_sum(power, steps: int, add, coarsen, size, points: int):
             b = coarsen(b)
         return a, b
 
-    acc, left, level = None, steps, 0
-    while left:
-        if left & 1:
-            acc = power if acc is None else fit(add(*same_step(acc, power), 1))
-        left >>= 1
-        if left:
-            level += 1
-            power = fit(add(power, power, steps >> level))
-    return acc
+    powers, cuts = [power], [0.0]
+    while (1 << len(powers)) <= max(counts):
+        doubled, cut = add(powers[-1], powers[-1])
+        powers.append(fit(doubled))
+        cuts.append(cut)
+    out = []
+    for c in counts:
+        acc, cut = None, 0.0
+        for k, (pk, ck) in enumerate(zip(powers, cuts, strict=True)):
+            cut += ck * (c >> k)          # the 2^k-sum occurs floor(c / 2^k) times in the c-sum
+            if c >> k & 1:
+                if acc is None:
+                    acc = pk
+                else:
+                    acc, ca = add(*same_step(acc, pk))
+                    acc, cut = fit(acc), cut + ca
+        out.append((acc, cut))
+    return out
 
 
-def _grid(mu: float) -> tuple[float, float, int]:
-    """A term's cap, the grid step of its law (the coarser of ``cap / POINTS`` and :data:`_RESOLUTION` of its
-    deviation, within ``cap / MAX_POINTS``) and the number of cells."""
+def _body(mu: float, steps: int) -> float:
+    """Where a term's body ends and its large values begin (module docstring): the least ``z`` on a grid of 1/8
+    whose tail ``q = P(Z > z)`` leaves three or more large terms of ``steps`` at most :data:`_THREE` (both
+    directions), as ``W = exp(mu z - mu^2/2)``; the cap if none below it does."""
+    t = steps
+    for z in np.arange(4.0, _CAP_Z, 0.125):
+        q, p = float(special.ndtr(-z)), float(special.ndtr(mu - z))
+        three_q = math.comb(t, 3) * q ** 3
+        three_p = p * math.comb(t - 1, 2) * q * q + math.comb(t - 1, 3) * q ** 3
+        if max(three_q, three_p) <= _THREE:
+            return math.exp(mu * z - 0.5 * mu * mu)
+    return math.exp(mu * _CAP_Z - 0.5 * mu * mu)
+
+
+def _grid(mu: float, steps: int) -> tuple[float, float, float, int]:
+    """A term's cap, its body's end ``b``, the body's grid step (the coarser of ``b / POINTS`` and
+    :data:`_RESOLUTION` of a term's deviation, within ``b / MAX_POINTS``) and its number of cells (``b`` rounded up to
+    the grid)."""
     cap = math.exp(-0.5 * mu * mu + _CAP_Z * mu)
+    b = _body(mu, steps) if steps >= 3 else cap
     fine = 2.0 ** math.floor(math.log2(_RESOLUTION * math.sqrt(math.expm1(mu * mu))))
-    step = max(min(2.0 ** math.ceil(math.log2(cap / POINTS)), fine), 2.0 ** math.ceil(math.log2(cap / MAX_POINTS)))
-    return cap, step, math.ceil(cap / step)
+    step = max(min(2.0 ** math.ceil(math.log2(b / POINTS)), fine), 2.0 ** math.ceil(math.log2(b / MAX_POINTS)))
+    n = math.ceil(b / step)
+    return cap, min(cap, n * step), step, n
 
 
 def _heavy(mu: float, steps: int) -> float:
-    """A term's cap over the standard deviation of ``S``: how far the tilts' and Chernoff bounds' weight sits from the
-    sum's mass."""
-    return _grid(mu)[0] / math.sqrt(math.expm1(mu * mu) * steps)
+    """A term's body's end over the standard deviation of ``S``: how far the tilts' and Chernoff bounds' weight sits
+    from the sum's mass."""
+    return _grid(mu, steps)[1] / math.sqrt(math.expm1(mu * mu) * steps)
 
 
 def linear_suits(mu: float, steps: int) -> bool:
     """Whether an epoch's sum is bounded here rather than on octave bands: where a term's grid step is at most
-    :data:`_RESOLUTION` of its standard deviation (the bounds move ``E f`` by about its square) and its cap at most
-    :data:`_LIGHT` standard deviations of ``S`` (:data:`_HEAVY` with extended precision).  A heavier tail puts the
-    tilts' and Chernoff bounds' weight on the cap, and the FFTs' error bounds then swamp ``delta`` far into the sum's
-    tail: at ``(sigma 1, 20000 steps)``, 26 deviations, the float64 FFTs left 5.5 %, extended ones 0.15 %."""
-    cap, step, n = _grid(mu)
+    :data:`_RESOLUTION` of its standard deviation (the bounds move ``E f`` by about its square) and its body's end at
+    most :data:`_LIGHT` standard deviations of ``S`` (:data:`_HEAVY` with extended precision).  A heavier tail puts
+    the tilts' and Chernoff bounds' weight on the cap, and the FFTs' error bounds then swamp ``delta`` far into the
+    sum's tail."""
+    _, _, step, _ = _grid(mu, steps)
     if step > _RESOLUTION * math.sqrt(math.expm1(mu * mu)):
         return False
     return _heavy(mu, steps) <= (_HEAVY if EXTENDED else _LIGHT)
@@ -375,53 +407,78 @@ def linear_law(mu: float, steps: int, relation: str) -> LinearLaw:
     True
     """
     t = steps
-    cap, step, n = _grid(mu)
-    m, em, o, eo, q_tail, p_tail = _term(mu, step, n)
-
+    cap, b, step, n = _grid(mu, t)
+    split = b < cap    # large terms (above b) apart: the sums of t - j bodies and j large terms, j <= 2
+    counts = (t, t - 1, t - 2) if split else (t,)
     down = relation == "remove"    # which side the curve grows toward: S up removing, down adding
-    # upper: each cell split between its ends, its masses at least the true ones, the right end's share at least
-    # the true one removing (a move up: larger E f for increasing f) and at most it adding
-    m_hi = m + em
-    right = np.clip(o + eo if down else o - eo, 0.0, m_hi)
-    g = np.zeros(n + 1)
-    g[:-1] += m_hi - right
-    g[1:] += right
+    points = max(POINTS, n + 1)
     sd_w = math.sqrt(math.expm1(mu * mu))
     spread = sd_w * math.sqrt(t)        # standard deviation of S
     thetas = sorted({(1.0 if down else -1.0) * min(z / spread, _MAX_TILT / cap) for z in _TILTS}, key=abs)
     lam = np.geomspace(1e-4, 100.0, 96) / sd_w
     lam = np.concatenate([-lam, lam])
     lam = lam[np.abs(lam) * (cap + step) < 700.0]
-    x = np.arange(n + 1) * step
-    log_mgf = np.array([special.logsumexp(v * x, b=g) for v in lam]) + 1e-9   # + the summation's rounding
-    cut = [0.0]
+    extended = EXTENDED and _heavy(mu, t) > _LIGHT
 
-    def add_upper(a: _Upper, b: _Upper, copies: int) -> _Upper:
-        out, c = a.add(b)
-        cut[0] += c * copies
-        return out
+    def split_law(m, em, o, eo) -> np.ndarray:
+        """Cells split between their ends: masses at least the true ones, the right end's share at least the true
+        one removing (a move up: larger E f for increasing f) and at most it adding."""
+        m_hi = m + em
+        right = np.clip(o + eo if down else o - eo, 0.0, m_hi)
+        g = np.zeros(m.size + 1)
+        g[:-1] += m_hi - right
+        g[1:] += right
+        return g
 
-    points = max(POINTS, n + 1)
-    first = _Upper(g, step, thetas, lam, log_mgf, EXTENDED and _heavy(mu, t) > _LIGHT)
-    upper = _binary_sum(first, t, add_upper, _Upper.coarsen, lambda u: u.size, points)
-    values, mass = upper.masses()
-    cut_q = cut[0] * (1.0 + 1e-6)   # the windows' tails, each sum's
-    if down:   # P-masses: the allocated term above the cap or an unallocated one; a cut event's Q-mass times S-bar
-        inf = p_tail + (t - 1) * q_tail + cut_q * upper.top / t
+    def atoms(m, em, o, eo, first, at) -> _Moments:
+        """Cells as atoms at their means: masses at most the true ones, positions toward the curve's low side."""
+        lm = np.maximum(m - em, 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = (o - eo) / (m + em) if down else (o + eo) / np.where(lm > 0, lm, 1.0)
+        p = np.where(lm > 0, np.clip(p, 0.0, 1.0), 0.0)
+        return _Moments(lm, p * lm, first, at)
+
+    def add_upper(a: _Upper, c: _Upper) -> tuple[_Upper, float]:
+        return a.add(c)
+
+    def add_lower(a: _Moments, c: _Moments) -> tuple[_Moments, float]:
+        return _moment_add(a, c, down), 0.0
+
+    def coarsen_lower(a: _Moments) -> _Moments:
+        return _moment_coarsen(a, down)
+
+    body = _term(mu, step, 0, 0.0, b)
+    uppers = _binary_sums(_Upper(split_law(*body), 0, step, thetas, lam, extended), counts, add_upper,
+                          _Upper.coarsen, lambda u: u.size, points)
+    lowers = _binary_sums(_moment_trim(atoms(*body, 0, step)), counts, add_lower, coarsen_lower,
+                          lambda u: u.m.size, points)
+
+    # the components: t bodies; t - 1 bodies and a large term (t ways); t - 2 and two (t (t - 1) / 2 ways)
+    up_parts, low_parts, cut_q, cut_p = [], [], 0.0, 0.0
+    for j, ((u, cut), (lo, _)) in enumerate(zip(uppers, lowers, strict=True)):
+        weight = float(math.comb(t, j))
+        for _ in range(j):
+            big = _term(mu, u.step, math.floor(b / u.step), b, cap)
+            first = math.floor(b / u.step)
+            u, c = u.add(_Upper(split_law(*big), first, u.step, thetas, lam, extended))
+            cut += c
+            big = _term(mu, lo.step, math.floor(b / lo.step), b, cap)
+            lo = _moment_add(lo, _moment_trim(atoms(*big, math.floor(b / lo.step), lo.step)), down)
+        values, mass = u.masses()
+        up_parts.append((values, mass * weight * (1.0 + _MARGIN)))
+        frac = np.where(lo.m > 0, lo.o / np.where(lo.m > 0, lo.m, 1.0), 0.0)
+        # the atoms' positions rounded toward the lower curve's side (down removing, up adding)
+        at = (lo.start + np.arange(lo.m.size) + frac) * lo.step * (1.0 - 4.0 * _U if down else 1.0 + 4.0 * _U)
+        low_parts.append((at, lo.m * weight * (1.0 - _MARGIN)))
+        cut_q += weight * cut * (1.0 + 1e-6)
+        cut_p += weight * cut * (1.0 + 1e-6) * u.top / t   # a cut event's P-mass: its Q-mass times S-bar
+    q_cap, p_cap = float(special.ndtr(-_CAP_Z)), float(special.ndtr(mu - _CAP_Z))
+    z_b = (math.log(b) + 0.5 * mu * mu) / mu
+    q_b, p_b = (float(special.ndtr(-z_b)), float(special.ndtr(mu - z_b))) if split else (0.0, 0.0)
+    if down:   # P-masses: a term above the cap (the allocated one, or another), three large terms, a cut event
+        inf = p_cap + (t - 1) * q_cap + p_b * math.comb(t - 1, 2) * q_b ** 2 + math.comb(t - 1, 3) * q_b ** 3 + cut_p
     else:
-        inf = t * q_tail + cut_q
-
-    # lower: the cells' atoms at their means, masses at most the true ones, positions toward the curve's low side
-    lm = np.maximum(m - em, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = (o - eo) / (m + em) if down else (o + eo) / np.where(lm > 0, lm, 1.0)
-    p = np.where(lm > 0, np.clip(p, 0.0, 1.0), 0.0)
-    lower = _binary_sum(_moment_trim(_Moments(lm, p * lm, 0, step)), t,
-                        lambda a, b, copies: _moment_add(a, b, down), lambda a: _moment_coarsen(a, down),
-                        lambda u: u.m.size, points)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        frac = np.where(lower.m > 0, lower.o / np.where(lower.m > 0, lower.m, 1.0), 0.0)
-    atoms = (lower.start + np.arange(lower.m.size) + frac) * lower.step
-    # the atoms' positions rounded toward the lower curve's side (down removing, up adding)
-    atoms = atoms * (1.0 - 4.0 * _U if down else 1.0 + 4.0 * _U)
-    return LinearLaw(relation, t, values, mass, min(1.0, inf), atoms, lower.m)
+        inf = t * q_cap + math.comb(t, 3) * q_b ** 3 + cut_q
+    return LinearLaw(relation, t, np.concatenate([v for v, _ in up_parts]), np.concatenate([m for _, m in up_parts]),
+                     min(1.0, inf), np.concatenate([v for v, _ in low_parts]),
+                     np.concatenate([m for _, m in low_parts]))
