@@ -62,7 +62,6 @@ check it against a two-step epoch's quadrature and against the bands; :mod:`veri
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -413,7 +412,6 @@ def linear_suits(mu: float, steps: int) -> bool:
     return _heavy(mu, steps) <= (_HEAVY if EXTENDED else _LIGHT)
 
 
-@functools.lru_cache(maxsize=4)
 def linear_law(mu: float, steps: int, relation: str) -> LinearLaw:
     """The upper and lower laws of ``S`` for one direction of an epoch of ``steps`` steps at ``mu = 1 / sigma``
     (module docstring).
