@@ -31,7 +31,7 @@ steps ``b`` is 1,808 (a 20 times finer grid for the body).
 
 **Upper law.**  A term's body is put on the grid ``j D`` by splitting each cell's mass between the cell's two ends in
 proportion to its mean (its partial expectation, the size-biased lognormal's CDF).  Sums of laws on one grid are on
-that grid, exactly (an FFT); where a sum outgrows :data:`POINTS` (or the term's grid, up to :data:`MAX_POINTS`), the
+that grid, exactly (an FFT); where a sum outgrows :data:`POINTS`, the
 grid is coarsened by splitting each odd point's mass half to each neighbour: again a spread.  Bodies are summed by
 doubling along the binary digits of ``t``, ``t - 1`` and ``t - 2`` (the doublings shared), then the large terms are
 added, on the sum's grid.  Each FFT's error is bounded pointwise by ``gamma (|a|_1 |b|_2 + |a|_2 |b|_1)``
@@ -71,12 +71,10 @@ from scipy import special
 
 from .compose import EXTENDED, FFT_ERR
 
-__all__ = ["POINTS", "MAX_POINTS", "CUT", "fft_bound", "LinearLaw", "linear_law", "linear_suits"]
+__all__ = ["POINTS", "CUT", "fft_bound", "LinearLaw", "linear_law", "linear_suits"]
 
-#: grid points of a term's law and of every sum: at least this many, ...
+#: grid points of a term's body and of every sum (at most)
 POINTS = 1 << 16
-#: ... more (up to this many) where a term's step would be coarser than :data:`_RESOLUTION` of its deviation
-MAX_POINTS = 1 << 18
 #: Chernoff bound on a sum's mass left outside its window, each side (charged)
 CUT = 1e-40
 _CAP_Z = 9.0             # a term is truncated at its lognormal's 1 - 1e-19 quantile (at most t 1e-19 charged)
@@ -84,9 +82,10 @@ _LOWER_TAIL = 1e-30      # a lower law drops at most this from each side of a su
 _TILTS = (0.0, 3.0, 6.0, 10.0, 15.0)   # tilts of the upper sums, in standard deviations of S (Gaussian saddle)
 _MAX_TILT = 600.0        # ... each at most this over a term's range (e^600: within float64)
 _U = float(np.finfo(np.float64).eps) / 2
-_RESOLUTION = 0.05       # where this path is used (linear_suits): a term's step at most this of its deviation, ...
+_RESOLUTION = 0.02       # where this path is used (linear_suits): a term's step at most this of its deviation, ...
 _LIGHT = 5.0             # ... its cap at most this many deviations of S (FFTs in float64), ...
 _HEAVY = 30.0            # ... or this many, the upper sums' FFTs in extended precision
+_CAP_P = 1e-12           # the allocated term above the cap (its P-mass, charged) at most this where the path is used
 _THREE = 1e-18          # three or more large terms (above a term's body) are charged: at most this
 _MARGIN = 1e-12          # relative margin on products of exponentials (arguments at most a few hundred: 1e-13)
 
@@ -282,24 +281,32 @@ class _Moments:
     step: float
 
 
-def _moment_add(x: _Moments, y: _Moments, down: bool) -> _Moments:
+def _moment_add(x: _Moments, y: _Moments, down: bool, extended: bool) -> _Moments:
     """The contraction of ``X + Y`` onto cells (atoms grouped by the sum of their cells' indices, each group at its
-    mean), masses lowered by the FFTs' error bounds and means moved down (``down``) or up by theirs."""
+    mean), masses lowered by the FFTs' error bounds and means moved down (``down``) or up by theirs; the FFTs in
+    extended precision if ``extended`` (a lower law loses the mass its bounds exceed, deep in a sum's tails)."""
     n = x.m.size + y.m.size - 1
     nfft = 1 << (n - 1).bit_length()
-    fmx, fox = sfft.rfft(x.m, nfft), sfft.rfft(x.o, nfft)
-    fmy, foy = (fmx, fox) if y is x else (sfft.rfft(y.m, nfft), sfft.rfft(y.o, nfft))
+    dtype = np.longdouble if extended else np.float64
+    u = float(np.finfo(dtype).eps) / 2
+    fmx, fox = sfft.rfft(x.m.astype(dtype), nfft), sfft.rfft(x.o.astype(dtype), nfft)
+    fmy, foy = (fmx, fox) if y is x else (sfft.rfft(y.m.astype(dtype), nfft), sfft.rfft(y.o.astype(dtype), nfft))
     zm = sfft.irfft(fmx * fmy, nfft)[:n]
     zo = sfft.irfft(fox * fmy + fmx * foy, nfft)[:n]
     nmx, nox, nmy, noy = _norms(x.m), _norms(x.o), _norms(y.m), _norms(y.o)
-    em = fft_bound(nfft, *nmx, *nmy) + 2.0 * _U * float(np.abs(zm).max())
-    eo = fft_bound(nfft, *nox, *nmy) + fft_bound(nfft, *nmx, *noy) + 4.0 * _U * float(np.abs(zo).max())
-    m = np.maximum(zm - em, 0.0)
+    em = fft_bound(nfft, *nmx, *nmy, u) + 2.0 * u * float(np.abs(zm).max())
+    eo = fft_bound(nfft, *nox, *nmy, u) + fft_bound(nfft, *nmx, *noy, u) + 4.0 * u * float(np.abs(zo).max())
+    # to float64, the masses rounded down and the moments toward the curve's low side (an ulp each)
+    zm_hi = (np.maximum(zm, 0.0) + em).astype(np.float64) * (1.0 + 2.0 * _U)
+    zo_lo = (zo - eo).astype(np.float64) * (1.0 - 2.0 * _U) - 1e-300
+    zo_hi = (np.maximum(zo, 0.0) + eo).astype(np.float64) * (1.0 + 2.0 * _U)
+    zm = (zm - em).astype(np.float64) * (1.0 - 2.0 * _U) - 1e-300
+    m = np.maximum(zm, 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         if down:   # a mean at most the true one: the moment low, the mass high
-            p = np.clip((zo - eo) / (np.maximum(zm, 0.0) + em), 0.0, 2.0)
-        else:
-            p = np.where(m > 0, np.minimum(2.0, (np.maximum(zo, 0.0) + eo) / np.where(m > 0, m, 1.0)), 0.0)
+            p = np.clip(zo_lo / zm_hi, 0.0, 2.0)
+        else:      # ... at least: the moment high, the mass low
+            p = np.where(m > 0, np.minimum(2.0, zo_hi / np.where(m > 0, m, 1.0)), 0.0)
     p = np.where(m > 0, p, 0.0)
     # a mean past its cell's end (p >= 1) moves one cell up and merges with that cell's atom: a contraction again
     up = (p >= 1.0).astype(np.int64)
@@ -383,13 +390,11 @@ def _body(mu: float, steps: int) -> float:
 
 
 def _grid(mu: float, steps: int) -> tuple[float, float, float, int]:
-    """A term's cap, its body's end ``b``, the body's grid step (the coarser of ``b / POINTS`` and
-    :data:`_RESOLUTION` of a term's deviation, within ``b / MAX_POINTS``) and its number of cells (``b`` rounded up to
-    the grid)."""
+    """A term's cap, its body's end ``b`` (rounded up to the grid), the body's grid step (a power of 2, at least
+    ``b / POINTS``) and its number of cells."""
     cap = math.exp(-0.5 * mu * mu + _CAP_Z * mu)
     b = _body(mu, steps) if steps >= 3 else cap
-    fine = 2.0 ** math.floor(math.log2(_RESOLUTION * math.sqrt(math.expm1(mu * mu))))
-    step = max(min(2.0 ** math.ceil(math.log2(b / POINTS)), fine), 2.0 ** math.ceil(math.log2(b / MAX_POINTS)))
+    step = 2.0 ** math.ceil(math.log2(b / POINTS))
     n = math.ceil(b / step)
     return cap, min(cap, n * step), step, n
 
@@ -401,11 +406,14 @@ def _heavy(mu: float, steps: int) -> float:
 
 
 def linear_suits(mu: float, steps: int) -> bool:
-    """Whether an epoch's sum is bounded here rather than on octave bands: where a term's grid step is at most
+    """Whether an epoch's sum is bounded here rather than on octave bands: where the allocated term lies below the cap
+    but for at most :data:`_CAP_P` of its mass (sigma above 0.5), a term's grid step is at most
     :data:`_RESOLUTION` of its standard deviation (the bounds move ``E f`` by about its square) and its body's end at
     most :data:`_LIGHT` standard deviations of ``S`` (:data:`_HEAVY` with extended precision).  A heavier tail puts
     the tilts' and Chernoff bounds' weight on the cap, and the FFTs' error bounds then swamp ``delta`` far into the
     sum's tail."""
+    if special.ndtr(mu - _CAP_Z) > _CAP_P:   # the cap must hold the mean: at sigma 0.05 it is 2e-9, all the mass
+        return False                          # of P beyond it
     _, _, step, _ = _grid(mu, steps)
     if step > _RESOLUTION * math.sqrt(math.expm1(mu * mu)):
         return False
@@ -460,7 +468,7 @@ def linear_law(mu: float, steps: int, relation: str) -> LinearLaw:
         return a.add(c)
 
     def add_lower(a: _Moments, c: _Moments) -> tuple[_Moments, float]:
-        return _moment_add(a, c, down), 0.0
+        return _moment_add(a, c, down, extended), 0.0
 
     def coarsen_lower(a: _Moments) -> _Moments:
         return _moment_coarsen(a, down)
@@ -481,7 +489,7 @@ def linear_law(mu: float, steps: int, relation: str) -> LinearLaw:
             u, c = u.add(_Upper(split_law(*big), first, u.step, thetas, lam, extended))
             cut += c
             big = _term(mu, lo.step, math.floor(b / lo.step), b, cap)
-            lo = _moment_add(lo, _moment_trim(atoms(*big, math.floor(b / lo.step), lo.step)), down)
+            lo = _moment_add(lo, _moment_trim(atoms(*big, math.floor(b / lo.step), lo.step)), down, extended)
         values, mass = u.masses()
         up_parts.append((values, mass * weight * (1.0 + _MARGIN)))
         frac = np.where(lo.m > 0, lo.o / np.where(lo.m > 0, lo.m, 1.0), 0.0)
