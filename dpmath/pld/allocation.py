@@ -59,8 +59,8 @@ The Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.
 :mod:`dpmath.pld.steps` uses its upper PLD where that has the smaller epsilon at ``delta = 1e-6`` (both are upper
 bounds, so either choice is sound); with the bands it no longer wins at ``sigma >= 0.3``.
 
-**Lighter tails and long epochs** (:func:`~dpmath.pld.linear_sum.linear_suits`: sigma 0.8 from 200 steps, 1 from 20,
-1.5 from 5) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the same pair read under ``Q``,
+**Lighter tails and long epochs** (:func:`~dpmath.pld.linear_sum.linear_suits`: sigma 0.8 at 200 to 10^5 steps, 1
+from 20, 1.5 from 3) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the pair read under ``Q``,
 its likelihood ratio's law spread to linear grid points (upper) or contracted to cell means (lower), whose error is
 second order in the grid step where a rounding's is first order.
 

@@ -40,22 +40,26 @@ inverse's errors in 2-norm, which bounds every point) and added to every point; 
 exponential tilts ``e^{theta S}`` too (a tilt commutes with convolution and, point by point, with the split), and a
 point's bound is the least of the tilts' (an untilted bound is ``1e-16`` of the mass at every point, which would
 swamp ``delta`` in a tail).  Where the body's end is more than :data:`_LIGHT` deviations of ``S`` from its mean the
-FFTs are in extended precision (x86's 80-bit long double: about ``1e-19``): at ``(sigma 1, 100 steps, 3 epochs,
-delta 1e-6)`` float64's bounds left 0.096 %, extended ones 0.030 %.  Each sum is restricted to a window outside
-which a Chernoff bound on its untrimmed law (moment generating functions on a grid of ``lambda``, a split's factor
-``cosh(lambda D)``) leaves at most :data:`CUT` a side, charged (removing: times the largest ``S-bar`` of the untrimmed
-sum).
+FFTs are in extended precision (x86's 80-bit long double: about ``1e-19``), the lower law's too: at ``(sigma 1, 100
+steps, 3 epochs, delta 1e-6)`` float64's bounds left 0.096 %, extended ones 0.026 %.  Each sum is restricted to a
+window outside which a Chernoff bound on its untrimmed law (moment generating functions on a grid of ``lambda``, a
+split's factor ``cosh(lambda D)``) leaves at most :data:`CUT` a side, charged (removing: times the largest ``S-bar``
+of the untrimmed sum).
 
 **Lower law.**  The true law is contracted: each cell keeps its mass and its mean (first moment), so a sum's cell
 holds the conditional mean of the atoms whose indices add up to it (a conditional expectation: dominated in the
 convex order), a mean past the cell's end moves one cell up and merges there, and coarsening merges pairs of cells.
 The FFTs' errors lower the masses and move the means toward the side that lowers the curve (down removing, up
-adding).  A lower law may drop mass: at most :data:`_LOWER_TAIL` a side of each sum.
+adding); a bound subtracted from every point empties a sum's tail below it, which later sums would have carried into
+the read tail (at ``(sigma 0.75, 10^4 steps)`` float64's left a lower end of 0.0996 where the bands give 0.1007;
+extended precision: 0.10078).  A lower law may drop mass: at most :data:`_LOWER_TAIL` a side of each sum.
 
-**Where it is used** (:func:`linear_suits`, decided once for both directions and every loss grid): where the body's
-grid step is at most :data:`_RESOLUTION` of a term's deviation and its end within :data:`_HEAVY` (float64:
-:data:`_LIGHT`) deviations of ``S``: with extended precision, sigma 0.8 from 200 steps, 0.7 from 1,000, 0.6
-from 10,000, 1 from 20, 1.5 from 5; smaller sigma stays on the octave bands, whose steps are relative.  The tests
+**Where it is used** (:func:`linear_suits`, decided once for both directions and every loss grid): where the cap
+holds all but :data:`_CAP_P` of the allocated term's mass, the body's grid of :data:`POINTS` has a step of at most
+:data:`_RESOLUTION` of a term's deviation, and the body's end is within :data:`_HEAVY` (float64: :data:`_LIGHT`)
+deviations of ``S``: with extended precision, sigma 0.75 at 500 to 10^4 steps, 0.8 at 200 to 10^5, 1 from 20,
+1.5 and 2 from 3.  Elsewhere the octave bands, whose steps are relative (sigma 0.6 to 0.7 took 40 s and 2 GB here,
+on finer grids).  The tests
 check it against a two-step epoch's quadrature and against the bands; :mod:`verify.allocation` against a Monte Carlo
 ``delta``.
 """
