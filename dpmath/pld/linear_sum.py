@@ -87,10 +87,10 @@ _TILTS = (0.0, 3.0, 6.0, 10.0, 15.0)   # tilts of the upper sums, in standard de
 _MAX_TILT = 600.0        # ... each at most this over a term's range (e^600: within float64)
 _U = float(np.finfo(np.float64).eps) / 2
 _RESOLUTION = 0.02       # where this path is used (linear_suits): a term's step at most this of its deviation, ...
-_LIGHT = 5.0             # ... its cap at most this many deviations of S (FFTs in float64), ...
-_HEAVY = 30.0            # ... or this many, the upper sums' FFTs in extended precision
+_LIGHT = 5.0             # ... its body's end at most this many deviations of S (FFTs in float64), ...
+_HEAVY = 30.0            # ... or this many, the FFTs in extended precision
 _CAP_P = 1e-12           # the allocated term above the cap (its P-mass, charged) at most this where the path is used
-_THREE = 1e-18          # three or more large terms (above a term's body) are charged: at most this
+_THREE = 1e-18           # three or more large terms (above a term's body) are charged: at most this
 _MARGIN = 1e-12          # relative margin on products of exponentials (arguments at most a few hundred: 1e-13)
 
 
