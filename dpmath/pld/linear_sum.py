@@ -487,13 +487,13 @@ def linear_law(mu: float, steps: int, relation: str) -> LinearLaw:
     up_parts, low_parts, cut_q, cut_p = [], [], 0.0, 0.0
     for j, ((u, cut), (lo, _)) in enumerate(zip(uppers, lowers, strict=True)):
         weight = float(math.comb(t, j))
-        for _ in range(j):
-            big = _term(mu, u.step, math.floor(b / u.step), b, cap)
+        for _ in range(j):   # a large term's law on the sum's grid, from the cell that holds b
             first = math.floor(b / u.step)
-            u, c = u.add(_Upper(split_law(*big), first, u.step, thetas, lam, extended))
+            u, c = u.add(_Upper(split_law(*_term(mu, u.step, first, b, cap)), first, u.step, thetas, lam, extended))
             cut += c
-            big = _term(mu, lo.step, math.floor(b / lo.step), b, cap)
-            lo = _moment_add(lo, _moment_trim(atoms(*big, math.floor(b / lo.step), lo.step)), down, extended)
+            first = math.floor(b / lo.step)
+            lo = _moment_add(lo, _moment_trim(atoms(*_term(mu, lo.step, first, b, cap), first, lo.step)), down,
+                             extended)
         values, mass = u.masses()
         up_parts.append((values, mass * weight * (1.0 + _MARGIN)))
         frac = np.where(lo.m > 0, lo.o / np.where(lo.m > 0, lo.m, 1.0), 0.0)
