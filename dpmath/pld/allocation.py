@@ -59,10 +59,10 @@ The Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.
 :mod:`dpmath.pld.steps` uses its upper PLD where that has the smaller epsilon at ``delta = 1e-6`` (both are upper
 bounds, so either choice is sound); with the bands it no longer wins at ``sigma >= 0.3``.
 
-**Lighter tails and long epochs** (:func:`~dpmath.pld.linear_sum.linear_suits`: sigma 0.8 at 200 to 10^5 steps, 1
-from 20, 1.5 from 3) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the pair read under ``Q``,
-its likelihood ratio's law spread to linear grid points (upper) or contracted to cell means (lower), whose error is
-second order in the grid step where a rounding's is first order.
+**Lighter tails and long epochs** (:func:`~dpmath.pld.linear_sum.linear_suits`: epochs of 1,000 to 10^5 steps at sigma
+0.8, from 1,000 at sigma 1 and above) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the pair
+read under ``Q``, its likelihood ratio's law spread to linear grid points (upper) or contracted to cell means (lower),
+whose error is second order in the grid step where a rounding's is first order.
 
 **Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
 .epsilon_bracket(delta)``, one core, cold, peak RSS).  Bands: ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``

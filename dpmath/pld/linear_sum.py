@@ -57,8 +57,9 @@ extended precision: 0.10078).  A lower law may drop mass: at most :data:`_LOWER_
 **Where it is used** (:func:`linear_suits`, decided once for both directions and every loss grid): where the cap
 holds all but :data:`_CAP_P` of the allocated term's mass, the body's grid of :data:`POINTS` has a step of at most
 :data:`_RESOLUTION` of a term's deviation, and the body's end is within :data:`_HEAVY` (float64: :data:`_LIGHT`)
-deviations of ``S``: with extended precision, sigma 0.75 at 500 to 10^4 steps, 0.8 at 200 to 10^5, 1 from 20,
-1.5 and 2 from 3.  Elsewhere the octave bands, whose steps are relative (sigma 0.6 to 0.7 took 40 s and 2 GB here,
+deviations of ``S``, in epochs of at least 1,000 steps: with extended precision, sigma 0.75 at 1,000 to 10^4 steps,
+0.8 at 1,000 to 10^5, 1 and above from 1,000 (shorter epochs stay on the bands: as tight, and cheaper).
+Elsewhere the octave bands, whose steps are relative (sigma 0.6 to 0.7 took 40 s and 2 GB here,
 on finer grids).  The tests
 check it against a two-step epoch's quadrature and against the bands; :mod:`verify.allocation` against a Monte Carlo
 ``delta``.
