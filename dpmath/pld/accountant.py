@@ -49,6 +49,10 @@ AUTO_BUDGET = 1 << 23
 #: times this (the first grid is 0.25 to 1 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1;
 #: half the scale step keeps a randomized-clipping calibration within 2 s, a quarter did not).
 AUTO_SCALE_START = 0.5
+#: A randomized-clipping query's budget, in multiples of :data:`AUTO_BUDGET`: its scale atoms dominate the cost once
+#: heavy tails are split (:class:`~dpmath.pld.compose.OneLargeLoss`), and a heavy tail (Hutch k = 8) needs a scale
+#: step of 1/8 of the envelope's for 0.5 % (9,353 atoms at k 8, d 1024).
+_RC_BUDGET = 2
 _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
 _MIXTURE_FINEST = 1 / 64    # a single randomized-clipping step's finest closed-form curve (HutchEnvelope(2, 5): 151,140
                             # atoms, 12 s)
@@ -342,7 +346,8 @@ class PLDAccountant(Accountant):
         # a randomized-clipping delta query reads more passes per grid than an epsilon query (up to 1.4 times the
         # points on the benchmark's cases), so it has twice the budget: it reaches the grids an epsilon query there
         # would (without randomized clipping the agreement sweep meets its delta at the first nudges already)
-        budget = (AUTO_BUDGET * (2 if slope is not None and scaled else 1)) if mode == AUTO else math.inf
+        budget = (AUTO_BUDGET * (_RC_BUDGET * (2 if slope is not None else 1) if scaled else 1)) if mode == AUTO \
+            else math.inf
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
         spent = 0.0                                  # the cost of the grids built, in grid points
@@ -501,6 +506,8 @@ class PLDAccountant(Accountant):
                 if f_h == 1.0 and f_s == 1.0:     # both at their floors
                     break
                 h_next, s_next = max(h * f_h, h0 / 64), max(s * f_s, 1 / 16)
+                while not allowed(h_next, s_next) and s_next < s / 2:   # the finest scale grid within the budget
+                    s_next *= 2
                 if not allowed(h_next, s_next):
                     break
                 h, s = h_next, s_next
@@ -604,7 +611,7 @@ class PLDAccountant(Accountant):
             # with q = 1 adding and removing an example are the same pair: one composition serves both
             missing = tuple(b for b in bounds if (h, b, s, r) not in self._plds)
             for b, steps in zip(missing, self._steps(r, missing, h, s), strict=True):
-                self._plds[(h, b, s, r)] = Composition(steps, self.tail_mass)
+                self._plds[(h, b, s, r)] = Composition(steps, self.tail_mass, split=self._scaled())
         return [self._plds[(h, upper, s, r)] for r in rels]
 
     def _relations(self, direction: int) -> tuple[str, ...]:

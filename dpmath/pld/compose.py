@@ -8,6 +8,14 @@ the ``1e-12`` tails a small delta depends on, so the product is also computed un
 tilts ``p_j e^{lambda t_j}``, each centred where the previous ones left an upper tail sum
 ``P(L >= t) > 1e-15`` with a relative error bound above ``1e-3``; each output point is taken from
 the tilt with the smallest error bound, and that bound is added to it (upper) or subtracted (lower).
+
+A query cuts each step's largest losses first (:meth:`Composition.epsilon`): up to ``CUT delta`` of mass, charged
+to ``+inf``.  Heavy-tailed steps (randomized clipping, whose losses have a polynomial tail) are split instead at
+about ``sqrt(2 CUT delta)`` (:class:`OneLargeLoss`): the terms with exactly one large loss are exact in closed form
+from the steps' masses, and only those with two or more are charged, at most ``CUT delta``.  The windows then hold
+losses up to a few nats rather than the loss cap: at Hutch ``k = 8``, ``d = 1024``, 72 steps, 3.6e-7, 40,000 points
+instead of 5M, and the bracket's refinement reaches a finer scale grid within its budget (1.76 % to 0.40 %, 2.9 GB
+to 0.7 GB).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from scipy import special
 
 from .distribution import MAX_GRID, GridTooLargeError, Pld, grid_advice
 
-__all__ = ["CUT", "Composition", "Factor", "EXTENDED", "Spectra", "chernoff", "tilted_product", "truncated"]
+__all__ = ["CUT", "Composition", "Factor", "EXTENDED", "OneLargeLoss", "Spectra", "chernoff", "split_tails",
+           "tilted_product", "truncated"]
 
 _MAX_TILT = 1e12   # the largest tilt tried: beyond it lam * t leaves what a float64 exponent can mean
 
@@ -44,6 +53,8 @@ _MAX_CUT = 1e-12      # most mass a composition window may cut (charged to delta
 #: that holds them grows to millions of points; cut, it shrinks about four-fold (6.6M to 1.6M points at Hutch
 #: ``k = 16``, ``D = 24``, q = 0.05, 60 steps).
 CUT = 1e-6
+_SPLIT_TRIES = 4      # levels a delta query's split tries: 1e-4 of the last where eps passes its epsilon_max, else the
+                      # delta the last one read (Composition.delta)
 _DELTA_LEVELS = 3     # a delta read's rounds of an epsilon query's passes, each at the level the last one read
 _SPECTRA_MAX = 1 << 23   # largest FFT whose steps' transforms :class:`Spectra` keeps (8M points: 200 MB a step)
 #: What one extended-precision point costs in :attr:`Composition.work`, in float64 points (the docs' "about 7
@@ -448,6 +459,129 @@ def truncated(pld: Pld, mass: float) -> Pld:
     return Pld(pld.h, pld.start, pmf, pld.inf, False, pld.slack)
 
 
+class OneLargeLoss:
+    r"""A composition of steps cut at their large losses, read with the exact part where one step's loss is large.
+
+    Each step ``p_i`` (``n_i`` copies) is split into a body ``b_i`` (losses below ``T_i``), a tail ``t_i`` (the
+    largest losses, P-mass ``M_{t_i}``, Q-mass ``Q_{t_i} = sum t_i(l) e^{-l}``) and its mass at ``+inf``.  With
+    ``H(mu)(e) = sum_l mu(l) (1 - e^{e - l})_+`` (linear in the measure ``mu``; ``delta = H`` of the composed law),
+    the composition's terms with exactly one tail loss are
+
+    .. math::
+
+        \sum_i n_i H\Big(t_i * \mathop{\ast}_j b_j^{n_j - [i = j]}\Big)(\varepsilon)
+        = A - K e^{\varepsilon},\quad A = \sum_i n_i M_{t_i} \prod_j M_{b_j}^{n_j - [i=j]},\
+        K = \sum_i n_i Q_{t_i} \prod_j Q_{b_j}^{n_j - [i=j]}
+
+    wherever ``e - T_i`` lies below the least loss of the other steps' bodies (``epsilon_max``): there every
+    ``(.)_+`` is positive, and the sums are the bodies' own masses.  The upper bound moves every tail to ``+inf``
+    (``base`` then holds ``A`` too, as mass at ``+inf``) and subtracts ``K e^e`` up to ``epsilon_max`` (above it
+    ``base`` alone, a valid bound); the lower drops the tails (``base`` is the bodies' composition, the terms with
+    two or more tail losses dropped) and adds ``A - K e^e``, a lower bound of those terms at every ``e``
+    (``x_+ >= x``).  Terms with two or more tail losses are charged whole (upper) or dropped (lower): at most
+    ``(sum_i n_i M_{t_i})^2 / 2``.  Cut this way, a heavy-tailed step (randomized clipping) keeps losses only up to
+    where its tail holds about ``sqrt(delta)`` rather than ``delta``, and its FFT windows shrink with them.
+    """
+
+    def __init__(self, base: Pld, a: float, log_k: float, epsilon_max: float) -> None:
+        self.base, self.a, self.log_k, self.epsilon_max = base, a, log_k, epsilon_max
+        self.h, self.start, self.err, self.upper = base.h, base.start, base.err, base.upper
+        self.pmf, self.inf = base.pmf, base.inf
+
+    def delta(self, eps: float) -> float:
+        d = self.base.delta(eps)
+        ke = math.exp(min(self.log_k + eps, 700.0))   # K e^eps (past e^700 it exceeds every mass here)
+        if self.upper:
+            # the subtracted term rounded down (k already is): e^eps by 2 ulp, the difference by 1
+            return max(0.0, (d - ke * (1.0 - 4.0 * _F64_EPS)) * (1.0 + 2.0 * _F64_EPS)) if eps <= self.epsilon_max \
+                else d
+        return min(1.0, max(d, (d + self.a - ke * (1.0 + 4.0 * _F64_EPS)) * (1.0 - 2.0 * _F64_EPS)))
+
+    def epsilon(self, delta: float) -> float:
+        """The least ``eps >= 0`` with ``delta(eps) <= delta``, by bisection (``delta`` is non-increasing up to
+        ``epsilon_max``): the bracket's end on this bound's side.  The upper curve lies below ``base``'s up to
+        ``epsilon_max``, so its root lies below ``base``'s; the lower lies above ``base``'s until ``A = K e^eps``, so
+        its root lies between ``base``'s and that point."""
+        plain = self.base.epsilon(delta)
+        if not math.isfinite(plain):
+            return plain
+        if self.upper:
+            lo, hi = 0.0, min(plain, self.epsilon_max)
+            if hi <= 0.0 or self.delta(hi) > delta:
+                return plain
+            if self.delta(0.0) <= delta:
+                return 0.0
+        else:
+            lo, hi = plain, max(plain, math.log(self.a) - self.log_k if self.a > 0 else plain)
+            if self.delta(lo) <= delta:
+                return lo
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:
+                break
+            if self.delta(mid) > delta:
+                lo = mid
+            else:
+                hi = mid
+        return hi if self.upper else lo
+
+    def tradeoff(self, alpha: np.ndarray) -> np.ndarray:
+        raise NotImplementedError("a cut composition answers epsilon and delta queries only")
+
+
+def split_tails(events: list[tuple[Pld, int]], mass: float) -> tuple[list[tuple[Pld, int]], float, float, float] | None:
+    """Each step cut at its largest losses, at most ``mass`` of P-mass per step, for :class:`OneLargeLoss`:
+    ``(bodies, A, log K, epsilon_max)`` with ``A`` and ``K`` rounded toward the steps' side (upper: ``K`` down; lower:
+    ``A`` down, ``K`` up); ``None`` where no step has a tail that large, or a lower step has mass at ``+inf``."""
+    upper = events[0][0].upper
+    side = 1.0 if upper else -1.0
+    parts = []
+    for p, n in events:
+        tail = np.cumsum(p.pmf[::-1])[::-1]
+        fits = np.nonzero(tail <= mass)[0]
+        j = max(int(fits[0]), 1) if fits.size else p.pmf.size
+        nz = np.nonzero(p.pmf[:j] > 0)[0]
+        if (not upper and p.inf > 0) or nz.size == 0:
+            return None
+        t = (p.start + np.arange(p.pmf.size)) * p.h
+        m_b = float(p.pmf[:j].sum(dtype=np.longdouble))
+        m_t = float(p.pmf[j:].sum(dtype=np.longdouble))
+        # Q-masses as logs (q_b, q_t): a tail's underflows where its losses pass 745, and e^{-t} overflows where a
+        # loss is below -709 (then summed as log-sum-exp, a few times slower on the 4M points of a capped grid)
+        if t[0] > -700.0:
+            w = np.exp(-t)
+            w *= p.pmf
+            with np.errstate(divide="ignore"):
+                q_b = math.log(float(w[:j].sum(dtype=np.longdouble)))
+                tail_q = float(w[j:].sum(dtype=np.longdouble))
+                q_t = math.log(tail_q) if tail_q > 0 else -math.inf
+            if not q_t > -700.0 and j < p.pmf.size:   # underflowed terms: the tail's sum as log-sum-exp
+                with np.errstate(divide="ignore"):
+                    q_t = float(special.logsumexp(np.log(p.pmf[j:]) - t[j:]))
+        else:
+            with np.errstate(divide="ignore"):
+                q_b = float(special.logsumexp(np.log(p.pmf[:j]) - t[:j]))
+                q_t = float(special.logsumexp(np.log(p.pmf[j:]) - t[j:])) if j < p.pmf.size else -math.inf
+        body = Pld(p.h, p.start, p.pmf[:j].copy(), min(1.0, p.inf + m_t * (1.0 + (p.pmf.size + 2) * _F64_EPS)),
+                   True) if upper else Pld(p.h, p.start, p.pmf[:j].copy(), 0.0, False, p.slack)
+        parts.append((body, n, m_b, q_b, m_t, q_t, float(t[nz[0]]), float(t[j]) if j < p.pmf.size else math.inf))
+    if not any(m_t > 0 for *_, m_t, _, _, _ in parts):
+        return None
+    log_mb = math.fsum(n * math.log(m_b) for _, n, m_b, *_ in parts)
+    log_qb = math.fsum(n * q_b for _, n, _, q_b, *_ in parts)   # (q_b, q_t: logs)
+    a = math.fsum(n * m_t * math.exp(log_mb - math.log(m_b)) for _, n, m_b, _, m_t, *_ in parts)
+    # log K, as a log-sum-exp: a tail's Q-mass underflows where its losses pass 745
+    terms = [math.log(n) + q_t + log_qb - q_b for _, n, _, q_b, _, q_t, *_ in parts if q_t > -math.inf]
+    log_k = float(special.logsumexp(terms)) if terms else -math.inf
+    least = math.fsum(n * lo for _, n, *_, lo, _ in parts)
+    eps_max = min(top + least - lo for *_, lo, top in parts)
+    # sums and logs of up to MAX_GRID positive terms: a relative 1e-9 covers their rounding many times over
+    a *= 1.0 - 1e-9
+    log_k -= side * 1e-9 * (1.0 + abs(log_k))
+    eps_max -= 1e-9 * (1.0 + abs(eps_max))
+    return [(b, n) for b, n, *_ in parts], a, log_k, eps_max
+
+
 class Composition:
     """The composition of ``n_i`` copies of each step PLD, evaluated on demand by tilted FFT products.
 
@@ -466,9 +600,14 @@ class Composition:
     spectra : Spectra, optional
         The steps' transforms for the untilted pass, shared with compositions of the same steps (in the same
         order) at other counts (:class:`Spectra`).
+    split : bool, optional
+        Whether :meth:`epsilon` and :meth:`delta` first read the steps split at their large losses
+        (:class:`OneLargeLoss`): for heavy-tailed steps (randomized clipping), whose cut windows otherwise hold
+        millions of points.
     """
 
-    def __init__(self, events: list[tuple[Pld, int]], tail: float, *, spectra: Spectra | None = None) -> None:
+    def __init__(self, events: list[tuple[Pld, int]], tail: float, *, spectra: Spectra | None = None,
+                 split: bool = False) -> None:
         first = events[0][0]
         self.h, self.upper = first.h, first.upper
         self.spectra = spectra
@@ -483,9 +622,13 @@ class Composition:
         self._spent = 0                                          # FFT points actually run (same units)
         self._costs: dict[tuple[float, bool] | None, int] = {}   # each cached pass's (None: full()'s) cost
         self.events, self._tail = events, tail   # the steps and their counts
+        self.split = split   # queries read the steps split at their large losses first (:meth:`_split`)
+        #: ``(A, log K, epsilon_max)`` of a composition of split steps (:class:`OneLargeLoss`), read into every pass
+        self.large: tuple[float, float, float] | None = None
         if self.single is not None:
             return
         self._cuts: dict[float, Composition] | None = {}   # compositions cut for epsilon queries (:meth:`_cut`)
+        self._splits: dict[float, Composition | None] = {}   # ... and split (:meth:`_split`)
         self.factors = [Factor(p, n) for p, n in events]
         self.inf = 1.0 - math.prod((1.0 - p.inf) ** n for p, n in events)
         self._cumulants: dict = {}
@@ -517,7 +660,11 @@ class Composition:
         self._spent += (w_hi - w_lo + 1) * (EXTENDED_COST if extended else 1) * len(self.factors)
         return tilted_product(self.factors, lam, w_lo, w_hi, a, b, self.h, extended, trim, self.spectra)
 
-    def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
+    def _finish(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld | OneLargeLoss:
+        pld = self._finished(start, value, err, lam)
+        return pld if self.large is None else OneLargeLoss(pld, *self.large)
+
+    def _finished(self, start: int, value: np.ndarray, err: np.ndarray, lam: float) -> Pld:
         if self.upper:
             pmf = np.maximum(value, 0.0)
             pmf += err
@@ -668,13 +815,14 @@ class Composition:
         ``delta`` (:meth:`_cut`), by tilted passes centred near the answer."""
         if self.single is not None:
             return self.single.epsilon(delta)
+        split = self._split(delta)
+        if split is not None:
+            eps = self._read_from(split, delta)
+            if eps <= split.large[2]:   # else the one-large-loss terms are not exact there: the finer cut below
+                return eps
         cut = self._cut(delta)
         if cut is not self:
-            work, spent = cut.work, cut._spent
-            eps = cut.epsilon(delta)
-            self.work += cut.work - work   # its passes are this query's cost
-            self._spent += cut._spent - spent
-            return eps
+            return self._read_from(cut, delta)
         c = self._cumulants
         mean = c["mean"]
         # the tilt that minimises the Chernoff bound exp(K(theta) - theta u) at its delta quantile
@@ -699,6 +847,35 @@ class Composition:
                 break
             lam = nxt
         return self._tightest([self.full().epsilon(delta), *tried])
+
+    def _read_from(self, cut: Composition, delta: float) -> float:
+        """``cut.epsilon(delta)``, its passes counted as this query's cost."""
+        work, spent = cut.work, cut._spent
+        eps = cut.epsilon(delta)
+        self.work += cut.work - work
+        self._spent += cut._spent - spent
+        return eps
+
+    def _split(self, delta: float) -> Composition | None:
+        """These steps split at their large losses for ``delta`` (:func:`split_tails`, read as :class:`OneLargeLoss`):
+        up to ``sqrt(2 CUT delta)`` of P-mass over all steps, rounded down to a power of 10 (cached), so that the terms
+        with two or more large losses, charged whole, hold at most ``CUT delta``; ``None`` where nothing is split."""
+        level = math.sqrt(2.0 * CUT * delta)
+        if not self.split or self._cuts is None or not level > 1e-300:
+            return None
+        mass = 10.0 ** math.floor(math.log10(level))
+        if mass not in self._splits:
+            split = split_tails(self.events, mass / sum(n for _, n in self.events))
+            comp = None
+            # worth a composition of its own only where it cuts the steps' grids by half or more (heavy tails)
+            kept = sum(p.pmf.size for p, _ in split[0]) if split is not None else 0
+            if split is not None and 2 * kept <= sum(p.pmf.size for p, _ in self.events):
+                comp = Composition(split[0], self._tail)
+                comp._cuts, comp.large = None, split[1:]
+            if len(self._splits) >= 4:
+                self._splits.pop(next(iter(self._splits)))
+            self._splits[mass] = comp
+        return self._splits[mass]
 
     def _cut(self, delta: float) -> Composition:
         """These steps with their largest losses cut for ``delta`` (:func:`truncated`: at most :data:`CUT` times
@@ -734,6 +911,20 @@ class Composition:
         first tilt in extended precision; then the untilted composition of every point."""
         if self.single is not None:
             return self.single.delta(eps)
+        # split steps first (cheap: their windows hold losses up to where a step's tail is about sqrt(delta)), at the
+        # level the last read gave, from the Chernoff bound on, until that level's split is the one read
+        level = min(1.0, self.delta_bound(eps)) if self.split else 0.0
+        for _ in range(_SPLIT_TRIES):
+            split = self._split(level)
+            if split is None:
+                break
+            if not eps <= split.large[2]:   # the tails start below eps: a smaller level's start further out
+                level *= 1e-4
+                continue
+            d = split.delta(eps)
+            if self._split(d) is split or not d > 0:
+                return d
+            level = d
         tried: list[float] = []
 
         def good(comp: Composition, lam: float, extended: bool) -> bool | None:
@@ -756,7 +947,9 @@ class Composition:
             if not tried:
                 break
             read = max(tried) if not self.upper else min(tried)
-            cut = self._cut(read)
+            cut = self._split(read)
+            if cut is None or not eps <= cut.large[2]:
+                cut = self._cut(read)
             c = cut._cumulants
             level = -math.log(max(min(tried), 1e-300))
             tilts = [t for t in dict.fromkeys((_binned(_grid_tilt(c["parts"], c["sd"], level)),

@@ -25,6 +25,7 @@ def test_wiki_markup_is_reduced_to_its_prose():
     assert study.clean_wiki(markup) == "Anarchism is a political philosophy that advocates self-governed societies."
 
 
+@pytest.mark.slow   # 40 s end to end: run with -m slow
 def test_the_small_setting_tunes_each_method_and_writes_a_complete_and_sane_result(tmp_path):
     result = study.main(["--small", "--out", str(tmp_path)])
     assert (tmp_path / "shift_small.png").stat().st_size > 0

@@ -18,6 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 import text as study  # noqa: E402
 
 
+@pytest.mark.slow   # 18 s end to end: run with -m slow
 def test_the_small_setting_writes_a_complete_and_sane_result(tmp_path):
     result = study.main(["--small", "--out", str(tmp_path)])
     assert (tmp_path / "text_small.png").stat().st_size > 0

@@ -82,7 +82,8 @@ def test_the_convex_order_and_the_octave_bands_bracket_the_same_delta(relation):
         assert hi - lo <= b_hi - b_lo
 
 
-@pytest.mark.parametrize("t", [1000, 1023, 1025])
+@pytest.mark.parametrize("t", [pytest.param(1000, marks=pytest.mark.slow), 1023,
+                               pytest.param(1025, marks=pytest.mark.slow)])
 def test_the_upper_law_has_the_mass_of_a_probability_and_the_lower_at_most(t):
     for relation in ("remove", "add"):
         law = linear_law(0.5, t, relation)
@@ -122,7 +123,7 @@ def test_a_heavier_tail_in_extended_precision_is_within_half_a_percent():
 
 def test_the_fft_error_bound_covers_the_computed_convolution():
     rng = np.random.default_rng(3)
-    for n in (100, 4096, 50_000):
+    for n in (100, 4096, 20_000):
         a = rng.random(n) ** 8        # non-negative, spread over many decades
         b = np.exp(-0.5 * ((np.arange(n) - n / 3) / (n / 20)) ** 2)
         a, b = a / a.sum(), b / b.sum()
@@ -144,6 +145,7 @@ def test_an_epoch_in_the_convex_order_has_no_nan_and_reads_an_infinite_loss_only
         assert plds[0].inf < 1e-12 and plds[1].inf == 0.0
 
 
+@pytest.mark.slow   # 11 to 25 s
 @pytest.mark.skipif(not EXTENDED, reason="the heavier tail needs extended-precision FFTs")
 def test_a_lower_law_keeps_the_far_tail_of_its_sums():
     # (sigma 0.75, 10^4 steps): float64 FFTs' error bounds, subtracted from every point, emptied the lower law's

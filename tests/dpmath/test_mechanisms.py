@@ -64,7 +64,7 @@ def test_one_fixed_size_step_is_reached_by_two_neighbouring_data_sets():
         assert lo - 1e-9 <= realized <= hi + 1e-9
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_no_configuration_of_three_gradients_beats_the_fixed_size_pair(seed):
     # the coupling that keeps the batch's other examples: x in it (probability q) or an example y instead, so a
     # replaced step is ((1-q) N(g_y) + q N(g_x), (1-q) N(g_y) + q N(g_x')) with every |g| <= mu; in one dimension no
@@ -162,8 +162,8 @@ def test_the_schedule_brackets_truncated_steps_as_the_accountant_does():
 
 # --------------------------------------------------------------------------------- balls in bins and shuffling
 @pytest.mark.parametrize("sigma, steps, eps", [
-    (1.5, 20, (0.1, 0.3, 0.6, 1.0)),   # one grid
-    (0.6, 10, (0.5, 1.0, 2.0, 3.0)),   # heavy tails: octave bands
+    pytest.param(1.5, 20, (0.1, 0.3, 0.6, 1.0), marks=pytest.mark.slow),   # one grid
+    pytest.param(0.6, 10, (0.5, 1.0, 2.0, 3.0), marks=pytest.mark.slow),   # heavy tails: octave bands
     (0.35, 20, (1.0, 2.0, 4.0, 6.0)),  # tails too heavy for one grid (13 decades), where the grids gave up before
 ])
 def test_balls_in_bins_bracket_holds_a_monte_carlo_delta_of_the_dominating_pair(sigma, steps, eps):

@@ -247,6 +247,7 @@ def test_batch_sampling_names_and_the_engines_record():
 
 
 # ------------------------------------------------------------------------------------------------ the audit
+@pytest.mark.slow   # 22 s; `python -m verify --quick` runs the same audit
 def test_the_sampler_audit_passes_and_catches_each_schemes_wrong_accounting():
     from verify.training import SAMPLER_BREAKS, sampler_audit
 

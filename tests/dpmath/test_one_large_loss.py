@@ -1,0 +1,82 @@
+"""Compositions of heavy-tailed steps read with the exact terms of one large loss (dpmath.pld.compose.OneLargeLoss):
+both bounds hold the exact composition, the upper within the charge for two or more large losses, and the split
+takes the windows from millions of points to thousands on a randomized-clipping step."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
+from dpmath.pld.compose import CUT, Composition, OneLargeLoss, split_tails
+from dpmath.pld.distribution import Pld
+
+H = 0.01
+
+
+def _heavy_step(upper: bool) -> Pld:
+    """A step whose losses have a polynomial tail (mass j^-3 at loss j h, up to 60 nats) over a bulk near 0."""
+    j = np.arange(-2, 6000)
+    pmf = np.zeros(j.size)
+    pmf[j > 0] = j[j > 0].astype(float) ** -3.0
+    pmf *= 0.02 / pmf.sum()
+    pmf[:5] += np.array([0.02, 0.1, 0.4, 0.28, 0.18])   # losses -0.02 to 0.02
+    pmf /= pmf.sum()
+    assert float(pmf @ np.exp(-j * H)) <= 1.0          # Q's mass: a pair of (sub-)probabilities
+    return Pld(H, -2, pmf, 0.0, upper)
+
+
+def _exact(n: int) -> Pld:
+    step = _heavy_step(True)
+    pmf = step.pmf
+    for _ in range(n - 1):
+        pmf = np.convolve(pmf, step.pmf)
+    return Pld(H, -2 * n, pmf, 0.0, True)
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_the_split_bounds_hold_the_exact_composition_and_the_upper_is_within_the_charge(n):
+    exact = _exact(n)
+    for delta in (1e-3, 1e-5):
+        upper = Composition([(_heavy_step(True), n)], 1e-18, split=True)
+        lower = Composition([(_heavy_step(False), n)], 1e-18, split=True)
+        split = upper._split(delta)
+        assert split is not None and split.large is not None   # the path under test is taken
+        eps_max = split.large[2]
+        for eps in np.linspace(0.0, min(eps_max, exact.epsilon(delta) * 1.5), 7):
+            truth = exact.delta(float(eps))
+            hi, lo = split.local(0.0).delta(float(eps)), lower._split(delta).local(0.0).delta(float(eps))
+            assert lo <= truth * (1 + 1e-9) + 1e-15 and truth <= hi * (1 + 1e-9) + 1e-15
+            # two or more large losses are charged whole: at most CUT * delta (plus the FFT's error bounds)
+            assert hi - truth <= CUT * delta + 1e-10
+            assert truth - lo <= CUT * delta + 1e-10
+        e_hi, e_lo = upper.epsilon(delta), lower.epsilon(delta)
+        assert e_lo <= exact.epsilon(delta) <= e_hi
+        assert e_hi - e_lo <= 2e-3 * e_hi
+
+
+def test_the_upper_split_charges_nothing_above_epsilon_max():
+    # above epsilon_max the one-large-loss terms are not exact: the reading falls back to the whole cut
+    step = _heavy_step(True)
+    bodies, a, log_k, eps_max = split_tails([(step, 3)], 1e-4)
+    base = Composition(bodies, 1e-18).local(0.0)
+    read = OneLargeLoss(base, a, log_k, eps_max)
+    assert read.delta(eps_max * 1.01) == base.delta(eps_max * 1.01)
+    assert read.delta(0.5 * eps_max) < base.delta(0.5 * eps_max)
+
+
+def test_a_light_tailed_step_is_not_split():
+    # a Gaussian's tail holds no mass worth a composition of its own: the grids are the same with or without it
+    acc = PLDAccountant().compose(SubsampledGaussian(1.0, 0.01), 100)
+    comp = acc._composed(True, 1e-4, 1.0, (0,))[0]
+    assert not comp.split and comp._split(1e-6) is None
+
+
+def test_a_heavy_tailed_randomized_clipping_composition_reads_a_small_window():
+    # Hutch k 8: per-step losses reach the grid's cap of 2^22 points; split at the delta's square root they reach a
+    # few nats, and the window shrinks from about 5M points to under 100,000
+    acc = PLDAccountant().compose(SubsampledGaussian(2.3, 0.0013, HutchEnvelope(8, 1024)), 72)
+    comp = acc._composed(True, 1e-4, 0.5, (0,))[0]
+    split = comp._split(3.6e-7)
+    assert split is not None and split.hi - split.lo < 100_000 < comp.hi - comp.lo
+    assert math.isfinite(split.large[2]) and comp.epsilon(3.6e-7) <= split.large[2]
