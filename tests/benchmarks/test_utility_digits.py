@@ -16,6 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 import digits  # noqa: E402
 
 
+@pytest.mark.slow   # 16 s end to end: run with -m slow
 def test_small_setting_writes_sane_results(tmp_path):
     out = tmp_path / "digits.json"
     digits.main(["--small", "--out", str(out)])

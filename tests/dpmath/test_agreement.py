@@ -48,7 +48,7 @@ def test_a_tiny_sampling_rate_agrees_without_widening_its_bracket():
     assert hi - lo <= 1e-3 * hi
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(sigma=st.sampled_from([1.0, 2.0, 4.0]), log_q=st.floats(-3.0, -1.0), steps=st.integers(1, 200),
        log_delta=st.floats(-9.0, -4.0))
 def test_randomized_clipping_epsilon_reads_back_a_delta_at_or_below_its_delta(sigma, log_q, steps, log_delta):
@@ -56,7 +56,7 @@ def test_randomized_clipping_epsilon_reads_back_a_delta_at_or_below_its_delta(si
     _agrees(PLDAccountant().compose(step, steps), 10.0 ** log_delta)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(sigma=st.sampled_from([1.0, 2.0]), steps=st.sampled_from([10, 40]), k=st.sampled_from([1, 2]),
        epochs=st.integers(1, 4), log_delta=st.floats(-8.0, -4.0))
 def test_random_allocation_epsilon_reads_back_a_delta_at_or_below_its_delta(sigma, steps, k, epochs, log_delta):

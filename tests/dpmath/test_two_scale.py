@@ -53,6 +53,7 @@ def test_the_two_scale_lower_end_lies_below_the_referee_and_close_to_it(sigma, q
     assert curve.delta(0.99 * ref_low) > delta
 
 
+@pytest.mark.slow   # 14 s
 def test_a_collapsed_lower_end_at_a_tiny_sampling_rate_is_lifted_to_within_a_tenth_of_a_percent():
     # accountant_bench Table 5: at q = 1e-5 the lowered split rounds each step's bulk down by about a grid step,
     # and the lower end was 0.109654 under an upper end of 0.910176 (dp_accounting's estimate: 0.910239)
