@@ -49,10 +49,11 @@ AUTO_BUDGET = 1 << 23
 #: times this (the first grid is 0.25 to 1 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1;
 #: half the scale step keeps a randomized-clipping calibration within 2 s, a quarter did not).
 AUTO_SCALE_START = 0.5
-#: A randomized-clipping query's budget, in multiples of :data:`AUTO_BUDGET`: its scale atoms dominate the cost once
-#: heavy tails are split (:class:`~dpmath.pld.compose.OneLargeLoss`), and a heavy tail (Hutch k = 8) needs a scale
-#: step of 1/8 of the envelope's for 0.5 % (9,353 atoms at k 8, d 1024).
-_RC_BUDGET = 2
+#: A randomized-clipping query's scale atoms have a budget of their own, this many times its FFT budget: once heavy
+#: tails are split (:class:`~dpmath.pld.compose.OneLargeLoss`) the atoms dominate the cost, and a heavy tail (Hutch
+#: k = 8) needs a scale step of 1/8 of the envelope's for 0.5 % (9,353 atoms at k 8, d 1024); the FFT budget stays
+#: what it was, so no grid holds more points than before.
+_RC_ATOMS = 2
 _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
 _MIXTURE_FINEST = 1 / 64    # a single randomized-clipping step's finest closed-form curve (HutchEnvelope(2, 5): 151,140
                             # atoms, 12 s)
@@ -308,7 +309,9 @@ class PLDAccountant(Accountant):
 
         **Cost model** (deterministic: grid points, never time).  A grid's cost is twice the FFT points its upper
         end's passes read (:attr:`Composition.work`, cached passes too, so the count does not depend on earlier
-        queries; a single step's points count ``STEP_COST`` each) plus :meth:`_atom_points`; a finer grid's count
+        queries; a single step's points count ``STEP_COST`` each), and its randomized-clipping scale atoms'
+        :meth:`_atom_points`, which have a budget of their own (:data:`_RC_ATOMS` times the FFT budget, so that a
+        heavy tail reaches a fine scale grid without any grid holding more points); a finer grid's count
         is predicted from the last one's (count times ``h`` is about constant).  A finer loss step is rounded down to
         a rung ``h0 2^(-k/2)``, so that the queries of one accountant (an epsilon and the delta read back at it) meet
         on the same cached grids.
@@ -346,23 +349,26 @@ class PLDAccountant(Accountant):
         # a randomized-clipping delta query reads more passes per grid than an epsilon query (up to 1.4 times the
         # points on the benchmark's cases), so it has twice the budget: it reaches the grids an epsilon query there
         # would (without randomized clipping the agreement sweep meets its delta at the first nudges already)
-        budget = (AUTO_BUDGET * (_RC_BUDGET * (2 if slope is not None else 1) if scaled else 1)) if mode == AUTO \
-            else math.inf
+        budget = (AUTO_BUDGET * (2 if slope is not None and scaled else 1)) if mode == AUTO else math.inf
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
-        spent = 0.0                                  # the cost of the grids built, in grid points
+        spent = 0.0                                  # the FFT cost of the grids built, in grid points ...
+        spent_atoms = 0.0                            # ... and their scale atoms' (_RC_ATOMS times the budget)
         span = 0.0                                   # the last grid's upper FFT work (Composition.work) times h
 
         def cost(h: float, s: float) -> float:
-            """A grid's predicted cost in grid points (the cost model above)."""
-            return 2.0 * span / h + (self._atom_points(s) if scaled else 0.0)
+            """A grid's predicted FFT cost in grid points (the cost model above)."""
+            return 2.0 * span / h
+
+        def atoms(s: float) -> float:
+            return self._atom_points(s) if scaled else 0.0
 
         def allowed(h: float, s: float) -> bool:
             """Whether the grid ``(h, s)`` may be built: above the finest step, below ``h0 / 64`` only when cheap,
-            and within the budget."""
-            if h < h0 * _FINEST or (h < h0 / 64 * (1 - 1e-9) and cost(h, s) > AUTO_BUDGET):
+            and within the budgets."""
+            if h < h0 * _FINEST or (h < h0 / 64 * (1 - 1e-9) and cost(h, s) + atoms(s) > AUTO_BUDGET):
                 return False
-            return spent + cost(h, s) <= budget
+            return spent + cost(h, s) <= budget and spent_atoms + atoms(s) <= _RC_ATOMS * budget
 
         def finer(h: float, s: float) -> bool:
             """Whether the smallest refinement from ``(h, s)`` may be built: a lower end is worth computing."""
@@ -375,7 +381,7 @@ class PLDAccountant(Accountant):
         def run(h: float, s: float, need_lower: bool) -> float:
             """Query one grid, intersect its bracket into ``best``; its own width (1 where its lower end was not
             computed)."""
-            nonlocal best, spent, span
+            nonlocal best, spent, spent_atoms, span
             together = (True, False) if need_lower or mode is not None else ()   # the ends share CDF evaluations
             for k, c in self._plds.items():   # count this query's passes only, cached or not: the same in every
                 if k[0] == h and k[2] == s and c.single is None:   # order of queries
@@ -383,6 +389,7 @@ class PLDAccountant(Accountant):
             hi = query(h, True, s, together)
             span = h * sum(c.work for k, c in self._plds.items() if k[0] == h and k[1] and k[2] == s)
             spent += cost(h, s)
+            spent_atoms += atoms(s)
             if not (need_lower or (mode == AUTO and finer(h, s))):
                 best = (0.0, hi) if best is None else (best[0], min(best[1], hi))
                 return 1.0
