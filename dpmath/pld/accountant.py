@@ -49,10 +49,10 @@ AUTO_BUDGET = 1 << 23
 #: times this (the first grid is 0.25 to 1 % wide on the benchmark's multi-step cases, 0.5 to 1.1 % at the factor 1;
 #: half the scale step keeps a randomized-clipping calibration within 2 s, a quarter did not).
 AUTO_SCALE_START = 0.5
-#: A randomized-clipping query's scale atoms have a budget of their own, this many times its FFT budget: once heavy
-#: tails are split (:class:`~dpmath.pld.compose.OneLargeLoss`) the atoms dominate the cost, and a heavy tail (Hutch
-#: k = 8) needs a scale step of 1/8 of the envelope's for 0.5 % (9,353 atoms at k 8, d 1024); the FFT budget stays
-#: what it was, so no grid holds more points than before.
+#: A randomized-clipping query's FFT points and scale atoms together may cost this many times its FFT budget, the FFT
+#: points alone at most the budget: once heavy tails are split (:class:`~dpmath.pld.compose.OneLargeLoss`) the atoms
+#: dominate the cost, and a heavy tail (Hutch k = 8) needs a scale step of 1/8 of the envelope's for 0.5 % (9,353
+#: atoms at k 8, d 1024); no grid holds more points than before.
 _RC_ATOMS = 2
 _ATOM_POINTS = 1024     # a randomized-clipping step's cost per scale atom, in composition grid points
 _MIXTURE_FINEST = 1 / 64    # a single randomized-clipping step's finest closed-form curve (HutchEnvelope(2, 5): 151,140
@@ -310,8 +310,8 @@ class PLDAccountant(Accountant):
         **Cost model** (deterministic: grid points, never time).  A grid's cost is twice the FFT points its upper
         end's passes read (:attr:`Composition.work`, cached passes too, so the count does not depend on earlier
         queries; a single step's points count ``STEP_COST`` each), and its randomized-clipping scale atoms'
-        :meth:`_atom_points`, which have a budget of their own (:data:`_RC_ATOMS` times the FFT budget, so that a
-        heavy tail reaches a fine scale grid without any grid holding more points); a finer grid's count
+        :meth:`_atom_points`: the FFT points within the budget, and both together within :data:`_RC_ATOMS` times it
+        (so that a heavy tail reaches a fine scale grid without any grid holding more points); a finer grid's count
         is predicted from the last one's (count times ``h`` is about constant).  A finer loss step is rounded down to
         a rung ``h0 2^(-k/2)``, so that the queries of one accountant (an epsilon and the delta read back at it) meet
         on the same cached grids.
@@ -353,7 +353,7 @@ class PLDAccountant(Accountant):
         best: tuple[float, float] | None = None
         parts: tuple[float, float] | None = None     # the width's loss-grid and scale-grid parts at (h, s)
         spent = 0.0                                  # the FFT cost of the grids built, in grid points ...
-        spent_atoms = 0.0                            # ... and their scale atoms' (_RC_ATOMS times the budget)
+        spent_atoms = 0.0                            # ... and their scale atoms' (within _RC_ATOMS times the budget)
         span = 0.0                                   # the last grid's upper FFT work (Composition.work) times h
 
         def cost(h: float, s: float) -> float:
@@ -368,7 +368,8 @@ class PLDAccountant(Accountant):
             and within the budgets."""
             if h < h0 * _FINEST or (h < h0 / 64 * (1 - 1e-9) and cost(h, s) + atoms(s) > AUTO_BUDGET):
                 return False
-            return spent + cost(h, s) <= budget and spent_atoms + atoms(s) <= _RC_ATOMS * budget
+            fft, atom = spent + cost(h, s), spent_atoms + atoms(s)
+            return fft <= budget and fft + atom <= _RC_ATOMS * budget
 
         def finer(h: float, s: float) -> bool:
             """Whether the smallest refinement from ``(h, s)`` may be built: a lower end is worth computing."""
