@@ -430,6 +430,14 @@ def tilted_product(factors: list[Factor], lam: float, w_lo: int, w_hi: int, a: i
     return a, run, err
 
 
+def _cut_index(pld: Pld, mass: float) -> int:
+    """The first point of ``pld``'s largest losses holding at most ``mass`` (at least one point stays; the size
+    where none is cut)."""
+    tail = np.cumsum(pld.pmf[::-1])[::-1]   # tail[j]: the mass from point j up (summed from the top)
+    fits = np.nonzero(tail <= mass)[0]
+    return max(int(fits[0]), 1) if fits.size else pld.pmf.size
+
+
 def truncated(pld: Pld, mass: float) -> Pld:
     """``pld`` without its largest losses, at most ``mass`` of them: moved to ``+inf`` (upper bound: the losses
     only grow) or to the last point kept (lower bound: they only shrink).  At least one point stays.
@@ -443,9 +451,7 @@ def truncated(pld: Pld, mass: float) -> Pld:
     >>> cut.pmf.size, bool(cut.inf >= 1e-9)
     (2, True)
     """
-    tail = np.cumsum(pld.pmf[::-1])[::-1]   # tail[j]: the mass from point j up (summed from the top)
-    fits = np.nonzero(tail <= mass)[0]
-    j = max(int(fits[0]), 1) if fits.size else pld.pmf.size
+    j = _cut_index(pld, mass)
     if j == pld.pmf.size:
         return pld
     # the moved mass summed afresh, and rounded toward the bound's side (a sum of positive terms: n eps of it)
@@ -537,9 +543,7 @@ def split_tails(events: list[tuple[Pld, int]], mass: float) -> tuple[list[tuple[
     side = 1.0 if upper else -1.0
     parts = []
     for p, n in events:
-        tail = np.cumsum(p.pmf[::-1])[::-1]
-        fits = np.nonzero(tail <= mass)[0]
-        j = max(int(fits[0]), 1) if fits.size else p.pmf.size
+        j = _cut_index(p, mass)
         nz = np.nonzero(p.pmf[:j] > 0)[0]
         if (not upper and p.inf > 0) or nz.size == 0:
             return None
