@@ -6,9 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpmath import HutchEnvelope, PLDAccountant, SubsampledGaussian
-from dpmath.pld.compose import CUT, Composition, OneLargeLoss, split_tails
+from dpmath.pld.compose import CUT, Composition, LargeLosses, OneLargeLoss, split_tails
 from dpmath.pld.distribution import Pld
 
 H = 0.01
@@ -41,9 +43,9 @@ def test_the_split_bounds_hold_the_exact_composition_and_the_upper_is_within_the
         upper = Composition([(_heavy_step(True), n)], 1e-18, split=True)
         lower = Composition([(_heavy_step(False), n)], 1e-18, split=True)
         split = upper._split(delta)
-        assert split is not None and split.large is not None   # the path under test is taken
-        eps_max = split.large[2]
-        for eps in np.linspace(0.0, min(eps_max, exact.epsilon(delta) * 1.5), 7):
+        assert split is not None and split.tails is not None   # the path under test is taken
+        # from 0 to far above every tail's least loss plus the bodies' least (where the terms' (.)_+ first vanish)
+        for eps in np.linspace(0.0, 60.0, 31):
             truth = exact.delta(float(eps))
             hi, lo = split.local(0.0).delta(float(eps)), lower._split(delta).local(0.0).delta(float(eps))
             assert lo <= truth * (1 + 1e-9) + 1e-15 and truth <= hi * (1 + 1e-9) + 1e-15
@@ -55,14 +57,41 @@ def test_the_split_bounds_hold_the_exact_composition_and_the_upper_is_within_the
         assert e_hi - e_lo <= 2e-3 * e_hi
 
 
-def test_the_upper_split_charges_nothing_above_epsilon_max():
-    # above epsilon_max the one-large-loss terms are not exact: the reading falls back to the whole cut
+def _brute_g(h, t_start, t, b_start, b, eps):
+    x = (t_start + np.arange(t.size))[:, None] + (b_start + np.arange(b.size))[None, :]
+    return float(np.sum(t[:, None] * b[None, :] * np.minimum(1.0, np.exp(eps - x * h))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 30), st.integers(-40, 40), st.integers(-40, 40),
+       st.floats(-5.0, 160.0), st.integers(0, 2**31 - 1))
+def test_the_one_large_loss_sums_are_the_discrete_sums_at_every_epsilon(k, m, t_start, b_start, eps, seed):
+    # every branch: the tail's points all below, all above and across epsilon minus B's least and largest loss, in
+    # one block of the tail's kept sums or several
+    rng = np.random.default_rng(seed)
+    h = 0.05
+    t, b = rng.random(k), rng.random(m)
+    large = LargeLosses(h, [(3, t_start, t, b_start, b, 0.0)])
+    g, mass = large.sums(eps)
+    assert g == pytest.approx(3 * _brute_g(h, t_start, t, b_start, b, eps), rel=1e-12, abs=1e-300)
+    assert mass == pytest.approx(3 * t.sum() * b.sum(), rel=1e-12)
+
+
+def test_the_upper_split_subtracts_only_the_uncounted_part_of_the_one_large_loss_terms():
+    # base counts every one-large-loss term at its whole mass; the split takes off G, the part H does not count: at
+    # an epsilon far above every loss G is all of it, and below every loss it is the Q-mass times e^eps
     step = _heavy_step(True)
-    bodies, a, log_k, eps_max = split_tails([(step, 3)], 1e-4)
-    base = Composition(bodies, 1e-18).local(0.0)
-    read = OneLargeLoss(base, a, log_k, eps_max)
-    assert read.delta(eps_max * 1.01) == base.delta(eps_max * 1.01)
-    assert read.delta(0.5 * eps_max) < base.delta(0.5 * eps_max)
+    bodies, tails = split_tails([(step, 3)], 1e-4)
+    comp = Composition(bodies, 1e-18)
+    comp.tails = tails
+    read = comp.local(0.0)
+    assert isinstance(read, OneLargeLoss)
+    base = read.base
+    top = read.large.top + 1.0
+    g, mass = read.large.sums(top)
+    assert g == pytest.approx(mass, rel=1e-12)
+    assert read.delta(top) == pytest.approx(base.delta(top) - mass, rel=1e-9)
+    assert read.delta(0.5) < base.delta(0.5)
 
 
 def test_a_light_tailed_step_is_not_split():
@@ -79,4 +108,4 @@ def test_a_heavy_tailed_randomized_clipping_composition_reads_a_small_window():
     comp = acc._composed(True, 1e-4, 0.5, (0,))[0]
     split = comp._split(3.6e-7)
     assert split is not None and split.hi - split.lo < 100_000 < comp.hi - comp.lo
-    assert math.isfinite(split.large[2]) and comp.epsilon(3.6e-7) <= split.large[2]
+    assert split.tails is not None and math.isfinite(comp.epsilon(3.6e-7))
