@@ -189,7 +189,7 @@ def allocation_audit(configs: list[tuple[float, int, int]] | None = None, *, dra
     Examples
     --------
     >>> from verify.allocation import allocation_audit
-    >>> allocation_audit(draws=20_000).holds
+    >>> allocation_audit([(2.0, 10, 1)], draws=20_000).holds   # sigma 2, one epoch of 10 steps: a few seconds
     True
     """
     from dpmath import PLDAccountant, RandomAllocationGaussian

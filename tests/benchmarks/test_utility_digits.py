@@ -46,6 +46,7 @@ def test_small_setting_writes_sane_results(tmp_path):
         assert r["accounting_noise_multiplier"] * norm == pytest.approx(r["sigma"])
 
 
+@pytest.mark.slow
 def test_merge_adds_methods_and_keeps_the_others(tmp_path):
     out = tmp_path / "digits.json"
     digits.main(["--small", "--methods", "exact", "hutch-k32", "--out", str(out)])

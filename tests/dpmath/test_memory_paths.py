@@ -12,7 +12,7 @@ from dpmath.pld import allocation, steps
 from dpmath.pld.distribution import Pld
 
 
-@pytest.mark.parametrize("relation", ["remove", "add"])
+@pytest.mark.parametrize("relation", ["remove", pytest.param("add", marks=pytest.mark.slow)])
 def test_octave_bands_placed_in_small_blocks_are_bit_identical(monkeypatch, relation):
     mu, t = 1 / 0.35, 20
     cap = math.exp(0.5 * mu * mu + 7.65 * mu) if relation == "remove" else t * math.exp(3.0)

@@ -22,7 +22,7 @@ def test_an_epoch_of_k_participations_is_composed_as_k_epochs_of_one_in_a_kth_of
     assert RandomAllocationGaussian(2.0, 10).decomposed() == (RandomAllocationGaussian(2.0, 10), 1)
 
 
-@pytest.mark.parametrize("sigma, steps, k", [(1.0, 8, 2), (1.5, 12, 3)])
+@pytest.mark.parametrize("sigma, steps, k", [(1.0, 8, 2), pytest.param(1.5, 12, 3, marks=pytest.mark.slow)])
 def test_k_of_t_bound_holds_a_monte_carlo_delta_of_the_epochs_own_pair_and_is_near_it(sigma, steps, k):
     # 400,000 plain draws of the k-of-T pair itself (likelihood ratio e_k(W) / C(t, k)), fixed seed; a bounded
     # integrand, so 5 standard errors leave a miss by chance below 1e-6 per point.  The bound is the composition of

@@ -165,7 +165,7 @@ def test_the_engine_composes_the_schemes_mechanism_once_a_step(scheme, mechanism
 
 
 @pytest.mark.parametrize("scheme, mechanism, relation", [
-    ("balls_in_bins", RandomAllocationGaussian(1.5, 10), "add_or_remove"),
+    pytest.param("balls_in_bins", RandomAllocationGaussian(1.5, 10), "add_or_remove", marks=pytest.mark.slow),
     ("shuffling", ShuffledGaussian(1.5, 10), "replace_one"),
 ])
 def test_epoch_schemes_charge_every_epoch_their_stream_began(scheme, mechanism, relation):
