@@ -103,7 +103,8 @@ def test_cdf_monotone_in_unit_interval_and_complements_sf(w, nu, xs):
 
 
 @pytest.mark.parametrize("decades", [pytest.param(1, marks=pytest.mark.slow), 4,
-                                     pytest.param(8, marks=pytest.mark.slow), 12])  # 3-5 s each (mpmath)
+                                     pytest.param(8, marks=pytest.mark.slow),
+                                     pytest.param(12, marks=pytest.mark.slow)])  # 3-5 s each (mpmath)
 def test_spread_weights_match_mpmath(decades):
     """Three blocks spread over 1-12 decades, from the deep left tail to the right tail (cdf, sf, pdf)."""
     w = np.array([1.0, 10.0 ** (-decades / 2), 10.0 ** -decades])
@@ -123,7 +124,8 @@ def test_hundreds_of_weights_over_twelve_decades_match_mpmath(size):
     np.testing.assert_allclose(chi2_mixture_cdf(x, w, 1), ref, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["cdf", "sf", "pdf"])
+@pytest.mark.parametrize("kind", ["cdf", pytest.param("sf", marks=pytest.mark.slow),
+                                  pytest.param("pdf", marks=pytest.mark.slow)])
 def test_contour_inversion_error_bound_holds_and_is_tight(kind):
     """The reported bound is below 1e-13 of the value and above the actual error against mpmath."""
     w = np.array([0.6, 0.3, 0.1, 1e-3, 1e-7])
