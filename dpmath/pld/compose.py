@@ -642,8 +642,8 @@ class OneLargeLoss:
         if self.delta(0.0) <= delta:
             return 0.0
         hi = max(self.large.top, (self.base.start + self.base.pmf.size) * self.h) + self.h
-        if self.delta(hi) > delta:
-            return math.inf
+        if self.delta(hi) > delta:   # the mass at +inf exceeds delta (a lower curve is 0 there: hi, not inf, if not)
+            return math.inf if self.upper else hi
         lo = 0.0
         for _ in range(200):
             mid = 0.5 * (lo + hi)
