@@ -826,8 +826,10 @@ class PLDAccountant(Accountant):
         tilted passes centred on its own argument, so ``delta(epsilon(d))`` could exceed ``d`` (by ``1e-7`` of it
         where the passes differ; by up to the delta bracket's width where delta's refinement stops on another grid).
         A larger epsilon is an upper bound too, so moving up is sound.  Every delta query reads its first grid
-        (:meth:`_start`), so where that grid's upper bound agrees within a nudge of ``1e-6``, :meth:`delta` does too,
-        without running its refinement; else :meth:`delta` itself is asked (its grids are shared rungs, cached).
+        (:meth:`_start`) and, where that one is infinite or capped, the coarser ones it retries
+        (:meth:`_first_delta_read`), so where those grids' upper bound agrees within a nudge of ``1e-6``, :meth:`delta`
+        does too, without running its refinement; else :meth:`delta` itself is asked (its grids are shared rungs,
+        cached).
         ``inf`` only if doubling 64 times never agrees."""
         if not 0.0 <= eps < math.inf:
             return eps
