@@ -131,3 +131,21 @@ def test_a_heavy_tailed_randomized_clipping_composition_reads_a_small_window():
     split = comp._split(3.6e-7)
     assert split is not None and split.hi - split.lo < 100_000 < comp.hi - comp.lo
     assert split.tails is not None and math.isfinite(comp.epsilon(3.6e-7))
+
+
+@pytest.mark.parametrize("k, d, sigma, q, steps, delta", [
+    (16, 256, 1.365, 0.0321, 21, 1.3e-5),   # split [1.43224744, 1.43676266], cut [1.43224745, 1.43676266]
+    (8, 1024, 1.611, 0.0456, 139, 2.9e-6),  # a heavier tail: the split's bracket well inside the cut's
+])
+def test_the_split_and_the_cut_of_a_randomized_clipping_composition_bracket_each_other(k, d, sigma, q, steps, delta):
+    # two readings of one grid's steps, each a valid bracket: neither lower end may pass the other's upper end, and
+    # the split's exact one-large-loss terms keep its bracket about as narrow as the cut's or narrower (17 random
+    # settings with both: never wider by more than 3e-6 of the width, up to 42 % narrower)
+    acc = PLDAccountant().compose(SubsampledGaussian(sigma, q, HutchEnvelope(k, d)), steps)
+    up, lo = (acc._composed(b, 1e-3, 0.5, (0,), (True, False))[0] for b in (True, False))
+    split = [c._split(delta) for c in (lo, up)]
+    cut = [c._cut(delta) for c in (lo, up)]
+    assert all(s is not None for s in split) and all(c is not o for c, o in zip(cut, (lo, up), strict=True))
+    (s_lo, s_hi), (c_lo, c_hi) = ([c.epsilon(delta) for c in pair] for pair in (split, cut))
+    assert max(s_lo, c_lo) <= min(s_hi, c_hi)
+    assert s_hi - s_lo <= (c_hi - c_lo) * (1 + 1e-5)
