@@ -15,7 +15,7 @@ about ``sqrt(2 CUT delta)`` (:class:`OneLargeLoss`): the terms with exactly one 
 epsilon, each tail against the composition of the other steps' bodies (:class:`LargeLosses`), and only those with
 two or more are charged, at most ``CUT delta``.  The windows then hold losses up to a few nats rather than the loss
 cap: at Hutch ``k = 8``, ``d = 1024``, 72 steps, 3.6e-7, 40,000 points instead of 5M, and the bracket's refinement
-reaches a finer scale grid within its budget (1.76 % to 0.40 %, 2.9 GB to 0.7 GB); at 1495 steps and 6.1e-9, where
+reaches a finer scale grid within its budget (1.76 % to 0.42 %, 2.9 GB to 0.7 GB); at 1495 steps and 6.1e-9, where
 epsilon (23) lies far out in the tail, 8.7 % to 0.51 %.
 """
 
