@@ -866,14 +866,18 @@ class PLDAccountant(Accountant):
         composition's mass beyond the loss cap, the coarser grids' it then retries, as it does (the largest epsilon,
         e.g. 2,600 at Hutch k 4, is read on a grid 64 times coarser than the first, whose cap holds 1.5e-6)."""
         h, s = self._start()
-        best = math.inf
-        for tries in range(_COARSER_TRIES + 1):
+        best = self._delta_read(x, h, True, s)
+        tries = 0
+        # the retry rule of _refined's coarser loop
+        while (best == math.inf or self._capped(h, s, best)) and h < 1.0 and tries < _COARSER_TRIES:
+            h, tries = min(_COARSER * h, 1.0), tries + 1
             best = min(best, self._delta_read(x, h, True, s))
-            capped = max(c.inf_mass for c in self._composed(True, h, s, (0,))) > 0.5 * best
-            if not (best == math.inf or capped) or h >= 1.0 or tries == _COARSER_TRIES:
-                return best
-            h = min(_COARSER * h, 1.0)
         return best
+
+    def _capped(self, h: float, s: float, upper: float) -> bool:
+        """Whether most of the grid ``(h, s)``'s upper end ``upper`` on delta is mass beyond its loss cap (a coarser
+        grid's cap reaches further): a delta query's refinement then retries on a coarser one."""
+        return max(c.inf_mass for c in self._composed(True, h, s, (0,))) > 0.5 * upper
 
     def _charge(self, e: float) -> float:
         """A truncated step's overflow charged to delta at ``e``: ``eta (1 + e^e)`` (:meth:`_overflow`)."""
@@ -1018,15 +1022,11 @@ class PLDAccountant(Accountant):
             other = e * step if tilt_bin(e * step) == tilt_bin(e) else e / step
             return _log_slope(self._delta_read(e, h, True, s), self._delta_read(other, h, True, s), step)
 
-        def capped(h: float, s: float, upper: float) -> bool:
-            """Whether most of the upper end is mass beyond the loss cap (a coarser grid's cap reaches further)."""
-            return max(c.inf_mass for c in self._composed(True, h, s, (0,))) > 0.5 * upper
-
         def lower_end(lo: float, hi: float) -> float:
             curve = self._two_scale_lower(True, 0.0, 1.0)
             return lo if curve is None else curve.delta(e)
 
-        lo, hi = self._refined(query, lower, slope=slope, capped=capped, at=e,
+        lo, hi = self._refined(query, lower, slope=slope, capped=self._capped, at=e,
                                lower_end=lower_end if isinstance(self.bracket_rtol, float) else None)
         curve = self._two_scale_lower(lower, lo, hi)
         lo = max(lo, curve.delta(e)) if curve is not None else lo

@@ -30,8 +30,7 @@ from scipy import signal, special
 from .distribution import MAX_GRID, GridTooLargeError, Pld, grid_advice
 
 __all__ = ["CUT", "Composition", "Factor", "EXTENDED", "LargeLosses", "OneLargeLoss", "Spectra", "chernoff",
-           "split_tails",
-           "tilted_product", "truncated"]
+           "split_tails", "tilted_product", "truncated"]
 
 _MAX_TILT = 1e12   # the largest tilt tried: beyond it lam * t leaves what a float64 exponent can mean
 
@@ -666,7 +665,7 @@ def split_tails(events: list[tuple[Pld, int]], mass: float
     ``(event index, first grid index, masses)`` of each tail that holds any mass; ``None`` where no step has a
     tail that large, or a lower step has mass at ``+inf``."""
     upper = events[0][0].upper
-    bodies, tails = [], []
+    bodies, tails, any_tail = [], [], False
     for i, (p, n) in enumerate(events):
         j = _cut_index(p, mass)
         if (not upper and p.inf > 0) or not (p.pmf[:j] > 0).any():
@@ -674,11 +673,10 @@ def split_tails(events: list[tuple[Pld, int]], mass: float
         if j < p.pmf.size:
             tails.append((i, p.start + j, p.pmf[j:]))   # a view: the step itself is kept anyway
         m_t = float(p.pmf[j:].sum(dtype=np.longdouble))
+        any_tail = any_tail or m_t > 0
         bodies.append((Pld(p.h, p.start, p.pmf[:j].copy(), min(1.0, p.inf + m_t * (1.0 + (p.pmf.size + 2) * _F64_EPS)),
                            True) if upper else Pld(p.h, p.start, p.pmf[:j].copy(), 0.0, False, p.slack), n))
-    if not any(t.sum() > 0 for *_, t in tails):
-        return None
-    return bodies, tails
+    return (bodies, tails) if any_tail else None
 
 
 class Composition:
@@ -813,7 +811,11 @@ class Composition:
 
     def _counted(self, key: tuple[float, bool] | None, build) -> None:
         """Run ``build`` (which caches its result) once for ``key``, and add its cost to :attr:`work` at every call,
-        whether it ran now or earlier (the passes it ran itself, nested calls included, counted once)."""
+        whether it ran now or earlier (the passes it ran itself, nested calls included, counted once); a split
+        composition's :meth:`large_losses` pass is counted at every call too, like a pass of its own."""
+        if self.tails is not None:
+            self.large_losses()
+            self.work += self._large_cost
         if key not in self._costs:
             spent, work = self._spent, self.work
             build()
@@ -824,9 +826,6 @@ class Composition:
     def local(self, lam: float, extended: bool = False) -> Pld:
         """One pass under the tilt ``lam``, in extended precision if asked (cached)."""
         key = (lam, extended)
-        if self.tails is not None:
-            self.large_losses()
-            self.work += self._large_cost
         self._counted(key, lambda: self._local_pass(lam, extended))
         return self._local[key]
 
@@ -849,9 +848,6 @@ class Composition:
         own PLD."""
         if self.single is not None:
             return self.single
-        if self.tails is not None:
-            self.large_losses()
-            self.work += self._large_cost
         self._counted(None, self._full_pass)
         return self._full
 
