@@ -75,6 +75,12 @@ TASKS = [
          "3·10⁵ steps, δ 1e-12 to 1e-4) and randomized clipping (Hutch k 4 to 64, d 64 to 2048, σ 0.6 to 3, q 3e-4 to "
          "0.05, 10 to 10⁵ steps, δ 1e-9 to 1e-5).  Heavy-tailed envelopes (k 4 and 8) are the wide and costly rows.",
          "python benchmarks/dpmath_widths.py --sweep 12 --seed 1 --compare DIR", CPU, "dpmath_sweep.md"),
+    Task("Accountants", "Heavy tails split at their large losses, against the cut",
+         "Random Hutch settings, each composed on one grid and read twice: split at the large losses (the terms with "
+         "one large loss exact) and cut (the largest losses charged whole).  Both are valid brackets of the same "
+         "steps, so neither lower end may pass the other's upper end; the width ratio is what the exact terms buy "
+         "(Table S1).  `delta(epsilon(d)) <= d` at the sweep's far-tail rows (Table S2).",
+         "python benchmarks/split_bench.py --settings 14 --seed 1", CPU, "split_bench.txt", ("Table S1:", "Table S2:")),
     Task("Accountants", "epsilon and delta agree; k of T steps against its own pair",
          "`delta(epsilon(d)) / d - 1` on the issue's cases and 20 random DP-SGD settings, with the epsilon query's "
          "time, against an earlier checkout (Table A1); the k-of-T allocation bound against a Monte Carlo delta of the "
