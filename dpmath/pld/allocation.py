@@ -34,7 +34,8 @@ of ``n = 2^21`` points (``2^20`` for epochs of at most 128 steps) would be coars
 the loss's spread ``mu / sqrt(t)`` (``sigma`` near 1 or below, or long epochs: at ``sigma = 2`` with 1000 steps and 10
 epochs the one grid left 0.85 %, the bands 0.37 %), ``S`` is put on **octave bands** instead (:class:`BandLaw`): row 0
 a linear grid up to a floor, then one row per octave ``[2^(b-1), 2^b] F`` at a step of ``2^-p`` of its lower end
-(``p`` from 14 to 17, about ``2^21`` points in all), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p``
+(``p`` from 10 to 17, about ``2^18`` to ``2^21`` points in all: as few as the epochs composed need, measured on a
+first build of ``2^18``, :func:`fitted_band_laws`), so a rounding moves ``S`` by at most ``2^-p`` of itself (``2^-p``
 nats of loss) wherever it lies, over the 13 decades the terms span at ``sigma = 0.3``. The unshifted terms are summed
 by doubling (``X_2k = X_k + X_k'``) along the binary digits of their count, then the allocated term is added; each sum
 is split by the row of the larger summand, the smaller rounded onto that row's step, so one FFT of ``3 2^p`` points
@@ -171,9 +172,10 @@ def _upper_law(comp: Composition, shift: int) -> SumLaw:
 
 
 @functools.lru_cache(maxsize=2)   # both directions of one noise level: up to about 150 MB
-def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
+def sum_laws(mu: float, steps: int, relation: str, epochs: int = 1) -> tuple[SumLaw | BandPair | LinearLaw, ...]:
     """The law of ``S`` for one direction (``"remove"``: ``S`` under ``P``; ``"add"``: ``-S`` under ``Q``) as a
-    one-element tuple: on one grid, or (removing, heavy tails or a long epoch) on octave bands (module docstring)."""
+    one-element tuple: on one grid, or (heavy tails or a long epoch) on octave bands (module docstring), as fine as
+    ``epochs`` composed epochs need (:func:`fitted_band_laws`)."""
     t = steps
     if linear_suits(mu, t):   # light tails, a long epoch: the convex order (second order, seconds)
         return (linear_law(mu, t, relation),)
@@ -189,7 +191,7 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
         span, top = _span(mu, t, cap, False, negate=True)
         step = max(_FINEST, span / points)
         if step > fine:   # heavy tails or a long epoch: octave bands, which resolve small sums too
-            return (band_laws(mu, t, "add", cap),)
+            return (fitted_band_laws(mu, t, "add", cap, epochs),)
         k_top = math.ceil(min(cap, top) / step)
         up = _sum(mu, t, step, k_top, False, negate=True, up=False, hold=True).full()
         low = _sum(mu, t, step, k_top, False, negate=True, up=True, lower_mode=True).full()
@@ -202,11 +204,16 @@ def sum_laws(mu: float, steps: int, relation: str) -> tuple[SumLaw, ...]:
     if max(_FINEST, cap_step) <= fine:
         return (_upper_law(_sum(mu, t, max(_FINEST, cap_step), math.ceil(cap / max(_FINEST, cap_step)), True), t),)
     # heavy tails or a long epoch: one grid would be coarse, so octave bands (module docstring)
-    return (band_laws(mu, t, "remove", z_cap),)
+    return (fitted_band_laws(mu, t, "remove", z_cap, epochs),)
 
 
 # ---------------------------------------------------------------------------------------------- banded sums
-_BAND_POINTS = 1 << 21  # banded sums: about this many grid points in all (2^p an octave, p from 14 to 17), ...
+_BAND_POINTS = 1 << 21  # banded sums: at most about this many grid points in all (2^p an octave, p up to 17), ...
+_BAND_MIN_BITS = 10      # ... and at least 2^10 an octave; ...
+_BAND_TRY = 1 << 18     # ... first built on this many points, again on more where the composition would show it
+_BAND_SHARE = 5e-4      # (fitted_band_laws): the bands' share of the composed epsilon's relative width ...
+_BAND_PROBE = 1e-6      # ... measured at this delta; a direction whose epsilon there is below this fraction of the
+_BAND_BELOW = 0.9       # other's keeps the first build
 _BAND_FLOOR = 2.0 ** -8  # ... below this (one term's units, scaled with the sum's size) a linear grid instead; ...
 _ADD_FLOOR = 2.0 ** -40  # ... adding, whose large losses are small sums, down to this
 _PLACE_BLOCK = 1 << 20   # values rounded onto bands at a time
@@ -322,14 +329,15 @@ _TRIM_READ = 1e-30     # octaves dropped on the read side (and removing's top: c
 _TRIM_OTHER = 1e-9     # ... on the other side at most this: merged into the linear row 0, or held at the top
 
 
-def _band_fit(law: BandLaw, side: str, top_min: float) -> BandLaw:
+def _band_fit(law: BandLaw, side: str, top_min: float, points: int) -> BandLaw:
     """``law`` on the octaves that hold its mass, at a finer step where they are fewer.
 
     The octaves below the first that holds more than a small mass (:data:`_TRIM_OTHER`, or :data:`_TRIM_READ` where
     small sums are read) are merged into the linear row 0 (a rounding up or down onto its step, ``2^-p`` of the new
     floor), those above the last that does (beyond ``top_min``) are dropped (their mass at ``+inf`` or held at the top,
-    as any value beyond the top), and each octave left gets up to ``2^18`` points, the octaves' budget shared among
-    fewer rows.  A kept value stays exact: the new step divides the old one (both powers of 2 times the floor)."""
+    as any value beyond the top), and each octave left gets up to ``2^18`` points, the octaves' budget (``points``)
+    shared among fewer rows.  A kept value stays exact: the new step divides the old one (both powers of 2 times the
+    floor)."""
     rows, n = law.mass.shape[0], law.mass.shape[1] - 1
     bits = n.bit_length() - 1
     floor = law.unit * n
@@ -341,7 +349,7 @@ def _band_fit(law: BandLaw, side: str, top_min: float) -> BandLaw:
     top = max(int(np.argmax(above <= high)), math.ceil(math.log2(top_min / floor)), j + 1)
     top = min(top, rows - 1)
     new_rows = top - j + 1
-    new_bits = min(_BAND_BITS, max(bits, int(math.log2(_BAND_POINTS / new_rows))))
+    new_bits = min(_BAND_BITS, max(bits, int(math.log2(points / new_rows))))
     if new_rows == rows and new_bits == bits:
         return law
     return _band_rebin(law, floor * 2.0 ** j / (1 << new_bits), (new_rows, (1 << new_bits) + 1))
@@ -517,16 +525,17 @@ class BandPair:
     slack: float = 0.0
 
 
-@functools.lru_cache(maxsize=2)
-def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
+@functools.lru_cache(maxsize=4)
+def band_laws(mu: float, steps: int, relation: str, cap: float, points: int = _BAND_POINTS) -> BandPair:
     """``S`` on octave bands (module docstring), rounded up and down: the unshifted terms summed by doubling and
     rebinning, then (removing) the allocated term.  Removing: the upper law rounds up (a term above the top at
     ``+inf``), the lower down.  Adding: the upper law rounds down (a term above the top held there, ``S = 0`` a loss
     of ``+inf``), the lower up (``S`` at ``+inf`` dropped: a loss of ``-inf``).  ``cap``: the top band reaches
-    twice it (a term's ``1 - 1e-14`` quantile, or adding's ``m``)."""
+    twice it (a term's ``1 - 1e-14`` quantile, or adding's ``m``).  ``points``: about this many grid points in all,
+    ``2^p`` an octave (``p`` from :data:`_BAND_MIN_BITS` to 17; refitted octaves up to ``2^18``)."""
     floor = _BAND_FLOOR if relation == "remove" else _ADD_FLOOR
     rows = 2 + math.ceil(math.log2(cap / floor))
-    bits = min(17, max(14, int(math.log2(_BAND_POINTS / rows))))
+    bits = min(17, max(_BAND_MIN_BITS, int(math.log2(points / rows))))
     shape = (rows, (1 << bits) + 1)
     unit = floor / (1 << bits)
     side = "upper" if relation == "remove" else "lower"   # the tail that is read: large sums, or small ones
@@ -540,7 +549,7 @@ def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
                 acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit, power.mass.shape), side)
             left >>= 1
             if left:
-                power = _band_fit(_band_add(power, power, side), side, 2.0 * cap)
+                power = _band_fit(_band_add(power, power, side), side, 2.0 * cap, points)
         if relation == "remove":
             one = _band_term(mu, True, unit, shape, up, hi)
             acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
@@ -548,6 +557,73 @@ def band_laws(mu: float, steps: int, relation: str, cap: float) -> BandPair:
     if relation == "remove":
         return BandPair(out[0], out[1])
     return BandPair(out[0], BandLaw(out[1].unit, out[1].mass, 0.0, True, False))
+
+
+def _band_losses(band: BandLaw, steps: int, relation: str) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch's finite losses read from ``band`` (``log(S / t)``, or minus that adding) and their masses."""
+    with np.errstate(divide="ignore"):
+        loss = np.log(band.values().ravel() / steps)
+    if relation == "add":
+        loss = -loss
+    m = band.mass.ravel()
+    keep = np.isfinite(loss) & (m > 0)
+    return loss[keep], m[keep]
+
+
+def _probe_epsilon(loss: np.ndarray, m: np.ndarray, inf: float) -> float:
+    """The epsilon at :data:`_BAND_PROBE` of the PLD with the masses ``m`` at ``loss`` and ``inf`` at ``+inf`` (0 where
+    delta at 0 is below the probe, ``inf`` where ``inf`` is above it): only for choosing a resolution, never a
+    bound."""
+    if inf >= _BAND_PROBE:
+        return math.inf
+    keep = loss > 0
+    order = np.argsort(-loss[keep])
+    loss, m = loss[keep][order], m[keep][order]
+    if not loss.size:
+        return 0.0
+    a = inf + np.cumsum(m)                         # delta on [loss[k + 1], loss[k]]: a[k] - e^eps b[k]
+    b = np.cumsum(m * np.exp(-loss))
+    at_next = a - np.exp(np.append(loss[1:], 0.0)) * b   # delta at each segment's lower end
+    k = int(np.argmax(at_next >= _BAND_PROBE))
+    if at_next[k] < _BAND_PROBE:
+        return 0.0
+    return float(np.log(max(a[k] - _BAND_PROBE, 1e-300) / b[k]))
+
+
+def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: int) -> BandPair:
+    """:func:`band_laws` on as few points as ``epochs`` composed epochs need.
+
+    The bands' rounding moves each epoch's losses (the upper law's up, the lower's down) by a relative step of the
+    sums, ``2^-p`` per level, so the composed epsilon's two ends move apart by about ``epochs`` times one epoch's
+    shift, against an epsilon at least one epoch's.  The laws are built first on :data:`_BAND_TRY` points, and one
+    epoch's shift is measured there as the larger of the gap between the two laws' epsilons at :data:`_BAND_PROBE`
+    and between their mean losses (the bulk, which many epochs compose, moves more than the far tail: 5 times at
+    ``(sigma, t) = (0.4, 1000)``).  Where ``epochs`` times that shift exceeds :data:`_BAND_SHARE` of the upper
+    law's epsilon, they are built again on as many times more points (up to :data:`_BAND_POINTS`) as bring it
+    within (each doubling adds a bit an octave and halves the shift).  A direction whose epsilon is below
+    :data:`_BAND_BELOW` of the other's (read from the same law: a PLD ``w`` of ``P`` against ``Q`` gives that of
+    ``Q`` against ``P`` as ``w(-x) e^-x``) keeps the first build: its width does not show in the composition's
+    epsilon, the larger direction's.
+
+    Either choice is sound: both laws bound the epoch at any resolution; this chooses the width and the cost.  At
+    ``(sigma, t, epochs) = (1, 10, 3)`` the first build serves both directions (0.03 % in 2 s, where
+    :data:`_BAND_POINTS` gave 0.012 % in 15 s); a long epoch's small epsilon takes the finest."""
+    pair = band_laws(mu, steps, relation, cap, _BAND_TRY)
+    up, m_up = _band_losses(pair.upper, steps, relation)
+    down, m_down = _band_losses(pair.lower, steps, relation)
+    hi = _probe_epsilon(up, m_up, pair.upper.inf)
+    if not math.isfinite(hi):
+        return band_laws(mu, steps, relation, cap, _BAND_POINTS)
+    # the other direction: losses -x, masses e^-x times (capped: only a resolution is chosen here)
+    other = _probe_epsilon(-up, m_up * np.exp(np.minimum(-up, 700.0)), 0.0)
+    if hi == 0.0 or hi < _BAND_BELOW * other:
+        return pair
+    shift = max(hi - _probe_epsilon(down, m_down, pair.lower.inf),
+                float(np.dot(up, m_up) / m_up.sum() - np.dot(down, m_down) / m_down.sum()))
+    need = epochs * shift / (_BAND_SHARE * hi)
+    if need <= 1.0:
+        return pair
+    return band_laws(mu, steps, relation, cap, min(_BAND_POINTS, _BAND_TRY << math.ceil(math.log2(need))))
 
 
 def _losses(law: SumLaw | BandPair | LinearLaw, steps: int, relation: str, h: float, upper: bool
@@ -585,7 +661,8 @@ def _losses(law: SumLaw | BandPair | LinearLaw, steps: int, relation: str, h: fl
     return idx, pmf[keep], inf
 
 
-def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bounds: tuple[bool, ...]) -> list[Pld]:
+def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bounds: tuple[bool, ...],
+               epochs: int = 1) -> list[Pld]:
     """One epoch of random allocation in the direction ``relation`` (``"remove"`` or ``"add"``) on the loss grid
     ``h``, as a discrete PLD for each bound in ``bounds`` (``True``: upper).
 
@@ -601,6 +678,9 @@ def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bou
         The loss grid's step.
     bounds : tuple of bool
         Which PLDs: ``True`` upper, ``False`` lower.
+    epochs : int
+        How many such epochs are composed: octave bands are built as fine as their sum needs
+        (:func:`fitted_band_laws`).  Either choice is sound; it moves the bracket's width and the cost.
 
     Returns
     -------
@@ -614,7 +694,7 @@ def epoch_plds(noise_multiplier: float, steps: int, relation: str, h: float, bou
     True
     """
     mu = 1.0 / noise_multiplier
-    laws = sum_laws(mu, steps, relation)
+    laws = sum_laws(mu, steps, relation, epochs)
     out = []
     for upper in bounds:
         idx, mass, inf, slack = [], [], 0.0, 0.0

@@ -234,7 +234,7 @@ def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds:
                 scale_refinement: float) -> list[Pld]:
     """An amplified epoch of random allocation (:mod:`dpmath.pld.allocation`)."""
     try:
-        plds = epoch_plds(step.noise_multiplier, step.steps, relation, h, bounds)
+        plds = epoch_plds(step.noise_multiplier, step.steps, relation, h, bounds, count)
     except OverflowError:   # exp(mu^2 / 2 + ...) of the lognormal terms: mu = 1 / sigma is in the hundreds
         raise GridTooLargeError(
             f"noise_multiplier={step.noise_multiplier:g} is too small for the random-allocation PLD: its likelihood "
@@ -245,12 +245,18 @@ def _epoch_plds(step: RandomAllocationGaussian, relation: str, h: float, bounds:
     # epsilon at _PROBE_DELTA is the smaller (the octave bands make that rare: not at sigma >= 0.3).  Its grid is
     # built only where the exact Gaussian's epsilon (at most the grid's) is below the epoch's: at sigma = 0.05 the
     # grid (3.8M points) was the epoch's peak memory, 1.45 GB
-    if at is not None and GaussianCurve([(step.noise_multiplier, 1)]).epsilon_bracket(_PROBE_DELTA)[0] \
-            < (amplified := plds[at].epsilon(_PROBE_DELTA)):
+    if at is not None and _gaussian_probe(step.noise_multiplier) < (amplified := plds[at].epsilon(_PROBE_DELTA)):
         bound, f = _coarse_gaussian(step.dominating(), h)
         if bound.epsilon(_PROBE_DELTA) < amplified:
             plds[at] = _embedded(bound, f)
     return plds
+
+
+@functools.lru_cache(maxsize=64)
+def _gaussian_probe(noise_multiplier: float) -> float:
+    """The exact Gaussian step's epsilon at :data:`_PROBE_DELTA` (its lower end): asked again on every loss grid an
+    accountant tries, and an mpmath evaluation takes 0.15 s."""
+    return GaussianCurve([(noise_multiplier, 1)]).epsilon_bracket(_PROBE_DELTA)[0]
 
 
 def _coarse_gaussian(step: Gaussian, h: float) -> tuple[Pld, int]:
