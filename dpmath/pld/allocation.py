@@ -61,7 +61,8 @@ The Gaussian step without amplification (:meth:`dpmath.RandomAllocationGaussian.
 bounds, so either choice is sound); with the bands it no longer wins at ``sigma >= 0.3``.
 
 **Lighter tails and long epochs** (:func:`~dpmath.pld.linear_sum.linear_suits`: epochs of 1,000 to 10^5 steps at sigma
-0.8, from 1,000 at sigma 1 and above) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the pair
+0.8, from 1,000 at sigma 1 and above, and shorter ones whose terms' bodies end within 5 deviations of the sum, e.g.
+from 50 steps at sigma 2) are bounded in the convex order instead (:mod:`dpmath.pld.linear_sum`): the pair
 read under ``Q``, its likelihood ratio's law spread to linear grid points (upper) or contracted to cell means (lower),
 whose error is second order in the grid step where a rounding's is first order.
 
@@ -605,7 +606,9 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     ``Q`` against ``P`` as ``w(-x) e^-x``) keeps the first build: its width does not show in the composition's
     epsilon, the larger direction's.
 
-    Either choice is sound: both laws bound the epoch at any resolution; this chooses the width and the cost.  At
+    Either choice is sound: both laws bound the epoch at any resolution; this chooses the width and the cost.  One
+    more epoch can thus read a finer build, whose upper end is lower by up to half the share (2.5e-4 of epsilon):
+    the printed epsilon could step down where an epoch adds less than that, past about 2,000 epochs.  At
     ``(sigma, t, epochs) = (1, 10, 3)`` the first build serves both directions (0.03 % in 2 s, where
     :data:`_BAND_POINTS` gave 0.012 % in 15 s); a long epoch's small epsilon takes the finest."""
     pair = band_laws(mu, steps, relation, cap, _BAND_TRY)
