@@ -67,11 +67,13 @@ read under ``Q``, its likelihood ratio's law spread to linear grid points (upper
 whose error is second order in the grid step where a rounding's is first order.
 
 **Cost and width, measured** (``PLDAccountant().compose(RandomAllocationGaussian(sigma, t), epochs)
-.epsilon_bracket(delta)``, one core, cold, peak RSS).  Bands: ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)``
-[24.2620, 24.2628] (was [24.26, 50.03], the unamplified step), 9 s, 0.48 GB; ``(0.3, 100, 1, 1e-5)`` 0.001 % wide,
-9 s; ``(0.3, 1000, 1, 1e-5)`` 0.001 %, 15 s; ``(0.4, 1000, 10, 1e-5)`` 0.02 %, 16 s; ``(0.45, 500, 1, 1e-6)``
-0.002 %, 15 s, each under 0.5 GB; ``(0.5, 100000, 1, 1e-5)`` 0.17 %, 28 s.  On the bands the long epochs were wide:
-``(0.8, 4000, 10, 1e-5)`` 0.30 %, 26 s; ``(1, 20000, 1, 1e-5)`` 0.38 %, 27 s; ``(2, 100000, 1, 1e-5)`` 1.8 %, 27 s
+.epsilon_bracket(delta)``, one core, cold, peak RSS; ``benchmarks/results/dpmath_alloc_bands.md``, on a machine where
+the bands on ``2^21`` points took 2.5 times longer than in the run before).  Bands, as fine as the epochs need:
+``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)`` [24.261, 24.2639] (was [24.26, 50.03], the unamplified step;
+0.0034 % in 24 s on ``2^21`` points), 3 s, 0.3 GB; ``(0.3, 100, 1, 1e-5)`` 0.003 % wide, 3 s; ``(0.3, 1000, 1,
+1e-5)`` 0.004 %, 4 s; ``(0.4, 1000, 10, 1e-5)`` 0.03 %, 14 s; ``(0.45, 500, 1, 1e-6)`` 0.006 %, 4 s, each under
+0.35 GB; ``(0.5, 100000, 1, 1e-5)`` 0.18 %, 38 s (63 s on ``2^21`` points alone).  On the bands the long epochs were
+wide: ``(0.8, 4000, 10, 1e-5)`` 0.30 %, 26 s; ``(1, 20000, 1, 1e-5)`` 0.38 %, 27 s; ``(2, 100000, 1, 1e-5)`` 1.8 %, 27 s
 (a long epoch's sum concentrates near ``t``, where even the refitted relative rounding of ``2^-18`` per level is
 large against its spread); in the convex order they are 0.20 % in 6 s, 0.073 % in 2 s and 0.16 % in 2 s.
 The result is checked against an importance-sampled Monte Carlo estimate of ``delta`` and against the Renyi bound
@@ -609,8 +611,9 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     Either choice is sound: both laws bound the epoch at any resolution; this chooses the width and the cost.  One
     more epoch can thus read a finer build, whose upper end is lower by up to half the share (2.5e-4 of epsilon):
     the printed epsilon could step down where an epoch adds less than that, past about 2,000 epochs.  At
-    ``(sigma, t, epochs) = (1, 10, 3)`` the first build serves both directions (0.03 % in 2 s, where
-    :data:`_BAND_POINTS` gave 0.012 % in 15 s); a long epoch's small epsilon takes the finest."""
+    ``(sigma, t, epochs) = (0.35, 200, 5)`` the first build serves both directions (0.012 % in 3 s, where
+    :data:`_BAND_POINTS` gave 0.0034 % in 24 s: ``benchmarks/results/dpmath_alloc_bands.md``); a long epoch's small
+    epsilon takes the finest."""
     pair = band_laws(mu, steps, relation, cap, _BAND_TRY)
     up, m_up = _band_losses(pair.upper, steps, relation)
     down, m_down = _band_losses(pair.lower, steps, relation)
