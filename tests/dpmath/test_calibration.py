@@ -50,7 +50,8 @@ def test_calibrated_rc_sigma_meets_the_target_and_is_the_smallest(eps, q, steps)
     assert f(sigma / (1 + 1e-4)) > eps
 
 
-@pytest.mark.parametrize(("target", "step"), [(100.0, 1e-3), (1e3, 1e-2), (1e4, 0.1)])
+@pytest.mark.parametrize(("target", "step"),
+                         [(100.0, 1e-3), (1e3, 1e-2), pytest.param(1e4, 0.1, marks=pytest.mark.slow)])
 def test_a_large_target_is_searched_on_a_grid_in_proportion(target, step, monkeypatch):
     """At target_epsilon = 1e3 the search took 34 s on the 1e-4 grid (16 s an evaluation near sigma = 0.108);
     on a step of 1e-5 of the target (0.3 to 0.5 s) the returned sigma is one whose certified epsilon there meets
