@@ -12,6 +12,7 @@ Families: DP-SGD (the Poisson-subsampled Gaussian), randomized clipping (an enve
 (a float ``bracket_rtol``, tiny noise).
 
     OMP_NUM_THREADS=1 python benchmarks/dpmath_widths.py [--compare DIR] [--families rc alloc ...] [--timeout S]
+        [--warm]   # also the same call again on a new accountant in the same process
     OMP_NUM_THREADS=1 python benchmarks/dpmath_widths.py --sweep 25 --seed 1 [--compare DIR]   # random settings
 """
 
@@ -97,16 +98,20 @@ except Exception as exc:   # a typed refusal is a result too
     out = {"error": f"{type(exc).__name__}: {str(exc)[:90]}"}
 out["s"] = time.perf_counter() - start
 out["mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+if sys.argv[3] == "warm" and "error" not in out:   # the same call on a new accountant: the module caches warm
+    start = time.perf_counter()
+    PLDAccountant(**kwargs).compose(mechanism, count).epsilon_bracket(delta)
+    out["warm"] = time.perf_counter() - start
 out["file"] = dpmath.__file__
 print(json.dumps(out))
 """
 
 
-def run(row: str, checkout: str, timeout: float) -> dict:
+def run(row: str, checkout: str, timeout: float, warm: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        res = subprocess.run([sys.executable, "-c", _CHILD, checkout, row], capture_output=True, text=True,
-                             timeout=timeout, env=env)
+        res = subprocess.run([sys.executable, "-c", _CHILD, checkout, row, "warm" if warm else "cold"],
+                             capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"timeout": timeout}
     if res.returncode:
@@ -128,7 +133,8 @@ def cell(r: dict | None) -> str:
         return f"| {r['error']} | {r.get('s', 0):.1f} s | {r.get('mb', 0):.0f} MB |"
     lo, hi = r["lo"], r["hi"]
     width = (hi - lo) / hi * 100 if 0 < hi < float("inf") else float("nan")
-    return f"| [{lo:.6g}, {hi:.6g}] {width:.3g} % | {r['s']:.1f} s | {r['mb']:.0f} MB |"
+    warm = f" (warm {r['warm']:.1f} s)" if "warm" in r else ""
+    return f"| [{lo:.6g}, {hi:.6g}] {width:.3g} % | {r['s']:.1f} s{warm} | {r['mb']:.0f} MB |"
 
 
 def sweep(count: int, seed: int) -> list[tuple[str, str, str]]:
@@ -163,6 +169,8 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, metavar="N", help="instead of the table: N random DP-SGD and N random "
                         "randomized-clipping rows")
     parser.add_argument("--seed", type=int, default=0, help="the sweep's seed (default 0)")
+    parser.add_argument("--warm", action="store_true", help="also time the same call again in the same process, on a "
+                        "new accountant (the module-level caches warm: random allocation's epoch laws)")
     args = parser.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = sweep(args.sweep, args.seed) if args.sweep else ROWS
@@ -173,8 +181,8 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for family, label, expr in rows:
-        after = run(expr, here, args.timeout)
-        before = run(expr, args.compare, args.timeout) if args.compare else None
+        after = run(expr, here, args.timeout, args.warm)
+        before = run(expr, args.compare, args.timeout, args.warm) if args.compare else None
         line = f"| {family} | {label} {cell(after)}"
         if args.compare:
             line += cell(before)[1:]
