@@ -74,6 +74,10 @@ TASKS = [
          "The table's random-allocation and cost rows, the bands built first on 2^18 points and again finer only where "
          "the composed epochs' width would show, against the checkout before, alternated row by row in one run.",
          "python benchmarks/dpmath_widths.py --families alloc cost --compare DIR", CPU, "dpmath_alloc_bands.md"),
+    Task("Accountants", "Random allocation, cold and warm",
+         "The table's random-allocation rows, each call timed cold (a new process: the epoch's laws built) and again "
+         "on a new accountant in the same process (warm: the laws cached for that noise, epoch length and count).",
+         "python benchmarks/dpmath_widths.py --families alloc --warm", CPU, "dpmath_alloc_warm.md"),
     Task("Accountants", "Default brackets off the table",
          "The same calls at random settings: DP-SGD (σ 0.3 to 3, q 1e-5 to 0.1, half of them round numbers, 10 to "
          "3·10⁵ steps, δ 1e-12 to 1e-4) and randomized clipping (Hutch k 4 to 64, d 64 to 2048, σ 0.6 to 3, q 3e-4 to "
