@@ -562,12 +562,16 @@ def band_laws(mu: float, steps: int, relation: str, cap: float, points: int = _B
     return BandPair(out[0], BandLaw(out[1].unit, out[1].mass, 0.0, True, False))
 
 
-def _band_losses(band: BandLaw, steps: int, relation: str) -> tuple[np.ndarray, np.ndarray]:
-    """One epoch's finite losses read from ``band`` (``log(S / t)``, or minus that adding) and their masses."""
+def _epoch_loss(s: np.ndarray, steps: int, relation: str) -> np.ndarray:
+    """The epoch's loss at the sums ``s``: ``log(S / t)`` removing, minus that adding (``S = 0``: an infinite loss)."""
     with np.errstate(divide="ignore"):
-        loss = np.log(band.values().ravel() / steps)
-    if relation == "add":
-        loss = -loss
+        loss = np.log(s / steps)
+    return -loss if relation == "add" else loss
+
+
+def _band_losses(band: BandLaw, steps: int, relation: str) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch's finite losses read from ``band`` (:func:`_epoch_loss`) and their masses."""
+    loss = _epoch_loss(band.values().ravel(), steps, relation)
     m = band.mass.ravel()
     keep = np.isfinite(loss) & (m > 0)
     return loss[keep], m[keep]
@@ -645,10 +649,7 @@ def _losses(law: SumLaw | BandPair | LinearLaw, steps: int, relation: str, h: fl
         start, pmf = (law.start, law.upper) if upper else (law.lower_start, law.lower)
         s = np.abs(start + np.arange(pmf.size)) * law.step
         inf = law.inf if upper else 0.0
-    with np.errstate(divide="ignore"):
-        loss = np.log(s / steps)
-    if relation == "add":
-        loss = -loss
+    loss = _epoch_loss(s, steps, relation)
     finite = np.isfinite(loss) & (pmf > 0)
     if upper:
         inf += float(pmf[np.isposinf(loss)].sum())
