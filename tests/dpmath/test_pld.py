@@ -924,3 +924,25 @@ def test_a_window_past_the_grid_limit_says_what_its_chernoff_bound_means():
     with pytest.raises(GridTooLargeError, match=r"needs more than 33,554,432 grid points \(the Chernoff bound .* no "
                                                   r"bound at all\); .*coarser discretization"):
         acc.epsilon_bracket(1e-12)
+
+
+def test_a_delta_read_no_tilt_resolves_ends_on_the_cut_steps_composition_and_stays_a_bracket(monkeypatch):
+    # where no tilted pass is enough (at q 1e-6 the extended passes' error bounds sit above 1e-3 of delta), a delta
+    # read ends, as an epsilon query does, on the cut steps' untilted composition (its cut mass charged), not on the
+    # uncut steps': the reading is still a bound on its side, against both bounds of the uncut composition
+    from dpmath.pld.compose import Composition
+    from dpmath.pld.steps import step_plds
+
+    steps = step_plds(SubsampledGaussian(1.5665, 0.05, HutchEnvelope(16, 24)), "remove", 1e-3, (True, False), 60)
+    eps = Composition([(steps[0], 60)], 1e-18).epsilon(1e-5)
+    whole = [Composition([(step, 60)], 1e-18).full().delta(eps) for step in steps]   # untilted, nothing cut
+    assert whole[1] <= whole[0]
+    monkeypatch.setattr(Composition, "_good", lambda self, pld, e, d: False)   # no pass is enough
+    for step in steps:
+        comp = Composition([(step, 60)], 1e-18)
+        read = comp.delta(eps)
+        assert comp._full is None and comp._cut(read) is not comp   # the cut steps' composition ended the read
+        if step.upper:
+            assert read >= whole[1] and read == pytest.approx(whole[0], rel=1e-3)
+        else:
+            assert read <= whole[0] and read == pytest.approx(whole[1], rel=1e-3)
