@@ -217,6 +217,7 @@ _BAND_TRY = 1 << 18     # ... first built on this many points, again on more whe
 _BAND_SHARE = 5e-4      # (fitted_band_laws): the bands' share of the composed epsilon's relative width ...
 _BAND_PROBE = 1e-6      # ... measured at this delta; a direction whose epsilon there is below this fraction of the
 _BAND_BELOW = 0.9       # other's keeps the first build
+_BAND_WORK = 1 << 25    # a build's points times the doublings of its sum at most this (the cost of the finest)
 _BAND_FLOOR = 2.0 ** -8  # ... below this (one term's units, scaled with the sum's size) a linear grid instead; ...
 _ADD_FLOOR = 2.0 ** -40  # ... adding, whose large losses are small sums, down to this
 _PLACE_BLOCK = 1 << 20   # values rounded onto bands at a time
@@ -330,32 +331,45 @@ def _band_rebin(law: BandLaw, unit: float, shape: tuple[int, int] | None = None)
 _BAND_BITS = 18        # at most 2^18 points an octave (where few octaves hold a sum's mass)
 _TRIM_READ = 1e-30     # octaves dropped on the read side (and removing's top: charged to +inf) hold at most this ...
 _TRIM_OTHER = 1e-9     # ... on the other side at most this: merged into the linear row 0, or held at the top
+_TRIM_CHARGED = 1e-3   # ... and removing's top at most this of the mass the allocated term already puts at +inf
 
 
-def _band_fit(law: BandLaw, side: str, top_min: float, points: int) -> BandLaw:
+def _band_fit(law: BandLaw, side: str, top_min: float, points: int, charged: float = 0.0) -> BandLaw:
     """``law`` on the octaves that hold its mass, at a finer step where they are fewer.
 
     The octaves below the first that holds more than a small mass (:data:`_TRIM_OTHER`, or :data:`_TRIM_READ` where
     small sums are read) are merged into the linear row 0 (a rounding up or down onto its step, ``2^-p`` of the new
-    floor), those above the last that does (beyond ``top_min``) are dropped (their mass at ``+inf`` or held at the top,
-    as any value beyond the top), and each octave left gets up to ``2^18`` points, the octaves' budget (``points``)
-    shared among fewer rows.  A kept value stays exact: the new step divides the old one (both powers of 2 times the
-    floor)."""
+    floor), those above the last that does (beyond ``top_min``; where large sums are read, the larger of
+    :data:`_TRIM_READ` and ``charged``) are dropped: their mass at ``+inf`` (rounded up), held at the top (rounded
+    down, upper masses) or left out (lower masses: a lower bound with less mass is one still).  Each octave left gets
+    up to ``2^18`` points, the octaves' budget (``points``) shared among fewer rows.  A kept value stays exact: the
+    new step divides the old one (both powers of 2 times the floor)."""
     rows, n = law.mass.shape[0], law.mass.shape[1] - 1
     bits = n.bit_length() - 1
     floor = law.unit * n
     r = law.mass.sum(axis=1)
     low = _TRIM_READ if side == "lower" else _TRIM_OTHER
-    high = _TRIM_READ if side == "upper" else _TRIM_OTHER
+    high = max(_TRIM_READ, charged) if side == "upper" else _TRIM_OTHER
     j = max(0, int(np.count_nonzero(np.cumsum(r) <= low)) - 1)         # rows 0..j become the new row 0
     above = np.append(np.cumsum(r[::-1])[::-1], 0.0)[1:]                # mass above each row
-    top = max(int(np.argmax(above <= high)), math.ceil(math.log2(top_min / floor)), j + 1)
+    top = max(int(np.argmax(above <= high)), math.ceil(math.log2(top_min / floor)) if top_min else 0, j + 1)
     top = min(top, rows - 1)
     new_rows = top - j + 1
     new_bits = min(_BAND_BITS, max(bits, int(math.log2(points / new_rows))))
     if new_rows == rows and new_bits == bits:
         return law
+    if not law.hi and top < rows - 1:
+        law = BandLaw(law.unit, law.mass[: top + 1], law.inf, law.up, law.hi)
     return _band_rebin(law, floor * 2.0 ** j / (1 << new_bits), (new_rows, (1 << new_bits) + 1))
+
+
+def _band_extend(law: BandLaw, top: float) -> BandLaw:
+    """``law`` with empty octaves added above until its top band reaches ``top`` (the values of every row unchanged)."""
+    rows, n = law.mass.shape[0], law.mass.shape[1] - 1
+    need = max(rows, 1 + math.ceil(math.log2(top / (law.unit * n))))
+    if need == rows:
+        return law
+    return BandLaw(law.unit, np.vstack([law.mass, np.zeros((need - rows, n + 1))]), law.inf, law.up, law.hi)
 
 
 def _coarsen(c: np.ndarray, up: bool) -> np.ndarray:
@@ -544,6 +558,11 @@ def band_laws(mu: float, steps: int, relation: str, cap: float, points: int = _B
     side = "upper" if relation == "remove" else "lower"   # the tail that is read: large sums, or small ones
     out = []
     # (rounding up, upper bounds on masses): removing's upper and lower laws, or adding's
+    # removing: the doubled sums reach only as high as their mass above the trims (the allocated term, added last,
+    # is on bands to twice the cap, whose mass beyond it is at +inf in the upper law: the sums' far octaves charged
+    # at a small share of that cost little; at (0.5, 10^5) they were 4 of 13 octaves); adding: twice the cap
+    charged = _TRIM_CHARGED * _band_term(mu, True, unit, shape, True, True).inf if relation == "remove" else 0.0
+    top_min = 0.0 if relation == "remove" else 2.0 * cap
     for up, hi in ((True, True), (False, False)) if relation == "remove" else ((False, True), (True, False)):
         unshifted = steps - 1 if relation == "remove" else steps
         power, acc, left = _band_term(mu, False, unit, shape, up, hi), None, unshifted
@@ -552,10 +571,14 @@ def band_laws(mu: float, steps: int, relation: str, cap: float, points: int = _B
                 acc = power if acc is None else _band_add(power, _band_rebin(acc, power.unit, power.mass.shape), side)
             left >>= 1
             if left:
-                power = _band_fit(_band_add(power, power, side), side, 2.0 * cap, points)
+                power = _band_fit(_band_add(power, power, side), side, top_min, points, charged)
         if relation == "remove":
             one = _band_term(mu, True, unit, shape, up, hi)
-            acc = one if acc is None else _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
+            if acc is not None:
+                acc = _band_extend(acc, 2.0 * cap)
+                acc = _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
+            else:
+                acc = one
         out.append(acc)
     if relation == "remove":
         return BandPair(out[0], out[1])
@@ -618,12 +641,13 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     ``(sigma, t, epochs) = (0.35, 200, 5)`` the first build serves both directions (0.012 % in 3 s, where
     :data:`_BAND_POINTS` gave 0.0034 % in 24 s: ``benchmarks/results/dpmath_alloc_bands.md``); a long epoch's small
     epsilon takes the finest."""
+    finest = min(_BAND_POINTS, 1 << int(math.log2(_BAND_WORK / steps.bit_length())))
     pair = band_laws(mu, steps, relation, cap, _BAND_TRY)
     up, m_up = _band_losses(pair.upper, steps, relation)
     down, m_down = _band_losses(pair.lower, steps, relation)
     hi = _probe_epsilon(up, m_up, pair.upper.inf)
     if not math.isfinite(hi):
-        return band_laws(mu, steps, relation, cap, _BAND_POINTS)
+        return band_laws(mu, steps, relation, cap, finest)
     # the other direction: losses -x, masses e^-x times (capped: only a resolution is chosen here)
     other = _probe_epsilon(-up, m_up * np.exp(np.minimum(-up, 700.0)), 0.0)
     if hi == 0.0 or hi < _BAND_BELOW * other:
@@ -633,7 +657,7 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     need = epochs * shift / (_BAND_SHARE * hi)
     if need <= 1.0:
         return pair
-    return band_laws(mu, steps, relation, cap, min(_BAND_POINTS, _BAND_TRY << math.ceil(math.log2(need))))
+    return band_laws(mu, steps, relation, cap, min(finest, _BAND_TRY << math.ceil(math.log2(need))))
 
 
 def _losses(law: SumLaw | BandPair | LinearLaw, steps: int, relation: str, h: float, upper: bool
