@@ -48,8 +48,10 @@ counted in) the row's product is computed again under exponential tilts (:func:`
 negligible mass is not transformed but put at the end of its range the rounding points to. A term above the top band
 (twice its ``1 - 1e-14`` quantile) is charged to ``+inf`` (upper) or held at the top (lower). As a sum concentrates
 (long epochs), each doubling is refitted (:func:`_band_fit`): the octaves below its mass merge into the linear row 0,
-those above it are dropped (beyond the top), and the octaves left share the points, up to ``2^18`` each, a finer
-relative step; a kept value stays on the finer grid exactly.
+those above it are dropped (beyond the top: removing charges at most ``1e-3`` of the allocated term's own ``+inf``
+mass a doubling there, and only the allocated term, added last, is held on octaves to twice the cap), and the
+octaves left share the points, up to ``2^18`` each, a finer relative step; a kept value stays on the finer grid
+exactly.
 
 **Adding** has its large losses where ``S`` is small, so a term above ``m`` (at most ``t e^3``, and where
 ``E (W - m)_+`` is ``5e-5``) is held at ``m`` (upper: a smaller ``S``, a larger loss) or dropped (lower: the loss
@@ -72,7 +74,8 @@ the bands on ``2^21`` points took 2.5 times longer than in the run before).  Ban
 ``(sigma, t, epochs, delta) = (0.35, 200, 5, 1e-6)`` [24.261, 24.2639] (was [24.26, 50.03], the unamplified step;
 0.0034 % in 24 s on ``2^21`` points), 3 s, 0.3 GB; ``(0.3, 100, 1, 1e-5)`` 0.003 % wide, 3 s; ``(0.3, 1000, 1,
 1e-5)`` 0.004 %, 4 s; ``(0.4, 1000, 10, 1e-5)`` 0.03 %, 14 s; ``(0.45, 500, 1, 1e-6)`` 0.006 %, 4 s, each under
-0.35 GB; ``(0.5, 100000, 1, 1e-5)`` 0.18 %, 38 s (63 s on ``2^21`` points alone).  On the bands the long epochs were
+0.35 GB; ``(0.5, 100000, 1, 1e-5)`` 0.20 %, 29 s on ``2^20`` points (:func:`finest_band_points`; 0.18 % in 37 s
+on ``2^21`` with every doubling's octaves reaching twice the cap).  On the bands the long epochs were
 wide: ``(0.8, 4000, 10, 1e-5)`` 0.30 %, 26 s; ``(1, 20000, 1, 1e-5)`` 0.38 %, 27 s; ``(2, 100000, 1, 1e-5)`` 1.8 %, 27 s
 (a long epoch's sum concentrates near ``t``, where even the refitted relative rounding of ``2^-18`` per level is
 large against its spread); in the convex order they are 0.20 % in 6 s, 0.073 % in 2 s and 0.16 % in 2 s.
@@ -260,7 +263,7 @@ def _band_index(v: np.ndarray, unit: float, shape: tuple[int, int], up: bool) ->
     over = row >= rows
     row = np.minimum(row, rows - 1)
     step = unit * np.exp2(np.maximum(row - 1, 0))
-    q = v / step
+    q = np.where(over, 0.0, v / step)   # beyond the top: no index computed (it can pass int64's range)
     j = (np.ceil(q) if up else np.floor(q)).astype(np.int64) - np.where(row > 0, n, 0)
     j = np.where(over, n, j)
     return row * (n + 1) + j, over
@@ -363,13 +366,18 @@ def _band_fit(law: BandLaw, side: str, top_min: float, points: int, charged: flo
     return _band_rebin(law, floor * 2.0 ** j / (1 << new_bits), (new_rows, (1 << new_bits) + 1))
 
 
-def _band_extend(law: BandLaw, top: float) -> BandLaw:
-    """``law`` with empty octaves added above until its top band reaches ``top`` (the values of every row unchanged)."""
+def _band_extend(law: BandLaw, top: float, points: int) -> BandLaw:
+    """``law`` with empty octaves added above until its top band reaches ``top``, on at most ``points`` points in all
+    (at least ``2^10`` an octave): fewer an octave where the octaves added take them (one more rounding, on the law's
+    side)."""
     rows, n = law.mass.shape[0], law.mass.shape[1] - 1
-    need = max(rows, 1 + math.ceil(math.log2(top / (law.unit * n))))
-    if need == rows:
+    floor = law.unit * n
+    need = max(rows, 1 + math.ceil(math.log2(top / floor)))
+    bits = n.bit_length() - 1
+    new_bits = max(_BAND_MIN_BITS, min(bits, int(math.log2(points / need))))
+    if need == rows and new_bits == bits:
         return law
-    return BandLaw(law.unit, np.vstack([law.mass, np.zeros((need - rows, n + 1))]), law.inf, law.up, law.hi)
+    return _band_rebin(law, floor / (1 << new_bits), (need, (1 << new_bits) + 1))
 
 
 def _coarsen(c: np.ndarray, up: bool) -> np.ndarray:
@@ -575,7 +583,7 @@ def band_laws(mu: float, steps: int, relation: str, cap: float, points: int = _B
         if relation == "remove":
             one = _band_term(mu, True, unit, shape, up, hi)
             if acc is not None:
-                acc = _band_extend(acc, 2.0 * cap)
+                acc = _band_extend(acc, 2.0 * cap, points)
                 acc = _band_add(acc, _band_rebin(one, acc.unit, acc.mass.shape), side)
             else:
                 acc = one
@@ -620,6 +628,16 @@ def _probe_epsilon(loss: np.ndarray, m: np.ndarray, inf: float) -> float:
     return float(np.log(max(a[k] - _BAND_PROBE, 1e-300) / b[k]))
 
 
+def finest_band_points(steps: int) -> int:
+    """The most points a banded epoch of ``steps`` steps is built on: :data:`_BAND_POINTS`, and at most
+    :data:`_BAND_WORK` over the doublings its sum takes (a build's cost grows with both).  At ``(sigma, t) = (0.5,
+    10^5)`` (17 doublings) ``2^20`` points gave [0.201728, 0.20213] (0.20 %) in 29 s, where ``2^21`` had given
+    [0.201747, 0.202104] (0.18 %) in 37 s with every doubling's octaves reaching twice the cap
+    (``benchmarks/results/dpmath_alloc_trim.md``); with the far octaves trimmed, ``2^21`` gave 0.23 % there, wider
+    than ``2^20``: the FFTs' error bounds grow with the points and take what the finer step gives."""
+    return min(_BAND_POINTS, 1 << int(math.log2(_BAND_WORK / steps.bit_length())))
+
+
 def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: int) -> BandPair:
     """:func:`band_laws` on as few points as ``epochs`` composed epochs need.
 
@@ -629,7 +647,7 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     epoch's shift is measured there as the larger of the gap between the two laws' epsilons at :data:`_BAND_PROBE`
     and between their mean losses (the bulk, which many epochs compose, moves more than the far tail: 5 times at
     ``(sigma, t) = (0.4, 1000)``).  Where ``epochs`` times that shift exceeds :data:`_BAND_SHARE` of the upper
-    law's epsilon, they are built again on as many times more points (up to :data:`_BAND_POINTS`) as bring it
+    law's epsilon, they are built again on as many times more points (up to :func:`finest_band_points`) as bring it
     within (each doubling adds a bit an octave and halves the shift).  A direction whose epsilon is below
     :data:`_BAND_BELOW` of the other's (read from the same law: a PLD ``w`` of ``P`` against ``Q`` gives that of
     ``Q`` against ``P`` as ``w(-x) e^-x``) keeps the first build: its width does not show in the composition's
@@ -641,7 +659,7 @@ def fitted_band_laws(mu: float, steps: int, relation: str, cap: float, epochs: i
     ``(sigma, t, epochs) = (0.35, 200, 5)`` the first build serves both directions (0.012 % in 3 s, where
     :data:`_BAND_POINTS` gave 0.0034 % in 24 s: ``benchmarks/results/dpmath_alloc_bands.md``); a long epoch's small
     epsilon takes the finest."""
-    finest = min(_BAND_POINTS, 1 << int(math.log2(_BAND_WORK / steps.bit_length())))
+    finest = finest_band_points(steps)
     pair = band_laws(mu, steps, relation, cap, _BAND_TRY)
     up, m_up = _band_losses(pair.upper, steps, relation)
     down, m_down = _band_losses(pair.lower, steps, relation)

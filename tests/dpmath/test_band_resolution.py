@@ -75,3 +75,45 @@ def test_a_coarse_and_a_fine_build_hold_each_other_and_the_fine_one_is_narrower(
     allocation.sum_laws.cache_clear()
     assert coarse[0] <= fine[1] and fine[0] <= coarse[1]
     assert fine[1] - fine[0] < coarse[1] - coarse[0]
+
+
+def test_a_long_epochs_finest_build_is_capped_by_the_doublings_of_its_sum():
+    # the finest build costs its points times the doublings: 10^5 steps (17 doublings) stop at 2^20 points, where
+    # 2^21 doubled the time for a tenth of the width; epochs up to 2^16 steps keep the finest
+    assert allocation.finest_band_points(100_000) == 1 << 20
+    assert allocation.finest_band_points(1_000) == allocation._BAND_POINTS
+    assert allocation.finest_band_points(2) == allocation._BAND_POINTS
+
+
+def test_the_doubled_sums_stop_at_their_mass_and_only_a_small_share_is_charged(monkeypatch):
+    mu, t = 2.0, 1000
+    cap = math.exp(0.5 * mu * mu + allocation._CAP_Z * mu)
+    unit, shape = allocation._BAND_FLOOR / 2**10, (2 + math.ceil(math.log2(cap / allocation._BAND_FLOOR)), 2**10 + 1)
+    allocated = allocation._band_term(mu, True, unit, shape, True, True).inf
+    trimmed = allocation.band_laws.__wrapped__(mu, t, "remove", cap, allocation._BAND_TRY)
+    charge = allocation._TRIM_CHARGED
+    monkeypatch.setattr(allocation, "_TRIM_CHARGED", 0.0)
+    whole = allocation.band_laws.__wrapped__(mu, t, "remove", cap, allocation._BAND_TRY)
+    # a doubled sum stops below its far octaves (charged), the allocated term's octaves reach
+    # twice the cap, and each doubling charges at most 1e-3 of that term's +inf mass
+    term = allocation._band_term(mu, False, unit, shape, True, True)
+    two = allocation._band_add(term, term, "upper")
+    fitted = [allocation._band_fit(two, "upper", 0.0, allocation._BAND_TRY, c) for c in (charge * allocated, 0.0)]
+    assert fitted[0].mass.shape[0] < fitted[1].mass.shape[0]
+    assert trimmed.upper.values().max() >= 2.0 * cap
+    assert allocated <= trimmed.upper.inf <= whole.upper.inf + 10 * charge * allocated
+    for law, other in ((trimmed.upper, whole.upper), (trimmed.lower, whole.lower)):
+        eps = allocation._probe_epsilon(*allocation._band_losses(law, t, "remove"), law.inf)
+        ref = allocation._probe_epsilon(*allocation._band_losses(other, t, "remove"), other.inf)
+        assert eps == pytest.approx(ref, rel=1e-4)
+
+
+def test_the_allocated_terms_octaves_share_the_points_budget():
+    # at sigma 0.05 the doubled sums hold their mass in few octaves (finer steps), but the allocated term spans about
+    # 500: adding it on the sums' step took 80 s and 6.7 GB; the extended law goes back to the budget
+    mu = 20.0
+    cap = math.exp(0.5 * mu * mu + allocation._CAP_Z * mu)
+    pair = allocation.band_laws.__wrapped__(mu, 10, "remove", cap, allocation._BAND_TRY)
+    for law in (pair.upper, pair.lower):
+        assert law.values().max() >= 2.0 * cap
+        assert law.mass.shape[1] == (1 << allocation._BAND_MIN_BITS) + 1
