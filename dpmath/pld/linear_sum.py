@@ -74,7 +74,7 @@ import numpy as np
 from scipy import fft as sfft
 from scipy import special
 
-from .compose import EXTENDED, FFT_ERR
+from .compose import EXTENDED, FFT_ERR, fft_plan
 
 __all__ = ["POINTS", "CUT", "fft_bound", "LinearLaw", "linear_law", "linear_suits"]
 
@@ -187,6 +187,7 @@ def _tilt_add(x: _Tilted, y: _Tilted, extended: bool) -> _Tilted:
     n = x.m.size + y.m.size - 1
     nfft = 1 << (n - 1).bit_length()
     dtype = np.longdouble if extended else np.float64
+    fft_plan(nfft, dtype)
     fx = sfft.rfft(x.m.astype(dtype), nfft)
     fy = fx if y is x else sfft.rfft(y.m.astype(dtype), nfft)
     z = sfft.irfft(fx * fy, nfft)[:n]
@@ -295,6 +296,7 @@ def _moment_add(x: _Moments, y: _Moments, down: bool, extended: bool) -> _Moment
     n = x.m.size + y.m.size - 1
     nfft = 1 << (n - 1).bit_length()
     dtype = np.longdouble if extended else np.float64
+    fft_plan(nfft, dtype)
     u = float(np.finfo(dtype).eps) / 2
     fmx, fox = sfft.rfft(x.m.astype(dtype), nfft), sfft.rfft(x.o.astype(dtype), nfft)
     fmy, foy = (fmx, fox) if y is x else (sfft.rfft(y.m.astype(dtype), nfft), sfft.rfft(y.o.astype(dtype), nfft))
