@@ -74,6 +74,16 @@ TASKS = [
          "The table's random-allocation and cost rows, the bands built first on 2^18 points and again finer only where "
          "the composed epochs' width would show, against the checkout before, alternated row by row in one run.",
          "python benchmarks/dpmath_widths.py --families alloc cost --compare DIR", CPU, "dpmath_alloc_bands.md"),
+    Task("Accountants", "Random allocation's doubled sums trimmed to their mass",
+         "The table's random-allocation and cost rows, a removing epoch's doubled sums reaching only as high as their "
+         "mass and the finest build capped by the doublings of its sum, against the checkout before, alternated row "
+         "by row in one run.",
+         "python benchmarks/dpmath_widths.py --families alloc cost --compare DIR", CPU, "dpmath_alloc_trim.md"),
+    Task("Accountants", "One large FFT plan a precision",
+         "Every other family of the table, with at most one large FFT plan kept in each precision, against the "
+         "checkout before, alternated row by row in one run: the same brackets, the fine-grid query's peak memory.",
+         "python benchmarks/dpmath_widths.py --families dpsgd rc fixed truncated cost --compare DIR", CPU,
+         "dpmath_fft_plans.md"),
     Task("Accountants", "Random allocation, cold and warm",
          "The table's random-allocation rows, each call timed cold (a new process: the epoch's laws built) and again "
          "on a new accountant in the same process (warm: the laws cached for that noise, epoch length and count).",
