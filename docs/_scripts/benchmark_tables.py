@@ -84,6 +84,10 @@ TASKS = [
          "checkout before, alternated row by row in one run: the same brackets, the fine-grid query's peak memory.",
          "python benchmarks/dpmath_widths.py --families dpsgd rc fixed truncated cost --compare DIR", CPU,
          "dpmath_fft_plans.md"),
+    Task("Accountants", "A pass's powers in place",
+         "The table's cost rows with one large FFT plan a precision and a pass's powers taken in place on its own "
+         "transforms, against the checkout before, alternated row by row in one run.",
+         "python benchmarks/dpmath_widths.py --families cost --compare DIR", CPU, "dpmath_pass_memory.md"),
     Task("Accountants", "Random allocation, cold and warm",
          "The table's random-allocation rows, each call timed cold (a new process: the epoch's laws built) and again "
          "on a new accountant in the same process (warm: the laws cached for that noise, epoch length and count).",
