@@ -313,7 +313,6 @@ class Spectra:
         if self.size > _SPECTRA_MAX:
             return None
         if i not in self.transforms:
-            fft_plan(self.size, np.float64)
             self.transforms[i] = _transform(f, 0.0, self.size, np.float64)
         return self.transforms[i]
 
