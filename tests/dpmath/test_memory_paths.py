@@ -104,3 +104,26 @@ def test_large_fft_plans_of_other_lengths_are_not_kept():
                              cwd=Path(__file__).resolve().parents[2])
         grown[mode] = float(out.stdout.split()[-1])
     assert grown["plan"] < 60.0 < grown["plan"] + 60.0 < grown["keep"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_pass_taking_its_powers_in_place_leaves_the_shared_transforms_as_they_were(shared):
+    # a two-point step: no frequency's modulus is small, so every one is kept and the powers are taken in place,
+    # on the pass's own transforms only; a shared one is reused at other counts
+    from dpmath.pld.compose import Composition, Spectra, tilted_product
+
+    step = Pld(0.1, -3, np.array([0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.7]), 0.0, True)
+    comp = Composition([(step, 5)], 1e-18)
+    spectra = Spectra(comp.hi - comp.lo + 1) if shared else None
+    first = tilted_product(comp.factors, 0.0, comp.lo, comp.hi, comp.lo, comp.hi, comp.h, spectra=spectra)
+    kept = [x.copy() for x, _, _ in spectra.transforms.values()] if shared else []
+    again = tilted_product(comp.factors, 0.0, comp.lo, comp.hi, comp.lo, comp.hi, comp.h, spectra=spectra)
+    if shared:
+        now = [x for x, _, _ in spectra.transforms.values()]
+        assert len(now) == len(kept) == 1 and np.array_equal(now[0], kept[0])
+    assert first[0] == again[0] and np.array_equal(first[1], again[1]) and np.array_equal(first[2], again[2])
+    # five copies of 0.3 at -0.3 and 0.7 at +0.3: the binomial masses
+    masses = {round(-1.5 + 0.6 * j, 6): math.comb(5, j) * 0.7**j * 0.3 ** (5 - j) for j in range(6)}
+    values = dict(zip(np.round((first[0] + np.arange(first[1].size)) * comp.h, 6), first[1], strict=True))
+    for x, m in masses.items():
+        assert values[x] == pytest.approx(m, rel=1e-9)
