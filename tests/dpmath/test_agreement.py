@@ -87,3 +87,25 @@ def test_a_flat_heavy_tailed_curve_reads_back_its_own_epsilon_without_a_large_nu
     acc = PLDAccountant().compose(SubsampledGaussian(0.8, 0.005, HutchEnvelope(8, 2048)), 1000)
     lo, hi = acc.epsilon_bracket(1e-9)
     assert 370 < lo <= hi < 375   # the agreement is checked inside (a public delta here costs 25 s and 4.6 GB)
+
+
+def test_the_agreement_check_stops_delta_on_the_first_grid_that_shows_it_and_the_whole_query_agrees():
+    # a float target's delta refines on to its own width; the check only needs an upper end at most delta, and the
+    # grids come in the same order either way, so the whole query's upper end is at most the stopped one's
+    m, n, d = SubsampledGaussian(1.0, 0.01), 1000, 1e-6
+    x = PLDAccountant(bracket_rtol=None).compose(m, n).epsilon(d)   # the first grid's own epsilon
+    stopped = PLDAccountant(bracket_rtol=1e-4).compose(m, n)
+    assert stopped._delta_at_most(x, d)
+    whole = PLDAccountant(bracket_rtol=1e-4).compose(m, n)
+    assert whole.delta(x) <= d
+    assert set(stopped._plds) < set(whole._plds)   # a strict prefix: the stop saved the finer grid
+
+
+@pytest.mark.slow   # 5-10 s
+def test_a_float_target_goes_on_to_the_scale_grid_where_a_finer_loss_grid_did_not_narrow_the_bracket():
+    # Hutch k 8, 5 steps: halving h moved the bracket 0.223 -> 0.224 %, and the stall rule stopped a 1e-3 target at
+    # 0.43 %; the split only measured that the scale grid holds the width, and a scale step / 5.7 gives 0.06 %
+    acc = PLDAccountant(bracket_rtol=1e-3).compose(SubsampledGaussian(1.0, 0.02, HutchEnvelope(8, 64)), 5)
+    lo, hi = acc.epsilon_bracket(1e-9)
+    assert hi - lo <= 1e-3 * hi
+    assert 88.75 < lo <= hi < 89.14   # inside the coarser grids' bracket [88.757, 89.136]
