@@ -88,6 +88,12 @@ TASKS = [
          "The table's cost rows with one large FFT plan a precision and a pass's powers taken in place on its own "
          "transforms, against the checkout before, alternated row by row in one run.",
          "python benchmarks/dpmath_widths.py --families cost --compare DIR", CPU, "dpmath_pass_memory.md"),
+    Task("Accountants", "A heavy tail's scale bins one step wide",
+         "The table's randomized-clipping and truncated rows and the sweep's randomized-clipping rows, with the scale "
+         "grid's tail bins holding a 1/256 decade of mass (one scale step from Hutch k 4 on) and the atoms three FFT "
+         "budgets, against the checkout before, alternated row by row in one run each.",
+         "python benchmarks/dpmath_widths.py --families rc truncated --compare DIR", CPU, "dpmath_tail_bins.md",
+         ("Table S1:", "Table S2:")),
     Task("Accountants", "Random allocation, cold and warm",
          "The table's random-allocation rows, each call timed cold (a new process: the epoch's laws built) and again "
          "on a new accountant in the same process (warm: the laws cached for that noise, epoch length and count).",
