@@ -104,8 +104,9 @@ def random_scale(step: Mechanism) -> bool:
 _RANGE_TAIL = 1e-22     # per-step mass left unresolved beyond the loss grid (still accounted for)
 _LOSS_CAP = 1 << 22     # grid points of one step's loss range, at most (420 at h = 1e-4)
 _CAP_MASS = 1e-15       # mass a composition may charge to delta for losses beyond the cap
-_TAIL_POINTS = 5000     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
-_POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0)
+_TAIL_POINTS = 4096     # one scale of weight w is resolved on at most max(_TAIL_POINTS, ...
+_POINTS_PER_MASS = 1e6  # ... w * _POINTS_PER_MASS) points (geometrically sparser far from 0), rounded up to a power
+                        # of 2 (_TAIL_POINTS 5000 built 8192 points, 4096 builds 4096: 20 to 35 % faster)
 _FINE_TAIL = 1e-12      # quantile of Y down to which the scale grid keeps bins of a 1/256 decade of mass ...
 _FINE_DECADES = 1 / 256 / 2e-3  # ... per 2e-3 of scale_resolution (a refined grid's mass bins shrink with it)
 _COARSE_DROP = 10.0 ** (-1 / 8)
@@ -222,7 +223,7 @@ def scale_sums(mechanism: SubsampledGaussian, h: float, bounds: tuple[bool, ...]
     # the scales on one grid are one mixture, computed as one array: its interval masses are the weighted sums
     # (the PLD of a mixture whose label is revealed is the mixture of the PLDs)
     sums = [(n is not None, mixture_sums(np.array(mus), weights[:, cols], q, "remove", h, k_lo, k_hi,
-                                         None if n is None else sparse_points(k_lo, k_hi, n)))
+                                         None if n is None else sparse_points(k_lo, k_hi, *n)))
             for (k_lo, k_hi, n), (mus, cols) in groups.items()]
     return sums, zero, [atoms[b][2] for b in bounds]
 

@@ -455,8 +455,8 @@ def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation
     mus = np.array([0.9, 1.3, 2.0, 3.1])
     weights = np.array([0.5, 0.3, 0.15, 0.05])
     k_lo, k_hi, n = step_grid(3.1, q, relation, h, 9.0, max_points=500)
-    assert n is not None and n >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
-    idx = sparse_points(k_lo, k_hi, n)
+    assert n is not None and n[0] >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
+    idx = sparse_points(k_lo, k_hi, *n)
     assert idx[0] == k_lo and idx[-1] == k_hi and np.all(np.diff(idx) > 0)
     whole = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
     parts = [mixture_masses(mus[i:i + 1], weights[None, i:i + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
@@ -481,7 +481,7 @@ def test_bounds_computed_together_from_shared_cdfs_equal_each_computed_alone(rel
     mus = np.array([0.8, 1.1, 1.7, 2.6])
     weights = np.array([[0.0, 0.6, 0.3, 0.1], [0.55, 0.3, 0.15, 0.0]])   # upper: bin tops; lower: bin bottoms
     k_lo, k_hi, n = step_grid(2.6, q, relation, h, 9.0, max_points=600)
-    idx = sparse_points(k_lo, k_hi, n)
+    idx = sparse_points(k_lo, k_hi, *n)
     both = mixture_masses(mus, weights, q, relation, h, (True, False), k_lo, k_hi, idx)
     for row, upper in enumerate((True, False)):
         alone = mixture_masses(mus, weights[row:row + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
@@ -604,7 +604,7 @@ def test_the_lower_split_lies_below_the_exact_curve_everywhere_and_the_upper_abo
 
     mus, weights = np.array(mus), np.array(weights)
     k_lo, k_hi, n = step_grid(float(mus.max()), q, relation, h, 9.0, max_points=points or 1 << 25)
-    idx = None if n is None else sparse_points(k_lo, k_hi, n)
+    idx = None if n is None else sparse_points(k_lo, k_hi, *n)
     t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
     mids = 0.5 * (t[1:] + t[:-1])
     mids = mids[np.abs(mids) < 4]    # between grid points, where connect-the-dots is furthest above
@@ -648,7 +648,7 @@ def test_both_splits_bracket_the_exact_curve_of_any_scale_mixture(log_mus, log_q
     except GridTooLargeError:
         assume(False)
     assume(k_hi - k_lo < 1 << 21)   # the read-out's dense array stays small
-    idx = None if n is None else sparse_points(k_lo, k_hi, n)
+    idx = None if n is None else sparse_points(k_lo, k_hi, *n)
     t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
     mids = 0.5 * (t[1:] + t[:-1])
     near = np.abs(mids) < 30
@@ -663,6 +663,39 @@ def test_both_splits_bracket_the_exact_curve_of_any_scale_mixture(log_mus, log_q
         # fell 1.4e-12 below the exact curve), so only the reference's own rounding is allowed for
         tol = TOL_REFERENCE
         assert np.all(curve >= exact - tol) if upper else np.all(curve <= exact + tol)
+
+
+@pytest.mark.parametrize("relation", ["remove", "add"])
+def test_a_band_over_the_examples_losses_brackets_the_exact_curve_and_rounds_them_finely(relation):
+    # mu = 30: the example's own outputs put mass q on losses 445 +- 9 * 30, far beyond the points near zero; a
+    # band of evenly spaced points covers them (the geometric points had rounded them by 0.5 %), and both splits
+    # on it still bracket the exact curve at every epsilon ("add" reads the mirrored grid, as scale_sums does)
+    from dpmath.pld.discretize import assemble, split
+    from dpmath.pld.losses import mixture_masses, sparse_points, step_grid
+
+    mus, weights, q, h = np.array([24.0, 27.0, 30.0]), np.array([0.5, 0.3, 0.2]), 0.01, 1e-2
+    k_lo, k_hi, (n, band) = step_grid(30.0, q, "remove", h, 9.0, max_points=4096, shared=True)
+    assert band is not None and 2 * n < band < k_hi
+    idx = sparse_points(k_lo, k_hi, n, band)
+    assert np.diff(idx[idx >= band]).max() <= (k_hi - band) / (n // 4) + 1    # about 1.1 nats apart at 445
+    if relation == "add":
+        k_lo, k_hi, idx = -k_hi, -k_lo, -idx[::-1]
+    t = idx * h
+    mids = 0.5 * (t[1:] + t[:-1])
+    eps = np.concatenate([np.linspace(-3, 690, 2001), mids[(mids > -3) & (mids < 690)][::7]])
+    exact = _exact_delta(mus, weights, q, relation, eps)
+    plds, curves = {}, {}
+    for upper in (True, False):
+        masses = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
+        plds[upper] = assemble([split(masses, h, upper)], h, upper)
+        curves[upper] = np.array([plds[upper].delta(e) for e in eps])
+    assert np.all(curves[True] >= exact - TOL_REFERENCE) and np.all(curves[False] <= exact + TOL_REFERENCE)
+    if relation == "remove":
+        # where the band holds the example's mass, epsilon's bracket is 2e-4 wide (the geometric points': 2.4e-3
+        # to 3.5e-3, measured)
+        for d in (1e-3, 1e-5, 1e-7):
+            hi, lo = plds[True].epsilon(d), plds[False].epsilon(d)
+            assert 400 < lo <= hi <= lo * (1 + 5e-4)
 
 
 def test_a_lower_end_of_zero_is_refined_until_it_is_positive():
