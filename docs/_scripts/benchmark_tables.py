@@ -94,6 +94,12 @@ TASKS = [
          "budgets, against the checkout before, alternated row by row in one run each.",
          "python benchmarks/dpmath_widths.py --families rc truncated --compare DIR", CPU, "dpmath_tail_bins.md",
          ("Table S1:", "Table S2:")),
+    Task("Accountants", "A band of loss points over a large scale's own losses",
+         "The same rows, with a band of evenly spaced loss points where a large scale puts the example's own mass far "
+         "beyond the points near zero, and sub-grids of 4096 points (5000 had been rounded up to 8192), against the "
+         "checkout before, alternated row by row in one run each.",
+         "python benchmarks/dpmath_widths.py --families rc truncated --compare DIR", CPU, "dpmath_sparse_band.md",
+         ("Table S1:", "Table S2:")),
     Task("Accountants", "Random allocation, cold and warm",
          "The table's random-allocation rows, each call timed cold (a new process: the epoch's laws built) and again "
          "on a new accountant in the same process (warm: the laws cached for that noise, epoch length and count).",
