@@ -20,7 +20,7 @@ from scipy import special
 from .distribution import MAX_GRID, GridTooLargeError, grid_advice
 
 __all__ = ["loss_range", "pair_cdfs", "StepMasses", "step_grid", "interval_masses", "MixtureSums", "mixture_sums",
-           "mixture_masses", "sparse_points", "mix"]
+           "mixture_masses", "sparse_points", "band_start", "mix"]
 
 
 def _ndtr_pair(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -122,23 +122,22 @@ class StepMasses:
 
 def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: float = math.inf,
               max_points: int = MAX_GRID, t_floor: float = -math.inf, shared: bool = False
-              ) -> tuple[int, int, tuple[int, int | None] | None]:
+              ) -> tuple[int, int, int | None]:
     """``(k_lo, k_hi, sparse)``: the grid indices on which a subsampled-Gaussian step with shift ``mu > 0`` is
     resolved: ``z`` standard deviations of the output under ``P``, losses in ``[t_floor, t_cap]``, at most
     about ``max_points`` points.  ``sparse`` is ``None`` for every index in ``[k_lo, k_hi]``; a longer range
-    uses ``sparse_points(k_lo, k_hi, *sparse)``: every grid point near zero loss and geometrically spaced
+    uses ``sparse_points(k_lo, k_hi, sparse)``: every grid point near zero loss and geometrically spaced
     ones beyond (connect-the-dots on a coarser partition is still an upper bound, and the greedy split on it
-    still a lower bound, only less tight).  ``shared``: a dense range's ends are rounded outward too, so
-    that the scales of a mixture whose ranges are close share one dense grid as well, and a removing step
-    whose example's own outputs (``x`` within ``z`` of ``mu``) sit far beyond the points near zero gets a band
-    of evenly spaced points over their losses (:func:`sparse_points`).
+    still a lower bound, only less tight), with a band over the example's own losses where
+    :func:`band_start` puts them far out.  ``shared``: a dense range's ends are rounded outward too, so
+    that the scales of a mixture whose ranges are close share one dense grid as well.
 
     Examples
     --------
     >>> step_grid(1.0, 0.01, "remove", 1e-3, 9.0)
     (-11, 4903, None)
     >>> step_grid(40.0, 0.01, "remove", 1e-3, 4.0, max_points=5000, shared=True)
-    (-11, 1048576, (8192, 623487))
+    (-11, 1048576, 8192)
     """
     with np.errstate(over="ignore", invalid="ignore"):
         t_lo, t_hi = loss_range(mu, q, relation, z)
@@ -158,17 +157,21 @@ def step_grid(mu: float, q: float, relation: str, h: float, z: float, t_cap: flo
     # round the sparse grid's ends outward and its size up to one of a few buckets: the scales of a
     # randomized-clipping step that land in one bucket share the grid, so they are computed as one array,
     # mixed and split once (a wider range and more points only make the bounds tighter)
-    n = 1 << (max_points - 1).bit_length()
-    band = None
-    if shared and relation == "remove":
-        # the losses of the outputs x >= mu - z, where the example's own component holds all but its z-tail: where
-        # they start far beyond the points near zero, they get a band (its start rounded down to a bucket, so that
-        # close scales still share the grid)
-        with np.errstate(over="ignore"):
-            start = float(_mix_loss(np.array(mu - z), mu, q)) / h
-        if 2 * n < start < k_hi:
-            band = _bucket_below(math.floor(start))
-    return -_bucket(-k_lo), _bucket(k_hi), (n, band)
+    return -_bucket(-k_lo), _bucket(k_hi), 1 << (max_points - 1).bit_length()
+
+
+def band_start(mu: float, q: float, h: float, z: float) -> float:
+    """The grid index (a float) from which a removing step with shift ``mu > 0`` puts the example's own outputs
+    ``x >= mu - z`` (all of its component but the ``z``-tail below): where it lies beyond twice a sparse grid's
+    points, :func:`sparse_points` resolves the losses above it on a band of evenly spaced points.
+
+    Examples
+    --------
+    >>> round(band_start(40.0, 0.01, 1e-3, 4.0))
+    635395
+    """
+    with np.errstate(over="ignore"):
+        return float(_mix_loss(np.array(mu - z), mu, q)) / h
 
 
 _MIX_BLOCK = 1 << 21   # scales times grid points evaluated per block of :func:`mixture_masses`
@@ -321,16 +324,6 @@ def _bucket(k: int) -> int:
         j += 1
         b = round(2.0 ** (j / 4))
     return b if k > 0 else -b
-
-
-def _bucket_below(k: int) -> int:
-    """The largest ``round(2^(j/4))`` at most ``k >= 1``."""
-    j = math.floor(4 * math.log2(k) + 1e-9)
-    b = round(2.0 ** (j / 4))
-    while b > k:
-        j -= 1
-        b = round(2.0 ** (j / 4))
-    return b
 
 
 def sparse_points(k_lo: int, k_hi: int, max_points: int, band: int | None = None) -> np.ndarray:

@@ -33,6 +33,7 @@ from .gaussian import GaussianCurve
 from .losses import (
     MixtureSums,
     StepMasses,
+    band_start,
     loss_range,
     mix,
     mixture_masses,
@@ -218,15 +219,26 @@ def scale_sums(mechanism: SubsampledGaussian, h: float, bounds: tuple[bool, ...]
         z = float(-special.ndtri(min(1e-4, _RANGE_TAIL / w)))
         points = max(_TAIL_POINTS, int(_POINTS_PER_MASS * w))
         mu = float(a) / mechanism.noise_multiplier
-        mus, cols = groups.setdefault(step_grid(mu, q, "remove", h, z, t_cap, points, t_floor, shared=True), ([], []))
+        mus, cols, starts = groups.setdefault(step_grid(mu, q, "remove", h, z, t_cap, points, t_floor, shared=True),
+                                              ([], [], []))
         mus.append(mu)
         cols.append(i)
+        starts.append(band_start(mu, q, h, z))
     # the scales on one grid are one mixture, computed as one array: its interval masses are the weighted sums
-    # (the PLD of a mixture whose label is revealed is the mixture of the PLDs)
+    # (the PLD of a mixture whose label is revealed is the mixture of the PLDs); a sparse grid's band starts at its
+    # scales' lowest band_start, so that it holds each one's own losses (grouping by it as well had doubled the
+    # groups, and the dense sums each group adds: 2.8 to 3.8 s for one step of Hutch k 8 at h = 1e-4)
     sums = [(n is not None, mixture_sums(np.array(mus), weights[:, cols], q, "remove", h, k_lo, k_hi,
-                                         None if n is None else sparse_points(k_lo, k_hi, *n)))
-            for (k_lo, k_hi, n), (mus, cols) in groups.items()]
+                                         None if n is None else sparse_points(k_lo, k_hi, n, _band(n, k_hi, starts))))
+            for (k_lo, k_hi, n), (mus, cols, starts) in groups.items()]
     return sums, zero, [atoms[b][2] for b in bounds]
+
+
+def _band(points: int, k_hi: int, starts: list[float]) -> int | None:
+    """A sparse grid's band start (:func:`~dpmath.pld.losses.sparse_points`): its scales' lowest
+    :func:`~dpmath.pld.losses.band_start`, where that lies beyond twice its points and below its top."""
+    start = min(starts)
+    return math.floor(start) if 2 * points < start < k_hi else None
 
 
 def step_plds(step: Mechanism, relation: str, h: float, bounds: tuple[bool, ...], count: int = 1,

@@ -455,8 +455,8 @@ def test_scales_sharing_a_grid_are_one_mixture_with_the_weighted_masses(relation
     mus = np.array([0.9, 1.3, 2.0, 3.1])
     weights = np.array([0.5, 0.3, 0.15, 0.05])
     k_lo, k_hi, n = step_grid(3.1, q, relation, h, 9.0, max_points=500)
-    assert n is not None and n[0] >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
-    idx = sparse_points(k_lo, k_hi, *n)
+    assert n is not None and n >= 500 and k_hi - k_lo + 1 > 500   # sparse, rounded up to a bucket
+    idx = sparse_points(k_lo, k_hi, n)
     assert idx[0] == k_lo and idx[-1] == k_hi and np.all(np.diff(idx) > 0)
     whole = mixture_masses(mus, weights[None], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
     parts = [mixture_masses(mus[i:i + 1], weights[None, i:i + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
@@ -481,7 +481,7 @@ def test_bounds_computed_together_from_shared_cdfs_equal_each_computed_alone(rel
     mus = np.array([0.8, 1.1, 1.7, 2.6])
     weights = np.array([[0.0, 0.6, 0.3, 0.1], [0.55, 0.3, 0.15, 0.0]])   # upper: bin tops; lower: bin bottoms
     k_lo, k_hi, n = step_grid(2.6, q, relation, h, 9.0, max_points=600)
-    idx = sparse_points(k_lo, k_hi, *n)
+    idx = sparse_points(k_lo, k_hi, n)
     both = mixture_masses(mus, weights, q, relation, h, (True, False), k_lo, k_hi, idx)
     for row, upper in enumerate((True, False)):
         alone = mixture_masses(mus, weights[row:row + 1], q, relation, h, (upper,), k_lo, k_hi, idx)[0]
@@ -604,7 +604,7 @@ def test_the_lower_split_lies_below_the_exact_curve_everywhere_and_the_upper_abo
 
     mus, weights = np.array(mus), np.array(weights)
     k_lo, k_hi, n = step_grid(float(mus.max()), q, relation, h, 9.0, max_points=points or 1 << 25)
-    idx = None if n is None else sparse_points(k_lo, k_hi, *n)
+    idx = None if n is None else sparse_points(k_lo, k_hi, n)
     t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
     mids = 0.5 * (t[1:] + t[:-1])
     mids = mids[np.abs(mids) < 4]    # between grid points, where connect-the-dots is furthest above
@@ -648,7 +648,7 @@ def test_both_splits_bracket_the_exact_curve_of_any_scale_mixture(log_mus, log_q
     except GridTooLargeError:
         assume(False)
     assume(k_hi - k_lo < 1 << 21)   # the read-out's dense array stays small
-    idx = None if n is None else sparse_points(k_lo, k_hi, *n)
+    idx = None if n is None else sparse_points(k_lo, k_hi, n)
     t = (np.arange(k_lo, k_hi + 1) if idx is None else idx) * h
     mids = 0.5 * (t[1:] + t[:-1])
     near = np.abs(mids) < 30
@@ -671,11 +671,12 @@ def test_a_band_over_the_examples_losses_brackets_the_exact_curve_and_rounds_the
     # band of evenly spaced points covers them (the geometric points had rounded them by 0.5 %), and both splits
     # on it still bracket the exact curve at every epsilon ("add" reads the mirrored grid, as scale_sums does)
     from dpmath.pld.discretize import assemble, split
-    from dpmath.pld.losses import mixture_masses, sparse_points, step_grid
+    from dpmath.pld.losses import band_start, mixture_masses, sparse_points, step_grid
 
     mus, weights, q, h = np.array([24.0, 27.0, 30.0]), np.array([0.5, 0.3, 0.2]), 0.01, 1e-2
-    k_lo, k_hi, (n, band) = step_grid(30.0, q, "remove", h, 9.0, max_points=4096, shared=True)
-    assert band is not None and 2 * n < band < k_hi
+    k_lo, k_hi, n = step_grid(30.0, q, "remove", h, 9.0, max_points=4096, shared=True)
+    band = int(band_start(30.0, q, h, 9.0))
+    assert 2 * n < band < k_hi
     idx = sparse_points(k_lo, k_hi, n, band)
     assert np.diff(idx[idx >= band]).max() <= (k_hi - band) / (n // 4) + 1    # about 1.1 nats apart at 445
     if relation == "add":
