@@ -345,12 +345,6 @@ def sparse_points(k_lo: int, k_hi: int, max_points: int, band: int | None = None
     [-2, -1, 0, 1, 2, 3, 4, 60, 70, 80, 90, 100]
     """
     core = max_points // 4
-    if band is not None:
-        lead = np.arange(1, max(core // 4, 1) + 1)
-        pieces = [np.array([k_lo]), np.arange(max(k_lo, -core), min(k_hi, core) + 1),
-                  np.round(core * (band / core) ** (lead / lead[-1])), np.round(np.linspace(band, k_hi, core + 1))]
-        points = np.unique(np.clip(np.concatenate(pieces), k_lo, k_hi).astype(np.int64))
-        return points
     steps = np.arange(1, core + 1)
     # the pieces are built in ascending order, so duplicates (from rounding) are adjacent: dropping them
     # costs one pass, where np.unique's hash took 1 ms per call (5 s of a randomized-clipping calibration)
@@ -358,7 +352,11 @@ def sparse_points(k_lo: int, k_hi: int, max_points: int, band: int | None = None
     if -k_lo > core:
         pieces.append(-np.round(core * (-k_lo / core) ** (steps[::-1] / core)))
     pieces.append(np.arange(max(k_lo, -core), min(k_hi, core) + 1))
-    if k_hi > core:
+    if band is not None:
+        lead = steps[:max(core // 4, 1)]
+        pieces.append(np.round(core * (band / core) ** (lead / lead.size)))   # ends at band, where the band starts
+        pieces.append(np.round(np.linspace(band, k_hi, core + 1)))
+    elif k_hi > core:
         pieces.append(np.round(core * (k_hi / core) ** (steps / core)))
     pieces.append(np.array([k_hi]))
     points = np.clip(np.concatenate(pieces), k_lo, k_hi).astype(np.int64)

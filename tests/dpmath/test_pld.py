@@ -699,6 +699,18 @@ def test_a_band_over_the_examples_losses_brackets_the_exact_curve_and_rounds_the
             assert 400 < lo <= hi <= lo * (1 + 5e-4)
 
 
+def test_a_band_changes_only_the_points_above_zero_loss():
+    # at q = 0.5 and h = 1e-4 a removing step's least loss, log(1 - q), is 6,931 grid points below zero, beyond the
+    # points near zero: the geometric points down to it hold the example-free outputs' mass, with a band or without
+    from dpmath.pld.losses import sparse_points
+
+    k_lo, k_hi, n = -7000, 600_000, 8192
+    plain, banded = sparse_points(k_lo, k_hi, n), sparse_points(k_lo, k_hi, n, 300_000)
+    assert np.all(np.diff(banded) > 0) and banded[0] == k_lo and banded[-1] == k_hi
+    np.testing.assert_array_equal(banded[banded <= n // 4], plain[plain <= n // 4])
+    assert np.diff(banded[banded >= 300_000]).max() <= (k_hi - 300_000) / (n // 4) + 1
+
+
 def test_a_lower_end_of_zero_is_refined_until_it_is_positive():
     # q mu = 1e-4 = h: one step's losses span a few grid points and the first grid's lower end is 0; the
     # bracket refines until it is not (the referee's epsilon is 0.156892074 to 0.156892087)
